@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random checkpoints written with transformers' save_pretrained, once per session."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tforce
+from tforce.synthetic import make_checkpoint
+
+# name -> make_checkpoint overrides. All share the 259-token byte vocabulary so any pair can draft.
+TINY = {
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
+    "yarn": dict(num_key_value_heads=2, max_position_embeddings=4096,
+                 rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+    "llama3": dict(num_key_value_heads=1, rope_theta=500000.0,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 512}),
+    "draft": dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                  num_hidden_layers=1),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """Folder with one subfolder per TINY entry, each a Hugging Face checkpoint."""
+    root = tmp_path_factory.mktemp("tiny")
+    for i, (name, overrides) in enumerate(TINY.items()):
+        make_checkpoint(root / name, seed=i, **overrides)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    """name -> tforce.LoadedModel (float32, CPU)."""
+    return {name: tforce.load_model(str(tiny_dir / name)) for name in TINY}

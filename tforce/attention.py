@@ -1,0 +1,49 @@
+"""attend(q, view): attention of fresh queries over what a cache hands back.
+
+SDPA (PyTorch) everywhere; `attend_reference` is the plain-math oracle the tests compare against.
+Layouts are the ones fixed in cache/base.py: q (B, T, H_q, D), view.k / view.v (B, S, H_kv, D).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .cache.base import CacheView
+
+
+def _sdpa_mask(view: CacheView, n_heads: int) -> torch.Tensor | None:
+    """view.mask (H_m, T, S) with H_m in {1, H_kv} -> (1, 1 or H_q, T, S) for SDPA."""
+    if view.mask is None:
+        return None
+    m = view.mask
+    if m.shape[0] > 1:  # one mask per KV head: repeat for the query heads of its group
+        m = m.repeat_interleave(n_heads // m.shape[0], dim=0)
+    return m[None]
+
+
+def attend(q: torch.Tensor, view: CacheView) -> torch.Tensor:
+    """q (B, T, H_q, D) -> (B, T, H_q, D)."""
+    n_heads, n_kv = q.shape[2], view.k.shape[2]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # (B, H_q, T, D)
+        view.k.transpose(1, 2),  # (B, H_kv, S, D)
+        view.v.transpose(1, 2),
+        attn_mask=_sdpa_mask(view, n_heads),
+        enable_gqa=n_heads != n_kv,
+    )
+    return out.transpose(1, 2)
+
+
+def attend_reference(q: torch.Tensor, view: CacheView) -> torch.Tensor:
+    """The same function in plain float64 math: softmax(q k^T / sqrt(D)) v with the view's mask."""
+    n_heads, n_kv = q.shape[2], view.k.shape[2]
+    group = n_heads // n_kv
+    k = view.k.double().repeat_interleave(group, dim=2)  # (B, S, H_q, D)
+    v = view.v.double().repeat_interleave(group, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q.double(), k) / math.sqrt(q.shape[-1])
+    mask = _sdpa_mask(view, n_heads)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v).to(q.dtype)

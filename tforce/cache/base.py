@@ -1,0 +1,54 @@
+"""The one tensor layout, the position rule, and the cache protocol.
+
+Layout (the only one in tforce): keys and values are stored per layer as (B, S, H_kv, D), batch first,
+then sequence slots, then KV heads, then head dimension; the layout flash-attn's kvcache API takes.
+Fresh projections arrive as (B, T, H, D). B is 1 today.
+
+Protocol. A forward of T new tokens is `cache.begin(T)`, then per layer
+`q, view = cache.update(layer, q, k, v)`, then `cache.commit(n)` to keep the first n of the T tokens.
+`truncate(length)` drops committed tokens from the end (a rejected speculation). `length` is the
+number of committed tokens of the sequence that the cache represents (some caches keep only part
+of them, but positions always count the whole sequence).
+
+Position rule. The cache, not the model, applies RoPE, because the rule differs by cache:
+- FullCache and RetrievalCache: a token is rotated by its true position in the sequence, once, when
+  it is written; queries likewise. Selecting a subset of keys keeps their rotations.
+- StreamingCache: keys are stored un-rotated and rotated by their slot in the view at each forward
+  (StreamingLLM's rule), so a small draft with a short trained context never sees positions beyond
+  sinks + window + new tokens.
+
+Visibility rule (every cache): key at sequence position s is visible to the query at position p iff
+0 <= s <= p. Slots that hold nothing carry s = -1. Stale slots left by a rejected speculation carry
+positions >= the next query's, so they are invisible until overwritten.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class CacheView:
+    k: torch.Tensor  # (B, S, H_kv, D), rotated
+    v: torch.Tensor  # (B, S, H_kv, D)
+    mask: torch.Tensor | None  # bool (1 or H_kv, T, S), True = visible; None = all visible
+
+
+class KVCache(Protocol):
+    length: int
+
+    def begin(self, n: int) -> None: ...
+
+    def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, CacheView]: ...
+
+    def commit(self, n: int) -> None: ...
+
+    def truncate(self, length: int) -> None: ...
+
+
+def visibility(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """key_pos (H, S) sequence positions (-1 = empty), query_pos (T,) -> bool (H, T, S)."""
+    k = key_pos[:, None, :]
+    return (k >= 0) & (k <= query_pos[None, :, None].to(key_pos.device))

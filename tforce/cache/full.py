@@ -1,0 +1,57 @@
+"""FullCache: every token's K/V at its own position; the verifier's cache and the oracle for the others."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TforceError
+from ..rope import Rotary
+from .base import CacheView, visibility
+
+
+class FullCache:
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int, rotary: Rotary,
+                 dtype=torch.float32, device="cpu"):
+        shape = (n_layers, 1, capacity, n_kv, head_dim)  # per layer (B, S, H_kv, D)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.rotary = rotary
+        self.length = 0
+        self.pending = 0
+        # Rotated queries of the last forward, kept to rebuild a retrieval cache from (per layer
+        # (B, T, H_q, D)), and the sequence positions they belong to.
+        self.queries: list[torch.Tensor | None] = [None] * n_layers
+        self.query_pos = torch.empty(0, dtype=torch.long)
+
+    def begin(self, n: int) -> None:
+        if self.length + n > self.capacity:
+            raise TforceError(f"KV cache full: {self.length} + {n} tokens > capacity {self.capacity}")
+        self.pending = n
+        pos = torch.arange(self.length, self.length + n)
+        self.query_pos = pos
+        self._cos, self._sin = self.rotary.cos_sin(pos, self.k.dtype)
+        # One new token sees everything before it: no mask needed.
+        self._mask = None if n == 1 else visibility(torch.arange(self.length + n)[None], pos)
+
+    def update(self, layer, q, k, v):
+        L, n = self.length, self.pending
+        q = self.rotary.rotate(q, self._cos, self._sin)
+        self.k[layer, :, L:L + n] = self.rotary.rotate(k, self._cos, self._sin)
+        self.v[layer, :, L:L + n] = v
+        self.queries[layer] = q
+        return q, CacheView(self.k[layer, :, :L + n], self.v[layer, :, :L + n], self._mask)
+
+    def commit(self, n: int) -> None:
+        assert 0 <= n <= self.pending
+        self.length += n
+        self.pending = 0
+
+    def truncate(self, length: int) -> None:
+        assert 0 <= length <= self.length
+        self.length = length
+
+    def query_at(self, layer: int, position: int) -> torch.Tensor:
+        """The rotated query (H_q, D) of the last forward at a sequence position."""
+        i = position - int(self.query_pos[0])
+        assert 0 <= i < len(self.query_pos), "no stored query at that position"
+        return self.queries[layer][0, i]

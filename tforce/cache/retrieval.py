@@ -1,0 +1,107 @@
+"""RetrievalCache: the middle level's cache, a fixed budget of the full cache's keys chosen by relevance.
+
+Rebuild (from a FullCache and the current query of each layer): split the committed keys into chunks
+of `chunk_size` tokens (the last one may be partial); score each chunk per KV head by the query against
+the chunk's mean key, where the query of a KV head is the sum of its group's query heads (GQA); keep
+the first chunk always (attention sinks) and the top-scoring chunks up to the budget, per layer and per
+KV head. Slots are filled in descending score, so the end of the buffer holds the least important.
+
+New tokens (after a rebuild) take slots from the end backwards, replacing the least important entries
+first; the engine rebuilds before they would reach the first chunk. Keys keep the rotation of their
+true position (cache/base.py), so any subset is attended exactly as in the full cache: with a budget
+>= the context, this cache gives the full cache's attention.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..rope import Rotary
+from .base import CacheView, visibility
+from .full import FullCache
+
+
+def chunk_scores(keys: torch.Tensor, length: int, query: torch.Tensor, chunk: int) -> torch.Tensor:
+    """keys (S >= length, H_kv, D), query (H_q, D) -> scores (H_kv, n_chunks): group query . chunk mean key."""
+    n_kv, d = keys.shape[1], keys.shape[2]
+    n_chunks = -(-length // chunk)
+    padded = keys.new_zeros(n_chunks * chunk, n_kv, d)
+    padded[:length] = keys[:length]
+    counts = torch.full((n_chunks,), float(chunk), device=keys.device)
+    counts[-1] = length - (n_chunks - 1) * chunk
+    means = padded.view(n_chunks, chunk, n_kv, d).float().sum(1) / counts[:, None, None]  # (C, H_kv, D)
+    group_query = query.float().view(n_kv, -1, d).sum(1)  # (H_kv, D)
+    return torch.einsum("chd,hd->hc", means, group_query)
+
+
+def select_chunks(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """scores (H_kv, C) -> chunk ids (H_kv, min(n_keep, C)), the first chunk first, then by descending score."""
+    scores = scores.clone()
+    scores[:, 0] = float("inf")
+    return scores.topk(min(n_keep, scores.shape[1]), dim=1).indices
+
+
+class RetrievalCache:
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, budget: int, chunk_size: int,
+                 rotary: Rotary, dtype=torch.float32, device="cpu"):
+        shape = (n_layers, 1, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_pos = torch.full((n_layers, n_kv, budget), -1, dtype=torch.long, device=device)
+        self.budget, self.chunk_size, self.rotary = budget, chunk_size, rotary
+        self.length = 0
+        self.base = 0  # sequence length at the last rebuild; later tokens are "new"
+        self.pending = 0
+
+    @property
+    def new_tokens(self) -> int:
+        return self.length - self.base
+
+    def room(self) -> int:
+        """New tokens that still fit before they would overwrite the first chunk."""
+        return self.budget - self.chunk_size - self.new_tokens
+
+    def rebuild(self, full: FullCache, queries: list[torch.Tensor]) -> None:
+        """Refill from the full cache's committed tokens; queries: per layer (H_q, D), rotated."""
+        L, c = full.length, self.chunk_size
+        self.key_pos.fill_(-1)
+        for layer, query in enumerate(queries):
+            chunks = select_chunks(chunk_scores(full.k[layer, 0], L, query, c), self.budget // c)  # (H_kv, K)
+            pos = (chunks[:, :, None] * c + torch.arange(c, device=chunks.device)).flatten(1)  # (H_kv, K*c)
+            valid = pos < L
+            idx = pos.clamp(max=L - 1).T  # (K*c, H_kv)
+            n = idx.shape[0]
+            gather = idx[None, :, :, None].expand(1, n, idx.shape[1], full.k.shape[-1])
+            self.k[layer, :, :n] = full.k[layer, :, :L].gather(1, gather)
+            self.v[layer, :, :n] = full.v[layer, :, :L].gather(1, gather)
+            self.key_pos[layer, :, :n] = torch.where(valid, pos, -1)
+        self.length = self.base = L
+
+    def _slots(self, start: int, n: int) -> torch.Tensor:
+        """Slots of sequence positions [start, start + n): from the end of the buffer backwards."""
+        offset = torch.arange(start - self.base, start - self.base + n)
+        return self.budget - 1 - offset % self.budget
+
+    def begin(self, n: int) -> None:
+        self.pending = n
+        pos = torch.arange(self.length, self.length + n)
+        self._pos = pos.to(self.key_pos.device)
+        self._slot = self._slots(self.length, n).to(self.key_pos.device)
+        self._cos, self._sin = self.rotary.cos_sin(pos, self.k.dtype)
+        self.key_pos[:, :, self._slot] = self._pos
+        self._mask = visibility(self.key_pos.flatten(0, 1), self._pos).view(
+            self.key_pos.shape[0], self.key_pos.shape[1], n, self.budget)  # (layers, H_kv, T, S)
+
+    def update(self, layer, q, k, v):
+        q = self.rotary.rotate(q, self._cos, self._sin)
+        self.k[layer, :, self._slot] = self.rotary.rotate(k, self._cos, self._sin)
+        self.v[layer, :, self._slot] = v
+        return q, CacheView(self.k[layer], self.v[layer], self._mask[layer])
+
+    def commit(self, n: int) -> None:
+        assert 0 <= n <= self.pending
+        self.length += n
+        self.pending = 0
+
+    def truncate(self, length: int) -> None:
+        assert self.base <= length <= self.length, "cannot roll back past a rebuild"
+        self.length = length

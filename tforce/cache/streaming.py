@@ -1,0 +1,88 @@
+"""StreamingCache: StreamingLLM's attention sinks + recent window, in fixed buffers.
+
+The view a forward of T new tokens attends to is: the first `sinks` tokens of the sequence, the last
+`window = budget - sinks` committed tokens before the new ones, and the T new tokens (causally).
+Keys are stored un-rotated and rotated by their slot in that view at each forward (StreamingLLM's
+position rule, cache/base.py): RoPE positions never exceed budget + T, whatever the sequence length.
+
+Storage: rows [0, sinks) hold the sinks; rows [sinks, capacity) hold a run of consecutive positions
+starting at `offset`. Speculative tokens can be rolled back up to `max_rollback` tokens below the
+longest committed length, so compaction keeps that many tokens beyond the window.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TforceError
+from ..rope import Rotary
+from .base import CacheView, visibility
+
+
+class StreamingCache:
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, budget: int, sinks: int, rotary: Rotary,
+                 max_rollback: int, max_new: int, dtype=torch.float32, device="cpu"):
+        assert 0 <= sinks < budget
+        self.sinks, self.window = sinks, budget - sinks
+        self.keep = self.window + max_rollback  # tokens kept beyond the sinks at compaction
+        self.capacity = sinks + self.keep + max_new
+        shape = (n_layers, 1, self.capacity, n_kv, head_dim)  # per layer (B, S, H_kv, D), un-rotated keys
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.rotary = rotary
+        self.max_new = max_new
+        self.length = 0
+        self.offset = sinks  # sequence position held in row `sinks`
+        self.pending = 0
+
+    def _row(self, pos: int) -> int:
+        return pos if pos < self.sinks else self.sinks + pos - self.offset
+
+    def positions(self, n: int) -> torch.Tensor:
+        """Sequence positions of the view for n new tokens: sinks, the recent window, the new tokens."""
+        L = self.length
+        lo = max(min(self.sinks, L), L - self.window)
+        return torch.cat([torch.arange(min(self.sinks, L)), torch.arange(lo, L + n)])
+
+    def _compact(self) -> None:
+        start = max(self.sinks, self.length - self.keep)
+        if start <= self.offset:
+            return
+        a, b = self._row(start), self._row(self.length)
+        self.k[:, :, self.sinks:self.sinks + b - a] = self.k[:, :, a:b].clone()
+        self.v[:, :, self.sinks:self.sinks + b - a] = self.v[:, :, a:b].clone()
+        self.offset = start
+
+    def begin(self, n: int) -> None:
+        if n > self.max_new:
+            raise TforceError(f"streaming cache takes at most {self.max_new} tokens per forward, got {n}")
+        if self._row(self.length + n) > self.capacity:
+            self._compact()
+        self.pending = n
+        pos = self.positions(n)  # (S,) sequence positions, in view order
+        n_sinks = min(self.sinks, self.length)
+        lo = self._row(int(pos[n_sinks])) if len(pos) > n_sinks else 0
+        self._rows = torch.cat([torch.arange(n_sinks), torch.arange(lo, lo + len(pos) - n_sinks)])
+        self._new_rows = slice(self._row(self.length), self._row(self.length) + n)
+        slot = torch.arange(len(pos))
+        self._cos, self._sin = self.rotary.cos_sin(slot, self.k.dtype)
+        self._qcos, self._qsin = self._cos[-n:], self._sin[-n:]
+        self._mask = None if n == 1 else visibility(pos[None], pos[-n:])
+        self.view_positions = pos
+
+    def update(self, layer, q, k, v):
+        self.k[layer, :, self._new_rows] = k
+        self.v[layer, :, self._new_rows] = v
+        keys = self.rotary.rotate(self.k[layer, :, self._rows], self._cos, self._sin)
+        q = self.rotary.rotate(q, self._qcos, self._qsin)
+        return q, CacheView(keys, self.v[layer, :, self._rows], self._mask)
+
+    def commit(self, n: int) -> None:
+        assert 0 <= n <= self.pending
+        self.length += n
+        self.pending = 0
+
+    def truncate(self, length: int) -> None:
+        assert length <= self.length
+        if self.sinks <= max(min(self.sinks, length), length - self.window) < self.offset:
+            raise TforceError("streaming cache rolled back further than it keeps (max_rollback too small)")
+        self.length = length

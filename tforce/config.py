@@ -1,0 +1,73 @@
+"""Run configuration: frozen dataclasses built once at the edge (CLI or API call) and passed down.
+
+The network's own configuration is the Hugging Face config object (transformers parses it, including
+every RoPE variant); everything here is what tforce adds on top.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+METHODS = ("triforce", "ar", "retrieval", "streaming", "naive")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The target distribution: the same transform is applied at every level."""
+
+    temperature: float = 0.6
+    top_p: float = 0.9
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self) -> None:
+        if not self.temperature >= 0:
+            raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UsageError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    method: str = "triforce"
+    gamma1: int = 2  # small-draft tokens per middle-level verification
+    gamma2: int = 6  # tokens per full-cache verification
+    budget: int = 4096  # retrieval (or streaming, for method=streaming) cache size of the middle level
+    chunk_size: int = 8
+    draft_budget: int = 256  # StreamingLLM cache of the small draft: sinks + recent window
+    sinks: int = 16
+    rebuild_every: int = 128  # rebuild the retrieval cache after this many committed tokens
+    rebuild_below: float = 0.3  # ... or when the middle level's rolling acceptance falls under this
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.method in ("triforce", "streaming", "naive")
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise UsageError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        for name in ("gamma1", "gamma2", "budget", "chunk_size", "draft_budget", "rebuild_every"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.sinks < 0:
+            raise UsageError(f"--sinks must be >= 0, got {self.sinks}")
+        if self.chunk_size > self.budget:
+            raise UsageError(f"--chunk-size ({self.chunk_size}) is larger than --budget ({self.budget})")
+        if self.sinks >= self.draft_budget:
+            raise UsageError(f"--sinks ({self.sinks}) must be smaller than --draft-budget ({self.draft_budget})")
+        if self.method == "streaming" and self.sinks >= self.budget:
+            raise UsageError(f"--sinks ({self.sinks}) must be smaller than --budget ({self.budget})")
+        if not 0 <= self.rebuild_below <= 1:
+            raise UsageError(f"--rebuild-below must be in [0, 1], got {self.rebuild_below}")
+
+    @property
+    def max_lookahead(self) -> int:
+        """Most tokens any cache holds beyond the committed sequence within one full verification."""
+        return self.gamma2 + self.gamma1 + 2

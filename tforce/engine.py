@@ -1,0 +1,211 @@
+"""prefill / generate: builds the caches and levels for a method, owns their lifecycles, runs the loop.
+
+One generation = prefill every node on the prompt, then rounds of the top level until the token
+budget or EOS; each round: (maybe) rebuild the retrieval cache, draft, verify, commit, stream.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .cache import FullCache, RetrievalCache, StreamingCache
+from .config import Sampling, Speculation
+from .errors import UsageError
+from .levels import Drafter, Node, SpecLevel
+from .rope import Rotary
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    stats: dict
+
+
+def _module(m):
+    return getattr(m, "model", m) if not isinstance(m, torch.nn.Module) else m
+
+
+def _eos_ids(config) -> set[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Session:
+    """The caches and levels of one generation over one prompt."""
+
+    def __init__(self, target, draft, prompt_len: int, max_new: int, spec: Speculation, sampling: Sampling,
+                 prefill_chunk: int = 512):
+        self.spec, self.sampling = spec, sampling
+        self.target, self.draft = target, draft
+        cfg = target.config
+        self.total = prompt_len + max_new
+        capacity = self.total + spec.max_lookahead + 1
+        self.seq = torch.zeros(capacity, dtype=torch.long)
+        p = next(target.parameters())
+        dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
+        rotary = Rotary(cfg, max_len=self.total, device=p.device)
+        full = FullCache(*dims, capacity=capacity, rotary=rotary, dtype=p.dtype, device=p.device)
+        self.full = Node("full", target, full, sampling, capacity, prefill_chunk)
+        self.middle = self.small = self.retrieval = None
+        method = spec.method
+        if method in ("triforce", "retrieval"):
+            self.retrieval = RetrievalCache(*dims, budget=spec.budget, chunk_size=spec.chunk_size,
+                                            rotary=rotary, dtype=p.dtype, device=p.device)
+            self.middle = Node("retrieval", target, self.retrieval, sampling, capacity, prefill_chunk)
+        elif method == "streaming":
+            cache = StreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
+                                   max_rollback=spec.max_lookahead, max_new=prefill_chunk + spec.max_lookahead,
+                                   dtype=p.dtype, device=p.device)
+            self.middle = Node("streaming", target, cache, sampling, capacity, prefill_chunk)
+        if spec.uses_draft:
+            dcfg, dp = draft.config, next(draft.parameters())
+            chunk = min(prefill_chunk, spec.draft_budget)
+            cache = StreamingCache(dcfg.num_hidden_layers, draft.n_kv_heads, draft.head_dim,
+                                   budget=spec.draft_budget, sinks=spec.sinks,
+                                   rotary=Rotary(dcfg, max_len=self.total, device=dp.device),
+                                   max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
+                                   dtype=dp.dtype, device=dp.device)
+            self.small = Node("draft", draft, cache, sampling, capacity, chunk)
+        self.top, self.draft_level, self.middle_level = self._compose()
+
+    def _compose(self):
+        """Returns (top level, level verifying the small draft, level verifying the middle level)."""
+        s = self.spec
+        if s.method == "ar":
+            return Drafter(self.full), None, None
+        if s.method == "naive":
+            top = SpecLevel(Drafter(self.small), self.full, s.gamma2)
+            return top, top, None
+        if s.method == "retrieval":
+            top = SpecLevel(Drafter(self.middle), self.full, s.gamma2)
+            return top, None, top
+        mid = SpecLevel(Drafter(self.small), self.middle, s.gamma1)
+        top = SpecLevel(mid, self.full, s.gamma2)
+        return top, mid, top
+
+    def prefill(self, prompt: torch.Tensor, progress=None) -> None:
+        """Every node takes the prompt but its last token, which the first round feeds."""
+        n = len(prompt)
+        self.seq[:n] = prompt
+        self.full.prefill(self.seq, n - 1, progress)
+        if self.middle is not None:
+            if self.retrieval is not None:
+                self._rebuild()
+            else:
+                self.middle.prefill(self.seq, n - 1)
+        if self.small is not None:
+            self.small.prefill(self.seq, n - 1)
+
+    def _rebuild(self) -> None:
+        full = self.full.cache
+        L = full.length
+        queries = [full.query_at(i, L - 1) for i in range(len(full.queries))] if L else []
+        self.retrieval.rebuild(full, queries)
+        self.middle.tokens[:L] = self.seq[:L]
+        if self.middle_level is not None:
+            self.middle_level.stats.recent = []
+
+    def _maybe_rebuild(self, n: int) -> None:
+        """Before a round over seq[:n]: rebuild when new tokens crowd the budget, every `rebuild_every`
+        tokens, or when the middle level's rolling acceptance falls under `rebuild_below`."""
+        if self.retrieval is None:
+            return
+        self.full.sync(self.seq, n)  # drop the full cache's rejected tail: rebuild from committed tokens
+        new = self.full.cache.length - self.retrieval.base
+        recent = self.middle_level.stats.recent
+        low = len(recent) == self.middle_level.window and sum(recent) / len(recent) < self.spec.rebuild_below
+        crowded = new + self.spec.max_lookahead > self.spec.budget - self.spec.chunk_size
+        if crowded or new >= self.spec.rebuild_every or low:
+            self._rebuild()
+
+    def round(self, n: int, gen: torch.Generator) -> list[int]:
+        self._maybe_rebuild(n)
+        tokens, _ = self.top.round(self.seq, n, gen)
+        return tokens
+
+
+def _check_pair(target, draft, spec: Speculation) -> None:
+    if not spec.uses_draft:
+        return
+    if draft is None:
+        raise UsageError(f"method {spec.method!r} needs a draft model (--draft)")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise UsageError(f"draft and target vocabularies differ ({draft.config.vocab_size} vs "
+                         f"{target.config.vocab_size} tokens): the draft must share the target's tokenizer")
+
+
+def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_new_tokens: int = 256,
+             temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
+             ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
+             gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
+             rebuild_below: float = 0.3, prefill_chunk: int = 512, on_token=None, on_prefill=None) -> Result:
+    """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
+    or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
+    on_prefill(done, total) reports prefill progress."""
+    spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
+                       draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                       rebuild_below=rebuild_below)
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    spec.validate()
+    sampling.validate()
+    target, draft = _module(target), (_module(draft) if draft is not None else None)
+    _check_pair(target, draft, spec)
+    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+    context = target.config.max_position_embeddings
+    if len(prompt) == 0:
+        raise UsageError("the prompt is empty")
+    if len(prompt) >= context:
+        raise UsageError(f"the prompt is {len(prompt)} tokens; the model's context is {context}")
+    if max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    max_new = min(max_new_tokens, context - len(prompt))
+    device = next(target.parameters()).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed())
+
+    session = Session(target, draft, len(prompt), max_new, spec, sampling, prefill_chunk)
+    t0 = time.perf_counter()
+    session.prefill(prompt, on_prefill)
+    _sync_device(device)
+    t1 = time.perf_counter()
+    out: list[int] = []
+    eos = set() if ignore_eos else _eos_ids(target.config)
+    n = len(prompt)
+    full_forwards = session.full.forwards
+    while len(out) < max_new:
+        tokens = session.round(n, gen)[: max_new - len(out)]
+        stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+        if stop is not None:
+            tokens = tokens[: stop + 1]
+        out += tokens
+        n += len(tokens)
+        if on_token:
+            on_token(tokens)
+        if stop is not None:
+            break
+    _sync_device(device)
+    t2 = time.perf_counter()
+    return Result(out, _stats(session, len(out), t1 - t0, t2 - t1, session.full.forwards - full_forwards))
+
+
+def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, verifications: int) -> dict:
+    def acc(level):
+        return None if level is None else level.stats.acceptance
+
+    return {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "ms_per_token": 1000 * decode_s / n_out if n_out else None,
+        "tokens_per_s": n_out / decode_s if n_out and decode_s > 0 else None,
+        "acceptance": {"draft": acc(session.draft_level), "retrieval": acc(session.middle_level)},
+        "tokens_per_verification": n_out / verifications if verifications else None,
+    }

@@ -1,0 +1,134 @@
+"""The speculation hierarchy as composition.
+
+A Node is one network with one cache and the record of the tokens that cache holds. Nodes catch up
+by themselves: asked for distributions after the first n tokens of the shared sequence buffer, a node
+rolls its cache back to the longest prefix it holds that still matches the buffer (dropping rejected
+speculation) and feeds only the rest. No object patches another's cache.
+
+A Level produces tokens together with the distribution each was drawn from:
+- Drafter(node): autoregressive sampling from the node, one token per round.
+- SpecLevel(proposer, node, gamma): the proposer drafts gamma tokens, the node verifies them with
+  speculative sampling, and the round yields the accepted tokens plus the residual or bonus token,
+  each labelled with the *node's* distribution at its position. The yielded sequence is an exact sample
+  of the node's own distribution, so a SpecLevel is itself a proposer for the level above: that is
+  the whole hierarchy (triforce = SpecLevel(SpecLevel(Drafter(draft), middle, g1), full, g2)).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import Sampling
+from .sampling import sample, to_probs
+from .speculative import Proposal, verify
+
+
+class Node:
+    def __init__(self, name: str, model, cache, sampling: Sampling, capacity: int, prefill_chunk: int = 512):
+        self.name, self.model, self.cache, self.sampling = name, model, cache, sampling
+        self.tokens = torch.zeros(capacity, dtype=torch.long)  # what the cache holds: tokens[:cache.length]
+        self.prefill_chunk = prefill_chunk
+        self.device = next(model.parameters()).device
+        self.forwards = 0
+
+    def sync(self, seq: torch.Tensor, n: int) -> int:
+        """Roll back to the matching prefix of seq[:n] and return where feeding must start (<= n - 1)."""
+        m = min(self.cache.length, n - 1)
+        diff = (self.tokens[:m] != seq[:m]).nonzero()
+        keep = int(diff[0]) if len(diff) else m
+        if keep < self.cache.length:
+            self.cache.truncate(keep)
+        return keep
+
+    def _feed(self, seq: torch.Tensor, start: int, end: int, last_n: int):
+        ids = seq[start:end]
+        self.cache.begin(len(ids))
+        logits = self.model(ids[None].to(self.device), self.cache, last_n=last_n)
+        self.cache.commit(len(ids))
+        self.tokens[start:end] = ids
+        self.forwards += 1
+        return logits
+
+    def probs(self, seq: torch.Tensor, n: int, last: int = 1) -> torch.Tensor:
+        """Distributions (last, V) of the next token after each of seq[:n - last + 1], ..., seq[:n]."""
+        start = min(self.sync(seq, n), n - last)
+        while n - start > self.prefill_chunk + last:  # catching up on a long stretch: in chunks
+            step = min(self.prefill_chunk, n - last - start)
+            self._feed(seq, start, start + step, last_n=0)
+            start += step
+        logits = self._feed(seq, start, n, last_n=last)[0]  # (last, V)
+        return to_probs(logits, self.sampling)
+
+    def prefill(self, seq: torch.Tensor, n: int, progress=None) -> None:
+        """Feed seq[:n] in chunks, computing no logits; progress(done, total) after each chunk."""
+        start = self.sync(seq, n + 1)
+        while start < n:
+            end = min(start + self.prefill_chunk, n)
+            self._feed(seq, start, end, last_n=0)
+            start = end
+            if progress:
+                progress(start, n)
+
+
+@dataclass
+class LevelStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    recent: list = field(default_factory=list)  # acceptance of recent rounds, for rebuild decisions
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+class Level:
+    """Produces tokens continuing seq[:n], each with the distribution it was drawn from."""
+
+    def round(self, seq: torch.Tensor, n: int, gen: torch.Generator) -> tuple[list[int], torch.Tensor]:
+        raise NotImplementedError
+
+    def propose(self, seq: torch.Tensor, n: int, k: int, gen: torch.Generator) -> Proposal:
+        """Exactly k tokens (writing them into seq[n:n + k]) with their distributions."""
+        tokens, probs, m = [], [], n
+        while len(tokens) < k:
+            t, p = self.round(seq, m, gen)
+            tokens += t
+            probs.append(p)
+            m += len(t)
+        return Proposal(torch.tensor(tokens[:k]), torch.cat(probs)[:k])
+
+
+class Drafter(Level):
+    def __init__(self, node: Node):
+        self.node = node
+
+    def round(self, seq, n, gen):
+        p = self.node.probs(seq, n)  # (1, V)
+        token = int(sample(p, gen)[0])
+        seq[n] = token
+        return [token], p
+
+
+class SpecLevel(Level):
+    def __init__(self, proposer: Level, node: Node, gamma: int, window: int = 8):
+        self.proposer, self.node, self.gamma, self.window = proposer, node, gamma, window
+        self.stats = LevelStats()
+
+    def round(self, seq, n, gen):
+        proposal = self.proposer.propose(seq, n, self.gamma, gen)
+        seq[n:n + self.gamma] = proposal.tokens
+        p = self.node.probs(seq, n + self.gamma, last=self.gamma + 1)  # (gamma + 1, V)
+        verdict = verify(proposal, p.to(proposal.probs.device), gen)
+        tokens = proposal.tokens[:verdict.n_accepted].tolist() + [verdict.next_token]
+        seq[n:n + len(tokens)] = torch.tensor(tokens)
+        self._count(verdict.n_accepted)
+        return tokens, p[:len(tokens)]
+
+    def _count(self, n_accepted: int) -> None:
+        s = self.stats
+        s.rounds += 1
+        s.drafted += self.gamma
+        s.accepted += n_accepted
+        s.recent = (s.recent + [n_accepted / self.gamma])[-self.window:]

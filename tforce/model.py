@@ -1,0 +1,92 @@
+"""The Llama-family decoder (Llama 2, Llama 3/3.1, Mistral-style GQA): the network only.
+
+Parameter names mirror transformers' LlamaForCausalLM so a Hugging Face state dict loads as it is.
+The model knows nothing of positions, cache layout, sampling, tensor parallelism or CUDA graphs: each
+attention layer hands its fresh q, k, v to the cache, which applies its own position rule (RoPE) and
+returns the keys and values to attend to (see cache/base.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from .attention import attend
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        bias = getattr(config, "attention_bias", False)
+        h, d = config.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
+
+    def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H_q, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H_kv, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H_kv, D)
+        q, view = cache.update(self.layer, q, k, v)
+        out = attend(q, view)  # (B, T, H_q, D)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Body(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.layers[0].self_attn.head_dim
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache, last_n: int | None = None) -> torch.Tensor | None:
+        """ids (B, T) -> logits (B, last_n or T, V) in float32; last_n=0 runs the layers only (prefill).
+
+        The cache must have been told `begin(T)` for this forward; the caller commits afterwards.
+        """
+        x = self.model.embed_tokens(ids)  # (B, T, hidden)
+        for layer in self.model.layers:
+            x = layer(x, cache)
+        if last_n == 0:
+            return None
+        if last_n is not None:
+            x = x[:, -last_n:]
+        return self.lm_head(self.model.norm(x)).float()

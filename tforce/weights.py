@@ -1,0 +1,114 @@
+"""Hugging Face checkpoints -> our Llama: config.json (parsed by transformers), single or sharded
+safetensors, loaded onto the meta device and assigned (no random init, no double copy), then cast."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from .errors import TforceError, UsageError
+from .model import Llama
+
+# Short names for the long-context models tforce targets, with the draft that shares their tokenizer.
+REGISTRY = {
+    "llama2-7b-128k": ("NousResearch/Yarn-Llama-2-7b-128k", "JackFram/llama-68m"),
+    "llama2-13b-128k": ("NousResearch/Yarn-Llama-2-13b-128k", "JackFram/llama-68m"),
+    "lwm-text-chat-128k": ("LargeWorldModel/LWM-Text-Chat-128K", "JackFram/llama-68m"),
+    "llama3.1-8b-instruct": ("meta-llama/Llama-3.1-8B-Instruct", None),
+}
+SUPPORTED = {"llama", "mistral"}
+
+
+@dataclass
+class LoadedModel:
+    model: Llama
+    tokenizer: object | None
+    path: Path
+    name: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def resolve(name_or_path: str) -> Path:
+    """A local folder, a registry short name or a hub id -> a local folder with config.json."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{path} has no config.json: not a Hugging Face model folder")
+        return path
+    repo = REGISTRY.get(name_or_path, (name_or_path, None))[0]
+    if name_or_path not in REGISTRY and (name_or_path.count("/") != 1 or name_or_path.startswith((".", "/", "~"))):
+        known = ", ".join(REGISTRY)
+        raise UsageError(f"no model folder or known model named {name_or_path!r} (known: {known})")
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "tokenizer*"]
+        try:
+            return Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=True))
+        except Exception:
+            return Path(snapshot_download(repo, allow_patterns=patterns))
+    except Exception as e:
+        raise TforceError(f"cannot fetch {repo} from the Hugging Face hub ({type(e).__name__}); "
+                          f"download it elsewhere and pass its folder with --model") from e
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"{path} holds no .safetensors weights")
+    return files
+
+
+def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str | None = None,
+               tokenizer: bool = True) -> LoadedModel:
+    """Load a Llama-family checkpoint. dtype defaults to float32 on CPU and bfloat16 on CUDA."""
+    path = resolve(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise UsageError(f"cannot read {path / 'config.json'}: {e}") from e
+    if config.model_type not in SUPPORTED:
+        raise UsageError(f"{path}: model type {config.model_type!r} is not a Llama-family model")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    with torch.device("meta"):
+        model = Llama(config)
+    state = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                state[key] = sf.get_tensor(key).to(dtype)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    unexpected = [u for u in unexpected if "rotary_emb" not in u]
+    if missing or unexpected:
+        raise TforceError(f"{path}: weights do not match a {config.model_type} model "
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(device).eval()
+    tok = _load_tokenizer(path) if tokenizer else None
+    return LoadedModel(model, tok, path, name_or_path)
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None

@@ -1,0 +1,177 @@
+"""The command line through Typer's CliRunner: stdout carries only data, errors are one stderr line with
+exit 2 (usage) or 1 (runtime), --json is exactly one object, greedy output equals plain decoding."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import tforce
+from tforce.cli import app
+from tforce.synthetic import byte_tokenizer, make_checkpoint
+
+TARGET = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512)
+DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=512)
+DOC = "It was the best of times, it was the worst of times, it was the age of wisdom."
+FAST = ["--budget", "64", "--draft-budget", "32", "--sinks", "4", "-n", "12", "--temperature", "0"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    make_checkpoint(root / "tiny-target", seed=0, **TARGET)
+    make_checkpoint(root / "tiny-draft", seed=1, **DRAFT)
+    make_checkpoint(root / "other-vocab", seed=2, vocab_size=300, tokenizer=False, **DRAFT)
+    make_checkpoint(root / "no-tokenizer", seed=3, tokenizer=False, **TARGET)
+    broken = root / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((root / "tiny-target" / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    (root / "doc.txt").write_text(DOC)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return CliRunner()
+
+
+def _run(runner, models, *args, input=None, env=None):
+    base = ["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft")]
+    return runner.invoke(app, base + list(args), input=input, env=env)
+
+
+def _expected(models, text: str, n: int = 12) -> list[int]:
+    target = tforce.load_model(str(models / "tiny-target"))
+    ids = target.tokenizer.encode(text)
+    return tforce.generate(target.model, ids, method="ar", max_new_tokens=n, temperature=0).tokens
+
+
+def _one_error_line(result, code: int, needle: str = "") -> None:
+    assert result.exit_code == code, (result.exit_code, result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tforce: error: "), result.stderr
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+def test_greedy_json_matches_plain_decoding(runner, models):
+    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1
+    obj = json.loads(lines[0])
+    assert set(obj) == {"text", "tokens", "prompt_tokens", "method", "stats"}
+    assert set(obj["stats"]) >= {"prefill_s", "decode_s", "ms_per_token", "tokens_per_s", "acceptance",
+                                 "tokens_per_verification"}
+    assert set(obj["stats"]["acceptance"]) == {"draft", "retrieval"}
+    assert obj["method"] == "triforce" and len(obj["tokens"]) <= 12
+    assert obj["prompt_tokens"] == len(byte_tokenizer().encode(DOC))
+    assert obj["tokens"] == _expected(models, DOC)
+    assert obj["text"] == byte_tokenizer().decode(obj["tokens"], skip_special_tokens=True)
+    assert r.stderr == ""  # --json: no summary line either
+
+
+def test_streamed_text_is_the_only_stdout(runner, models):
+    r = _run(runner, models, "-f", str(models / "doc.txt"), *FAST, "--method", "ar")
+    assert r.exit_code == 0, r.output
+    tokens = _expected(models, DOC)
+    assert r.stdout == byte_tokenizer().decode(tokens, skip_special_tokens=True)
+    assert len(r.stderr.strip().splitlines()) == 1 and "tokens" in r.stderr  # the summary, on stderr
+
+
+@pytest.mark.parametrize("file_args", [[], ["-"]])
+def test_stdin_document_then_prompt(runner, models, file_args):
+    r = _run(runner, models, *file_args, "--prompt", "Who?", *FAST, "--method", "ar", "--json", input=DOC)
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    text = DOC + "\n\nWho?"
+    assert obj["prompt_tokens"] == len(byte_tokenizer().encode(text))
+    assert obj["tokens"] == _expected(models, text)
+
+
+def test_prompt_text_alone(runner, models):
+    r = _run(runner, models, "-p", "Hello there", *FAST, "--method", "retrieval", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["tokens"] == _expected(models, "Hello there")
+
+
+def test_sibling_draft_default(runner, models):
+    r = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "-p", "Hi", *FAST, "-n", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["method"] == "triforce"
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["-f", "/nonexistent/prompt.txt"], 2, "cannot read prompt file"),
+    (["-p", "   "], 2, "empty"),
+    (["-p", "x" * 600], 2, "context"),
+    (["-p", "hi", "--gamma1", "0"], 2, "gamma1"),
+    (["-p", "hi", "--gamma2", "-1"], 2, "gamma2"),
+    (["-p", "hi", "--budget", "0"], 2, "budget"),
+    (["-p", "hi", "--chunk-size", "0"], 2, "chunk-size"),
+    (["-p", "hi", "--chunk-size", "16", "--budget", "8"], 2, "larger than --budget"),
+    (["-p", "hi", "--temperature", "-0.5"], 2, "temperature"),
+    (["-p", "hi", "--top-p", "0"], 2, "top-p"),
+    (["-p", "hi", "--top-p", "1.5"], 2, "top-p"),
+    (["-p", "hi", "--method", "beam"], 2, "unknown method"),
+    (["-p", "hi", "--device", "tpu"], 2, "--device"),
+    (["-p", "hi", "--dtype", "int8"], 2, "--dtype"),
+])
+def test_bad_input_is_one_line(runner, models, args, code, needle):
+    _one_error_line(_run(runner, models, *args), code, needle)
+
+
+def test_bad_models(runner, models):
+    def run(*args):
+        return runner.invoke(app, ["run", "-p", "hi", "--temperature", "0", "-n", "2", *args])
+
+    _one_error_line(run("-m", "no-such-model", "--method", "ar"), 2, "no-such-model")
+    _one_error_line(run("-m", str(models / "missing-folder"), "--method", "ar"), 2, "missing-folder")
+    _one_error_line(run("-m", str(models / "no-tokenizer"), "--method", "ar"), 2, "tokenizer")
+    _one_error_line(run("-m", str(models / "tiny-target"), "--draft", str(models / "other-vocab")), 2,
+                    "vocabularies differ")
+    _one_error_line(run("-m", str(models / "broken"), "--method", "ar"), 1)
+    _one_error_line(run("-m", str(models / "tiny-target"), "--draft", str(models / "no-such-draft")), 2)
+
+
+def test_unreadable_prompt_file_and_empty_stdin(runner, models):
+    _one_error_line(_run(runner, models, str(models)), 2, "cannot read prompt file")
+    _one_error_line(_run(runner, models, "-", input=""), 2, "empty")
+
+
+def test_debug_reraises(runner, models):
+    r = _run(runner, models, "-p", "hi", "--gamma1", "0", env={"TFORCE_DEBUG": "1"})
+    assert r.exit_code != 0
+    assert isinstance(r.exception, tforce.UsageError)
+
+
+def test_keyboard_interrupt_exits_130(runner, models, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tforce.engine, "generate", interrupted)
+    r = _run(runner, models, "-p", "hi", "--method", "ar")
+    assert r.exit_code == 130
+    assert "Traceback" not in r.output and r.stdout == ""
+
+
+def test_info(runner, models):
+    r = runner.invoke(app, ["info"])
+    assert r.exit_code == 0, r.output
+    assert "torch" in r.stdout
+    r = runner.invoke(app, ["info", "--json", "-m", str(models / "tiny-target"), "--context", "1000"])
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    m = obj["model"]
+    assert (m["layers"], m["heads"], m["kv_heads"], m["head_dim"], m["context"]) == (2, 4, 2, 16, 512)
+    assert m["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head dim, bf16
+    assert m["kv_bytes_for_context"] == 1000 * m["kv_bytes_per_token"]
+    assert "host_memory_bytes" in obj and "torch" in obj
+    r = runner.invoke(app, ["info", "-m", str(models / "tiny-target")])
+    assert r.exit_code == 0 and "RANDOM WEIGHTS" in r.stdout
+    _one_error_line(runner.invoke(app, ["info", "-m", "no-such-model"]), 2, "no-such-model")

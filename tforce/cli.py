@@ -1,0 +1,438 @@
+"""The `tforce` command line: `run` and `info`.
+
+Discipline (DESIGN.md habit 10): generated text and --json go to stdout, nothing else does; progress and
+diagnostics go to stderr; bad input is one line `tforce: error: ...` with exit 2 (usage) or 1 (runtime);
+Ctrl-C exits 130; TFORCE_DEBUG=1 re-raises to show the traceback. Configuration is validated before any
+model is loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .config import Sampling, Speculation
+from .errors import TforceError, UsageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Lossless hierarchical speculative decoding (TriForce) for long-context Llama models.")
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _debug() -> bool:
+    return os.environ.get("TFORCE_DEBUG", "") not in ("", "0")
+
+
+def _guarded(body) -> None:
+    """Run body(); turn failures into one stderr line and an exit code (no traceback unless TFORCE_DEBUG)."""
+    try:
+        body()
+    except typer.Exit:
+        raise
+    except TforceError as e:
+        if _debug():
+            raise
+        _say(f"tforce: error: {e}")
+        raise typer.Exit(e.exit_code)
+    except KeyboardInterrupt:
+        if _debug():
+            raise
+        _say("tforce: interrupted")
+        raise typer.Exit(130)
+    except Exception as e:  # a bug or an environment failure: still one line, the traceback on request
+        if _debug():
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        _say(f"tforce: error: {type(e).__name__}: {msg} (TFORCE_DEBUG=1 shows the traceback)")
+        raise typer.Exit(1)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def _read_prompt(prompt_file: Optional[str], prompt: Optional[str]) -> str:
+    """The document (a file, `-` for stdin, or piped stdin) followed by --prompt, joined by a blank line."""
+    document = ""
+    if prompt_file == "-" or (prompt_file is None and not sys.stdin.isatty()):
+        try:
+            document = sys.stdin.read()
+        except (OSError, ValueError):
+            document = ""
+    elif prompt_file is not None:
+        path = Path(prompt_file).expanduser()
+        try:
+            document = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror or e}") from e
+    parts = [p for p in (document, prompt or "") if p.strip()]
+    if not parts:
+        raise UsageError("the prompt is empty: give a prompt file, --prompt TEXT or text on stdin")
+    return "\n\n".join(parts)
+
+
+def _default_draft(model: str) -> Optional[str]:
+    """The registry's draft for a short name; for a folder `X-target`, a sibling `X-draft` if present."""
+    from .weights import REGISTRY
+
+    if model in REGISTRY:
+        return REGISTRY[model][1]
+    path = Path(model).expanduser()
+    if path.is_dir() and path.name.endswith("-target"):
+        sibling = path.with_name(path.name[: -len("-target")] + "-draft")
+        if (sibling / "config.json").is_file():
+            return str(sibling)
+    return None
+
+
+def _device(device: str) -> str:
+    import torch
+
+    if device not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA GPU is available to torch")
+    return device
+
+
+class TextStream:
+    """Decodes the whole generated id list after each accepted batch and writes only the new suffix."""
+
+    def __init__(self, tokenizer, out, enabled: bool = True):
+        self.tokenizer, self.out, self.enabled = tokenizer, out, enabled
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def add(self, tokens: list[int]) -> None:
+        self.ids += list(tokens)
+        if self.enabled:
+            self._emit(self.text().rstrip("\ufffd"))  # hold back an incomplete multi-byte character
+
+    def finish(self) -> str:
+        text = self.text()
+        if self.enabled:
+            self._emit(text)
+        return text
+
+    def _emit(self, text: str) -> None:
+        # If decoding revised earlier text (rare), what is written cannot be unwritten: go on past it.
+        new = text[len(self.printed):]
+        if new:
+            self.out.write(new)
+            self.out.flush()
+            self.printed = text
+
+
+class Progress:
+    """A rich Live panel on stderr (terminals only): prefill progress, tokens, speed, acceptance."""
+
+    def __init__(self, max_new: int, method: str, keep_live: bool):
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = Console(stderr=True)
+        self.max_new, self.method, self.keep_live = max_new, method, keep_live
+        self.prefill = (0, 0)
+        self.tokens = self.rounds = 0
+        self.t_decode: float | None = None
+        self.stats: dict | None = None
+        self.live = Live(self._panel(), console=self.console, refresh_per_second=8, transient=not keep_live,
+                         redirect_stdout=False, redirect_stderr=False)
+        self.live.start()
+
+    def on_prefill(self, done: int, total: int) -> None:
+        self.prefill = (done, total)
+        self._update()
+
+    def on_token(self, tokens: list[int]) -> None:
+        if self.t_decode is None:
+            self.t_decode = time.perf_counter()
+            if not self.keep_live:  # stdout is this terminal too: let the text stream undisturbed
+                self.live.stop()
+        self.tokens += len(tokens)
+        self.rounds += 1
+        self._update()
+
+    def finish(self, stats: dict) -> None:
+        self.stats = stats
+        if self.keep_live:
+            self._update()
+            self.live.stop()
+        else:
+            self.live.stop()
+            self.console.print(self._panel())
+
+    def _update(self) -> None:
+        if self.live.is_started:
+            self.live.update(self._panel())
+
+    def _panel(self):
+        from rich.panel import Panel
+        from rich.table import Table
+
+        t = Table.grid(padding=(0, 2))
+        t.add_column(style="bold")
+        t.add_column()
+        done, total = self.prefill
+        t.add_row("prefill", f"{done}/{total} tokens" if total else "...")
+        t.add_row("generated", f"{self.tokens}/{self.max_new} tokens")
+        s = self.stats
+        if s is None and self.t_decode is not None and self.tokens:
+            elapsed = time.perf_counter() - self.t_decode
+            s = {"ms_per_token": 1000 * elapsed / self.tokens, "tokens_per_s": self.tokens / elapsed if elapsed else None,
+                 "acceptance": {}, "tokens_per_verification": None}
+        if s is not None:
+            if s.get("ms_per_token") is not None:
+                t.add_row("speed", f"{s['ms_per_token'] / 1000:.4f} s/token, {s['tokens_per_s']:.1f} tokens/s")
+            for level, rate in (s.get("acceptance") or {}).items():
+                if rate is not None:
+                    t.add_row(f"accept {level}", f"{rate:.1%}")
+            tpv = s.get("tokens_per_verification")
+            if tpv is None and self.rounds:
+                tpv = self.tokens / self.rounds
+            if tpv is not None:
+                t.add_row("tokens/verify", f"{tpv:.2f}")
+        return Panel(t, title=f"tforce {self.method}", expand=False)
+
+
+def _summary_line(n: int, n_prompt: int, method: str, stats: dict) -> str:
+    def f(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+
+    acc = ", ".join(f"{k} {f(v, '.1%')}" for k, v in stats["acceptance"].items() if v is not None)
+    return (f"tforce: {method}: {n} tokens after {n_prompt} prompt tokens; prefill {stats['prefill_s']:.2f} s; "
+            f"decode {stats['decode_s']:.2f} s ({f(stats['ms_per_token'], '.1f')} ms/token, "
+            f"{f(stats['tokens_per_s'], '.1f')} tokens/s); "
+            f"{f(stats['tokens_per_verification'], '.2f')} tokens/verification"
+            + (f"; acceptance: {acc}" if acc else ""))
+
+
+@app.command()
+def run(
+    prompt_file_arg: Optional[str] = typer.Argument(None, metavar="[PROMPT_FILE]",
+                                                    help="Document to read ('-' = stdin)."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f", help="Document to read ('-' = stdin)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text placed after the document."),
+    model: str = typer.Option(..., "--model", "-m", help="Target: a folder, hub id or short name."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Small draft model (default: the registry's)."),
+    method: str = typer.Option("triforce", "--method", help="triforce | ar | retrieval | streaming | naive"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.6, "--temperature", "-t", help="0 = greedy."),
+    top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling, in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past end-of-sequence."),
+    budget: int = typer.Option(4096, "--budget", help="Retrieval (or streaming) cache of the middle level."),
+    chunk_size: int = typer.Option(8, "--chunk-size", help="Retrieval chunk size."),
+    gamma1: int = typer.Option(2, "--gamma1", help="Draft tokens per middle-level verification."),
+    gamma2: int = typer.Option(6, "--gamma2", help="Tokens per full-cache verification."),
+    draft_budget: int = typer.Option(256, "--draft-budget", help="StreamingLLM cache of the small draft."),
+    sinks: int = typer.Option(16, "--sinks", help="Attention-sink tokens of streaming caches."),
+    rebuild_every: int = typer.Option(128, "--rebuild-every", help="Rebuild the retrieval cache every N tokens."),
+    rebuild_below: float = typer.Option(0.3, "--rebuild-below", help="... or when acceptance falls below this."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+) -> None:
+    """Generate text after a (long) prompt, streaming it to stdout."""
+    def body():
+        if prompt_file_arg is not None and prompt_file is not None and prompt_file_arg != prompt_file:
+            raise UsageError("give the prompt file once: as an argument or with --prompt-file")
+        spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
+                           draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                           rebuild_below=rebuild_below)
+        spec.validate()
+        Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed).validate()
+        if max_new_tokens < 0:
+            raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+        if dtype not in DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        dev = _device(device)
+        draft_name = draft if draft is not None else _default_draft(model)
+        if spec.uses_draft and draft_name is None:
+            raise UsageError(f"method {method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
+        text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt)
+        _run(text, model, draft_name if spec.uses_draft else None, dev, None if dtype == "auto" else dtype,
+             as_json, dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           top_k=top_k, seed=seed, ignore_eos=ignore_eos, budget=budget, chunk_size=chunk_size,
+                           gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget, sinks=sinks,
+                           rebuild_every=rebuild_every, rebuild_below=rebuild_below))
+
+    _guarded(body)
+
+
+def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Optional[str], as_json: bool,
+         options: dict) -> None:
+    from .engine import generate
+    from .weights import load_model
+
+    target = load_model(model, device=device, dtype=dtype)
+    tok = target.tokenizer
+    if tok is None:
+        raise UsageError(f"{target.path} has no tokenizer: tforce needs the target's tokenizer files")
+    ids = list(tok.encode(text))
+    context = target.config.max_position_embeddings
+    if len(ids) >= context:
+        raise UsageError(f"the prompt is {len(ids)} tokens; the model's context is {context}")
+    small = load_model(draft, device=device, dtype=dtype, tokenizer=False) if draft else None
+    max_new = min(options["max_new_tokens"], context - len(ids))
+    stream = TextStream(tok, sys.stdout, enabled=not as_json)
+    progress = Progress(max_new, options["method"], keep_live=not sys.stdout.isatty()) \
+        if sys.stderr.isatty() and not as_json else None
+
+    def on_token(tokens):
+        stream.add(tokens)
+        if progress:
+            progress.on_token(tokens)
+
+    try:
+        result = generate(target.model, ids, draft=small.model if small else None, on_token=on_token,
+                          on_prefill=progress.on_prefill if progress else None, **options)
+    finally:
+        if progress and progress.live.is_started:
+            progress.live.stop()
+    out = stream.finish()
+    if as_json:
+        record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
+                  "stats": result.stats}
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
+        return
+    if sys.stdout.isatty() and out and not out.endswith("\n"):
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if progress:
+        progress.finish(result.stats)
+    else:
+        _say(_summary_line(len(result.tokens), len(ids), options["method"], result.stats))
+
+
+# --------------------------------------------------------------------------------------------- info
+
+
+def _arch(config, context: int, dtype: str) -> dict:
+    import torch
+
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * elem  # keys and values, every layer
+    return {
+        "model_type": config.model_type,
+        "layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": config.vocab_size,
+        "context": config.max_position_embeddings,
+        "rope_type": rope_type,
+        "rope_theta": rope.get("rope_theta", getattr(config, "rope_theta", None)),
+        "synthetic": bool(getattr(config, "tforce_synthetic", False)),
+        "kv_dtype": dtype,
+        "kv_bytes_per_token": per_token,
+        "kv_context": context,
+        "kv_bytes_for_context": per_token * context,
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+@app.command()
+def info(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Also describe this model (config only)."),
+    context: int = typer.Option(131072, "--context", help="Context length for the KV-cache size."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="KV-cache dtype: float32 | float16 | bfloat16"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Versions, devices, host memory and (with --model) the model's shape and KV-cache size."""
+    def body():
+        import platform
+
+        import psutil
+        import torch
+        import transformers
+
+        from . import __version__
+
+        if context <= 0:
+            raise UsageError(f"--context must be positive, got {context}")
+        if dtype not in DTYPES[1:]:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES[1:])}, got {dtype!r}")
+        gpus = [{"name": torch.cuda.get_device_name(i),
+                 "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
+                for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+        mem = psutil.virtual_memory()
+        record = {"tforce": __version__, "python": platform.python_version(), "torch": torch.__version__,
+                  "transformers": transformers.__version__, "cpu_cores": os.cpu_count(), "cuda_devices": gpus,
+                  "host_memory_bytes": mem.total, "host_memory_available_bytes": mem.available}
+        if model is not None:
+            from transformers import AutoConfig
+
+            from .weights import resolve
+
+            path = resolve(model)
+            try:
+                config = AutoConfig.from_pretrained(path)
+            except Exception as e:
+                raise UsageError(f"cannot read {path / 'config.json'}: {e}") from e
+            record["model"] = {"name": model, "path": str(path), **_arch(config, context, dtype)}
+        if as_json:
+            sys.stdout.write(json.dumps(record) + "\n")
+            return
+        _print_info(record)
+
+    _guarded(body)
+
+
+def _print_info(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("tforce", r["tforce"])
+    t.add_row("python / torch / transformers", f"{r['python']} / {r['torch']} / {r['transformers']}")
+    t.add_row("cpu cores", str(r["cpu_cores"]))
+    gpus = ", ".join(f"{g['name']} ({_gib(g['memory_bytes'])})" for g in r["cuda_devices"]) or "none"
+    t.add_row("cuda devices", gpus)
+    t.add_row("host memory", f"{_gib(r['host_memory_bytes'])} ({_gib(r['host_memory_available_bytes'])} available)")
+    m = r.get("model")
+    if m:
+        t.add_row("model", f"{m['name']} ({m['path']})" + ("  [RANDOM WEIGHTS]" if m["synthetic"] else ""))
+        t.add_row("architecture", f"{m['model_type']}: {m['layers']} layers, hidden {m['hidden_size']}, "
+                                  f"{m['heads']} heads, {m['kv_heads']} kv heads, head dim {m['head_dim']}")
+        t.add_row("context / rope", f"{m['context']} tokens, rope {m['rope_type']} (theta {m['rope_theta']})")
+        t.add_row("kv cache", f"{m['kv_bytes_per_token']} bytes/token ({m['kv_dtype']}); "
+                              f"{_gib(m['kv_bytes_for_context'])} for {m['kv_context']} tokens")
+    Console().print(t)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

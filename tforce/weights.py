@@ -76,8 +76,9 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
     path = resolve(name_or_path)
     try:
         config = AutoConfig.from_pretrained(path)
-    except Exception as e:
-        raise UsageError(f"cannot read {path / 'config.json'}: {e}") from e
+    except Exception as e:  # transformers' messages run to several lines: keep the first (errors.py: one line)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"cannot read {path / 'config.json'}: {reason}") from e
     if config.model_type not in SUPPORTED:
         raise UsageError(f"{path}: model type {config.model_type!r} is not a Llama-family model")
     if isinstance(dtype, str):

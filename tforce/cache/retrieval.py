@@ -64,9 +64,13 @@ class RetrievalCache:
         """Refill from the full cache's committed tokens; queries: per layer (H_q, D), rotated."""
         L, c = full.length, self.chunk_size
         self.key_pos.fill_(-1)
+        # budget >= context keeps every chunk, the last one maybe partial (budget // c could drop one).
+        n_keep = -(-L // c) if L <= self.budget else self.budget // c
         for layer, query in enumerate(queries):
-            chunks = select_chunks(chunk_scores(full.k[layer, 0], L, query, c), self.budget // c)  # (H_kv, K)
+            chunks = select_chunks(chunk_scores(full.k[layer, 0], L, query, c), n_keep)  # (H_kv, K)
             pos = (chunks[:, :, None] * c + torch.arange(c, device=chunks.device)).flatten(1)  # (H_kv, K*c)
+            if L <= self.budget:  # all chunks: drop the partial chunk's padding so the L tokens fit
+                pos = pos[pos < L].view(pos.shape[0], L)
             valid = pos < L
             idx = pos.clamp(max=L - 1).T  # (K*c, H_kv)
             n = idx.shape[0]

@@ -1,0 +1,53 @@
+"""Helpers shared by test_model, test_caches and test_weights: run our model through a cache, and HF's."""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaForCausalLM
+
+from tforce.cache import FullCache
+from tforce.rope import Rotary
+
+VOCAB = 259  # the tiny checkpoints' byte vocabulary
+
+
+def random_ids(n: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    """(1, n) token ids from a fixed seed."""
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def rotary_for(model, max_len: int | None = None) -> Rotary:
+    return Rotary(model.config, max_len=max_len)
+
+
+def full_cache(model, capacity: int = 128, rotary: Rotary | None = None) -> FullCache:
+    cfg = model.config
+    return FullCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, capacity,
+                     rotary or rotary_for(model, capacity))
+
+
+def forward(model, cache, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+    """begin / forward / commit: logits (1, T, V) of ids (1, T); commits `keep` (default all) tokens."""
+    T = ids.shape[1]
+    cache.begin(T)
+    logits = model(ids, cache)
+    cache.commit(T if keep is None else keep)
+    return logits
+
+
+def feed(model, cache, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """Feed ids (1, T) in consecutive chunks of the given sizes; the logits of every position (1, T, V)."""
+    assert sum(chunks) == ids.shape[1]
+    out, start = [], 0
+    for n in chunks:
+        out.append(forward(model, cache, ids[:, start:start + n]))
+        start += n
+    return torch.cat(out, dim=1)
+
+
+def hf_model(path) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logits(hf: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    return hf(ids).logits.float()

@@ -1,0 +1,108 @@
+"""attend (SDPA) against attend_reference (float64), and the reference against a per-head loop."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tforce.attention import attend, attend_reference
+from tforce.cache import CacheView
+
+D = 16
+SHAPES = [(4, 4), (8, 2), (4, 1)]  # (H_q, H_kv): MHA, GQA, MQA
+
+
+def make_inputs(h_q, h_kv, T, S, mask_heads, seed, dtype=torch.float32):
+    """Random q (1, T, H_q, D), view over S keys; a random mask (mask_heads, T, S) that leaves every
+    query at least one visible key (the causal diagonal of the last T keys), or None."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, h_q, D, generator=g)
+    k = torch.randn(1, S, h_kv, D, generator=g)
+    v = torch.randn(1, S, h_kv, D, generator=g)
+    mask = None
+    if mask_heads:
+        mask = torch.rand(mask_heads, T, S, generator=g) < 0.6
+        mask[:, torch.arange(T), S - T + torch.arange(T)] = True
+    return q.to(dtype), CacheView(k.to(dtype), v.to(dtype), mask)
+
+
+def plain(q, view):
+    """The reference math in the inputs' own precision (flash-attention's `attention_ref` role)."""
+    group = q.shape[2] // view.k.shape[2]
+    k, v = view.k.repeat_interleave(group, 2), view.v.repeat_interleave(group, 2)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    if view.mask is not None:
+        scores = scores.masked_fill(~view.mask.repeat_interleave(q.shape[2] // view.mask.shape[0], 0)[None],
+                                    float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", scores.float().softmax(-1).to(q.dtype), v)
+
+
+def per_head_loop(q, view):
+    """Independent float64 oracle: one query head at a time, its KV head h // group, its mask row."""
+    q, k, v = q.double(), view.k.double(), view.v.double()
+    T, h_q, h_kv = q.shape[1], q.shape[2], k.shape[2]
+    out = torch.empty(1, T, h_q, D, dtype=torch.float64)
+    for h in range(h_q):
+        kv = h // (h_q // h_kv)
+        for t in range(T):
+            s = k[0, :, kv] @ q[0, t, h] / math.sqrt(D)  # (S,)
+            if view.mask is not None:
+                m = view.mask[0 if view.mask.shape[0] == 1 else kv, t]
+                s = s.masked_fill(~m, float("-inf"))
+            out[0, t, h] = torch.softmax(s, 0) @ v[0, :, kv]
+    return out
+
+
+CASES = [(h_q, h_kv, T, mask_heads) for h_q, h_kv in SHAPES for T in (1, 5)
+         for mask_heads in (None, 1, h_kv)]
+
+
+@pytest.mark.parametrize("h_q,h_kv,T,mask_heads", CASES)
+def test_reference_equals_per_head_loop(h_q, h_kv, T, mask_heads):
+    q, view = make_inputs(h_q, h_kv, T, 23, mask_heads, seed=T + 10 * h_q + h_kv)
+    view = CacheView(view.k.double(), view.v.double(), view.mask)
+    torch.testing.assert_close(attend_reference(q.double(), view), per_head_loop(q, view), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("h_q,h_kv,T,mask_heads", CASES)
+def test_sdpa_fp32_within_tolerance_of_reference(h_q, h_kv, T, mask_heads):
+    q, view = make_inputs(h_q, h_kv, T, 37, mask_heads, seed=100 + T + 10 * h_q + h_kv)
+    ref = attend_reference(q.double(), CacheView(view.k.double(), view.v.double(), view.mask))
+    err = (attend(q, view).double() - ref).abs().max().item()
+    err_plain = (plain(q, view).double() - ref).abs().max().item()
+    assert err <= max(2 * err_plain, 2e-6), (err, err_plain)
+
+
+@pytest.mark.parametrize("h_q,h_kv,T,mask_heads", CASES)
+def test_sdpa_bf16_within_twice_plain_error(h_q, h_kv, T, mask_heads):
+    """flash-attention's rule: error vs float64 at most twice that of the same-precision plain reference."""
+    q, view = make_inputs(h_q, h_kv, T, 64, mask_heads, seed=200 + T + 10 * h_q + h_kv, dtype=torch.bfloat16)
+    ref = attend_reference(q.double(), CacheView(view.k.double(), view.v.double(), view.mask))
+    err = (attend(q, view).double() - ref).abs().max().item()
+    err_plain = (plain(q, view).double() - ref).abs().max().item()
+    assert err_plain > 0
+    assert err <= 2 * err_plain, (err, err_plain)
+
+
+def test_mask_hides_keys():
+    """Changing a masked-out key or value leaves the output alone; changing a visible one does not."""
+    q, view = make_inputs(8, 2, 3, 10, 2, seed=5)
+    hidden = (~view.mask).nonzero()
+    kv, _, s = hidden[0].tolist()
+    if view.mask[kv, :, s].any():  # that key must be hidden from every query of its KV head
+        view.mask[kv, :, s] = False
+    out = attend(q, view)
+    k2, v2 = view.k.clone(), view.v.clone()
+    k2[0, s, kv] += 5.0
+    v2[0, s, kv] += 5.0
+    torch.testing.assert_close(attend(q, CacheView(k2, v2, view.mask)), out, atol=0, rtol=0)
+    visible = view.mask[kv].nonzero()[0, 1].item()
+    v2[0, visible, kv] += 5.0
+    assert not torch.allclose(attend(q, CacheView(k2, v2, view.mask)), out)
+
+
+def test_all_true_mask_equals_no_mask():
+    q, view = make_inputs(8, 2, 4, 12, None, seed=6)
+    full = CacheView(view.k, view.v, torch.ones(2, 4, 12, dtype=torch.bool))
+    torch.testing.assert_close(attend(q, full), attend(q, view), atol=1e-6, rtol=1e-6)

@@ -122,7 +122,8 @@ class TextStream:
     def add(self, tokens: list[int]) -> None:
         self.ids += list(tokens)
         if self.enabled:
-            self._emit(self.text().rstrip("\ufffd"))  # hold back an incomplete multi-byte character
+            text = self.text()
+            self._emit(text[:-1] if text.endswith("\ufffd") else text)  # hold back a partial character
 
     def finish(self) -> str:
         text = self.text()

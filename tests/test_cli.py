@@ -175,3 +175,20 @@ def test_info(runner, models):
     r = runner.invoke(app, ["info", "-m", str(models / "tiny-target")])
     assert r.exit_code == 0 and "RANDOM WEIGHTS" in r.stdout
     _one_error_line(runner.invoke(app, ["info", "-m", "no-such-model"]), 2, "no-such-model")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "-m", "x", "-p", "hi", "-n", "abc"], "--max-new-tokens"),
+    (["run", "-p", "hi"], "--model"),
+    (["run", "-m", "x", "--frob"], "--frob"),
+    (["bogus"], "bogus"),
+])
+def test_main_turns_parse_errors_into_one_line(monkeypatch, capsys, argv, needle):
+    from tforce.cli import main
+
+    monkeypatch.setattr("sys.argv", ["tforce", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and needle in err, err

@@ -46,6 +46,12 @@ def _guarded(body) -> None:
             raise
         _say("tforce: interrupted")
         raise typer.Exit(130)
+    except BrokenPipeError:  # the reader went away (`tforce run ... | head`): stop quietly
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        raise typer.Exit(1)
     except Exception as e:  # a bug or an environment failure: still one line, the traceback on request
         if _debug():
             raise
@@ -173,9 +179,9 @@ class Progress:
     def finish(self, stats: dict) -> None:
         self.stats = stats
         if self.keep_live:
-            self._update()
+            self.live.update(self._panel(), refresh=True)
             self.live.stop()
-        else:
+        else:  # the live panel was transient: print the final one
             self.live.stop()
             self.console.print(self._panel())
 
@@ -305,9 +311,10 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
     try:
         result = generate(target.model, ids, draft=small.model if small else None, on_token=on_token,
                           on_prefill=progress.on_prefill if progress else None, **options)
-    finally:
-        if progress and progress.live.is_started:
+    except BaseException:
+        if progress:
             progress.live.stop()
+        raise
     out = stream.finish()
     if as_json:
         record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
@@ -432,7 +439,23 @@ def _print_info(r: dict) -> None:
 
 
 def main() -> None:
-    app()
+    """Entry point. Click's own usage errors (a bad option value, an unknown option) also become one line."""
+    try:  # recent Typer vendors its own Click
+        from typer._click import exceptions as cx
+    except ImportError:
+        from click import exceptions as cx
+
+    try:
+        code = app(standalone_mode=False)
+    except getattr(cx, "NoArgsIsHelpError", ()):  # Typer has printed the help already
+        code = 2
+    except cx.UsageError as e:
+        _say(f"tforce: error: {e.format_message()}" + (f" (see '{e.ctx.command_path} --help')" if e.ctx else ""))
+        code = 2
+    except KeyboardInterrupt:
+        _say("tforce: interrupted")
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import torch
 from model_helpers import forward, full_cache, random_ids, rotary_for
 from tforce.cache import FullCache, RetrievalCache, StreamingCache
 from tforce.errors import TforceError
+from tforce.rope import Rotary
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -340,3 +341,22 @@ def test_full_cache_capacity(tiny):
     forward(model, cache, random_ids(6))
     with pytest.raises(TforceError, match="capacity"):
         cache.begin(3)
+
+
+# ---------------------------------------------------------------------------------------------- devices
+
+
+@pytest.mark.parametrize("kind", ["full", "retrieval", "streaming"])
+def test_view_lives_on_the_storage_device(tiny, kind):
+    """Masks, keys and values come back on the cache's device (SDPA refuses a CPU mask for CUDA tensors).
+    The meta device stands in for a GPU: anything built on the CPU by mistake shows."""
+    rotary = Rotary(tiny["gqa"].model.config, device="meta")
+    caches = {
+        "full": lambda: FullCache(2, 2, 16, 32, rotary, device="meta"),
+        "retrieval": lambda: RetrievalCache(2, 2, 16, 16, 4, rotary, device="meta"),
+        "streaming": lambda: StreamingCache(2, 2, 16, 10, 3, rotary, max_rollback=4, max_new=5, device="meta"),
+    }
+    cache = caches[kind]()
+    cache.begin(3)
+    q, view = cache.update(0, *(torch.zeros(1, 3, h, 16, device="meta") for h in (4, 2, 2)))
+    assert {q.device.type, view.k.device.type, view.v.device.type, view.mask.device.type} == {"meta"}

@@ -31,7 +31,8 @@ class FullCache:
         self.query_pos = pos
         self._cos, self._sin = self.rotary.cos_sin(pos, self.k.dtype)
         # One new token sees everything before it: no mask needed.
-        self._mask = None if n == 1 else visibility(torch.arange(self.length + n)[None], pos)
+        # On the storage's device: SDPA refuses a CPU mask for CUDA tensors.
+        self._mask = None if n == 1 else visibility(torch.arange(self.length + n, device=self.k.device)[None], pos)
 
     def update(self, layer, q, k, v):
         L, n = self.length, self.pending

@@ -66,7 +66,7 @@ class StreamingCache:
         slot = torch.arange(len(pos))
         self._cos, self._sin = self.rotary.cos_sin(slot, self.k.dtype)
         self._qcos, self._qsin = self._cos[-n:], self._sin[-n:]
-        self._mask = None if n == 1 else visibility(pos[None], pos[-n:])
+        self._mask = None if n == 1 else visibility(pos[None].to(self.k.device), pos[-n:])  # mask on k's device
         self.view_positions = pos
 
     def update(self, layer, q, k, v):

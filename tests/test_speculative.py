@@ -1,0 +1,97 @@
+"""The verification rule on its own: fixed p and q over a small vocabulary, many seeded draws."""
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from tforce.sampling import residual, to_probs
+from tforce.config import Sampling
+from tforce.speculative import Proposal, verify
+
+from stats_util import chi2_pvalue
+
+V = 6
+
+
+def first_token_counts(p, q, n=6000, seed=0, **kw):
+    """Draft k=2 tokens from q, verify against p; the first emitted token must be distributed as p[0]."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = np.zeros(V)
+    for _ in range(n):
+        x = torch.multinomial(q, 1, generator=gen)[:, 0]  # (2,) one draw per position
+        verdict = verify(Proposal(x, q), p, gen, **kw)
+        first = int(x[0]) if verdict.n_accepted > 0 else verdict.next_token
+        counts[first] += 1
+    return counts
+
+
+def dists(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(3, V, generator=g).softmax(-1) ** 2
+
+
+def normalised(x):
+    return x / x.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("case", ["generic", "all_accepted", "none_accepted"])
+def test_first_token_is_exact(case):
+    p = normalised(dists(1))
+    if case == "generic":
+        q = normalised(dists(2))[:2]
+    elif case == "all_accepted":  # p == q: every draft accepted
+        q = p[:2].clone()
+    else:  # disjoint supports: every draft rejected, output comes from the residual (= p)
+        p = p.clone()
+        p[:, :3] = 0
+        p = normalised(p)
+        q = torch.zeros(2, V)
+        q[:, :3] = 1 / 3
+    counts = first_token_counts(p, q)
+    assert chi2_pvalue(counts, p[0].numpy()) > 1e-3
+
+
+def test_wrong_residual_is_caught():
+    """Resampling a rejected token from p instead of the residual (the public reference's bug) is biased."""
+    p = normalised(dists(1))
+    q = normalised(dists(2))[:2]
+    wrong = functools.partial(verify, residual=lambda p, q: p)
+    gen = torch.Generator().manual_seed(0)
+    counts = np.zeros(V)
+    for _ in range(6000):
+        x = torch.multinomial(q, 1, generator=gen)[:, 0]
+        verdict = wrong(Proposal(x, q), p, gen)
+        counts[int(x[0]) if verdict.n_accepted > 0 else verdict.next_token] += 1
+    assert chi2_pvalue(counts, p[0].numpy()) < 1e-6
+
+
+def test_acceptance_counts_and_bonus():
+    p = torch.eye(V)[[1, 2, 3]]
+    q = torch.eye(V)[[1, 2]]
+    v = verify(Proposal(torch.tensor([1, 2]), q), p, torch.Generator().manual_seed(0))
+    assert (v.n_accepted, v.next_token) == (2, 3)  # all accepted, bonus from p[2]
+    v = verify(Proposal(torch.tensor([1, 4]), torch.eye(V)[[1, 4]]), p, torch.Generator().manual_seed(0))
+    assert (v.n_accepted, v.next_token) == (1, 2)  # second rejected, replaced by argmax of the residual
+    v = verify(Proposal(torch.tensor([5, 2]), torch.eye(V)[[5, 2]]), p, torch.Generator().manual_seed(0))
+    assert (v.n_accepted, v.next_token) == (0, 1)  # rejected at once; later drafts never count
+
+
+def test_residual_rule():
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    q = torch.tensor([[0.2, 0.6, 0.2]])
+    assert torch.allclose(residual(p, q), torch.tensor([[1.0, 0.0, 0.0]]))
+    assert torch.equal(residual(p, p), p)  # no positive mass: fall back to p
+
+
+def test_to_probs_transforms():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    greedy = to_probs(logits, Sampling(temperature=0))
+    assert torch.equal(greedy, torch.tensor([[1.0, 0, 0, 0]]))
+    top_k = to_probs(logits, Sampling(temperature=1, top_p=1, top_k=2))
+    assert (top_k[0, 2:] == 0).all() and torch.allclose(top_k.sum(), torch.tensor(1.0))
+    full = logits.softmax(-1)[0]
+    top_p = to_probs(logits, Sampling(temperature=1, top_p=float(full[0]) + 1e-3))
+    assert (top_p[0] > 0).tolist() == [True, True, False, False]  # smallest prefix reaching top_p
+    hot = to_probs(logits, Sampling(temperature=0.5, top_p=1))
+    assert torch.allclose(hot, (logits / 0.5).softmax(-1))

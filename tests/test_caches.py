@@ -15,10 +15,11 @@ from tforce.rope import Rotary
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def rotate_by(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """x (S, H, D) rotated by RoPE at `positions` (S,), written out by hand in float64 (rotate-half pairs)."""
+def rotate_by(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x (S, H, D) rotated by RoPE at `positions` (S,), written out by hand in float64 (rotate-half pairs);
+    scale is YaRN's attention factor, applied to cos and sin as transformers does."""
     angle = positions.double()[:, None] * inv_freq.double()[None]  # (S, D/2)
-    cos, sin = angle.cos()[:, None], angle.sin()[:, None]  # (S, 1, D/2)
+    cos, sin = scale * angle.cos()[:, None], scale * angle.sin()[:, None]  # (S, 1, D/2)
     x1, x2 = x.double().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -217,10 +218,11 @@ class StreamChecker:
             stored_k = torch.stack([self.written[layer][p][0] for p in pos])  # (S, H_kv, D), un-rotated
             stored_v = torch.stack([self.written[layer][p][1] for p in pos])
             slots = torch.arange(S)
-            torch.testing.assert_close(view.k[0].double(), rotate_by(stored_k, slots, self.rotary.inv_freq),
+            rot = self.rotary
+            torch.testing.assert_close(view.k[0].double(), rotate_by(stored_k, slots, rot.inv_freq, rot.scale),
                                        atol=1e-5, rtol=1e-5)
             assert torch.equal(view.v[0], stored_v)
-            torch.testing.assert_close(q_rot[0].double(), rotate_by(q[0], slots[S - n:], self.rotary.inv_freq),
+            torch.testing.assert_close(q_rot[0].double(), rotate_by(q[0], slots[S - n:], rot.inv_freq, rot.scale),
                                        atol=1e-5, rtol=1e-5)
             if view.mask is not None:  # causal over sequence positions
                 p = torch.tensor(pos)
@@ -237,9 +239,10 @@ class StreamChecker:
         self.rollbacks += 1
 
 
-@pytest.mark.parametrize("budget,sinks", [(10, 3), (8, 0), (12, 4)])
-def test_streaming_keeps_sinks_and_recent_window(tiny, budget, sinks):
-    rotary = rotary_for(tiny["gqa"].model)
+@pytest.mark.parametrize("name,budget,sinks", [("gqa", 10, 3), ("gqa", 8, 0), ("yarn", 12, 4)])
+def test_streaming_keeps_sinks_and_recent_window(tiny, name, budget, sinks):
+    rotary = rotary_for(tiny[name].model)
+    assert (rotary.scale != 1) == (name == "yarn")
     max_rollback, max_new = 4, 5
     chk = StreamChecker(rotary, budget, sinks, max_rollback, max_new, seed=budget)
     for n, commit, rollback in stream_schedule(budget + sinks, 60, max_new, max_rollback):

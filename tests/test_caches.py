@@ -258,14 +258,13 @@ def test_streaming_rollback_after_compaction(tiny):
     budget, sinks, max_rollback, max_new = 10, 3, 4, 5
     chk = StreamChecker(rotary, budget, sinks, max_rollback, max_new, seed=1)
     cache = chk.cache
-    while True:  # one token at a time until a forward compacts the buffers
+    while True:  # one token at a time until a forward (whose token is then rejected) compacts the buffers
         offset = cache.offset
         chk.step(1, 0)
         if cache.offset != offset:
             break
-        cache.commit(0)
         chk.step(1, 1)
-    compacted_at = cache.length
+    compacted_at = cache.length  # the longest committed length, and compaction kept only what it promises
     cache.truncate(compacted_at - max_rollback)  # the deepest rollback the cache promises
     chk.step(3, 3)  # views (positions and keys) are still right, with rewritten tokens
     chk.step(1, 1)

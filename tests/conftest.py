@@ -21,6 +21,10 @@ TINY = {
 }
 
 
+# The test models are tiny: one thread is faster than two fighting over a 2-core machine.
+torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

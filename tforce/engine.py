@@ -10,7 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+import psutil
+
+from . import placement
 from .cache import FullCache, RetrievalCache, StreamingCache
+from .cache.offload import OffloadedCache
 from .config import Sampling, Speculation
 from .errors import UsageError
 from .levels import Drafter, Node, SpecLevel
@@ -43,7 +47,7 @@ class Session:
     """The caches and levels of one generation over one prompt."""
 
     def __init__(self, target, draft, prompt_len: int, max_new: int, spec: Speculation, sampling: Sampling,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None):
         self.spec, self.sampling = spec, sampling
         self.target, self.draft = target, draft
         cfg = target.config
@@ -53,7 +57,12 @@ class Session:
         p = next(target.parameters())
         dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
         rotary = Rotary(cfg, max_len=self.total, device=p.device)
-        full = FullCache(*dims, capacity=capacity, rotary=rotary, dtype=p.dtype, device=p.device)
+        self.plan = _plan(dims, capacity, p, spec, offload, gpu_memory)
+        if self.plan.resident == self.plan.n_layers:
+            full = FullCache(*dims, capacity=capacity, rotary=rotary, dtype=p.dtype, device=p.device)
+        else:
+            full = OffloadedCache(*dims, capacity=capacity, rotary=rotary, resident=self.plan.resident,
+                                  dtype=p.dtype, device=p.device)
         self.full = Node("full", target, full, sampling, capacity, prefill_chunk)
         self.middle = self.small = self.retrieval = None
         method = spec.method
@@ -133,6 +142,21 @@ class Session:
         return tokens
 
 
+def _plan(dims, capacity: int, p: torch.Tensor, spec: Speculation, offload: str,
+          gpu_memory: int | None) -> placement.Plan:
+    n_layers, n_kv, head_dim = dims
+    layer = placement.kv_layer_bytes(n_kv, head_dim, capacity, p.element_size())
+    host_free = psutil.virtual_memory().available
+    if p.device.type != "cuda":
+        return placement.plan(n_layers, layer, offload, None, 0, host_free)
+    free, _ = torch.cuda.mem_get_info(p.device)
+    allowed = free if gpu_memory is None else min(free, gpu_memory - torch.cuda.memory_allocated(p.device))
+    # Resident besides the full cache: the retrieval cache (one budget-sized layer set) and a margin
+    # for activations, logits and the draft's small cache.
+    fixed = n_layers * placement.kv_layer_bytes(n_kv, head_dim, spec.budget, p.element_size()) + placement.GiB
+    return placement.plan(n_layers, layer, offload, allowed, fixed, host_free)
+
+
 def _check_pair(target, draft, spec: Speculation) -> None:
     if not spec.uses_draft:
         return
@@ -147,10 +171,13 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
              temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
              ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
              gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
-             rebuild_below: float = 0.3, prefill_chunk: int = 512, on_token=None, on_prefill=None) -> Result:
+             rebuild_below: float = 0.3, prefill_chunk: int = 512, offload: str = "auto",
+             gpu_memory: int | None = None, on_token=None, on_prefill=None) -> Result:
     """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
     or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
-    on_prefill(done, total) reports prefill progress."""
+    on_prefill(done, total) reports prefill progress. offload: where the full KV cache lives ("auto":
+    on the GPU while it fits, the rest in pinned host memory; "on": all in host memory; "off": all on
+    the device); gpu_memory caps the bytes tforce may use on the GPU."""
     spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                        draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                        rebuild_below=rebuild_below)
@@ -172,7 +199,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else torch.seed())
 
-    session = Session(target, draft, len(prompt), max_new, spec, sampling, prefill_chunk)
+    session = Session(target, draft, len(prompt), max_new, spec, sampling, prefill_chunk, offload, gpu_memory)
     t0 = time.perf_counter()
     session.prefill(prompt, on_prefill)
     _sync_device(device)

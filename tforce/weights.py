@@ -81,6 +81,9 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
         raise UsageError(f"cannot read {path / 'config.json'}: {reason}") from e
     if config.model_type not in SUPPORTED:
         raise UsageError(f"{path}: model type {config.model_type!r} is not a Llama-family model")
+    window = getattr(config, "sliding_window", None)
+    if window and window < config.max_position_embeddings:
+        raise UsageError(f"{path}: sliding-window attention ({window} tokens) is not supported")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)

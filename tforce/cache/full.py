@@ -51,6 +51,13 @@ class FullCache:
         assert 0 <= length <= self.length
         self.length = length
 
+    def layer_keys(self, layer: int) -> torch.Tensor:
+        """Keys (B, S, H_kv, D) of one layer, committed ones first (for retrieval rebuilds)."""
+        return self.k[layer]
+
+    def layer_values(self, layer: int) -> torch.Tensor:
+        return self.v[layer]
+
     def query_at(self, layer: int, position: int) -> torch.Tensor:
         """The rotated query (H_q, D) of the last forward at a sequence position."""
         i = position - int(self.query_pos[0])

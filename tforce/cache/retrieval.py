@@ -67,17 +67,19 @@ class RetrievalCache:
         # budget >= context keeps every chunk, the last one maybe partial (budget // c could drop one).
         n_keep = -(-L // c) if L <= self.budget else self.budget // c
         for layer, query in enumerate(queries):
-            chunks = select_chunks(chunk_scores(full.k[layer, 0], L, query, c), n_keep)  # (H_kv, K)
+            keys, values = full.layer_keys(layer), full.layer_values(layer)  # may live in host memory
+            query = query.to(keys.device)
+            chunks = select_chunks(chunk_scores(keys[0], L, query, c), n_keep)  # (H_kv, K)
             pos = (chunks[:, :, None] * c + torch.arange(c, device=chunks.device)).flatten(1)  # (H_kv, K*c)
             if L <= self.budget:  # all chunks: drop the partial chunk's padding so the L tokens fit
                 pos = pos[pos < L].view(pos.shape[0], L)
             valid = pos < L
             idx = pos.clamp(max=L - 1).T  # (K*c, H_kv)
             n = idx.shape[0]
-            gather = idx[None, :, :, None].expand(1, n, idx.shape[1], full.k.shape[-1])
-            self.k[layer, :, :n] = full.k[layer, :, :L].gather(1, gather)
-            self.v[layer, :, :n] = full.v[layer, :, :L].gather(1, gather)
-            self.key_pos[layer, :, :n] = torch.where(valid, pos, -1)
+            gather = idx[None, :, :, None].expand(1, n, idx.shape[1], keys.shape[-1])
+            self.k[layer, :, :n] = keys[:, :L].gather(1, gather).to(self.k.device)
+            self.v[layer, :, :n] = values[:, :L].gather(1, gather).to(self.v.device)
+            self.key_pos[layer, :, :n] = torch.where(valid, pos, -1).to(self.key_pos.device)
         self.length = self.base = L
 
     def _slots(self, start: int, n: int) -> torch.Tensor:

@@ -1,0 +1,104 @@
+"""OffloadedCache: a FullCache whose first `resident` layers live on the device and the rest in host
+memory (pinned when the device is CUDA), streamed back layer by layer at every forward.
+
+Per forward, for offloaded layer i: its committed K/V [0, length) were copied host -> device into one
+of two staging buffers on a copy stream while the previous layer computed; the new tokens' K/V are
+written into the staging buffer (the attention reads them from there) and only those rows are copied
+back device -> host. Copies are ordered with CUDA events; nothing synchronises the whole device.
+On the CPU code path the same steps run as plain copies, so the results are bit-identical to FullCache.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..rope import Rotary
+from .base import CacheView
+from .full import FullCache
+
+
+class OffloadedCache(FullCache):
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int, rotary: Rotary,
+                 resident: int, dtype=torch.float32, device="cpu"):
+        self.resident = resident
+        self.n_layers = n_layers
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+        # Resident layers, as in FullCache (self.k / self.v hold only them).
+        super().__init__(resident, n_kv, head_dim, capacity, rotary, dtype, device)
+        self.queries = [None] * n_layers
+        host_shape = (n_layers - resident, 1, capacity, n_kv, head_dim)
+        self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=cuda)
+        self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=cuda)
+        stage_shape = (2, 1, capacity, n_kv, head_dim)
+        self.stage_k = torch.zeros(stage_shape, dtype=dtype, device=device)
+        self.stage_v = torch.zeros(stage_shape, dtype=dtype, device=device)
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        self._ready = [None, None]  # events: staging buffer j holds its layer's prefix
+
+    @property
+    def host_bytes(self) -> int:
+        return 2 * self.host_k.numel() * self.host_k.element_size()
+
+    def _slot(self, layer: int) -> int:
+        return (layer - self.resident) % 2
+
+    def _prefetch(self, layer: int) -> None:
+        """Start copying offloaded `layer`'s committed K/V into its staging buffer."""
+        if layer >= self.n_layers:
+            return
+        j, h, L = self._slot(layer), layer - self.resident, self.length
+        if self.copy_stream is None:
+            self.stage_k[j, :, :L] = self.host_k[h, :, :L]
+            self.stage_v[j, :, :L] = self.host_v[h, :, :L]
+            return
+        # Wait for the compute stream's work so far (the layer that last used this buffer).
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.stage_k.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.stage_k[j, :, :L].copy_(self.host_k[h, :, :L], non_blocking=True)
+            self.stage_v[j, :, :L].copy_(self.host_v[h, :, :L], non_blocking=True)
+            self._ready[j] = torch.cuda.Event()
+            self._ready[j].record(self.copy_stream)
+
+    def begin(self, n: int) -> None:
+        super().begin(n)
+        self._prefetch(self.resident)
+
+    def update(self, layer, q, k, v):
+        if layer < self.resident:
+            return super().update(layer, q, k, v)
+        L, n, j, h = self.length, self.pending, self._slot(layer), layer - self.resident
+        if self._ready[j] is not None:
+            torch.cuda.current_stream(self.stage_k.device).wait_event(self._ready[j])
+        self._prefetch(layer + 1)  # overlaps with this layer's compute
+        q = self.rotary.rotate(q, self._cos, self._sin)
+        self.stage_k[j, :, L:L + n] = self.rotary.rotate(k, self._cos, self._sin)
+        self.stage_v[j, :, L:L + n] = v
+        self.queries[layer] = q
+        self._write_back(j, h, L, n)
+        return q, CacheView(self.stage_k[j, :, :L + n], self.stage_v[j, :, :L + n], self._mask)
+
+    def _write_back(self, j: int, h: int, L: int, n: int) -> None:
+        """Only the new tokens' rows go back to host memory."""
+        if self.copy_stream is None:
+            self.host_k[h, :, L:L + n] = self.stage_k[j, :, L:L + n]
+            self.host_v[h, :, L:L + n] = self.stage_v[j, :, L:L + n]
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.stage_k.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.host_k[h, :, L:L + n].copy_(self.stage_k[j, :, L:L + n], non_blocking=True)
+            self.host_v[h, :, L:L + n].copy_(self.stage_v[j, :, L:L + n], non_blocking=True)
+
+    def layer_keys(self, layer: int) -> torch.Tensor:
+        """Committed keys (B, S, H_kv, D) of one layer, wherever they live (for retrieval rebuilds)."""
+        if layer < self.resident:
+            return self.k[layer]
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        return self.host_k[layer - self.resident]
+
+    def layer_values(self, layer: int) -> torch.Tensor:
+        if layer < self.resident:
+            return self.v[layer]
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        return self.host_v[layer - self.resident]

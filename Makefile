@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 $(MODELS)/tiny-target/config.json $(MODELS)/tiny-draft/config.json: | venv
 	$(BIN)/python scripts/make_tiny.py demo

@@ -70,7 +70,9 @@ class Llama(nn.Module):
 
     @property
     def n_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        """KV heads this process holds: all of them, or its shard under tensor parallelism."""
+        attn = self.model.layers[0].self_attn
+        return attn.k_proj.out_features // attn.head_dim
 
     @property
     def head_dim(self) -> int:

@@ -172,10 +172,11 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
              ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
              gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
              rebuild_below: float = 0.3, prefill_chunk: int = 512, offload: str = "auto",
-             gpu_memory: int | None = None, on_token=None, on_prefill=None) -> Result:
+             gpu_memory: int | None = None, on_token=None, on_prefill=None, on_round=None) -> Result:
     """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
     or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
-    on_prefill(done, total) reports prefill progress. offload: where the full KV cache lives ("auto":
+    on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each
+    verification with the acceptance so far per level ({"draft", "retrieval"}). offload: where the full KV cache lives ("auto":
     on the GPU while it fits, the rest in pinned host memory; "on": all in host memory; "off": all on
     the device); gpu_memory caps the bytes tforce may use on the GPU."""
     spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
@@ -217,6 +218,8 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
         n += len(tokens)
         if on_token:
             on_token(tokens)
+        if on_round:
+            on_round(tokens, _acceptance(session))
         if stop is not None:
             break
     _sync_device(device)
@@ -224,15 +227,19 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     return Result(out, _stats(session, len(out), t1 - t0, t2 - t1, session.full.forwards - full_forwards))
 
 
-def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, verifications: int) -> dict:
+def _acceptance(session: Session) -> dict:
     def acc(level):
         return None if level is None else level.stats.acceptance
 
+    return {"draft": acc(session.draft_level), "retrieval": acc(session.middle_level)}
+
+
+def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, verifications: int) -> dict:
     return {
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "ms_per_token": 1000 * decode_s / n_out if n_out else None,
         "tokens_per_s": n_out / decode_s if n_out and decode_s > 0 else None,
-        "acceptance": {"draft": acc(session.draft_level), "retrieval": acc(session.middle_level)},
+        "acceptance": _acceptance(session),
         "tokens_per_verification": n_out / verifications if verifications else None,
     }

@@ -105,3 +105,25 @@ def test_all_true_mask_equals_no_mask():
     q, view = make_inputs(8, 2, 4, 12, None, seed=6)
     full = CacheView(view.k, view.v, torch.ones(2, 4, 12, dtype=torch.bool))
     torch.testing.assert_close(attend(q, full), attend(q, view), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("h_q,h_kv", SHAPES)
+@pytest.mark.parametrize("T", [1, 7])
+def test_flash_matches_sdpa_on_cuda(h_q, h_kv, T):
+    """flash-attn vs SDPA in bf16, both against float64: flash's error at most twice SDPA's + eps."""
+    from tforce.attention import flash_attn_func
+    from tforce.cache.base import visibility
+
+    if flash_attn_func is None:
+        pytest.skip("flash-attn is not installed on this CUDA machine")
+    S = 300
+    q, view = make_inputs(h_q, h_kv, T, S, 0, seed=T + h_kv, dtype=torch.bfloat16)
+    pos = torch.arange(S - T, S)
+    mask = visibility(torch.arange(S)[None], pos) if T > 1 else None
+    view = CacheView(view.k.cuda(), view.v.cuda(), None if mask is None else mask.cuda(), causal=True)
+    q = q.cuda()
+    ref = attend_reference(q.double(), CacheView(view.k.double(), view.v.double(), view.mask))
+    err_flash = (attend(q, view).double() - ref).abs().max()
+    err_sdpa = (attend(q, view, use_flash=False).double() - ref).abs().max()
+    assert err_flash <= 2 * err_sdpa + 1e-3

@@ -1,6 +1,8 @@
 """attend(q, view): attention of fresh queries over what a cache hands back.
 
-SDPA (PyTorch) everywhere; `attend_reference` is the plain-math oracle the tests compare against.
+flash-attn (`flash_attn_func`, causal and bottom-right aligned) on CUDA when it is installed and the
+view's mask is plain causal; PyTorch SDPA otherwise (and for the retrieval cache's per-head masks);
+`attend_reference` is the plain-math oracle the tests compare against.
 Layouts are the ones fixed in cache/base.py: q (B, T, H_q, D), view.k / view.v (B, S, H_kv, D).
 """
 from __future__ import annotations
@@ -11,6 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from .cache.base import CacheView
+
+try:  # optional: the `gpu` extra
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_func = None
 
 
 def _sdpa_mask(view: CacheView, n_heads: int) -> torch.Tensor | None:
@@ -23,8 +30,16 @@ def _sdpa_mask(view: CacheView, n_heads: int) -> torch.Tensor | None:
     return m[None]
 
 
-def attend(q: torch.Tensor, view: CacheView) -> torch.Tensor:
+def flash_usable(q: torch.Tensor, view: CacheView) -> bool:
+    return (flash_attn_func is not None and q.is_cuda and view.causal
+            and q.dtype in (torch.float16, torch.bfloat16))
+
+
+def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Tensor:
     """q (B, T, H_q, D) -> (B, T, H_q, D)."""
+    if use_flash and flash_usable(q, view):
+        # Same layout as ours, GQA native; causal=True aligns the T queries with the last T keys.
+        return flash_attn_func(q, view.k, view.v, causal=q.shape[1] > 1)
     n_heads, n_kv = q.shape[2], view.k.shape[2]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # (B, H_q, T, D)

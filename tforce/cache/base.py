@@ -34,6 +34,9 @@ class CacheView:
     k: torch.Tensor  # (B, S, H_kv, D), rotated
     v: torch.Tensor  # (B, S, H_kv, D)
     mask: torch.Tensor | None  # bool (1 or H_kv, T, S), True = visible; None = all visible
+    # True when the mask is exactly "the T queries are the last T keys, causally" (bottom-right
+    # aligned): then flash-attn's causal kernel computes the same thing without a mask.
+    causal: bool = False
 
 
 class KVCache(Protocol):

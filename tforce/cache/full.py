@@ -40,7 +40,7 @@ class FullCache:
         self.k[layer, :, L:L + n] = self.rotary.rotate(k, self._cos, self._sin)
         self.v[layer, :, L:L + n] = v
         self.queries[layer] = q
-        return q, CacheView(self.k[layer, :, :L + n], self.v[layer, :, :L + n], self._mask)
+        return q, CacheView(self.k[layer, :, :L + n], self.v[layer, :, :L + n], self._mask, causal=True)
 
     def commit(self, n: int) -> None:
         assert 0 <= n <= self.pending

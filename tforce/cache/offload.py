@@ -75,7 +75,7 @@ class OffloadedCache(FullCache):
         self.stage_v[j, :, L:L + n] = v
         self.queries[layer] = q
         self._write_back(j, h, L, n)
-        return q, CacheView(self.stage_k[j, :, :L + n], self.stage_v[j, :, :L + n], self._mask)
+        return q, CacheView(self.stage_k[j, :, :L + n], self.stage_v[j, :, :L + n], self._mask, causal=True)
 
     def _write_back(self, j: int, h: int, L: int, n: int) -> None:
         """Only the new tokens' rows go back to host memory."""

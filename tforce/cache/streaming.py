@@ -74,7 +74,7 @@ class StreamingCache:
         self.v[layer, :, self._new_rows] = v
         keys = self.rotary.rotate(self.k[layer, :, self._rows], self._cos, self._sin)
         q = self.rotary.rotate(q, self._qcos, self._qsin)
-        return q, CacheView(keys, self.v[layer, :, self._rows], self._mask)
+        return q, CacheView(keys, self.v[layer, :, self._rows], self._mask, causal=True)
 
     def commit(self, n: int) -> None:
         assert 0 <= n <= self.pending

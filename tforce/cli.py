@@ -24,6 +24,18 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+OFFLOAD_HELP = "Full KV cache: auto (GPU while it fits, rest in pinned host memory) | on (all host) | off."
+GPU_MEMORY_HELP = "Most GPU memory tforce may use, e.g. 24GiB, 24GB, 24000MiB."
+
+
+def _placement_options(offload: str, gpu_memory: Optional[str]) -> dict:
+    """--offload and --gpu-memory, checked, as generate's keyword arguments."""
+    from .bench import parse_size
+    from .placement import OFFLOAD_MODES
+
+    if offload not in OFFLOAD_MODES:
+        raise UsageError(f"--offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
+    return {"offload": offload, "gpu_memory": None if gpu_memory is None else parse_size(gpu_memory)}
 
 
 def _debug() -> bool:
@@ -255,6 +267,8 @@ def run(
     rebuild_below: float = typer.Option(0.3, "--rebuild-below", help="... or when acceptance falls below this."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
+    offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
@@ -270,6 +284,7 @@ def run(
             raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
         if dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        placement_options = _placement_options(offload, gpu_memory)
         dev = _device(device)
         draft_name = draft if draft is not None else _default_draft(model)
         if spec.uses_draft and draft_name is None:
@@ -279,7 +294,7 @@ def run(
              as_json, dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            top_k=top_k, seed=seed, ignore_eos=ignore_eos, budget=budget, chunk_size=chunk_size,
                            gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget, sinks=sinks,
-                           rebuild_every=rebuild_every, rebuild_below=rebuild_below))
+                           rebuild_every=rebuild_every, rebuild_below=rebuild_below, **placement_options))
 
     _guarded(body)
 
@@ -436,6 +451,133 @@ def _print_info(r: dict) -> None:
         t.add_row("kv cache", f"{m['kv_bytes_per_token']} bytes/token ({m['kv_dtype']}); "
                               f"{_gib(m['kv_bytes_for_context'])} for {m['kv_context']} tokens")
     Console().print(t)
+
+
+# -------------------------------------------------------------------------------------------- bench
+
+
+@app.command()
+def bench(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: a folder, hub id or short name."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Small draft model (default: the registry's)."),
+    synthetic: Optional[str] = typer.Option(None, "--synthetic",
+                                            help="Random weights of an architecture: llama2-7b | llama2-13b | "
+                                                 "llama3.1-8b | tiny (results are labelled synthetic)."),
+    gpus: int = typer.Option(1, "--gpus", help="GPUs (tensor parallelism)."),
+    prompt_len: int = typer.Option(122880, "--prompt-len", help="Prompt tokens."),
+    gen_len: int = typer.Option(256, "--gen-len", help="Tokens generated per method (EOS ignored)."),
+    methods: str = typer.Option("ar,triforce,naive,retrieval,streaming", "--methods",
+                                help="Comma-separated; ar runs first and is the speed-up baseline."),
+    temperature: float = typer.Option(0.6, "--temperature", "-t", help="0 = greedy."),
+    top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling, in (0, 1]."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f",
+                                              help="A real text, tokenized and repeated/cut to --prompt-len "
+                                                   "(default: random ids)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the weights, the prompt and sampling."),
+    budget: int = typer.Option(4096, "--budget", help="Retrieval (or streaming) cache of the middle level."),
+    chunk_size: int = typer.Option(8, "--chunk-size", help="Retrieval chunk size."),
+    gamma1: int = typer.Option(2, "--gamma1", help="Draft tokens per middle-level verification."),
+    gamma2: int = typer.Option(6, "--gamma2", help="Tokens per full-cache verification."),
+    draft_budget: int = typer.Option(256, "--draft-budget", help="StreamingLLM cache of the small draft."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | "
+                                                      "float16 | bfloat16"),
+    offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Time every method on one prompt: ms/token, speed-up over ar, acceptance, H2D GB/s, memory."""
+    def body():
+        from . import bench as b
+
+        if (model is None) == (synthetic is None):
+            raise UsageError("give one of --model or --synthetic ARCH")
+        if gpus < 1:
+            raise UsageError(f"--gpus must be >= 1, got {gpus}")
+        if gpus > 1:
+            raise UsageError("--gpus > 1 for bench is not implemented yet")
+        if prompt_len < 1 or gen_len < 1:
+            raise UsageError(f"--prompt-len and --gen-len must be >= 1, got {prompt_len} and {gen_len}")
+        if dtype not in DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        names = b.parse_methods(methods)
+        engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget)
+        for m in names:
+            Speculation(method=m, **engine).validate()
+        Sampling(temperature=temperature, top_p=top_p, seed=seed).validate()
+        cfg = b.BenchConfig(methods=names, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
+                            top_p=top_p, seed=seed, engine=engine, **_placement_options(offload, gpu_memory))
+        text = None if prompt_file is None else _read_prompt(prompt_file, None)
+        dev = _device(device)
+        record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text)
+        if as_json:
+            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.flush()
+            return
+        _print_bench(record)
+
+    _guarded(body)
+
+
+def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Optional[str], device: str,
+           dtype: str, text: Optional[str]) -> dict:
+    import torch
+
+    from .synthetic import ARCHITECTURES
+
+    uses_draft = any(Speculation(method=m).uses_draft for m in cfg.methods)
+    if synthetic is not None:
+        if synthetic not in ARCHITECTURES:
+            raise UsageError(f"--synthetic must be one of {', '.join(ARCHITECTURES)}, got {synthetic!r}")
+        torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if device == "cuda"
+                                                                     else torch.float32)
+        _say(f"tforce: bench: building a random-weight {synthetic} target and draft on {device} (SYNTHETIC)")
+        target, small = b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed)
+        tokenizer, name = None, f"synthetic:{synthetic}"
+    else:
+        from .weights import load_model
+
+        draft_name = draft if draft is not None else _default_draft(model)
+        if uses_draft and draft_name is None:
+            raise UsageError("the methods need a draft model: pass --draft, or drop triforce and naive")
+        loaded = load_model(model, device=device, dtype=None if dtype == "auto" else dtype)
+        target, tokenizer, name = loaded.model, loaded.tokenizer, model
+        small = load_model(draft_name, device=device, dtype=None if dtype == "auto" else dtype,
+                           tokenizer=False).model if uses_draft else None
+    context = target.config.max_position_embeddings
+    if cfg.prompt_len >= context:
+        raise UsageError(f"--prompt-len {cfg.prompt_len} reaches the model's context ({context} tokens)")
+    ids = b.prompt_ids(cfg.prompt_len, target.config.vocab_size, tokenizer, text, cfg.seed)
+    return b.bench(target, small, ids, cfg, synthetic is not None, name,
+                   progress=lambda line: _say(f"tforce: bench: {line}"))
+
+
+def _print_bench(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(x, fmt, suffix=""):
+        return "-" if x is None else format(x, fmt) + suffix
+
+    peak = r["h2d_peak_gbps"]
+    title = (f"tforce bench: {r['model']} on {r['device']}, {r['prompt_tokens']} prompt + {r['gen_len']} tokens, "
+             f"{r['dtype']}, temperature {r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"]
+                                                                else ""))
+    t = Table(title=title, caption=f"pinned H2D peak: {f(peak, '.1f', ' GB/s')}; floor = offloaded KV bytes "
+                                   f"per verification / peak; '-' = not applicable or not measured")
+    for col in ("method", "ms/token", "speed-up vs ar", "accept draft", "accept retrieval", "tokens/verif",
+                "prefill s", "H2D GB/s (peak)", "floor ms/verif", "GPU GiB", "pinned GiB", "KV layers GPU/host"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    for run in r["runs"]:
+        acc = run["acceptance"]
+        h2d = "-" if run["h2d_gbps"] is None else f"{run['h2d_gbps']:.1f} ({f(peak, '.1f')})"
+        pl = run["placement"]
+        t.add_row(run["method"], f(run["ms_per_token"], ".1f"), f(run["speedup_vs_ar"], ".2f", "x"),
+                  f(acc.get("draft"), ".1%"), f(acc.get("retrieval"), ".1%"),
+                  f(run["tokens_per_verification"], ".2f"), f(run["prefill_s"], ".2f"), h2d,
+                  f(run["floor_ms_per_verification"], ".1f"), f(run["gpu_mem_gib"], ".1f"),
+                  f(run["pinned_gib"], ".2f"), f"{pl['resident_layers']}/{pl['offloaded_layers']}")
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
 
 
 def main() -> None:

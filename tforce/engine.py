@@ -242,4 +242,9 @@ def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, veri
         "tokens_per_s": n_out / decode_s if n_out and decode_s > 0 else None,
         "acceptance": _acceptance(session),
         "tokens_per_verification": n_out / verifications if verifications else None,
+        "verifications": verifications,
+        "kv_resident_layers": session.plan.resident,  # the full cache's placement (placement.Plan)
+        "kv_offloaded_layers": session.plan.offloaded,
+        "kv_gpu_bytes": session.plan.gpu_bytes,
+        "kv_host_bytes": session.plan.host_bytes,
     }

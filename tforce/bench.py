@@ -1,0 +1,287 @@
+"""`tforce bench` and the measurements behind `tforce info`: the logic; the CLI only parses and prints.
+
+Per method, one `generate` over the same prompt with the same seed (ignore_eos), and the roofline
+quantities of DESIGN.md habit 9: ms/token, speed-up over `ar` on the same engine and placement,
+acceptance per level, tokens per full-cache verification, prefill seconds, the achieved host-to-device
+rate of the offloaded KV stream against the measured pinned-copy peak, GPU and pinned memory.
+
+Synthetic models (`--synthetic ARCH`) are built in memory with random weights (nothing is written to
+disk) and every result from them carries "synthetic": true.
+"""
+from __future__ import annotations
+
+import gc
+import re
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from . import placement
+from .config import METHODS, Speculation
+from .errors import TforceError, UsageError
+from .model import Llama
+from .synthetic import ARCHITECTURES, byte_tokenizer, make_config
+
+GiB = placement.GiB
+
+# The small draft of each synthetic architecture: llama-68m's shape (JackFram/llama-68m) over the
+# target's vocabulary; for `tiny`, a smaller tiny.
+DRAFT_SHAPES = {
+    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1),
+}
+LLAMA_68M = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12,
+                 num_key_value_heads=12)
+
+
+@dataclass
+class BenchConfig:
+    """Built once at the edge (the CLI) and passed down."""
+
+    methods: tuple[str, ...] = ("ar", "triforce", "naive", "retrieval", "streaming")
+    prompt_len: int = 122880
+    gen_len: int = 256
+    temperature: float = 0.6
+    top_p: float = 0.9
+    seed: int = 0
+    offload: str = "auto"
+    gpu_memory: int | None = None
+    engine: dict = field(default_factory=dict)  # budget, gamma1, gamma2, draft_budget, chunk_size, ...
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in names if m not in METHODS]
+    if not names or bad:
+        raise UsageError(f"--methods takes a comma-separated list of {', '.join(METHODS)}; got {text!r}")
+    ordered = tuple(dict.fromkeys(names))
+    return ("ar",) + tuple(m for m in ordered if m != "ar") if "ar" in ordered else ordered  # ar first
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, option: str = "--gpu-memory") -> int:
+    """'24GiB', '24GB', '24000MiB', '24G' (binary), '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text or "")
+    unit = m and _UNITS.get(m.group(2).lower())
+    if not m or unit is None or float(m.group(1)) <= 0:
+        raise UsageError(f"{option}: cannot read {text!r} as a size (e.g. 24GiB, 24GB, 24000MiB)")
+    return int(float(m.group(1)) * unit)
+
+
+# ------------------------------------------------------------------------------------ synthetic models
+
+
+def random_llama(config, device, dtype: torch.dtype, seed: int) -> Llama:
+    """Our Llama with seeded random weights, allocated directly on `device` in `dtype` (no float32 copy,
+    no checkpoint). Matrices get N(0, 1/fan_in) as in synthetic.make_checkpoint; norms get 1."""
+    with torch.device("meta"):
+        model = Llama(config).to(dtype)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 1.0 / p.shape[1] ** 0.5, generator=gen)
+            else:
+                p.fill_(1.0)
+    return model.eval()
+
+
+def synthetic_pair(arch: str, device, dtype: torch.dtype, seed: int = 0):
+    """(target, draft) of random weights for a synthetic architecture; the draft shares the vocabulary."""
+    if arch not in ARCHITECTURES:
+        raise UsageError(f"--synthetic must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+    target = random_llama(make_config(arch), device, dtype, seed)
+    draft_cfg = make_config(arch, rope_scaling=None, **DRAFT_SHAPES.get(arch, LLAMA_68M))
+    draft = random_llama(draft_cfg, device, dtype, seed + 1)
+    return target, draft
+
+
+def prompt_ids(n: int, vocab: int, tokenizer=None, text: str | None = None, seed: int = 0) -> list[int]:
+    """`text` tokenized (repeated, then cut to n tokens), or n random ids from a fixed seed."""
+    if text is not None:
+        tok = tokenizer if tokenizer is not None else byte_tokenizer()  # byte ids fit every vocabulary
+        ids = list(tok.encode(text))
+        if not ids:
+            raise UsageError("the prompt file holds no tokens")
+        return (ids * (n // len(ids) + 1))[:n]
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=gen).tolist()  # 0-2: <unk>, <s>, </s> in our vocabularies
+
+
+# ------------------------------------------------------------------------------------------ bandwidth
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])  # the first is warm-up
+
+
+def h2d_peak_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
+    """Pinned host -> device copy rate in GB/s (1e9 bytes/s), median of `repeats`, timed with CUDA events;
+    None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    ms = _median_ms(lambda: dev.copy_(host, non_blocking=True), repeats)
+    del host, dev
+    return nbytes / (ms / 1000) / 1e9
+
+
+def device_bandwidth_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
+    """Device memory rate in GB/s from a device-to-device copy (bytes read + written); None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    ms = _median_ms(lambda: b.copy_(a), repeats)
+    del a, b
+    return 2 * nbytes / (ms / 1000) / 1e9
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import os
+
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def kv_bytes_per_token(model) -> int:
+    """K + V bytes of one token in one layer of `model`'s full cache."""
+    return 2 * model.n_kv_heads * model.head_dim * next(model.parameters()).element_size()
+
+
+def run_one(target, draft, ids: list[int], method: str, cfg: BenchConfig, h2d_peak: float | None) -> dict:
+    from .engine import generate
+
+    device = next(target.parameters()).device
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    result = generate(target, ids, draft=draft if Speculation(method=method).uses_draft else None,
+                      method=method, max_new_tokens=cfg.gen_len, temperature=cfg.temperature, top_p=cfg.top_p,
+                      seed=cfg.seed, ignore_eos=True, offload=cfg.offload, gpu_memory=cfg.gpu_memory,
+                      **cfg.engine)
+    s = result.stats
+    n = len(result.tokens)
+    # Bytes of offloaded KV streamed per full-cache verification: only committed rows are copied, so at
+    # the mean context length over the decode (about prompt + half the generated tokens).
+    mean_context = len(ids) + n / 2
+    offloaded = s["kv_offloaded_layers"] * kv_bytes_per_token(target) * mean_context
+    streamed = offloaded > 0 and cuda
+    h2d = offloaded * s["verifications"] / s["decode_s"] / 1e9 if streamed and s["decode_s"] > 0 else None
+    return {
+        "method": method,
+        "tokens": n,
+        "ms_per_token": s["ms_per_token"],
+        "speedup_vs_ar": None,
+        "acceptance": s["acceptance"],
+        "tokens_per_verification": s["tokens_per_verification"],
+        "verifications": s["verifications"],
+        "prefill_s": s["prefill_s"],
+        "decode_s": s["decode_s"],
+        "h2d_gbps": h2d,
+        "h2d_bytes_per_verification": int(offloaded) if streamed else None,
+        "floor_ms_per_verification": 1000 * offloaded / (h2d_peak * 1e9) if streamed and h2d_peak else None,
+        "gpu_mem_gib": torch.cuda.max_memory_allocated(device) / GiB if cuda else None,
+        "pinned_gib": s["kv_host_bytes"] / GiB,
+        "placement": {"resident_layers": s["kv_resident_layers"], "offloaded_layers": s["kv_offloaded_layers"],
+                      "gpu_kv_gib": s["kv_gpu_bytes"] / GiB, "host_kv_gib": s["kv_host_bytes"] / GiB},
+    }
+
+
+def bench(target, draft, ids: list[int], cfg: BenchConfig, synthetic: bool, model_name: str,
+          progress=None) -> dict:
+    """Every method of cfg over the same prompt; the one JSON object `tforce bench --json` prints."""
+    device = next(target.parameters()).device
+    if progress:
+        progress(f"measuring the pinned host-to-device copy rate on {device}" if device.type == "cuda"
+                 else "no CUDA device: no host-to-device figures")
+    peak = h2d_peak_gbps(device)
+    runs = []
+    for method in cfg.methods:
+        if progress:
+            progress(f"{method}: {len(ids)} prompt tokens, {cfg.gen_len} new tokens")
+        runs.append(run_one(target, draft, ids, method, cfg, peak))
+    ar = next((r["ms_per_token"] for r in runs if r["method"] == "ar"), None)
+    for r in runs:
+        r["speedup_vs_ar"] = ar / r["ms_per_token"] if ar and r["ms_per_token"] else None
+    return {
+        "device": device_name(device),
+        "h2d_peak_gbps": peak,
+        "synthetic": synthetic,
+        "model": model_name,
+        "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "prompt_tokens": len(ids),
+        "gen_len": cfg.gen_len,
+        "temperature": cfg.temperature,
+        "offload": cfg.offload,
+        "runs": runs,
+    }
+
+
+# ------------------------------------------------------------------------------------------ info plan
+
+
+def weight_bytes(config, dtype_bytes: int) -> int:
+    """Parameter bytes of a Llama config, counted from its shapes (no weights are read)."""
+    h, i, v, n = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or h // heads
+    layer = h * heads * d * 2 + h * kv * d * 2 + 3 * h * i + 2 * h
+    tied = getattr(config, "tie_word_embeddings", False)
+    return dtype_bytes * (n * layer + h + v * h * (1 if tied else 2))
+
+
+def info_plan(config, context: int, dtype_bytes: int, gpu_free: int | None, host_free: int,
+              offload: str = "auto", budget: int = 4096, h2d_gbps: float | None = None,
+              device_gbps: float | None = None) -> dict:
+    """The placement plan of the full KV cache for `context` tokens, and the s/token floor of plain
+    (autoregressive) offloaded decoding it implies: every token streams the offloaded KV over H2D and
+    reads the weights and the resident KV from device memory. Unmeasured parts are None."""
+    heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
+    n = config.num_hidden_layers
+    layer = placement.kv_layer_bytes(n_kv, d, context, dtype_bytes)
+    weights = weight_bytes(config, dtype_bytes)
+    # As engine._plan, plus the weights (nothing is loaded here): retrieval cache and a 1 GiB margin.
+    fixed = weights + n * placement.kv_layer_bytes(n_kv, d, budget, dtype_bytes) + GiB
+    record = {"context": context, "weights_bytes": weights, "kv_bytes": n * layer, "gpu_budget_bytes": gpu_free,
+              "fixed_gpu_bytes": fixed, "host_available_bytes": host_free}
+    try:
+        p = placement.plan(n, layer, offload, gpu_free, fixed, 2**62)  # host memory checked below
+    except TforceError as e:
+        record["error"] = str(e)
+        return record
+    record.update(resident_layers=p.resident, offloaded_layers=p.offloaded, gpu_kv_bytes=p.gpu_bytes,
+                  host_kv_bytes=p.host_bytes, host_fits=p.host_bytes <= host_free, describe=p.describe())
+    h2d_s = p.host_bytes / (h2d_gbps * 1e9) if h2d_gbps else (0.0 if p.host_bytes == 0 else None)
+    dev_s = (weights + p.resident * layer) / (device_gbps * 1e9) if device_gbps else None
+    record.update(floor_h2d_s_per_token=h2d_s, floor_device_s_per_token=dev_s,
+                  floor_s_per_token=h2d_s + dev_s if h2d_s is not None and dev_s is not None else None)
+    return record

@@ -1,0 +1,111 @@
+"""`tforce bench` and `tforce info`'s placement plan through Typer's CliRunner, on the CPU with the tiny
+random-weight architecture: one JSON object with every field, one run per method, labelled synthetic."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tforce.bench import parse_size
+from tforce.cli import app
+from tforce.errors import UsageError
+
+BENCH = ["bench", "--synthetic", "tiny", "--device", "cpu", "--prompt-len", "200", "--gen-len", "16"]
+RUN_FIELDS = {"method", "ms_per_token", "speedup_vs_ar", "acceptance", "tokens_per_verification", "prefill_s",
+              "h2d_gbps", "gpu_mem_gib", "pinned_gib", "floor_ms_per_verification", "placement"}
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return CliRunner()
+
+
+@pytest.fixture(scope="module")
+def report(runner):
+    result = runner.invoke(app, BENCH + ["--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1
+    return json.loads(lines[0])
+
+
+def test_bench_json_has_every_field(report):
+    assert {"device", "h2d_peak_gbps", "synthetic", "runs"} <= set(report)
+    assert report["synthetic"] is True and report["h2d_peak_gbps"] is None
+    assert [r["method"] for r in report["runs"]] == ["ar", "triforce", "naive", "retrieval", "streaming"]
+    for r in report["runs"]:
+        assert RUN_FIELDS <= set(r), RUN_FIELDS - set(r)
+        assert r["ms_per_token"] > 0 and r["prefill_s"] >= 0 and r["tokens_per_verification"] >= 1
+        assert r["h2d_gbps"] is None and r["gpu_mem_gib"] is None  # CPU: nothing crosses a PCIe bus
+        assert r["speedup_vs_ar"] == pytest.approx(report["runs"][0]["ms_per_token"] / r["ms_per_token"])
+    ar = report["runs"][0]
+    assert ar["speedup_vs_ar"] == 1.0 and ar["tokens_per_verification"] == 1.0
+    assert set(report["runs"][1]["acceptance"]) == {"draft", "retrieval"}
+
+
+def test_bench_table_says_synthetic(runner):
+    result = runner.invoke(app, BENCH + ["--methods", "retrieval,ar", "--gen-len", "4"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "SYNTHETIC (random weights)" in result.stdout
+    assert result.stdout.index("ar ") < result.stdout.index("retrieval")  # ar first: the baseline
+    assert "SYNTHETIC" in result.stderr  # diagnostics go to stderr, the table to stdout
+
+
+def test_bench_offload_on_cpu(runner):
+    result = runner.invoke(app, BENCH + ["--methods", "triforce", "--gen-len", "4", "--offload", "on", "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    obj = json.loads(result.stdout)
+    run = obj["runs"][0]
+    assert run["speedup_vs_ar"] is None  # no ar in --methods
+    assert run["h2d_gbps"] is None and run["floor_ms_per_verification"] is None
+    assert run["placement"]["resident_layers"] == 0 and run["placement"]["offloaded_layers"] == 2
+    assert run["pinned_gib"] > 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--gpu-memory", "lots"], "--gpu-memory"),
+    (["--gpu-memory", "24XB"], "--gpu-memory"),
+    (["--methods", "ar,fast"], "--methods"),
+    (["--offload", "maybe"], "--offload"),
+    (["--gpus", "2"], "not implemented yet"),
+])
+def test_bench_bad_options_are_one_line(runner, args, needle):
+    result = runner.invoke(app, BENCH + args)
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tforce: error: ") and needle in lines[0], result.stderr
+    assert result.stdout == ""
+
+
+def test_bench_needs_one_model_source(runner):
+    result = runner.invoke(app, ["bench", "--device", "cpu"])
+    assert result.exit_code == 2 and "--synthetic" in result.stderr
+
+
+def test_parse_size():
+    assert parse_size("24GiB") == 24 * 2**30
+    assert parse_size("24GB") == 24 * 10**9
+    assert parse_size("24000MiB") == 24000 * 2**20
+    assert parse_size("1.5g") == int(1.5 * 2**30)
+    for bad in ("", "GiB", "-1GiB", "0", "12 parsecs"):
+        with pytest.raises(UsageError):
+            parse_size(bad)
+
+
+def test_info_plans_offloaded_layers(runner):
+    args = ["info", "--synthetic", "llama2-7b", "--context", "131072", "--gpu-memory", "24GiB"]
+    result = runner.invoke(app, args + ["--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["kv_bytes"] == 64 * 2**30
+    assert 0 < plan["offloaded_layers"] < 32 and plan["resident_layers"] + plan["offloaded_layers"] == 32
+    assert plan["host_kv_bytes"] == plan["offloaded_layers"] * 2 * 2**30
+    text = " ".join(runner.invoke(app, args).stdout.split())  # rich wraps at 80 columns
+    assert "placement plan" in text and "in pinned host memory" in text and "64.00 GiB" in text
+    assert "RANDOM WEIGHTS" in text
+
+
+def test_run_takes_placement_options(runner):
+    result = runner.invoke(app, ["run", "-m", "nowhere", "-p", "hi", "--gpu-memory", "lots"])
+    assert result.exit_code == 2 and "--gpu-memory" in result.stderr

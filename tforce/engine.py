@@ -17,6 +17,7 @@ from .cache import FullCache, RetrievalCache, StreamingCache
 from .cache.offload import OffloadedCache
 from .config import Sampling, Speculation
 from .errors import UsageError
+from .graphs import GraphRunner
 from .levels import Drafter, Node, SpecLevel
 from .rope import Rotary
 
@@ -47,7 +48,8 @@ class Session:
     """The caches and levels of one generation over one prompt."""
 
     def __init__(self, target, draft, prompt_len: int, max_new: int, spec: Speculation, sampling: Sampling,
-                 prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None):
+                 prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
+                 cuda_graphs: bool = True):
         self.spec, self.sampling = spec, sampling
         self.target, self.draft = target, draft
         cfg = target.config
@@ -69,12 +71,14 @@ class Session:
         if method in ("triforce", "retrieval"):
             self.retrieval = RetrievalCache(*dims, budget=spec.budget, chunk_size=spec.chunk_size,
                                             rotary=rotary, dtype=p.dtype, device=p.device)
-            self.middle = Node("retrieval", target, self.retrieval, sampling, capacity, prefill_chunk)
+            self.middle = Node("retrieval", target, self.retrieval, sampling, capacity, prefill_chunk,
+                               _runner(target, self.retrieval, cuda_graphs))
         elif method == "streaming":
             cache = StreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
                                    max_rollback=spec.max_lookahead, max_new=prefill_chunk + spec.max_lookahead,
                                    dtype=p.dtype, device=p.device)
-            self.middle = Node("streaming", target, cache, sampling, capacity, prefill_chunk)
+            self.middle = Node("streaming", target, cache, sampling, capacity, prefill_chunk,
+                               _runner(target, cache, cuda_graphs))
         if spec.uses_draft:
             dcfg, dp = draft.config, next(draft.parameters())
             chunk = min(prefill_chunk, spec.draft_budget)
@@ -83,7 +87,7 @@ class Session:
                                    rotary=Rotary(dcfg, max_len=self.total, device=dp.device),
                                    max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
                                    dtype=dp.dtype, device=dp.device)
-            self.small = Node("draft", draft, cache, sampling, capacity, chunk)
+            self.small = Node("draft", draft, cache, sampling, capacity, chunk, _runner(draft, cache, cuda_graphs))
         self.top, self.draft_level, self.middle_level = self._compose()
 
     def _compose(self):
@@ -142,6 +146,12 @@ class Session:
         return tokens
 
 
+def _runner(model, cache, enabled: bool):
+    """CUDA graphs for the draft and middle levels' forwards (never the full cache's)."""
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    return GraphRunner(model, cache) if enabled and on_cuda else None
+
+
 def _plan(dims, capacity: int, p: torch.Tensor, spec: Speculation, offload: str,
           gpu_memory: int | None) -> placement.Plan:
     n_layers, n_kv, head_dim = dims
@@ -172,7 +182,8 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
              ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
              gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
              rebuild_below: float = 0.3, prefill_chunk: int = 512, offload: str = "auto",
-             gpu_memory: int | None = None, on_token=None, on_prefill=None, on_round=None) -> Result:
+             gpu_memory: int | None = None, cuda_graphs: bool = True, on_token=None, on_prefill=None,
+             on_round=None) -> Result:
     """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
     or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
     on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each
@@ -200,7 +211,8 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else torch.seed())
 
-    session = Session(target, draft, len(prompt), max_new, spec, sampling, prefill_chunk, offload, gpu_memory)
+    session = Session(target, draft, len(prompt), max_new, spec, sampling, prefill_chunk, offload, gpu_memory,
+                      cuda_graphs)
     t0 = time.perf_counter()
     session.prefill(prompt, on_prefill)
     _sync_device(device)

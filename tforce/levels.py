@@ -25,8 +25,11 @@ from .speculative import Proposal, verify
 
 
 class Node:
-    def __init__(self, name: str, model, cache, sampling: Sampling, capacity: int, prefill_chunk: int = 512):
+    def __init__(self, name: str, model, cache, sampling: Sampling, capacity: int, prefill_chunk: int = 512,
+                 runner=None):
         self.name, self.model, self.cache, self.sampling = name, model, cache, sampling
+        # runner(ids, last_n) replaces model(ids, cache, last_n) when given (graphs.GraphRunner)
+        self.runner = runner or (lambda ids, last_n: model(ids, cache, last_n=last_n))
         self.tokens = torch.zeros(capacity, dtype=torch.long)  # what the cache holds: tokens[:cache.length]
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
@@ -44,7 +47,7 @@ class Node:
     def _feed(self, seq: torch.Tensor, start: int, end: int, last_n: int):
         ids = seq[start:end]
         self.cache.begin(len(ids))
-        logits = self.model(ids[None].to(self.device), self.cache, last_n=last_n)
+        logits = self.runner(ids[None].to(self.device), last_n)
         self.cache.commit(len(ids))
         self.tokens[start:end] = ids
         self.forwards += 1

@@ -51,6 +51,29 @@ class KVCache(Protocol):
     def truncate(self, length: int) -> None: ...
 
 
+class StaticInputs:
+    """For caches whose forwards may be replayed from a CUDA graph (graphs.py).
+
+    begin() runs eagerly and stores what update() reads (positions, slots, cos/sin, masks) through
+    `_static`, which keeps one buffer per name and shape and copies new values into it. A graph
+    captured over update() therefore reads fresh values at every replay. `graph_key()` names the
+    shapes a forward will have, or None while they still change from step to step (no capture then).
+    """
+
+    def _static(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        buffers = self.__dict__.setdefault("_buffers", {})
+        key = (name, tuple(value.shape), value.dtype, value.device)
+        buf = buffers.get(key)
+        if buf is None:
+            buf = buffers[key] = value.clone()
+        else:
+            buf.copy_(value)
+        return buf
+
+    def graph_key(self):
+        return None
+
+
 def visibility(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
     """key_pos (H, S) sequence positions (-1 = empty), query_pos (T,) -> bool (H, T, S)."""
     k = key_pos[:, None, :]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..rope import Rotary
-from .base import CacheView, visibility
+from .base import CacheView, StaticInputs, visibility
 from .full import FullCache
 
 
@@ -40,7 +40,7 @@ def select_chunks(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
     return scores.topk(min(n_keep, scores.shape[1]), dim=1).indices
 
 
-class RetrievalCache:
+class RetrievalCache(StaticInputs):
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, budget: int, chunk_size: int,
                  rotary: Rotary, dtype=torch.float32, device="cpu"):
         shape = (n_layers, 1, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
@@ -87,15 +87,20 @@ class RetrievalCache:
         offset = torch.arange(start - self.base, start - self.base + n)
         return self.budget - 1 - offset % self.budget
 
+    def graph_key(self):
+        return "retrieval"  # fixed shapes: every forward of T tokens looks the same
+
     def begin(self, n: int) -> None:
         self.pending = n
-        pos = torch.arange(self.length, self.length + n)
-        self._pos = pos.to(self.key_pos.device)
-        self._slot = self._slots(self.length, n).to(self.key_pos.device)
-        self._cos, self._sin = self.rotary.cos_sin(pos, self.k.dtype)
-        self.key_pos[:, :, self._slot] = self._pos
-        self._mask = visibility(self.key_pos.flatten(0, 1), self._pos).view(
+        device = self.key_pos.device
+        pos = torch.arange(self.length, self.length + n, device=device)
+        self._slot = self._static("slot", self._slots(self.length, n).to(device))
+        cos, sin = self.rotary.cos_sin(pos, self.k.dtype)
+        self._cos, self._sin = self._static("cos", cos), self._static("sin", sin)
+        self.key_pos[:, :, self._slot] = pos
+        mask = visibility(self.key_pos.flatten(0, 1), pos).view(
             self.key_pos.shape[0], self.key_pos.shape[1], n, self.budget)  # (layers, H_kv, T, S)
+        self._mask = self._static("mask", mask)
 
     def update(self, layer, q, k, v):
         q = self.rotary.rotate(q, self._cos, self._sin)

@@ -15,10 +15,10 @@ import torch
 
 from ..errors import TforceError
 from ..rope import Rotary
-from .base import CacheView, visibility
+from .base import CacheView, StaticInputs, visibility
 
 
-class StreamingCache:
+class StreamingCache(StaticInputs):
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, budget: int, sinks: int, rotary: Rotary,
                  max_rollback: int, max_new: int, dtype=torch.float32, device="cpu"):
         assert 0 <= sinks < budget
@@ -61,13 +61,21 @@ class StreamingCache:
         pos = self.positions(n)  # (S,) sequence positions, in view order
         n_sinks = min(self.sinks, self.length)
         lo = self._row(int(pos[n_sinks])) if len(pos) > n_sinks else 0
-        self._rows = torch.cat([torch.arange(n_sinks), torch.arange(lo, lo + len(pos) - n_sinks)])
-        self._new_rows = slice(self._row(self.length), self._row(self.length) + n)
-        slot = torch.arange(len(pos))
-        self._cos, self._sin = self.rotary.cos_sin(slot, self.k.dtype)
+        device = self.k.device
+        rows = torch.cat([torch.arange(n_sinks), torch.arange(lo, lo + len(pos) - n_sinks)])
+        self._rows = self._static("rows", rows.to(device))
+        first = self._row(self.length)
+        self._new_rows = self._static("new_rows", torch.arange(first, first + n, device=device))
+        cos, sin = self.rotary.cos_sin(torch.arange(len(pos), device=device), self.k.dtype)
+        self._cos, self._sin = self._static("cos", cos), self._static("sin", sin)
         self._qcos, self._qsin = self._cos[-n:], self._sin[-n:]
-        self._mask = None if n == 1 else visibility(pos[None].to(self.k.device), pos[-n:])  # mask on k's device
+        self._mask = None if n == 1 else self._static("mask", visibility(pos[None].to(device), pos[-n:]))
         self.view_positions = pos
+
+    def graph_key(self):
+        """The view's size, once the window is full (before that it grows every step)."""
+        full = self.length >= self.sinks + self.window
+        return ("streaming", self.sinks + self.window + self.pending) if full else None
 
     def update(self, layer, q, k, v):
         self.k[layer, :, self._new_rows] = k

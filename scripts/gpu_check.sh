@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: versions, the CUDA tests, the CPU suite, a short synthetic benchmark.
+#
+#   bash scripts/gpu_check.sh            # from the repository root; logs and JSON under $OUT (default ./out)
+#
+# Installs nothing: the package runs from the checkout (PYTHONPATH=.); python3 must already have torch
+# (CUDA build), transformers and tforce's other dependencies. Every step logs to $OUT/<step>.log; the
+# script goes on after a failed step and exits 1 if any failed. The benchmark uses RANDOM weights
+# (--synthetic llama2-7b): its speeds are real, its acceptance rates say nothing about trained models.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+PROMPT_LEN="${PROMPT_LEN:-8192}"
+GEN_LEN="${GEN_LEN:-64}"
+failed=()
+
+step() {  # step NAME COMMAND...: run, tee to $OUT/NAME.log, remember failures
+    local name="$1"; shift
+    echo "== $name: $*"
+    local t0=$SECONDS
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || failed+=("$name")
+}
+
+step versions "$PY" - <<'PY'
+import importlib, platform, subprocess
+import torch
+print("python", platform.python_version())
+print("torch", torch.__version__, "| CUDA", torch.version.cuda, "| available", torch.cuda.is_available())
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"gpu {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, capability {p.major}.{p.minor}")
+missing = []
+for name in ("transformers", "tokenizers", "safetensors", "typer", "rich", "psutil", "pytest", "xdist", "flash_attn"):
+    try:
+        m = importlib.import_module(name)
+        print(name, getattr(m, "__version__", "?"))
+    except ImportError:
+        print(name, "MISSING")
+        missing.append(name)
+try:
+    print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.used,memory.total",
+                          "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip())
+except Exception as e:
+    print("nvidia-smi:", type(e).__name__)
+need = {"transformers", "tokenizers", "safetensors", "typer", "rich", "psutil", "pytest"}
+if need & set(missing) or not torch.cuda.is_available():
+    raise SystemExit(f"cannot go on: missing {sorted(need & set(missing))}, CUDA {torch.cuda.is_available()}")
+PY
+if [ "${#failed[@]}" -ne 0 ]; then
+    echo "gpu_check: the environment lacks what the checks need (see $OUT/versions.log)"
+    exit 1
+fi
+
+step cuda_tests "$PY" -m pytest -q -m cuda -rs
+if "$PY" -c "import xdist" 2>/dev/null; then par=(-n 8); else par=(); fi
+step cpu_suite "$PY" -m pytest -q -m "not cuda" "${par[@]}"
+
+step info "$PY" -m tforce.cli info --synthetic llama2-7b --context 131072 --json
+cp "$OUT/info.log" "$OUT/info.json" 2>/dev/null
+for mode in off on; do
+    name="bench_llama2-7b_${PROMPT_LEN}_offload_${mode}"
+    echo "== $name"
+    t0=$SECONDS
+    "$PY" -m tforce.cli bench --synthetic llama2-7b --device cuda --prompt-len "$PROMPT_LEN" \
+        --gen-len "$GEN_LEN" --offload "$mode" --json >"$OUT/$name.json" 2>"$OUT/$name.log"
+    rc=$?
+    cat "$OUT/$name.log"
+    "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps(r, indent=1))" "$OUT/$name.json" \
+        || rc=1
+    echo "== $name: exit $rc after $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || failed+=("$name")
+done
+
+if [ "${#failed[@]}" -ne 0 ]; then
+    echo "gpu_check: FAILED: ${failed[*]} (logs under $OUT)"
+    exit 1
+fi
+echo "gpu_check: all steps passed (logs under $OUT)"

@@ -46,3 +46,33 @@ def test_offloaded_tokens_are_identical(tiny, method, temperature):
     on = tforce.generate(tiny["gqa"], prompt, offload="on", **kw).tokens
     off = tforce.generate(tiny["gqa"], prompt, offload="off", **kw).tokens
     assert on == off
+
+
+@pytest.mark.parametrize("resident", [0, 1])
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_layer_major_prefill_is_bit_identical(tiny, resident, n):
+    """Layer-major prefill (linear host traffic) fills the cache exactly as token-major prefill does."""
+    from tforce.prefill import prefill_layer_major
+
+    model = tiny["gqa"].model
+    dims = (model.config.num_hidden_layers, model.n_kv_heads, model.head_dim)
+    rotary = Rotary(model.config, 64)
+    ids = torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(n))
+    full = FullCache(*dims, capacity=64, rotary=rotary)
+    for a in range(0, n, 16):  # token-major, same 16-token chunks
+        b = min(a + 16, n)
+        full.begin(b - a)
+        model(ids[None, a:b], full, last_n=0)
+        full.commit(b - a)
+    off = OffloadedCache(*dims, capacity=64, rotary=rotary, resident=resident)
+    seen = []
+    prefill_layer_major(model, ids, off, chunk=16, progress=lambda d, t: seen.append((d, t)))
+    assert off.length == full.length == n and seen[-1] == (dims[0] * n, dims[0] * n)
+    for layer in range(dims[0]):
+        assert torch.equal(off.layer_keys(layer)[:, :n], full.layer_keys(layer)[:, :n])
+        assert torch.equal(off.layer_values(layer)[:, :n], full.layer_values(layer)[:, :n])
+        assert torch.equal(off.query_at(layer, n - 1), full.query_at(layer, n - 1))
+    nxt = torch.tensor([[5]])
+    for cache in (full, off):
+        cache.begin(1)
+    assert torch.equal(model(nxt, full), model(nxt, off))

@@ -18,6 +18,7 @@ from .cache.offload import OffloadedCache
 from .config import Sampling, Speculation
 from .errors import UsageError
 from .graphs import GraphRunner
+from .prefill import prefill_layer_major
 from .levels import Drafter, Node, SpecLevel
 from .rope import Rotary
 
@@ -109,7 +110,11 @@ class Session:
         """Every node takes the prompt but its last token, which the first round feeds."""
         n = len(prompt)
         self.seq[:n] = prompt
-        self.full.prefill(self.seq, n - 1, progress)
+        if isinstance(self.full.cache, OffloadedCache) and n > 1:  # PCIe traffic linear in the prompt
+            prefill_layer_major(self.target, self.seq[:n - 1], self.full.cache, self.full.prefill_chunk, progress)
+            self.full.adopt(self.seq, n - 1)
+        else:
+            self.full.prefill(self.seq, n - 1, progress)
         if self.middle is not None:
             if self.retrieval is not None:
                 self._rebuild()
@@ -123,7 +128,7 @@ class Session:
         L = full.length
         queries = [full.query_at(i, L - 1) for i in range(len(full.queries))] if L else []
         self.retrieval.rebuild(full, queries)
-        self.middle.tokens[:L] = self.seq[:L]
+        self.middle.adopt(self.seq, L)
         if self.middle_level is not None:
             self.middle_level.stats.recent = []
 

@@ -63,6 +63,11 @@ class Node:
         logits = self._feed(seq, start, n, last_n=last)[0]  # (last, V)
         return to_probs(logits, self.sampling)
 
+    def adopt(self, seq: torch.Tensor, length: int) -> None:
+        """The cache was filled outside a forward (a rebuild, a layer-major prefill) to hold seq[:length]."""
+        assert self.cache.length == length
+        self.tokens[:length] = seq[:length]
+
     def prefill(self, seq: torch.Tensor, n: int, progress=None) -> None:
         """Feed seq[:n] in chunks, computing no logits; progress(done, total) after each chunk."""
         start = self.sync(seq, n + 1)

@@ -42,6 +42,18 @@ class FullCache:
         self.queries[layer] = q
         return q, CacheView(self.k[layer, :, :L + n], self.v[layer, :, :L + n], self._mask, causal=True)
 
+    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one layer's rotated K/V (B, n, H_kv, D) after the committed tokens, outside a forward
+        (layer-major prefill); commit_written(n) then commits them for every layer at once."""
+        L, n = self.length, k.shape[1]
+        self.k[layer, :, L:L + n] = k
+        self.v[layer, :, L:L + n] = v
+
+    def commit_written(self, n: int) -> None:
+        if self.length + n > self.capacity:
+            raise TforceError(f"KV cache full: {self.length} + {n} tokens > capacity {self.capacity}")
+        self.length += n
+
     def commit(self, n: int) -> None:
         assert 0 <= n <= self.pending
         self.length += n

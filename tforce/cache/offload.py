@@ -88,6 +88,15 @@ class OffloadedCache(FullCache):
             self.host_k[h, :, L:L + n].copy_(self.stage_k[j, :, L:L + n], non_blocking=True)
             self.host_v[h, :, L:L + n].copy_(self.stage_v[j, :, L:L + n], non_blocking=True)
 
+    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer-major prefill hands over one layer: an offloaded one goes to host memory once."""
+        if layer < self.resident:
+            return super().write_layer(layer, k, v)
+        L, n, h = self.length, k.shape[1], layer - self.resident
+        # Synchronous on purpose: the caller reuses k and v's storage for the next layer right away.
+        self.host_k[h, :, L:L + n].copy_(k)
+        self.host_v[h, :, L:L + n].copy_(v)
+
     def layer_keys(self, layer: int) -> torch.Tensor:
         """Committed keys (B, S, H_kv, D) of one layer, wherever they live (for retrieval rebuilds)."""
         if layer < self.resident:

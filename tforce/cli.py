@@ -270,6 +270,8 @@ def run(
     offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda)."),
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
     def body():
@@ -285,7 +287,7 @@ def run(
         if dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         placement_options = _placement_options(offload, gpu_memory)
-        dev = _device(device)
+        world, dev = _parallel(tp, gpus, device)
         draft_name = draft if draft is not None else _default_draft(model)
         if spec.uses_draft and draft_name is None:
             raise UsageError(f"method {method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
@@ -294,25 +296,68 @@ def run(
              as_json, dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            top_k=top_k, seed=seed, ignore_eos=ignore_eos, budget=budget, chunk_size=chunk_size,
                            gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget, sinks=sinks,
-                           rebuild_every=rebuild_every, rebuild_below=rebuild_below, **placement_options))
+                           rebuild_every=rebuild_every, rebuild_below=rebuild_below, **placement_options),
+             world)
 
     _guarded(body)
 
 
-def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Optional[str], as_json: bool,
-         options: dict) -> None:
-    from .engine import generate
-    from .weights import load_model
+def _parallel(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:
+    """--tp / --gpus / --device -> (ranks, device), checked against the GPUs torch sees."""
+    import torch
 
-    target = load_model(model, device=device, dtype=dtype)
-    tok = target.tokenizer
+    if tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {tp}")
+    world = tp
+    if gpus is not None:
+        if gpus < 1:
+            raise UsageError(f"--gpus must be >= 1, got {gpus}")
+        if device not in ("auto", "cuda"):
+            raise UsageError(f"--gpus runs on CUDA, not --device {device} (for CPU ranks use --tp N --device cpu)")
+        if tp not in (1, gpus):
+            raise UsageError(f"--gpus {gpus} and --tp {tp} disagree: give one of them")
+        world, device = gpus, "cuda"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    dev = "cuda" if device == "cuda" and world > 1 else _device(device)
+    if dev == "cuda" and world > count:
+        raise UsageError(f"{world} ranks on CUDA need {world} GPUs; torch sees {count} "
+                         f"(--tp {world} --device cpu runs them on the CPU)")
+    return world, dev
+
+
+def _tp_target(model: str, world: int):
+    """For a split target: (folder, config, tokenizer) without loading weights; the heads must split."""
+    from transformers import AutoConfig
+
+    from .parallel import check_tp
+    from .weights import _load_tokenizer, resolve
+
+    path = resolve(model)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise UsageError(f"cannot read {path / 'config.json'}: {(str(e).strip().splitlines() or [''])[0]}") from e
+    check_tp(config, world)
+    return path, config, _load_tokenizer(path)
+
+
+def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Optional[str], as_json: bool,
+         options: dict, world: int = 1) -> None:
+    from .engine import generate
+    from .weights import load_model, resolve
+
+    if world > 1:  # the workers load the weights: here only the config and tokenizer
+        path, config, tok = _tp_target(model, world)
+    else:
+        target = load_model(model, device=device, dtype=dtype)
+        path, config, tok = target.path, target.config, target.tokenizer
     if tok is None:
-        raise UsageError(f"{target.path} has no tokenizer: tforce needs the target's tokenizer files")
+        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
     ids = list(tok.encode(text))
-    context = target.config.max_position_embeddings
+    context = config.max_position_embeddings
     if len(ids) >= context:
         raise UsageError(f"the prompt is {len(ids)} tokens; the model's context is {context}")
-    small = load_model(draft, device=device, dtype=dtype, tokenizer=False) if draft else None
+    small = load_model(draft, device=device, dtype=dtype, tokenizer=False) if draft and world == 1 else None
     max_new = min(options["max_new_tokens"], context - len(ids))
     stream = TextStream(tok, sys.stdout, enabled=not as_json)
     progress = Progress(max_new, options["method"], keep_live=not sys.stdout.isatty()) \
@@ -323,9 +368,16 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
         if progress:
             progress.on_token(tokens)
 
+    on_prefill = progress.on_prefill if progress else None
     try:
-        result = generate(target.model, ids, draft=small.model if small else None, on_token=on_token,
-                          on_prefill=progress.on_prefill if progress else None, **options)
+        if world > 1:
+            from .parallel import generate_tp
+
+            result = generate_tp(str(path), str(resolve(draft)) if draft else None, ids, world, device, dtype,
+                                 on_token=on_token, on_prefill=on_prefill, **options)
+        else:
+            result = generate(target.model, ids, draft=small.model if small else None, on_token=on_token,
+                              on_prefill=on_prefill, **options)
     except BaseException:
         if progress:
             progress.live.stop()

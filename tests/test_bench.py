@@ -31,7 +31,7 @@ def report(runner):
 
 
 def test_bench_json_has_every_field(report):
-    assert {"device", "h2d_peak_gbps", "synthetic", "runs"} <= set(report)
+    assert {"device", "h2d_peak_gbps", "synthetic", "runs", "warmup_s"} <= set(report)
     assert report["synthetic"] is True and report["h2d_peak_gbps"] is None
     assert [r["method"] for r in report["runs"]] == ["ar", "triforce", "naive", "retrieval", "streaming"]
     for r in report["runs"]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import re
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -172,6 +173,20 @@ def kv_bytes_per_token(model) -> int:
     return 2 * model.n_kv_heads * model.head_dim * next(model.parameters()).element_size()
 
 
+def warm_up(target, draft, ids: list[int], cfg: BenchConfig) -> float:
+    """A short generation per method (first 256 prompt tokens, 4 new ones) before anything is timed, so
+    that one-time costs (kernel loading, allocator growth, thread pools) land in none of the runs.
+    Returns its seconds, reported apart (DESIGN.md habit 9)."""
+    from .engine import generate
+
+    t0 = time.perf_counter()
+    for method in cfg.methods:
+        generate(target, ids[:256], draft=draft if Speculation(method=method).uses_draft else None,
+                 method=method, max_new_tokens=4, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                 ignore_eos=True, offload=cfg.offload, gpu_memory=cfg.gpu_memory, **cfg.engine)
+    return time.perf_counter() - t0
+
+
 def run_one(target, draft, ids: list[int], method: str, cfg: BenchConfig, h2d_peak: float | None) -> dict:
     from .engine import generate
 
@@ -221,6 +236,9 @@ def bench(target, draft, ids: list[int], cfg: BenchConfig, synthetic: bool, mode
         progress(f"measuring the pinned host-to-device copy rate on {device}" if device.type == "cuda"
                  else "no CUDA device: no host-to-device figures")
     peak = h2d_peak_gbps(device)
+    if progress:
+        progress("warm-up: every method on the first 256 prompt tokens (not timed)")
+    warmup_s = warm_up(target, draft, ids, cfg)
     runs = []
     for method in cfg.methods:
         if progress:
@@ -239,6 +257,7 @@ def bench(target, draft, ids: list[int], cfg: BenchConfig, synthetic: bool, mode
         "gen_len": cfg.gen_len,
         "temperature": cfg.temperature,
         "offload": cfg.offload,
+        "warmup_s": warmup_s,
         "runs": runs,
     }
 

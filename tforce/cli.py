@@ -676,7 +676,8 @@ def _print_bench(r: dict) -> None:
              f"{r['dtype']}, temperature {r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"]
                                                                 else ""))
     t = Table(title=title, caption=f"pinned H2D peak: {f(peak, '.1f', ' GB/s')}; floor = offloaded KV bytes "
-                                   f"per verification / peak; '-' = not applicable or not measured")
+                                   f"per verification / peak; warm-up {r['warmup_s']:.1f} s (not in the runs); "
+                                   f"'-' = not applicable or not measured")
     for col in ("method", "ms/token", "speed-up vs ar", "accept draft", "accept retrieval", "tokens/verif",
                 "prefill s", "H2D GB/s (peak)", "floor ms/verif", "GPU GiB", "pinned GiB", "KV layers GPU/host"):
         t.add_column(col, justify="left" if col == "method" else "right")

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from tforce.bench import parse_size
 from tforce.cli import app
 from tforce.errors import UsageError
+from tforce.synthetic import make_checkpoint
 
 BENCH = ["bench", "--synthetic", "tiny", "--device", "cpu", "--prompt-len", "200", "--gen-len", "16"]
 RUN_FIELDS = {"method", "ms_per_token", "speedup_vs_ar", "acceptance", "tokens_per_verification", "prefill_s",
@@ -68,7 +69,8 @@ def test_bench_offload_on_cpu(runner):
     (["--gpu-memory", "24XB"], "--gpu-memory"),
     (["--methods", "ar,fast"], "--methods"),
     (["--offload", "maybe"], "--offload"),
-    (["--gpus", "2"], "not implemented yet"),
+    (["--gpus", "2"], "--gpus runs on CUDA"),
+    (["--tp", "2"], "needs --model"),
 ])
 def test_bench_bad_options_are_one_line(runner, args, needle):
     result = runner.invoke(app, BENCH + args)
@@ -81,6 +83,19 @@ def test_bench_bad_options_are_one_line(runner, args, needle):
 def test_bench_needs_one_model_source(runner):
     result = runner.invoke(app, ["bench", "--device", "cpu"])
     assert result.exit_code == 2 and "--synthetic" in result.stderr
+
+
+def test_bench_split_over_ranks(runner, tmp_path):
+    """--tp 2 on the CPU: the target split over two gloo ranks (tforce.parallel.generate_tp)."""
+    make_checkpoint(tmp_path / "target", seed=0, num_key_value_heads=2)
+    result = runner.invoke(app, ["bench", "-m", str(tmp_path / "target"), "--tp", "2", "--device", "cpu",
+                                 "--methods", "retrieval", "--prompt-len", "100", "--gen-len", "4", "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    obj = json.loads(result.stdout)
+    assert obj["synthetic"] is False and obj["ranks"] == 2 and obj["warmup_s"] is None
+    (run,) = obj["runs"]
+    assert run["method"] == "retrieval" and run["tokens"] == 4 and run["speedup_vs_ar"] is None
+    assert run["placement"]["ranks"] == 2
 
 
 def test_parse_size():

@@ -168,46 +168,83 @@ def device_name(device) -> str:
 # ---------------------------------------------------------------------------------------------- runs
 
 
-def kv_bytes_per_token(model) -> int:
-    """K + V bytes of one token in one layer of `model`'s full cache."""
-    return 2 * model.n_kv_heads * model.head_dim * next(model.parameters()).element_size()
+@dataclass
+class Models:
+    """What bench times: a target and draft in this process, or (world > 1) checkpoint folders that
+    tforce.parallel.generate_tp splits over `world` ranks, fresh worker processes per generation."""
+
+    device: torch.device
+    dtype: torch.dtype
+    kv_token_bytes: int  # K + V of one token in one layer of one rank's full cache
+    target: object = None
+    draft: object = None
+    target_path: str | None = None
+    draft_path: str | None = None
+    world: int = 1
+
+    @classmethod
+    def local(cls, target, draft) -> "Models":
+        p = next(target.parameters())
+        return cls(p.device, p.dtype, 2 * target.n_kv_heads * target.head_dim * p.element_size(), target, draft)
+
+    @classmethod
+    def split(cls, config, target_path: str, draft_path: str | None, world: int, device: str,
+              dtype: torch.dtype) -> "Models":
+        n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        elem = torch.empty((), dtype=dtype).element_size()
+        return cls(torch.device(device, 0) if device == "cuda" else torch.device(device), dtype,
+                   2 * (n_kv // world) * head_dim * elem, target_path=target_path, draft_path=draft_path,
+                   world=world)
+
+    def generate(self, ids: list[int], method: str, **options):
+        uses_draft = Speculation(method=method).uses_draft
+        if self.world == 1:
+            from .engine import generate
+
+            return generate(self.target, ids, draft=self.draft if uses_draft else None, method=method, **options)
+        from .parallel import generate_tp
+
+        return generate_tp(self.target_path, self.draft_path if uses_draft else None, ids, self.world,
+                           self.device.type, self.dtype, method=method, **options)
 
 
-def warm_up(target, draft, ids: list[int], cfg: BenchConfig) -> float:
+def _options(cfg: BenchConfig, max_new: int) -> dict:
+    return dict(max_new_tokens=max_new, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                ignore_eos=True, offload=cfg.offload, gpu_memory=cfg.gpu_memory, **cfg.engine)
+
+
+def warm_up(models: Models, ids: list[int], cfg: BenchConfig) -> float | None:
     """A short generation per method (first 256 prompt tokens, 4 new ones) before anything is timed, so
     that one-time costs (kernel loading, allocator growth, thread pools) land in none of the runs.
-    Returns its seconds, reported apart (DESIGN.md habit 9)."""
-    from .engine import generate
-
+    Returns its seconds, reported apart (DESIGN.md habit 9). None when split over ranks: every
+    generation starts fresh worker processes, so nothing warm would carry over."""
+    if models.world > 1:
+        return None
     t0 = time.perf_counter()
     for method in cfg.methods:
-        generate(target, ids[:256], draft=draft if Speculation(method=method).uses_draft else None,
-                 method=method, max_new_tokens=4, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-                 ignore_eos=True, offload=cfg.offload, gpu_memory=cfg.gpu_memory, **cfg.engine)
+        models.generate(ids[:256], method, **_options(cfg, 4))
     return time.perf_counter() - t0
 
 
-def run_one(target, draft, ids: list[int], method: str, cfg: BenchConfig, h2d_peak: float | None) -> dict:
-    from .engine import generate
-
-    device = next(target.parameters()).device
-    cuda = device.type == "cuda"
+def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig, h2d_peak: float | None) -> dict:
+    device = models.device
+    local_cuda = device.type == "cuda" and models.world == 1
     gc.collect()
-    if cuda:
+    if local_cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    result = generate(target, ids, draft=draft if Speculation(method=method).uses_draft else None,
-                      method=method, max_new_tokens=cfg.gen_len, temperature=cfg.temperature, top_p=cfg.top_p,
-                      seed=cfg.seed, ignore_eos=True, offload=cfg.offload, gpu_memory=cfg.gpu_memory,
-                      **cfg.engine)
+    result = models.generate(ids, method, **_options(cfg, cfg.gen_len))
     s = result.stats
     n = len(result.tokens)
-    # Bytes of offloaded KV streamed per full-cache verification: only committed rows are copied, so at
-    # the mean context length over the decode (about prompt + half the generated tokens).
+    # Bytes of offloaded KV one rank streams per full-cache verification: only committed rows are
+    # copied, so at the mean context length over the decode (about prompt + half the generated tokens).
+    # The ranks stream in parallel, each over its own link: the achieved rate is their sum.
     mean_context = len(ids) + n / 2
-    offloaded = s["kv_offloaded_layers"] * kv_bytes_per_token(target) * mean_context
-    streamed = offloaded > 0 and cuda
-    h2d = offloaded * s["verifications"] / s["decode_s"] / 1e9 if streamed and s["decode_s"] > 0 else None
+    offloaded = s["kv_offloaded_layers"] * models.kv_token_bytes * mean_context
+    streamed = offloaded > 0 and device.type == "cuda"
+    h2d = models.world * offloaded * s["verifications"] / s["decode_s"] / 1e9 \
+        if streamed and s["decode_s"] > 0 else None
     return {
         "method": method,
         "tokens": n,
@@ -219,44 +256,47 @@ def run_one(target, draft, ids: list[int], method: str, cfg: BenchConfig, h2d_pe
         "prefill_s": s["prefill_s"],
         "decode_s": s["decode_s"],
         "h2d_gbps": h2d,
-        "h2d_bytes_per_verification": int(offloaded) if streamed else None,
+        "h2d_bytes_per_verification": int(models.world * offloaded) if streamed else None,
         "floor_ms_per_verification": 1000 * offloaded / (h2d_peak * 1e9) if streamed and h2d_peak else None,
-        "gpu_mem_gib": torch.cuda.max_memory_allocated(device) / GiB if cuda else None,
-        "pinned_gib": s["kv_host_bytes"] / GiB,
+        "gpu_mem_gib": torch.cuda.max_memory_allocated(device) / GiB if local_cuda else None,
+        "pinned_gib": models.world * s["kv_host_bytes"] / GiB,
         "placement": {"resident_layers": s["kv_resident_layers"], "offloaded_layers": s["kv_offloaded_layers"],
-                      "gpu_kv_gib": s["kv_gpu_bytes"] / GiB, "host_kv_gib": s["kv_host_bytes"] / GiB},
+                      "gpu_kv_gib": s["kv_gpu_bytes"] / GiB, "host_kv_gib": s["kv_host_bytes"] / GiB,
+                      "ranks": models.world},
     }
 
 
-def bench(target, draft, ids: list[int], cfg: BenchConfig, synthetic: bool, model_name: str,
+def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, model_name: str,
           progress=None) -> dict:
     """Every method of cfg over the same prompt; the one JSON object `tforce bench --json` prints."""
-    device = next(target.parameters()).device
+    device = models.device
     if progress:
         progress(f"measuring the pinned host-to-device copy rate on {device}" if device.type == "cuda"
                  else "no CUDA device: no host-to-device figures")
     peak = h2d_peak_gbps(device)
     if progress:
-        progress("warm-up: every method on the first 256 prompt tokens (not timed)")
-    warmup_s = warm_up(target, draft, ids, cfg)
+        progress("warm-up: every method on the first 256 prompt tokens (not timed)" if models.world == 1
+                 else f"{models.world} ranks: fresh worker processes per method, no warm-up (cold runs)")
+    warmup_s = warm_up(models, ids, cfg)
     runs = []
     for method in cfg.methods:
         if progress:
             progress(f"{method}: {len(ids)} prompt tokens, {cfg.gen_len} new tokens")
-        runs.append(run_one(target, draft, ids, method, cfg, peak))
+        runs.append(run_one(models, ids, method, cfg, peak))
     ar = next((r["ms_per_token"] for r in runs if r["method"] == "ar"), None)
     for r in runs:
         r["speedup_vs_ar"] = ar / r["ms_per_token"] if ar and r["ms_per_token"] else None
     return {
-        "device": device_name(device),
+        "device": device_name(device) + (f" x {models.world} ranks" if models.world > 1 else ""),
         "h2d_peak_gbps": peak,
         "synthetic": synthetic,
         "model": model_name,
-        "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "dtype": str(models.dtype).removeprefix("torch."),
         "prompt_tokens": len(ids),
         "gen_len": cfg.gen_len,
         "temperature": cfg.temperature,
         "offload": cfg.offload,
+        "ranks": models.world,
         "warmup_s": warmup_s,
         "runs": runs,
     }

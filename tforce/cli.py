@@ -575,7 +575,9 @@ def bench(
     synthetic: Optional[str] = typer.Option(None, "--synthetic",
                                             help="Random weights of an architecture: llama2-7b | llama2-13b | "
                                                  "llama3.1-8b | tiny (results are labelled synthetic)."),
-    gpus: int = typer.Option(1, "--gpus", help="GPUs (tensor parallelism)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device "
+                                                             "cuda; needs --model)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
     prompt_len: int = typer.Option(122880, "--prompt-len", help="Prompt tokens."),
     gen_len: int = typer.Option(256, "--gen-len", help="Tokens generated per method (EOS ignored)."),
     methods: str = typer.Option("ar,triforce,naive,retrieval,streaming", "--methods",
@@ -604,10 +606,6 @@ def bench(
 
         if (model is None) == (synthetic is None):
             raise UsageError("give one of --model or --synthetic ARCH")
-        if gpus < 1:
-            raise UsageError(f"--gpus must be >= 1, got {gpus}")
-        if gpus > 1:
-            raise UsageError("--gpus > 1 for bench is not implemented yet")
         if prompt_len < 1 or gen_len < 1:
             raise UsageError(f"--prompt-len and --gen-len must be >= 1, got {prompt_len} and {gen_len}")
         if dtype not in DTYPES:
@@ -620,8 +618,11 @@ def bench(
         cfg = b.BenchConfig(methods=names, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
                             top_p=top_p, seed=seed, engine=engine, **_placement_options(offload, gpu_memory))
         text = None if prompt_file is None else _read_prompt(prompt_file, None)
-        dev = _device(device)
-        record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text)
+        world, dev = _parallel(tp, gpus, device)
+        if world > 1 and synthetic is not None:
+            raise UsageError("--gpus/--tp > 1 needs --model (a checkpoint folder the ranks load); "
+                             "--synthetic models are built in one process")
+        record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text, world)
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
@@ -632,7 +633,7 @@ def bench(
 
 
 def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Optional[str], device: str,
-           dtype: str, text: Optional[str]) -> dict:
+           dtype: str, text: Optional[str], world: int = 1) -> dict:
     import torch
 
     from .synthetic import ARCHITECTURES
@@ -644,23 +645,31 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if device == "cuda"
                                                                      else torch.float32)
         _say(f"tforce: bench: building a random-weight {synthetic} target and draft on {device} (SYNTHETIC)")
-        target, small = b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed)
-        tokenizer, name = None, f"synthetic:{synthetic}"
+        models = b.Models.local(*b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed))
+        config, tokenizer, name = models.target.config, None, f"synthetic:{synthetic}"
     else:
-        from .weights import load_model
+        from .weights import load_model, resolve
 
         draft_name = draft if draft is not None else _default_draft(model)
         if uses_draft and draft_name is None:
-            raise UsageError("the methods need a draft model: pass --draft, or drop triforce and naive")
-        loaded = load_model(model, device=device, dtype=None if dtype == "auto" else dtype)
-        target, tokenizer, name = loaded.model, loaded.tokenizer, model
-        small = load_model(draft_name, device=device, dtype=None if dtype == "auto" else dtype,
-                           tokenizer=False).model if uses_draft else None
-    context = target.config.max_position_embeddings
+            raise UsageError("the methods need a draft model: pass --draft, or drop triforce, naive and streaming")
+        torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
+        if world > 1:  # the ranks load the weights: here only the config and tokenizer
+            path, config, tokenizer = _tp_target(model, world)
+            torch_dtype = torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+            models = b.Models.split(config, str(path), str(resolve(draft_name)) if uses_draft else None, world,
+                                    device, torch_dtype)
+        else:
+            loaded = load_model(model, device=device, dtype=torch_dtype)
+            small = load_model(draft_name, device=device, dtype=torch_dtype, tokenizer=False).model \
+                if uses_draft else None
+            models, config, tokenizer = b.Models.local(loaded.model, small), loaded.config, loaded.tokenizer
+        name = model
+    context = config.max_position_embeddings
     if cfg.prompt_len >= context:
         raise UsageError(f"--prompt-len {cfg.prompt_len} reaches the model's context ({context} tokens)")
-    ids = b.prompt_ids(cfg.prompt_len, target.config.vocab_size, tokenizer, text, cfg.seed)
-    return b.bench(target, small, ids, cfg, synthetic is not None, name,
+    ids = b.prompt_ids(cfg.prompt_len, config.vocab_size, tokenizer, text, cfg.seed)
+    return b.bench(models, ids, cfg, synthetic is not None, name,
                    progress=lambda line: _say(f"tforce: bench: {line}"))
 
 
@@ -676,7 +685,7 @@ def _print_bench(r: dict) -> None:
              f"{r['dtype']}, temperature {r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"]
                                                                 else ""))
     t = Table(title=title, caption=f"pinned H2D peak: {f(peak, '.1f', ' GB/s')}; floor = offloaded KV bytes "
-                                   f"per verification / peak; warm-up {r['warmup_s']:.1f} s (not in the runs); "
+                                   f"per verification / peak; warm-up {f(r['warmup_s'], '.1f', ' s')} (not in the runs); "
                                    f"'-' = not applicable or not measured")
     for col in ("method", "ms/token", "speed-up vs ar", "accept draft", "accept retrieval", "tokens/verif",
                 "prefill s", "H2D GB/s (peak)", "floor ms/verif", "GPU GiB", "pinned GiB", "KV layers GPU/host"):

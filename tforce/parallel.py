@@ -261,6 +261,8 @@ def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int,
         generate_kwargs.pop(name, None)
     if generate_kwargs.get("seed") is None:
         generate_kwargs["seed"] = secrets.randbits(63)
+    if device == "cuda":  # all_reduce inside a captured graph is untested here: eager unless asked
+        generate_kwargs.setdefault("cuda_graphs", False)
 
     def on_event(event):
         name, args = event

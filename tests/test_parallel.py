@@ -1,0 +1,129 @@
+"""Tensor parallelism on the CPU (gloo, 2 spawned processes): a sharded forward's logits match the
+unsharded model's, greedy tokens with --tp 2 equal --tp 1 (ar and triforce), sampled tokens agree across
+ranks, worker failures surface as one line, and bad --tp / --gpus values are one usage line.
+
+Starting workers costs seconds (each imports torch and transformers), so one launch runs every
+in-worker check and the CLI test makes the only other one."""
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import tforce
+from model_helpers import forward, full_cache, random_ids
+from tforce.cli import app
+from tforce.errors import TforceError, UsageError
+from tforce.parallel import apply_tp, check_tp, launch
+from tforce.synthetic import make_checkpoint
+
+TARGET = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=512)
+GEN = dict(max_new_tokens=16, budget=32, chunk_size=4, draft_budget=16, sinks=2, ignore_eos=True)
+PROMPT = random_ids(48, seed=7)[0].tolist()
+SAMPLED = dict(temperature=0.9, top_p=0.95, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return make_checkpoint(root / "tiny-target", seed=11, **TARGET), make_checkpoint(root / "tiny-draft", seed=12,
+                                                                                        **DRAFT)
+
+
+def _checks(rank, world, target_path, draft_path):
+    """In each worker: one sharded forward's logits, greedy ar/triforce tokens, sampled triforce tokens."""
+    target = apply_tp(tforce.load_model(target_path, tokenizer=False).model, rank, world)
+    draft = tforce.load_model(draft_path, tokenizer=False).model
+    out = {"kv_heads": target.n_kv_heads, "logits": forward(target, full_cache(target), torch.tensor([PROMPT]))}
+    for method in ("ar", "triforce"):
+        out[method] = tforce.generate(target, PROMPT, draft=draft, method=method, temperature=0, **GEN).tokens
+    out["sampled"] = tforce.generate(target, PROMPT, draft=draft, method="triforce", **SAMPLED, **GEN).tokens
+    return out
+
+
+def _fail(rank, world):
+    if rank == 1:
+        raise ValueError("boom\nsecond line")
+    torch.distributed.barrier()  # rank 0 would wait here for ever: the parent must end it
+
+
+@pytest.fixture(scope="module")
+def ranks(paths):
+    return launch(_checks, 2, "gloo", str(paths[0]), str(paths[1]), all_ranks=True)
+
+
+@pytest.fixture(scope="module")
+def single(paths):
+    return tforce.load_model(str(paths[0])).model, tforce.load_model(str(paths[1])).model
+
+
+def test_sharded_forward_matches_unsharded(ranks, single):
+    target, _ = single
+    expected = forward(target, full_cache(target), torch.tensor([PROMPT]))
+    for out in ranks:
+        assert out["kv_heads"] == 1  # each rank caches its half of the KV heads
+        torch.testing.assert_close(out["logits"], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])  # bitwise: the ranks sample alike
+
+
+@pytest.mark.parametrize("method", ["ar", "triforce"])
+def test_greedy_tp2_equals_tp1(ranks, single, method):
+    target, draft = single
+    expected = tforce.generate(target, PROMPT, draft=draft, method=method, temperature=0, **GEN).tokens
+    assert len(expected) == GEN["max_new_tokens"]
+    assert ranks[0][method] == expected and ranks[1][method] == expected
+
+
+def test_sampled_tokens_identical_across_ranks(ranks, single):
+    assert ranks[0]["sampled"] == ranks[1]["sampled"]
+    target, draft = single
+    assert ranks[0]["sampled"] == tforce.generate(target, PROMPT, draft=draft, method="triforce", **SAMPLED,
+                                                  **GEN).tokens
+
+
+def test_worker_error_is_one_line_not_a_hang():
+    with pytest.raises(TforceError) as info:
+        launch(_fail, 2, "gloo")
+    assert str(info.value) == "rank 1: ValueError: boom"
+    assert "Traceback" in str(info.value.__cause__)  # the worker's traceback, for TFORCE_DEBUG=1
+
+
+def test_check_tp(single):
+    config = single[0].config
+    check_tp(config, 2)
+    for world, needle in ((3, "divide by 3"), (4, "divide by 4"), (0, "at least 1")):
+        with pytest.raises(UsageError, match=needle):
+            check_tp(config, world)
+
+
+def test_cli_tp2_streams_the_tp1_tokens(paths, single):
+    target, draft = single
+    tok = tforce.load_model(str(paths[0]), tokenizer=True).tokenizer
+    text = "It was the best of times, it was the worst of times."
+    expected = tforce.generate(target, tok.encode(text), draft=draft, temperature=0, **GEN).tokens
+    args = ["run", "-m", str(paths[0]), "--draft", str(paths[1]), "-p", text, "--tp", "2", "--device", "cpu",
+            "-t", "0", "-n", "16", "--budget", "32", "--chunk-size", "4", "--draft-budget", "16", "--sinks", "2",
+            "--ignore-eos"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    # stdout is written only from the tokens rank 0 streams back as it accepts them
+    assert result.stdout == tok.decode(expected, skip_special_tokens=True)
+    assert "16 tokens after" in result.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tp", "3", "--device", "cpu"], "cannot split 4 query heads and 2 KV heads over 3 ranks"),
+    (["--tp", "0", "--device", "cpu"], "--tp must be >= 1"),
+    (["--gpus", "0"], "--gpus must be >= 1"),
+    (["--gpus", "2", "--device", "cpu"], "--gpus runs on CUDA"),
+    (["--gpus", "2", "--tp", "4"], "disagree"),
+    (["--gpus", "64"], "torch sees"),
+])
+def test_bad_tp_is_one_usage_line(paths, args, needle):
+    result = CliRunner().invoke(app, ["run", "-m", str(paths[0]), "--draft", str(paths[1]), "-p", "hi"] + args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tforce: error: ") and needle in lines[0], result.stderr
+    assert result.stdout == ""

@@ -19,6 +19,7 @@ Against the unsharded model the logits differ only by summation order (allclose,
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import secrets
 import socket
@@ -143,8 +144,10 @@ def _worker(rank, world, backend, port, threads, q, fn, args, emit_events):
             extra = {}
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 **extra)
-        kwargs = {"emit": lambda event: q.put(("event", rank, event))} if emit_events else {}
-        value = fn(rank, world, *args, **kwargs)
+        kwargs = {"emit": lambda event: q.put(("event", rank, pickle.dumps(event)))} if emit_events else {}
+        # Plain pickle: tensors travel by value (a queue would share them through this process, which
+        # is about to exit).
+        value = pickle.dumps(fn(rank, world, *args, **kwargs))
     except BaseException as e:
         q.put(("error", rank, (*_portable(rank, e), isinstance(e, TforceError))))
         _leave(q, 1)  # the parent ends the other ranks
@@ -192,9 +195,9 @@ def launch(fn, world: int, backend: str, *args, on_event=None, all_ranks: bool =
                     stop_at = min(stop_at or float("inf"), time.monotonic() + grace_s)
                 continue
             if kind == "event":
-                on_event(payload)
+                on_event(pickle.loads(payload))
             elif kind == "result":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:  # wait a moment for the other ranks' errors: the root cause may come second
                 errors.append(payload)
                 stop_at = min(stop_at or float("inf"), time.monotonic() + 0.25)

@@ -1,0 +1,429 @@
+#!/usr/bin/env python
+"""Train tforce's demo pair (a long-context target and a small draft sharing one tokenizer) from scratch.
+
+    python scripts/train_demo.py --config cpu                  # ~13 minutes on 2 CPU cores
+    python scripts/train_demo.py --config gpu --minutes 6      # one H100, bf16 autocast
+    python scripts/train_demo.py --config tiny --out /tmp/x    # seconds; for tests
+
+Data: the public-domain novels in ../shared/data/books/train/ (paths relative to the repo root). The
+six books directly under ../shared/data/books/ are held out entirely: they never reach the tokenizer
+or the models, and the held-out perplexity and passkey accuracy are measured on them.
+
+Writes OUT/demo-target and OUT/demo-draft (config.json, fp16 model.safetensors, tokenizer files), and
+OUT/card.json + OUT/README.md with the data, sizes, steps, wall time, final training loss, held-out
+perplexity and the target's passkey accuracy by context length. The target's training stream mixes in
+passkey examples from tforce.needle (the same prompts the evaluation uses, on other books). Training
+runs for a number of steps fixed after timing the first steps against --minutes (or given by --steps:
+with --steps and --seed, a run is reproducible on the same machine and software).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tforce.needle import needle_prompt, random_key
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOKS = ROOT.parent / "shared" / "data" / "books"
+
+
+@dataclass(frozen=True)
+class Arch:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    seq_len: int
+    batch: int
+    lr: float
+    tie: bool = False
+    rope_theta: float = 10000.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    vocab: int
+    target: Arch
+    draft: Arch
+    minutes: float            # total budget for training both models (tokenizer and evaluation extra)
+    draft_share: float        # fraction of the training budget given to the draft
+    passkey_frac: float       # fraction of target sequences that carry a passkey example
+    answer_weight: float      # loss weight of the passkey answer tokens
+    eval_tokens: int          # held-out tokens per book for perplexity
+    passkey_lengths: tuple = (256, 512, 1024, 2048)
+    passkey_prompts: int = 20
+    tokenizer_chars: int = 40_000_000
+    train_chars: int = 10 ** 9  # training text pool, a random slice of each book (CPU: a few passes' worth)
+    steps: int | None = None  # fixed step count for the target (draft: scaled); None: from --minutes
+
+
+CONFIGS = {
+    "tiny": Setup(vocab=512,
+                  target=Arch(64, 2, 2, 1, 172, 128, 2, 2e-3),
+                  draft=Arch(32, 1, 2, 1, 86, 64, 2, 2e-3, tie=True),
+                  minutes=0.05, draft_share=0.3, passkey_frac=0.5, answer_weight=4.0, eval_tokens=256,
+                  passkey_lengths=(64, 96), passkey_prompts=2, tokenizer_chars=300_000, steps=3),
+    "cpu": Setup(vocab=4096,
+                 target=Arch(256, 4, 4, 2, 512, 1024, 2, 2e-3, rope_theta=10000.0),
+                 draft=Arch(96, 2, 2, 1, 256, 256, 8, 3e-3, tie=True),
+                 minutes=11.0, draft_share=0.18, passkey_frac=0.5, answer_weight=4.0, eval_tokens=8192,
+                 passkey_lengths=(256, 512, 1024), tokenizer_chars=12_000_000, train_chars=10_000_000),
+    "gpu": Setup(vocab=8192,
+                 target=Arch(512, 8, 8, 4, 1376, 8192, 8, 1e-3, rope_theta=500000.0),
+                 draft=Arch(128, 2, 4, 2, 344, 512, 64, 3e-3, tie=True),
+                 minutes=8.0, draft_share=0.15, passkey_frac=0.4, answer_weight=4.0, eval_tokens=32768,
+                 passkey_lengths=(1024, 2048, 4096, 8192)),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- data
+
+def clean(text: str) -> str:
+    """The book without Project Gutenberg's header and licence."""
+    start = re.search(r"\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG[^\n]*\n", text)
+    end = re.search(r"\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG", text)
+    return text[start.end() if start else 0:end.start() if end else len(text)].strip()
+
+
+def read_books(folder: Path) -> dict[str, str]:
+    return {p.stem: clean(p.read_text(encoding="utf-8", errors="replace")) for p in sorted(folder.glob("*.txt"))}
+
+
+def train_tokenizer(texts: list[str], vocab: int, max_chars: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    # digits one per token: passkeys are copied digit by digit, whatever the number
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"], min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    per_book = max_chars // max(len(texts), 1)
+    tok.train_from_iterator([t[:per_book] for t in texts], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+class Stream:
+    """Random training windows from the tokenized books; the target's carry passkey examples."""
+
+    def __init__(self, tok, books: dict[str, str], ids: dict[str, torch.Tensor], rng: random.Random,
+                 passkey_frac: float = 0.0):
+        self.tok, self.books, self.ids, self.rng, self.passkey_frac = tok, books, ids, rng, passkey_frac
+        self.names = list(ids)
+        self.weights = [len(ids[n]) for n in self.names]
+
+    def window(self, n: int) -> list[int]:
+        name = self.rng.choices(self.names, self.weights)[0]
+        ids = self.ids[name]
+        start = self.rng.randrange(0, max(len(ids) - n, 1))
+        return ids[start:start + n].tolist()
+
+    def passkey(self, max_len: int) -> tuple[list[int], int, int]:
+        """(ids, answer_start, answer_end): needle prompt + answer + eos, of random length <= max_len."""
+        length = self.rng.randint(min(64, max_len // 2), max_len - 8)
+        name = self.rng.choices(self.names, self.weights)[0]
+        text = self.books[name]
+        n_chars = length * 6 + 200
+        at = self.rng.randrange(0, max(len(text) - n_chars, 1))
+        key = random_key(self.rng, self.rng.choice((4, 5, 5, 6)))
+        prompt, answer = needle_prompt(self.tok, text[at:at + n_chars], length, self.rng.random(), key,
+                                       seed=self.rng.randrange(1 << 30))
+        return prompt + answer + [self.tok.eos_token_id], len(prompt), len(prompt) + len(answer)
+
+    def batch(self, batch: int, seq_len: int, answer_weight: float):
+        """x, y (batch, seq_len) and per-token loss weights (answer tokens weigh more)."""
+        xs, ws = [], []
+        for _ in range(batch):
+            w = [1.0] * (seq_len + 1)
+            seq: list[int] = []
+            if self.rng.random() < self.passkey_frac:
+                try:
+                    seq, a, b = self.passkey(seq_len)
+                    for i in range(a, b):
+                        w[i] = answer_weight
+                except ValueError:  # filler too short (end of a book): a plain window instead
+                    seq = []
+            if len(seq) < seq_len + 1:
+                seq = seq + [self.tok.bos_token_id] + self.window(seq_len + 1)
+            xs.append(seq[:seq_len + 1])
+            ws.append(w)
+        t, w = torch.tensor(xs), torch.tensor(ws)
+        return t[:, :-1], t[:, 1:], w[:, 1:]
+
+
+# ---------------------------------------------------------------- models
+
+def build(arch: Arch, vocab: int, tok, max_pos: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
+                      num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
+                      num_key_value_heads=arch.kv_heads, max_position_embeddings=max_pos,
+                      rope_theta=arch.rope_theta, tie_word_embeddings=arch.tie, rms_norm_eps=1e-5,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=None, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+def lr_at(step: int, total: int, peak: float) -> float:
+    warm = max(1, min(100, total // 10))
+    if step < warm:
+        return peak * (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def train(name: str, model, stream: Stream, arch: Arch, seconds: float, steps: int | None,
+          answer_weight: float, device: str, log_every: int = 25) -> dict:
+    """Train to a step count fixed from the first steps' timing (or `steps`); returns the record."""
+    model.to(device).train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=arch.lr, betas=(0.9, 0.95), fused=device.startswith("cuda") or None)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else _null()
+    t0, total, step, losses, fixed = time.perf_counter(), steps, 0, [], False
+    probe = 3
+    while total is None or step < total:
+        x, y, w = (t.to(device) for t in stream.batch(arch.batch, arch.seq_len, answer_weight))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total or 10 ** 9, arch.lr)
+        with autocast:
+            logits = model(input_ids=x).logits
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+        loss = (ce * w.reshape(-1)).sum() / w.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(ce.mean().item())  # the plain LM loss (unweighted), what the card reports
+        step += 1
+        if total is None and step == probe:
+            per = (time.perf_counter() - t0) / probe
+            total = max(probe + 1, int(seconds / per))
+            log(f"{name}: {per:.2f} s/step, {arch.batch * arch.seq_len / per:.0f} tokens/s -> {total} steps")
+            t_probe, fixed = time.perf_counter(), False
+        elif steps is None and not fixed and step == probe + 17:  # once more, past the warm-up steps
+            per = (time.perf_counter() - t_probe) / 17
+            total = max(step + 1, step + int((seconds - (time.perf_counter() - t0)) / per))
+            fixed = True
+            log(f"{name}: {per:.2f} s/step, {arch.batch * arch.seq_len / per:.0f} tokens/s -> {total} steps")
+        if step % log_every == 0 or step == total:
+            log(f"{name}: step {step}/{total} loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.3f} "
+                f"lr {opt.param_groups[0]['lr']:.2e} {time.perf_counter() - t0:.0f} s")
+    wall = time.perf_counter() - t0
+    tail = losses[-max(1, min(50, len(losses) // 5)):]
+    model.eval()
+    return {"steps": step, "batch": arch.batch, "seq_len": arch.seq_len, "tokens": step * arch.batch * arch.seq_len,
+            "wall_s": round(wall, 1), "tokens_per_s": round(step * arch.batch * arch.seq_len / wall),
+            "final_loss": round(sum(tail) / len(tail), 4), "peak_lr": arch.lr}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# ---------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def perplexity(model, ids: dict[str, torch.Tensor], seq_len: int, n_tokens: int, device: str) -> dict:
+    """Per held-out book: exp(mean loss) over the first n_tokens of its text, in seq_len windows."""
+    out = {}
+    for name, t in ids.items():
+        t = t[:n_tokens + 1]
+        total, count = 0.0, 0
+        for s in range(0, len(t) - 1, seq_len):
+            x = t[s:s + seq_len + 1].long().to(device)
+            if len(x) < 2:
+                break
+            logits = model(input_ids=x[None, :-1]).logits.float()[0]
+            total += F.cross_entropy(logits, x[1:], reduction="sum").item()
+            count += len(x) - 1
+        out[name] = round(math.exp(total / count), 2)
+    out["all"] = round(math.exp(sum(math.log(v) for v in out.values()) / len(out)), 2)  # geometric mean
+    return out
+
+
+@torch.no_grad()
+def passkey_accuracy(model, tok, books: dict[str, str], lengths, n: int, seed: int, device: str) -> dict:
+    """Greedy exact match of the key after needle prompts built from the held-out books."""
+    rng, names, out = random.Random(seed), list(books), {}
+    for length in lengths:
+        hits = 0
+        for i in range(n):
+            text = books[names[i % len(names)]]
+            at = rng.randrange(0, len(text) - length * 8)
+            key = random_key(rng, 5)
+            prompt, answer = needle_prompt(tok, text[at:at + length * 8], length, (i + 0.5) / n, key, seed=i)
+            ids = torch.tensor([prompt], device=device)
+            got = model.generate(ids, max_new_tokens=len(answer), do_sample=False,
+                                 attention_mask=torch.ones_like(ids), pad_token_id=tok.eos_token_id)
+            hits += got[0, len(prompt):].tolist() == answer
+        out[str(length)] = hits / n
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+def save(model, tok, path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    model.float()
+
+
+def card_markdown(card: dict) -> str:
+    t, d = card["target"], card["draft"]
+    pk = ", ".join(f"{k}: {v:.0%}" for k, v in t["passkey_accuracy"].items())
+    return f"""# tforce demo pair ({card['config']} config)
+
+Trained from scratch by `{card['command']}` (seed {card['seed']}) on {card['device']}, in
+{card['wall_s'] / 60:.1f} minutes in all. Small models: the text they write is locally fluent, period-novel
+English without much sense; what they show is real text and real acceptance rates for `tforce run`.
+
+**Data.** Tokenizer and both models: the {len(card['data']['train_books'])} public-domain novels in
+`../shared/data/books/train/` (Project Gutenberg headers and licences removed;
+{card['data']['train_tokens']:,} tokens). **Held out entirely** (never seen by the tokenizer or the models):
+{', '.join(card['data']['held_out_books'])} (`../shared/data/books/*.txt`). A fraction {card['passkey_frac']} of
+the target's training sequences begin with a passkey example from `tforce.needle` ("The pass key is
+KEY. Remember it." at a random depth of a novel excerpt, then "What is the pass key? The pass key is
+KEY"); evaluation uses the same phrasing on the held-out books.
+
+**Tokenizer.** Byte-level BPE, {card['vocab']} ids, digits one per token; `<s>` (bos, prepended),
+`</s>` (eos), `<unk>`.
+
+| | target (`demo-target`) | draft (`demo-draft`) |
+| --- | --- | --- |
+| parameters | {t['params'] / 1e6:.2f} M | {d['params'] / 1e6:.2f} M |
+| shape | {t['arch']['layers']} layers, hidden {t['arch']['hidden']}, {t['arch']['heads']} heads / {t['arch']['kv_heads']} KV heads, rope_theta {t['arch']['rope_theta']:g} | {d['arch']['layers']} layers, hidden {d['arch']['hidden']}, {d['arch']['heads']} heads / {d['arch']['kv_heads']} KV heads, tied embeddings |
+| training sequences | {t['train']['seq_len']} tokens x {t['train']['batch']} | {d['train']['seq_len']} tokens x {d['train']['batch']} |
+| steps (tokens) | {t['train']['steps']} ({t['train']['tokens']:,}) | {d['train']['steps']} ({d['train']['tokens']:,}) |
+| training wall time | {t['train']['wall_s']:.0f} s ({t['train']['tokens_per_s']:,} tokens/s) | {d['train']['wall_s']:.0f} s ({d['train']['tokens_per_s']:,} tokens/s) |
+| final training loss (nats/token) | {t['train']['final_loss']:.3f} | {d['train']['final_loss']:.3f} |
+| held-out perplexity (geometric mean over books) | {t['perplexity']['all']} | {d['perplexity']['all']} |
+| max_position_embeddings | {t['max_position_embeddings']} | {d['max_position_embeddings']} |
+
+Held-out perplexity per book (first {card['eval_tokens']:,} tokens of each, windows of the model's
+training length): target {json.dumps({k: v for k, v in t['perplexity'].items() if k != 'all'})}; draft
+{json.dumps({k: v for k, v in d['perplexity'].items() if k != 'all'})}.
+
+**Passkey accuracy of the target** (greedy, exact match of the 5-digit key, {card['passkey_prompts']}
+prompts per length from the held-out books, depths spread over 0..1), by prompt length in tokens: {pk}.
+
+Weights are stored in float16 (`model.safetensors`). All numbers come from `card.json`, written by the
+training script itself.
+"""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="cpu")
+    ap.add_argument("--out", default="models", help="writes OUT/demo-target, OUT/demo-draft, OUT/card.json")
+    ap.add_argument("--minutes", type=float, help="training budget for both models (default: per config)")
+    ap.add_argument("--steps", type=int, help="target steps (fixed; the draft gets a proportional count)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--books", default=str(BOOKS), help="folder with the held-out books and train/")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    setup = CONFIGS[args.config]
+    if args.minutes is not None:
+        setup = replace(setup, minutes=args.minutes, steps=None)
+    if args.steps is not None:
+        setup = replace(setup, steps=args.steps)
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    books = Path(args.books)
+
+    train_books, held_books = read_books(books / "train"), read_books(books)
+    if not train_books or not held_books:
+        raise SystemExit(f"train_demo: no books under {books}/train and {books}")
+    log(f"{len(train_books)} training books, {len(held_books)} held out: {', '.join(held_books)}")
+    tok = train_tokenizer(list(train_books.values()), setup.vocab, setup.tokenizer_chars)
+    vocab = len(tok)
+    enc = lambda texts: {n: torch.tensor(e.ids, dtype=torch.int32)  # noqa: E731
+                         for n, e in zip(texts, tok.backend_tokenizer.encode_batch(
+                             list(texts.values()), add_special_tokens=False))}
+    if args.config == "tiny":  # a slice of each book is plenty for a few steps
+        train_books = {n: t[:20_000] for n, t in train_books.items()}
+        held_books = {n: t[:20_000] for n, t in held_books.items()}
+    per_book, pick = setup.train_chars // len(train_books), random.Random(args.seed)
+    slices = {n: pick.randrange(0, max(len(t) - per_book, 1)) for n, t in train_books.items()}
+    train_books = {n: t[slices[n]:slices[n] + per_book] for n, t in train_books.items()}
+    train_ids, held_ids = enc(train_books), enc({n: t[:setup.eval_tokens * 8] for n, t in held_books.items()})
+    n_train = sum(len(t) for t in train_ids.values())
+    log(f"tokenizer: {vocab} ids; {n_train:,} training tokens ({time.perf_counter() - t_start:.0f} s)")
+
+    budget = setup.minutes * 60
+    target_max_pos = setup.target.seq_len
+    target = build(setup.target, vocab, tok, target_max_pos)
+    draft = build(setup.draft, vocab, tok, target_max_pos)  # usable at the target's length via StreamingLLM
+    rng = random.Random(args.seed)
+    t_steps = setup.steps
+    d_steps = t_steps
+    rec = {}
+    for name, model, arch, share, steps, pk in (("target", target, setup.target, 1 - setup.draft_share, t_steps,
+                                                setup.passkey_frac),
+                                               ("draft", draft, setup.draft, setup.draft_share, d_steps, 0.0)):
+        stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), pk)
+        n_params = sum(p.numel() for p in model.parameters())
+        log(f"{name}: {n_params / 1e6:.2f} M parameters")
+        tr = train(name, model, stream, arch, budget * share, steps, setup.answer_weight, args.device)
+        rec[name] = {"params": n_params, "arch": asdict(arch), "train": tr,
+                     "max_position_embeddings": target_max_pos}
+    t_eval = time.perf_counter()
+    for name, model, arch in (("target", target, setup.target), ("draft", draft, setup.draft)):
+        rec[name]["perplexity"] = perplexity(model, held_ids, arch.seq_len, setup.eval_tokens, args.device)
+        log(f"{name}: held-out perplexity {rec[name]['perplexity']}")
+    lengths = [n for n in setup.passkey_lengths if n <= target_max_pos]
+    rec["target"]["passkey_accuracy"] = passkey_accuracy(target, tok, held_books, lengths, setup.passkey_prompts,
+                                                         args.seed + 1, args.device)
+    log(f"target: passkey accuracy {rec['target']['passkey_accuracy']} (eval {time.perf_counter() - t_eval:.0f} s)")
+
+    for name, model in (("target", target), ("draft", draft)):
+        save(model.cpu(), tok, out / f"demo-{name}")
+    card = {"config": args.config, "seed": args.seed,
+            "command": "python scripts/train_demo.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "device": f"{args.device} ({torch.get_num_threads()} threads)" if args.device == "cpu"
+            else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "vocab": vocab, "passkey_frac": setup.passkey_frac, "answer_weight": setup.answer_weight,
+            "eval_tokens": setup.eval_tokens, "passkey_prompts": setup.passkey_prompts,
+            "data": {"train_books": sorted(train_books), "held_out_books": sorted(held_books),
+                     "train_tokens": n_train},
+            "target": rec["target"], "draft": rec["draft"],
+            "wall_s": round(time.perf_counter() - t_start, 1)}
+    (out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
+    (out / "README.md").write_text(card_markdown(card))
+    log(f"wrote {out}/demo-target, {out}/demo-draft, {out}/card.json, {out}/README.md "
+        f"({card['wall_s'] / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,8 +13,8 @@ Writes OUT/demo-target and OUT/demo-draft (config.json, fp16 model.safetensors, 
 OUT/card.json + OUT/README.md with the data, sizes, steps, wall time, final training loss, held-out
 perplexity and the target's passkey accuracy by context length. The target's training stream mixes in
 passkey examples from tforce.needle (the same prompts the evaluation uses, on other books). Training
-runs for a number of steps fixed after timing the first steps against --minutes (or given by --steps:
-with --steps and --seed, a run is reproducible on the same machine and software).
+runs until --minutes are used, the step count re-estimated from the recent pace every 25 steps (or
+for exactly --steps steps: with --steps and --seed, a run is reproducible on the same software).
 """
 from __future__ import annotations
 
@@ -201,7 +201,8 @@ def train(name: str, model, stream: Stream, arch: Arch, seconds: float, steps: i
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                             lr=arch.lr, betas=(0.9, 0.95), fused=device.startswith("cuda") or None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else _null()
-    t0, total, step, losses, fixed = time.perf_counter(), steps, 0, [], False
+    t0, total, step, losses = time.perf_counter(), steps, 0, []
+    t_mark, s_mark = t0, 0
     probe = 3
     while total is None or step < total:
         x, y, w = (t.to(device) for t in stream.batch(arch.batch, arch.seq_len, answer_weight))
@@ -217,19 +218,19 @@ def train(name: str, model, stream: Stream, arch: Arch, seconds: float, steps: i
         opt.step()
         losses.append(ce.mean().item())  # the plain LM loss (unweighted), what the card reports
         step += 1
-        if total is None and step == probe:
-            per = (time.perf_counter() - t0) / probe
-            total = max(probe + 1, int(seconds / per))
-            log(f"{name}: {per:.2f} s/step, {arch.batch * arch.seq_len / per:.0f} tokens/s -> {total} steps")
-            t_probe, fixed = time.perf_counter(), False
-        elif steps is None and not fixed and step == probe + 17:  # once more, past the warm-up steps
-            per = (time.perf_counter() - t_probe) / 17
-            total = max(step + 1, step + int((seconds - (time.perf_counter() - t0)) / per))
-            fixed = True
-            log(f"{name}: {per:.2f} s/step, {arch.batch * arch.seq_len / per:.0f} tokens/s -> {total} steps")
+        if steps is None and (step == probe or step % log_every == 0):
+            # size the run to the time left at the recent pace (a shared machine's load changes); the
+            # cosine schedule follows the new total. --steps fixes it instead, for a reproducible run.
+            now = time.perf_counter()
+            per = (now - t_mark) / (step - s_mark) if step > probe else (now - t0) / probe
+            total = max(step + 1, step + int((seconds - (now - t0)) / per))
+            t_mark, s_mark = now, step
+            if step == probe:
+                log(f"{name}: {per:.2f} s/step, {arch.batch * arch.seq_len / per:.0f} tokens/s -> {total} steps")
         if step % log_every == 0 or step == total:
             log(f"{name}: step {step}/{total} loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.3f} "
-                f"lr {opt.param_groups[0]['lr']:.2e} {time.perf_counter() - t0:.0f} s")
+                f"lr {opt.param_groups[0]['lr']:.2e} {time.perf_counter() - t0:.0f} s "
+                f"({arch.batch * arch.seq_len * step / (time.perf_counter() - t0):.0f} tokens/s)")
     wall = time.perf_counter() - t0
     tail = losses[-max(1, min(50, len(losses) // 5)):]
     model.eval()
@@ -290,7 +291,7 @@ def passkey_accuracy(model, tok, books: dict[str, str], lengths, n: int, seed: i
 
 def save(model, tok, path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    model.to(torch.float16).save_pretrained(path, safe_serialization=True)
+    model.to(torch.float16).save_pretrained(path, safe_serialization=True, max_shard_size="15MB")
     tok.save_pretrained(path)
     model.float()
 

@@ -1,0 +1,34 @@
+"""The `tforce` command line: run, info, bench (one module each; shared parts in common.py)."""
+from __future__ import annotations
+
+import sys
+
+from . import bench, info, run  # noqa: F401  (registers the commands)
+from .app import app
+from .common import _say
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    """Entry point. Click's own usage errors (a bad option value, an unknown option) also become one line."""
+    try:  # recent Typer vendors its own Click
+        from typer._click import exceptions as cx
+    except ImportError:
+        from click import exceptions as cx
+
+    try:
+        code = app(standalone_mode=False)
+    except getattr(cx, "NoArgsIsHelpError", ()):  # Typer has printed the help already
+        code = 2
+    except cx.UsageError as e:
+        _say(f"tforce: error: {e.format_message()}" + (f" (see '{e.ctx.command_path} --help')" if e.ctx else ""))
+        code = 2
+    except KeyboardInterrupt:
+        _say("tforce: interrupted")
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""`tforce bench`: the paper's measurements on the user's hardware (logic in tforce/bench.py)."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from ..config import Sampling, Speculation
+from ..errors import UsageError
+from .app import app
+from .common import DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, _guarded, _placement_options, _say
+from .run import _default_draft, _parallel, _read_prompt, _tp_target
+
+
+@app.command()
+def bench(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: a folder, hub id or short name."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Small draft model (default: the registry's)."),
+    synthetic: Optional[str] = typer.Option(None, "--synthetic",
+                                            help="Random weights of an architecture: llama2-7b | llama2-13b | "
+                                                 "llama3.1-8b | tiny (results are labelled synthetic)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device "
+                                                             "cuda; needs --model)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
+    prompt_len: int = typer.Option(122880, "--prompt-len", help="Prompt tokens."),
+    gen_len: int = typer.Option(256, "--gen-len", help="Tokens generated per method (EOS ignored)."),
+    methods: str = typer.Option("ar,triforce,naive,retrieval,streaming", "--methods",
+                                help="Comma-separated; ar runs first and is the speed-up baseline."),
+    temperature: float = typer.Option(0.6, "--temperature", "-t", help="0 = greedy."),
+    top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling, in (0, 1]."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f",
+                                              help="A real text, tokenized and repeated/cut to --prompt-len "
+                                                   "(default: random ids)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the weights, the prompt and sampling."),
+    budget: int = typer.Option(4096, "--budget", help="Retrieval (or streaming) cache of the middle level."),
+    chunk_size: int = typer.Option(8, "--chunk-size", help="Retrieval chunk size."),
+    gamma1: int = typer.Option(2, "--gamma1", help="Draft tokens per middle-level verification."),
+    gamma2: int = typer.Option(6, "--gamma2", help="Tokens per full-cache verification."),
+    draft_budget: int = typer.Option(256, "--draft-budget", help="StreamingLLM cache of the small draft."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | "
+                                                      "float16 | bfloat16"),
+    offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Time every method on one prompt: ms/token, speed-up over ar, acceptance, H2D GB/s, memory."""
+    def body():
+        from .. import bench as b
+
+        if (model is None) == (synthetic is None):
+            raise UsageError("give one of --model or --synthetic ARCH")
+        if prompt_len < 1 or gen_len < 1:
+            raise UsageError(f"--prompt-len and --gen-len must be >= 1, got {prompt_len} and {gen_len}")
+        if dtype not in DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        names = b.parse_methods(methods)
+        engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget)
+        for m in names:
+            Speculation(method=m, **engine).validate()
+        Sampling(temperature=temperature, top_p=top_p, seed=seed).validate()
+        cfg = b.BenchConfig(methods=names, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
+                            top_p=top_p, seed=seed, engine=engine, **_placement_options(offload, gpu_memory))
+        text = None if prompt_file is None else _read_prompt(prompt_file, None)
+        world, dev = _parallel(tp, gpus, device)
+        if world > 1 and synthetic is not None:
+            raise UsageError("--gpus/--tp > 1 needs --model (a checkpoint folder the ranks load); "
+                             "--synthetic models are built in one process")
+        record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text, world)
+        if as_json:
+            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.flush()
+            return
+        _print_bench(record)
+
+    _guarded(body)
+
+
+def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Optional[str], device: str,
+           dtype: str, text: Optional[str], world: int = 1) -> dict:
+    import torch
+
+    from ..synthetic import ARCHITECTURES
+
+    uses_draft = any(Speculation(method=m).uses_draft for m in cfg.methods)
+    if synthetic is not None:
+        if synthetic not in ARCHITECTURES:
+            raise UsageError(f"--synthetic must be one of {', '.join(ARCHITECTURES)}, got {synthetic!r}")
+        torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if device == "cuda"
+                                                                     else torch.float32)
+        _say(f"tforce: bench: building a random-weight {synthetic} target and draft on {device} (SYNTHETIC)")
+        models = b.Models.local(*b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed))
+        config, tokenizer, name = models.target.config, None, f"synthetic:{synthetic}"
+    else:
+        from ..weights import load_model, resolve
+
+        draft_name = draft if draft is not None else _default_draft(model)
+        if uses_draft and draft_name is None:
+            raise UsageError("the methods need a draft model: pass --draft, or drop triforce, naive and streaming")
+        torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
+        if world > 1:  # the ranks load the weights: here only the config and tokenizer
+            path, config, tokenizer = _tp_target(model, world)
+            torch_dtype = torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+            models = b.Models.split(config, str(path), str(resolve(draft_name)) if uses_draft else None, world,
+                                    device, torch_dtype)
+        else:
+            loaded = load_model(model, device=device, dtype=torch_dtype)
+            small = load_model(draft_name, device=device, dtype=torch_dtype, tokenizer=False).model \
+                if uses_draft else None
+            models, config, tokenizer = b.Models.local(loaded.model, small), loaded.config, loaded.tokenizer
+        name = model
+    context = config.max_position_embeddings
+    if cfg.prompt_len >= context:
+        raise UsageError(f"--prompt-len {cfg.prompt_len} reaches the model's context ({context} tokens)")
+    ids = b.prompt_ids(cfg.prompt_len, config.vocab_size, tokenizer, text, cfg.seed)
+    return b.bench(models, ids, cfg, synthetic is not None, name,
+                   progress=lambda line: _say(f"tforce: bench: {line}"))
+
+
+def _print_bench(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(x, fmt, suffix=""):
+        return "-" if x is None else format(x, fmt) + suffix
+
+    peak = r["h2d_peak_gbps"]
+    title = (f"tforce bench: {r['model']} on {r['device']}, {r['prompt_tokens']} prompt + {r['gen_len']} tokens, "
+             f"{r['dtype']}, temperature {r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"]
+                                                                else ""))
+    t = Table(title=title, caption=f"pinned H2D peak: {f(peak, '.1f', ' GB/s')}; floor = offloaded KV bytes "
+                                   f"per verification / peak; warm-up {f(r['warmup_s'], '.1f', ' s')} (not in the runs); "
+                                   f"'-' = not applicable or not measured")
+    for col in ("method", "ms/token", "speed-up vs ar", "accept draft", "accept retrieval", "tokens/verif",
+                "prefill s", "H2D GB/s (peak)", "floor ms/verif", "GPU GiB", "pinned GiB", "KV layers GPU/host"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    for run in r["runs"]:
+        acc = run["acceptance"]
+        h2d = "-" if run["h2d_gbps"] is None else f"{run['h2d_gbps']:.1f} ({f(peak, '.1f')})"
+        pl = run["placement"]
+        t.add_row(run["method"], f(run["ms_per_token"], ".1f"), f(run["speedup_vs_ar"], ".2f", "x"),
+                  f(acc.get("draft"), ".1%"), f(acc.get("retrieval"), ".1%"),
+                  f(run["tokens_per_verification"], ".2f"), f(run["prefill_s"], ".2f"), h2d,
+                  f(run["floor_ms_per_verification"], ".1f"), f(run["gpu_mem_gib"], ".1f"),
+                  f(run["pinned_gib"], ".2f"), f"{pl['resident_layers']}/{pl['offloaded_layers']}")
+    Console(width=None if sys.stdout.isatty() else 200).print(t)

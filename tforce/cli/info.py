@@ -1,0 +1,180 @@
+"""`tforce info`: versions, devices, memory; a model's KV-cache placement plan and its s/token floor."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+import typer
+
+from ..errors import UsageError
+from .app import app
+from .common import DTYPES, OFFLOAD_HELP, _guarded, _placement_options
+
+
+def _arch(config, context: int, dtype: str) -> dict:
+    import torch
+
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * elem  # keys and values, every layer
+    return {
+        "model_type": config.model_type,
+        "layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": config.vocab_size,
+        "context": config.max_position_embeddings,
+        "rope_type": rope_type,
+        "rope_theta": rope.get("rope_theta", getattr(config, "rope_theta", None)),
+        "synthetic": bool(getattr(config, "tforce_synthetic", False)),
+        "kv_dtype": dtype,
+        "kv_bytes_per_token": per_token,
+        "kv_context": context,
+        "kv_bytes_for_context": per_token * context,
+    }
+
+
+def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, offload: str,
+               gpu_memory: Optional[int]) -> dict:
+    import torch
+
+    from ..bench import device_bandwidth_gbps, h2d_peak_gbps, info_plan
+
+    cuda = torch.cuda.is_available()
+    gpu_free = torch.cuda.mem_get_info(0)[0] if cuda else None
+    if gpu_memory is not None:
+        gpu_free = gpu_memory if gpu_free is None else min(gpu_free, gpu_memory)
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    h2d, dev = (h2d_peak_gbps("cuda:0"), device_bandwidth_gbps("cuda:0")) if cuda else (None, None)
+    return {"h2d_gbps": h2d, "device_gbps": dev, "offload": offload,
+            **info_plan(config, context, elem, gpu_free, host_free, offload, budget, h2d, dev)}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+@app.command()
+def info(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Also describe this model (config only)."),
+    synthetic: Optional[str] = typer.Option(None, "--synthetic", help="... or this architecture (bench's "
+                                                                       "--synthetic names)."),
+    context: int = typer.Option(131072, "--context", help="Context length for the KV-cache size."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="KV-cache dtype: float32 | float16 | bfloat16"),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory to plan for (default: "
+                                                                         "the free memory of GPU 0)."),
+    offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
+    budget: int = typer.Option(4096, "--budget", help="Retrieval cache size (resident beside the full cache)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Versions, devices, host memory, measured H2D bandwidth and (with --model or --synthetic) the model's
+    shape, KV-cache size, placement plan and the s/token floor of plain offloaded decoding."""
+    def body():
+        import platform
+
+        import psutil
+        import torch
+        import transformers
+
+        from .. import __version__
+
+        if context <= 0:
+            raise UsageError(f"--context must be positive, got {context}")
+        if dtype not in DTYPES[1:]:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES[1:])}, got {dtype!r}")
+        if model is not None and synthetic is not None:
+            raise UsageError("give --model or --synthetic, not both")
+        placement_options = _placement_options(offload, gpu_memory)
+        gpus = [{"name": torch.cuda.get_device_name(i),
+                 "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
+                for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+        mem = psutil.virtual_memory()
+        record = {"tforce": __version__, "python": platform.python_version(), "torch": torch.__version__,
+                  "transformers": transformers.__version__, "cpu_cores": os.cpu_count(), "cuda_devices": gpus,
+                  "host_memory_bytes": mem.total, "host_memory_available_bytes": mem.available}
+        if model is not None:
+            from transformers import AutoConfig
+
+            from ..weights import resolve
+
+            path = resolve(model)
+            try:
+                config = AutoConfig.from_pretrained(path)
+            except Exception as e:
+                raise UsageError(f"cannot read {path / 'config.json'}: {e}") from e
+            record["model"] = {"name": model, "path": str(path), **_arch(config, context, dtype)}
+        if synthetic is not None:
+            from ..synthetic import ARCHITECTURES, make_config
+
+            if synthetic not in ARCHITECTURES:
+                raise UsageError(f"--synthetic must be one of {', '.join(ARCHITECTURES)}, got {synthetic!r}")
+            config = make_config(synthetic)
+            record["model"] = {"name": f"synthetic:{synthetic}", "path": None, **_arch(config, context, dtype)}
+        if "model" in record:
+            record["plan"] = _info_plan(config, context, dtype, budget, mem.available, **placement_options)
+        if as_json:
+            sys.stdout.write(json.dumps(record) + "\n")
+            return
+        _print_info(record)
+
+    _guarded(body)
+
+
+def _print_info(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("tforce", r["tforce"])
+    t.add_row("python / torch / transformers", f"{r['python']} / {r['torch']} / {r['transformers']}")
+    t.add_row("cpu cores", str(r["cpu_cores"]))
+    gpus = ", ".join(f"{g['name']} ({_gib(g['memory_bytes'])})" for g in r["cuda_devices"]) or "none"
+    t.add_row("cuda devices", gpus)
+    t.add_row("host memory", f"{_gib(r['host_memory_bytes'])} ({_gib(r['host_memory_available_bytes'])} available)")
+    m = r.get("model")
+    if m:
+        where = f" ({m['path']})" if m["path"] else ""
+        t.add_row("model", f"{m['name']}{where}" + ("  [RANDOM WEIGHTS]" if m["synthetic"] else ""))
+        t.add_row("architecture", f"{m['model_type']}: {m['layers']} layers, hidden {m['hidden_size']}, "
+                                  f"{m['heads']} heads, {m['kv_heads']} kv heads, head dim {m['head_dim']}")
+        t.add_row("context / rope", f"{m['context']} tokens, rope {m['rope_type']} (theta {m['rope_theta']})")
+        t.add_row("kv cache", f"{m['kv_bytes_per_token']} bytes/token ({m['kv_dtype']}); "
+                              f"{_gib(m['kv_bytes_for_context'])} for {m['kv_context']} tokens")
+    p = r.get("plan")
+    if p:
+        _plan_rows(t, p)
+    Console().print(t)
+
+
+def _plan_rows(t, p: dict) -> None:
+    def rate(x):
+        return "unmeasured (no CUDA GPU)" if x is None else f"{x:.1f} GB/s"
+
+    def secs(x):
+        return "unmeasured" if x is None else f"{x:.4f} s/token"
+
+    budget = "no GPU (plan for the CPU)" if p["gpu_budget_bytes"] is None else _gib(p["gpu_budget_bytes"])
+    t.add_row("H2D (pinned) / device memory", f"{rate(p['h2d_gbps'])} / {rate(p['device_gbps'])}")
+    t.add_row("placement budget", f"GPU {budget}; weights {_gib(p['weights_bytes'])}, resident besides the "
+                                  f"full cache {_gib(p['fixed_gpu_bytes'])}; offload {p['offload']}")
+    if "error" in p:
+        t.add_row("placement plan", f"does not fit: {p['error']}")
+        return
+    host = "" if p["host_fits"] else f"  (host memory too small: {_gib(p['host_available_bytes'])} available)"
+    t.add_row("placement plan", f"{p['describe']} of {_gib(p['kv_bytes'])} KV for {p['context']} tokens{host}")
+    t.add_row("floor, plain offloaded decoding",
+              f"{secs(p['floor_s_per_token'])} = KV over H2D {secs(p['floor_h2d_s_per_token'])} "
+              f"+ weights and resident KV from device memory {secs(p['floor_device_s_per_token'])}")
+
+
+# -------------------------------------------------------------------------------------------- bench

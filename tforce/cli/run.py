@@ -1,0 +1,208 @@
+"""`tforce run`: a prompt in, the target's exact continuation streamed out."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..config import Sampling, Speculation
+from ..errors import UsageError
+from .app import app
+from .common import DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, _device, _guarded, _placement_options, _say
+from .live import Progress, TextStream, _summary_line
+
+
+def _read_prompt(prompt_file: Optional[str], prompt: Optional[str]) -> str:
+    """The document (a file, `-` for stdin, or piped stdin) followed by --prompt, joined by a blank line."""
+    document = ""
+    if prompt_file == "-" or (prompt_file is None and not sys.stdin.isatty()):
+        try:
+            document = sys.stdin.read()
+        except (OSError, ValueError):
+            document = ""
+    elif prompt_file is not None:
+        path = Path(prompt_file).expanduser()
+        try:
+            document = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror or e}") from e
+    parts = [p for p in (document, prompt or "") if p.strip()]
+    if not parts:
+        raise UsageError("the prompt is empty: give a prompt file, --prompt TEXT or text on stdin")
+    return "\n\n".join(parts)
+
+
+def _default_draft(model: str) -> Optional[str]:
+    """The registry's draft for a short name; for a folder `X-target`, a sibling `X-draft` if present."""
+    from ..weights import REGISTRY
+
+    if model in REGISTRY:
+        return REGISTRY[model][1]
+    path = Path(model).expanduser()
+    if path.is_dir() and path.name.endswith("-target"):
+        sibling = path.with_name(path.name[: -len("-target")] + "-draft")
+        if (sibling / "config.json").is_file():
+            return str(sibling)
+    return None
+
+
+@app.command()
+def run(
+    prompt_file_arg: Optional[str] = typer.Argument(None, metavar="[PROMPT_FILE]",
+                                                    help="Document to read ('-' = stdin)."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f", help="Document to read ('-' = stdin)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text placed after the document."),
+    model: str = typer.Option(..., "--model", "-m", help="Target: a folder, hub id or short name."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Small draft model (default: the registry's)."),
+    method: str = typer.Option("triforce", "--method", help="triforce | ar | retrieval | streaming | naive"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.6, "--temperature", "-t", help="0 = greedy."),
+    top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling, in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past end-of-sequence."),
+    budget: int = typer.Option(4096, "--budget", help="Retrieval (or streaming) cache of the middle level."),
+    chunk_size: int = typer.Option(8, "--chunk-size", help="Retrieval chunk size."),
+    gamma1: int = typer.Option(2, "--gamma1", help="Draft tokens per middle-level verification."),
+    gamma2: int = typer.Option(6, "--gamma2", help="Tokens per full-cache verification."),
+    draft_budget: int = typer.Option(256, "--draft-budget", help="StreamingLLM cache of the small draft."),
+    sinks: int = typer.Option(16, "--sinks", help="Attention-sink tokens of streaming caches."),
+    rebuild_every: int = typer.Option(128, "--rebuild-every", help="Rebuild the retrieval cache every N tokens."),
+    rebuild_below: float = typer.Option(0.3, "--rebuild-below", help="... or when acceptance falls below this."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
+    offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda)."),
+) -> None:
+    """Generate text after a (long) prompt, streaming it to stdout."""
+    def body():
+        if prompt_file_arg is not None and prompt_file is not None and prompt_file_arg != prompt_file:
+            raise UsageError("give the prompt file once: as an argument or with --prompt-file")
+        spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
+                           draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                           rebuild_below=rebuild_below)
+        spec.validate()
+        Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed).validate()
+        if max_new_tokens < 0:
+            raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+        if dtype not in DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        placement_options = _placement_options(offload, gpu_memory)
+        world, dev = _parallel(tp, gpus, device)
+        draft_name = draft if draft is not None else _default_draft(model)
+        if spec.uses_draft and draft_name is None:
+            raise UsageError(f"method {method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
+        text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt)
+        _run(text, model, draft_name if spec.uses_draft else None, dev, None if dtype == "auto" else dtype,
+             as_json, dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           top_k=top_k, seed=seed, ignore_eos=ignore_eos, budget=budget, chunk_size=chunk_size,
+                           gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget, sinks=sinks,
+                           rebuild_every=rebuild_every, rebuild_below=rebuild_below, **placement_options),
+             world)
+
+    _guarded(body)
+
+
+def _parallel(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:
+    """--tp / --gpus / --device -> (ranks, device), checked against the GPUs torch sees."""
+    import torch
+
+    if tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {tp}")
+    world = tp
+    if gpus is not None:
+        if gpus < 1:
+            raise UsageError(f"--gpus must be >= 1, got {gpus}")
+        if device not in ("auto", "cuda"):
+            raise UsageError(f"--gpus runs on CUDA, not --device {device} (for CPU ranks use --tp N --device cpu)")
+        if tp not in (1, gpus):
+            raise UsageError(f"--gpus {gpus} and --tp {tp} disagree: give one of them")
+        world, device = gpus, "cuda"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    dev = "cuda" if device == "cuda" and world > 1 else _device(device)
+    if dev == "cuda" and world > count:
+        raise UsageError(f"{world} ranks on CUDA need {world} GPUs; torch sees {count} "
+                         f"(--tp {world} --device cpu runs them on the CPU)")
+    return world, dev
+
+
+def _tp_target(model: str, world: int):
+    """For a split target: (folder, config, tokenizer) without loading weights; the heads must split."""
+    from transformers import AutoConfig
+
+    from ..parallel import check_tp
+    from ..weights import _load_tokenizer, resolve
+
+    path = resolve(model)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise UsageError(f"cannot read {path / 'config.json'}: {(str(e).strip().splitlines() or [''])[0]}") from e
+    check_tp(config, world)
+    return path, config, _load_tokenizer(path)
+
+
+def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Optional[str], as_json: bool,
+         options: dict, world: int = 1) -> None:
+    from ..engine import generate
+    from ..weights import load_model, resolve
+
+    if world > 1:  # the workers load the weights: here only the config and tokenizer
+        path, config, tok = _tp_target(model, world)
+    else:
+        target = load_model(model, device=device, dtype=dtype)
+        path, config, tok = target.path, target.config, target.tokenizer
+    if tok is None:
+        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
+    ids = list(tok.encode(text))
+    context = config.max_position_embeddings
+    if len(ids) >= context:
+        raise UsageError(f"the prompt is {len(ids)} tokens; the model's context is {context}")
+    small = load_model(draft, device=device, dtype=dtype, tokenizer=False) if draft and world == 1 else None
+    max_new = min(options["max_new_tokens"], context - len(ids))
+    stream = TextStream(tok, sys.stdout, enabled=not as_json)
+    progress = Progress(max_new, options["method"], keep_live=not sys.stdout.isatty()) \
+        if sys.stderr.isatty() and not as_json else None
+
+    def on_token(tokens):
+        stream.add(tokens)
+        if progress:
+            progress.on_token(tokens)
+
+    on_prefill = progress.on_prefill if progress else None
+    try:
+        if world > 1:
+            from ..parallel import generate_tp
+
+            result = generate_tp(str(path), str(resolve(draft)) if draft else None, ids, world, device, dtype,
+                                 on_token=on_token, on_prefill=on_prefill, **options)
+        else:
+            result = generate(target.model, ids, draft=small.model if small else None, on_token=on_token,
+                              on_prefill=on_prefill, **options)
+    except BaseException:
+        if progress:
+            progress.live.stop()
+        raise
+    out = stream.finish()
+    if as_json:
+        record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
+                  "stats": result.stats}
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
+        return
+    if sys.stdout.isatty() and out and not out.endswith("\n"):
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if progress:
+        progress.finish(result.stats)
+    else:
+        _say(_summary_line(len(result.tokens), len(ids), options["method"], result.stats))
+
+
+# --------------------------------------------------------------------------------------------- info

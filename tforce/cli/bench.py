@@ -10,7 +10,7 @@ import typer
 from ..config import Sampling, Speculation
 from ..errors import UsageError
 from .app import app
-from .common import DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, _guarded, _placement_options, _say
+from .common import DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _threads, _guarded, _placement_options, _say
 from .run import _default_draft, _parallel, _read_prompt, _tp_target
 
 
@@ -40,6 +40,7 @@ def bench(
     gamma2: int = typer.Option(6, "--gamma2", help="Tokens per full-cache verification."),
     draft_budget: int = typer.Option(256, "--draft-budget", help="StreamingLLM cache of the small draft."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | "
                                                       "float16 | bfloat16"),
     offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
@@ -57,6 +58,7 @@ def bench(
         if dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         names = b.parse_methods(methods)
+        _threads(threads)
         engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget)
         for m in names:
             Speculation(method=m, **engine).validate()

@@ -11,7 +11,7 @@ import typer
 from ..config import Sampling, Speculation
 from ..errors import UsageError
 from .app import app
-from .common import DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, _device, _guarded, _placement_options, _say
+from .common import DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _threads, _device, _guarded, _placement_options, _say
 from .live import Progress, TextStream, _summary_line
 
 
@@ -73,6 +73,7 @@ def run(
     rebuild_every: int = typer.Option(128, "--rebuild-every", help="Rebuild the retrieval cache every N tokens."),
     rebuild_below: float = typer.Option(0.3, "--rebuild-below", help="... or when acceptance falls below this."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
     offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP),
@@ -94,6 +95,7 @@ def run(
         if dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         placement_options = _placement_options(offload, gpu_memory)
+        _threads(threads)
         world, dev = _parallel(tp, gpus, device)
         draft_name = draft if draft is not None else _default_draft(model)
         if spec.uses_draft and draft_name is None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from .errors import UsageError
 
 METHODS = ("triforce", "ar", "retrieval", "streaming", "naive")
+POLICIES = ("retrieval", "topk", "streaming", "h2o")  # the middle cache's selection rule (cache/policies.py)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Speculation:
     sinks: int = 16
     rebuild_every: int = 128  # rebuild the retrieval cache after this many committed tokens
     rebuild_below: float = 0.3  # ... or when the middle level's rolling acceptance falls under this
+    policy: str = "retrieval"  # which tokens the middle cache holds (methods triforce, retrieval)
 
     @property
     def uses_draft(self) -> bool:
@@ -64,6 +66,8 @@ class Speculation:
             raise UsageError(f"--sinks ({self.sinks}) must be smaller than --draft-budget ({self.draft_budget})")
         if self.method == "streaming" and self.sinks >= self.budget:
             raise UsageError(f"--sinks ({self.sinks}) must be smaller than --budget ({self.budget})")
+        if self.policy not in POLICIES:
+            raise UsageError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not 0 <= self.rebuild_below <= 1:
             raise UsageError(f"--rebuild-below must be in [0, 1], got {self.rebuild_below}")
 

@@ -15,6 +15,7 @@ import psutil
 from . import placement
 from .cache import FullCache, RetrievalCache, StreamingCache
 from .cache.offload import OffloadedCache
+from .cache.policies import make_select
 from .config import Sampling, Speculation
 from .errors import UsageError
 from .graphs import GraphRunner
@@ -71,7 +72,8 @@ class Session:
         method = spec.method
         if method in ("triforce", "retrieval"):
             self.retrieval = RetrievalCache(*dims, budget=spec.budget, chunk_size=spec.chunk_size,
-                                            rotary=rotary, dtype=p.dtype, device=p.device)
+                                            rotary=rotary, dtype=p.dtype, device=p.device,
+                                            select=make_select(spec.policy, spec.sinks))
             self.middle = Node("retrieval", target, self.retrieval, sampling, capacity, prefill_chunk,
                                _runner(target, self.retrieval, cuda_graphs))
         elif method == "streaming":
@@ -117,6 +119,9 @@ class Session:
             self.full.prefill(self.seq, n - 1, progress)
         if self.middle is not None:
             if self.retrieval is not None:
+                prepare = getattr(self.retrieval.select, "prepare", None)  # H2O: a pass over the prompt
+                if prepare is not None:
+                    prepare(self.target, self.seq[:n - 1])
                 self._rebuild()
             else:
                 self.middle.prefill(self.seq, n - 1)
@@ -186,7 +191,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
              temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
              ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
              gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
-             rebuild_below: float = 0.3, prefill_chunk: int = 512, offload: str = "auto",
+             rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
              gpu_memory: int | None = None, cuda_graphs: bool = True, on_token=None, on_prefill=None,
              on_round=None) -> Result:
     """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
@@ -194,10 +199,11 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each
     verification with the acceptance so far per level ({"draft", "retrieval"}). offload: where the full KV cache lives ("auto":
     on the GPU while it fits, the rest in pinned host memory; "on": all in host memory; "off": all on
-    the device); gpu_memory caps the bytes tforce may use on the GPU."""
+    the device); gpu_memory caps the bytes tforce may use on the GPU. policy: which tokens the middle
+    (retrieval) cache holds: retrieval | topk | streaming | h2o (cache/policies.py)."""
     spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                        draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
-                       rebuild_below=rebuild_below)
+                       rebuild_below=rebuild_below, policy=policy)
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     spec.validate()
     sampling.validate()

@@ -10,6 +10,10 @@ New tokens (after a rebuild) take slots from the end backwards, replacing the le
 first; the engine rebuilds before they would reach the first chunk. Keys keep the rotation of their
 true position (cache/base.py), so any subset is attended exactly as in the full cache: with a budget
 >= the context, this cache gives the full cache's attention.
+
+Other selection rules (Top-K, StreamingLLM, H2O: cache/policies.py) fill the same fixed budget through
+`select(layer, keys, length, query, budget) -> positions (H_kv, n <= budget)` (-1 = empty, descending
+importance); `select=None` is the chunk rule above.
 """
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ def select_chunks(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
 
 class RetrievalCache(StaticInputs):
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, budget: int, chunk_size: int,
-                 rotary: Rotary, dtype=torch.float32, device="cpu"):
+                 rotary: Rotary, dtype=torch.float32, device="cpu", select=None):
+        self.select = select  # None: the chunk rule; else a policies.py rule
         shape = (n_layers, 1, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -69,12 +74,16 @@ class RetrievalCache(StaticInputs):
         for layer, query in enumerate(queries):
             keys, values = full.layer_keys(layer), full.layer_values(layer)  # may live in host memory
             query = query.to(keys.device)
-            chunks = select_chunks(chunk_scores(keys[0], L, query, c), n_keep)  # (H_kv, K)
-            pos = (chunks[:, :, None] * c + torch.arange(c, device=chunks.device)).flatten(1)  # (H_kv, K*c)
-            if L <= self.budget:  # all chunks: drop the partial chunk's padding so the L tokens fit
-                pos = pos[pos < L].view(pos.shape[0], L)
-            valid = pos < L
-            idx = pos.clamp(max=L - 1).T  # (K*c, H_kv)
+            if self.select is None:
+                chunks = select_chunks(chunk_scores(keys[0], L, query, c), n_keep)  # (H_kv, K)
+                pos = (chunks[:, :, None] * c + torch.arange(c, device=chunks.device)).flatten(1)  # (H_kv, K*c)
+                if L <= self.budget:  # all chunks: drop the partial chunk's padding so the L tokens fit
+                    pos = pos[pos < L].view(pos.shape[0], L)
+            else:
+                pos = self.select(layer, keys[0], L, query, self.budget)
+                assert pos.shape[1] <= self.budget, "a select rule returned more positions than the budget"
+            valid = (pos >= 0) & (pos < L)
+            idx = pos.clamp(min=0, max=L - 1).T  # (K*c, H_kv)
             n = idx.shape[0]
             gather = idx[None, :, :, None].expand(1, n, idx.shape[1], keys.shape[-1])
             self.k[layer, :, :n] = keys[:, :L].gather(1, gather).to(self.k.device)

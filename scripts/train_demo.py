@@ -77,12 +77,12 @@ CONFIGS = {
     "cpu": Setup(vocab=4096,
                  target=Arch(256, 4, 4, 2, 512, 1024, 2, 2e-3, rope_theta=10000.0),
                  draft=Arch(96, 2, 2, 1, 256, 256, 8, 3e-3, tie=True),
-                 minutes=11.0, draft_share=0.18, passkey_frac=0.5, answer_weight=4.0, eval_tokens=8192,
+                 minutes=11.0, draft_share=0.18, passkey_frac=0.5, answer_weight=12.0, eval_tokens=8192,
                  passkey_lengths=(256, 512, 1024), tokenizer_chars=12_000_000, train_chars=10_000_000),
     "gpu": Setup(vocab=8192,
                  target=Arch(512, 8, 8, 4, 1376, 8192, 8, 1e-3, rope_theta=500000.0),
                  draft=Arch(128, 2, 4, 2, 344, 512, 64, 3e-3, tie=True),
-                 minutes=8.0, draft_share=0.15, passkey_frac=0.4, answer_weight=4.0, eval_tokens=32768,
+                 minutes=8.0, draft_share=0.15, passkey_frac=0.4, answer_weight=12.0, eval_tokens=32768,
                  passkey_lengths=(1024, 2048, 4096, 8192)),
 }
 
@@ -139,7 +139,7 @@ class Stream:
 
     def passkey(self, max_len: int) -> tuple[list[int], int, int]:
         """(ids, answer_start, answer_end): needle prompt + answer + eos, of random length <= max_len."""
-        length = self.rng.randint(min(64, max_len // 2), max_len - 8)
+        length = self.rng.randint(min(64, max_len // 2), max(min(64, max_len // 2), max_len - 8))
         name = self.rng.choices(self.names, self.weights)[0]
         text = self.books[name]
         n_chars = length * 6 + 200
@@ -155,13 +155,15 @@ class Stream:
         for _ in range(batch):
             w = [1.0] * (seq_len + 1)
             seq: list[int] = []
-            if self.rng.random() < self.passkey_frac:
-                try:
-                    seq, a, b = self.passkey(seq_len)
-                    for i in range(a, b):
+            if self.rng.random() < self.passkey_frac:  # passkey episodes, packed: more answers per step
+                while len(seq) < seq_len - 64:
+                    try:
+                        ids, a, b = self.passkey(seq_len - len(seq))
+                    except ValueError:  # filler too short (end of a book) or no room left: plain text
+                        break
+                    for i in range(len(seq) + a, len(seq) + b):
                         w[i] = answer_weight
-                except ValueError:  # filler too short (end of a book): a plain window instead
-                    seq = []
+                    seq += ids
             if len(seq) < seq_len + 1:
                 seq = seq + [self.tok.bos_token_id] + self.window(seq_len + 1)
             xs.append(seq[:seq_len + 1])
@@ -224,7 +226,8 @@ def train(name: str, model, stream: Stream, arch: Arch, seconds: float, steps: i
             now = time.perf_counter()
             per = (now - t_mark) / (step - s_mark) if step > probe else (now - t0) / probe
             total = max(step + 1, step + int((seconds - (now - t0)) / per))
-            t_mark, s_mark = now, step
+            if step == probe:  # later estimates: the pace since the probe (steadier than the last 25 steps)
+                t_mark, s_mark = now, step
             if step == probe:
                 log(f"{name}: {per:.2f} s/step, {arch.batch * arch.seq_len / per:.0f} tokens/s -> {total} steps")
         if step % log_every == 0 or step == total:
@@ -309,9 +312,10 @@ English without much sense; what they show is real text and real acceptance rate
 `../shared/data/books/train/` (Project Gutenberg headers and licences removed;
 {card['data']['train_tokens']:,} tokens). **Held out entirely** (never seen by the tokenizer or the models):
 {', '.join(card['data']['held_out_books'])} (`../shared/data/books/*.txt`). A fraction {card['passkey_frac']} of
-the target's training sequences begin with a passkey example from `tforce.needle` ("The pass key is
+the target's training sequences are packed passkey examples from `tforce.needle` ("The pass key is
 KEY. Remember it." at a random depth of a novel excerpt, then "What is the pass key? The pass key is
-KEY"); evaluation uses the same phrasing on the held-out books.
+KEY"; answer tokens weigh {card['answer_weight']:g}x in the loss); evaluation uses the same phrasing on
+the held-out books. The training loss reported is the plain mean over all tokens.
 
 **Tokenizer.** Byte-level BPE, {card['vocab']} ids, digits one per token; `<s>` (bos, prepended),
 `</s>` (eos), `<unk>`.

@@ -44,6 +44,7 @@ class EvalConfig:
     sinks: int = 4  # StreamingLLM policy's attention sinks
     draft_budget: int = 256
     sweep_prompts: int = 3  # prompts per task at each sweep point (Table 1 uses all)
+    rebuild_every: int = 128  # the middle cache is re-selected every N tokens (engine default 128)
     seed: int = 0
     books: list[str] = field(default_factory=list)
 
@@ -101,7 +102,8 @@ class Evaluator:
         kw["chunk_size"] = min(kw["chunk_size"], kw["budget"])
         r = generate(self.target, ids, draft=self.draft if method in ("triforce", "naive", "streaming") else None,
                      method=method, policy=policy, max_new_tokens=c.gen_len, top_p=c.top_p, seed=c.seed,
-                     ignore_eos=True, sinks=c.sinks, draft_budget=c.draft_budget, cuda_graphs=False, **kw)
+                     ignore_eos=True, sinks=c.sinks, draft_budget=c.draft_budget, rebuild_every=c.rebuild_every,
+                     cuda_graphs=False, **kw)
         self.runs += 1
         s = r.stats
         return {"acceptance": s["acceptance"]["retrieval"], "draft_acceptance": s["acceptance"]["draft"],
@@ -168,7 +170,8 @@ def markdown(res: dict, title: str = "tforce eval") -> str:
     lines = [f"# {title}", "",
              f"Acceptance = middle level (policy cache of budget {cfg['budget']}, chunk {cfg['chunk_size']}) "
              f"drafting gamma2={cfg['gamma2']} tokens for the full cache, temperature {cfg['temperature']}, "
-             f"top-p {cfg['top_p']}, {cfg['gen_len']} generated tokens per prompt; mean over prompts. "
+             f"top-p {cfg['top_p']}, {cfg['gen_len']} generated tokens per prompt, cache re-selected every "
+             f"{cfg['rebuild_every']} tokens; mean over prompts. "
              f"{res['runs']} runs in {res['wall_s']:.0f} s.", ""]
     policies, tasks, contexts = cfg["policies"], cfg["tasks"], cfg["contexts"]
 

@@ -52,6 +52,7 @@ def eval_(
     sinks: int = typer.Option(4, "--sinks", help="Attention sinks of the streaming policy."),
     gen_len: int = typer.Option(32, "--gen-len", help="Tokens generated per prompt."),
     sweep_prompts: int = typer.Option(3, "--sweep-prompts", help="Prompts per task at each sweep point."),
+    rebuild_every: int = typer.Option(128, "--rebuild-every", help="Re-select the middle cache every N tokens."),
     seed: int = typer.Option(0, "--seed"),
     out: str = typer.Option("eval-out", "--out", help="Folder for results.json, results.md and the PNGs."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
@@ -77,14 +78,14 @@ def eval_(
                            gamma1s=_list(gamma1s, int, "gamma1s"), gamma2s=_list(gamma2s, int, "gamma2s"),
                            temperatures=_list(temperatures, float, "temperatures"), gen_len=gen_len, budget=budget,
                            chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, temperature=temperature,
-                           sinks=sinks, sweep_prompts=sweep_prompts, seed=seed)
+                           sinks=sinks, sweep_prompts=sweep_prompts, rebuild_every=rebuild_every, seed=seed)
         if gen_len < 1 or sweep_prompts < 1 or min(cfg.contexts) < 2:
             raise UsageError("--gen-len and --sweep-prompts must be >= 1 and --context lengths >= 2")
         for b in cfg.budgets + [budget]:
             for g1 in cfg.gamma1s + [gamma1]:
                 for g2 in cfg.gamma2s + [gamma2]:
                     Speculation(method="retrieval", budget=b, chunk_size=min(chunk_size, b), gamma1=g1, gamma2=g2,
-                                sinks=sinks).validate()
+                                sinks=sinks, rebuild_every=rebuild_every).validate()
         for t in cfg.temperatures + [temperature]:
             Sampling(temperature=t).validate()
         files = sorted(glob.glob(str(Path(books).expanduser())))

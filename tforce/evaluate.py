@@ -118,7 +118,15 @@ class Evaluator:
             xs = [r[k] for r in rs if r[k] is not None]
             return sum(xs) / len(xs) if xs else None
 
+        def se(k):  # standard error of the mean over prompts (prompt-to-prompt and sampling spread)
+            xs = [r[k] for r in rs if r[k] is not None]
+            if len(xs) < 2:
+                return None
+            m = sum(xs) / len(xs)
+            return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5
+
         return {"task": task, "context": context, "prompts": len(rs), "acceptance": mean("acceptance"),
+                "acceptance_se": se("acceptance"),
                 "draft_acceptance": mean("draft_acceptance"),
                 "tokens_per_verification": mean("tokens_per_verification"), "ms_per_token": mean("ms_per_token")}
 
@@ -184,9 +192,13 @@ def markdown(res: dict, title: str = "tforce eval") -> str:
         return next((r for r in rows if all(r.get(k) == v for k, v in kv.items())), None)
 
     lines.append("## Acceptance by policy (Table 1)\n")
+    def pm(r):
+        return _f(r["acceptance"]) + ("" if r.get("acceptance_se") is None else f" ± {r['acceptance_se']:.3f}")
+
     table(["task", "context"] + policies,
-          [[t, c] + [_f(get(res["table1"], task=t, context=c, policy=p)["acceptance"]) for p in policies]
+          [[t, c] + [pm(get(res["table1"], task=t, context=c, policy=p)) for p in policies]
            for t in tasks for c in contexts])
+    lines.append("(± = standard error of the mean over the prompts.)\n")
     lines.append(f"## Budget sweep (Fig. 6a): acceptance / tokens per verification ({tasks[0]}, "
                  f"context {max(contexts)})\n")
     table(["budget"] + policies,
@@ -206,7 +218,7 @@ def markdown(res: dict, title: str = "tforce eval") -> str:
                for r in res["gamma1"]])
     lines.append(f"## Temperature (Table 2), context {max(contexts)}\n")
     table(["task", "temperature"] + policies,
-          [[t, T] + [_f(get(res["temperature"], task=t, policy=p, temperature=T)["acceptance"]) for p in policies]
+          [[t, T] + [pm(get(res["temperature"], task=t, policy=p, temperature=T)) for p in policies]
            for t in tasks for T in cfg["temperatures"]])
     lines.append("## Speed (Fig. 5), ms/token on this machine\n")
     methods = sorted({r["method"] for r in res["speed"]}, key=["ar", "triforce", "retrieval"].index)

@@ -4,7 +4,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tforce-installed
 MODELS := demo/models
-BOOK := ../shared/data/books/great_expectations.txt
 
 .PHONY: venv test demo demo-trained demo-random clean-demo
 
@@ -26,35 +25,32 @@ $(MODELS)/tiny-target/config.json $(MODELS)/tiny-draft/config.json: | venv
 # The trained pair (scripts/train_demo.py, committed under models/) when present; else the random tiny pair.
 TRAINED := models/demo-target
 QUESTION := Question: what did the narrator call himself?
+EXCERPT := tforce/data/demo_excerpt.txt
+DEMO_OPTS := -n 64 --temperature 0 --threads 1
+MIDDLE := --budget 256 --draft-budget 192
 
 demo: venv
 	@mkdir -p demo
-	@if [ -f $(BOOK) ]; then \
-		awk '/family name being Pirrip/{p=1} p{n+=length($$0)+1; print; if (n>2500 && /^$$/) exit}' $(BOOK) > demo/excerpt.txt; \
-	else \
-		printf '%s\n' "My father's family name being Pirrip, and my Christian name Philip," \
-			"my infant tongue could make of both names nothing longer or more explicit" \
-			"than Pip. So, I called myself Pip, and came to be called Pip." > demo/excerpt.txt; \
-	fi
 	@if [ -f $(TRAINED)/config.json ]; then $(MAKE) --no-print-directory demo-trained; \
 	else $(MAKE) --no-print-directory demo-random; fi
 
+# `tforce run` with no model and no prompt uses the demo pair on the excerpt + question (tforce/demo.py).
 demo-trained:
 	@echo "=====================================================================" >&2
-	@echo " tforce demo: the TRAINED demo pair (models/, see models/README.md):" >&2
-	@echo " a 4.5M-parameter target and a 0.6M draft trained from scratch on a" >&2
-	@echo " CPU in minutes on 43 novels. Small models: real English-like text," >&2
-	@echo " little sense. The excerpt (Great Expectations) is a HELD-OUT book." >&2
-	@echo " ar and triforce print the same tokens at --temperature 0; the" >&2
-	@echo " acceptance rates on stderr are real. Timings on a CPU mean little." >&2
+	@echo " tforce demo: the TRAINED demo pair (models/, see models/README.md)," >&2
+	@echo " small Llama models trained from scratch on 43 public-domain novels." >&2
+	@echo " Small models: English-like text, little sense. The excerpt (Great" >&2
+	@echo " Expectations) is from a book HELD OUT of their training. ar and" >&2
+	@echo " triforce print the same tokens at --temperature 0; the acceptance" >&2
+	@echo " rates on stderr are real. Then tforce bench times both side by side." >&2
 	@echo "=====================================================================" >&2
-	@echo "--- method ar ---" >&2
-	$(BIN)/tforce run demo/excerpt.txt -p "$(QUESTION)" \
-		-m $(TRAINED) --draft models/demo-draft -n 64 --temperature 0 --method ar; echo
-	@echo "--- method triforce ---" >&2
-	$(BIN)/tforce run demo/excerpt.txt -p "$(QUESTION)" \
-		-m $(TRAINED) --draft models/demo-draft -n 64 --temperature 0 --method triforce \
-		--budget 256 --draft-budget 192 --sinks 4; echo
+	@echo "--- tforce run --method ar ---" >&2
+	$(BIN)/tforce run --method ar $(DEMO_OPTS) </dev/null; echo
+	@echo "--- tforce run --method triforce ---" >&2
+	$(BIN)/tforce run --method triforce $(DEMO_OPTS) $(MIDDLE) </dev/null; echo
+	@echo "--- tforce bench: ar vs triforce on this machine (same excerpt, cut to 860 tokens) ---" >&2
+	$(BIN)/tforce bench -m $(TRAINED) --prompt-file $(EXCERPT) --prompt-len 860 --gen-len 64 \
+		--methods ar,triforce --temperature 0 $(MIDDLE) --threads 1
 
 demo-random: $(MODELS)/tiny-target/config.json $(MODELS)/tiny-draft/config.json
 	@echo "=====================================================================" >&2
@@ -64,10 +60,10 @@ demo-random: $(MODELS)/tiny-target/config.json $(MODELS)/tiny-draft/config.json
 	@echo " exactly the tokens plain decoding (ar) prints at --temperature 0." >&2
 	@echo "=====================================================================" >&2
 	@echo "--- method ar ---" >&2
-	$(BIN)/tforce run demo/excerpt.txt -p "$(QUESTION)" \
+	$(BIN)/tforce run $(EXCERPT) -p "$(QUESTION)" \
 		-m $(MODELS)/tiny-target --draft $(MODELS)/tiny-draft -n 64 --temperature 0 --method ar; echo
 	@echo "--- method triforce ---" >&2
-	$(BIN)/tforce run demo/excerpt.txt -p "$(QUESTION)" \
+	$(BIN)/tforce run $(EXCERPT) -p "$(QUESTION)" \
 		-m $(MODELS)/tiny-target --draft $(MODELS)/tiny-draft -n 64 --temperature 0 --method triforce \
 		--budget 64 --draft-budget 32 --sinks 4; echo
 

@@ -106,6 +106,32 @@ def test_sibling_draft_default(runner, models):
     assert json.loads(r.stdout)["method"] == "triforce"
 
 
+def test_no_model_uses_the_demo_pair_and_excerpt(runner, tmp_path):
+    """No --model: the demo pair (here tiny random stand-ins via TFORCE_DEMO_MODELS), said on stderr;
+    no prompt either: the embedded excerpt + question, also said on stderr."""
+    from tforce.demo import demo_prompt
+
+    long_ctx = dict(TARGET, max_position_embeddings=4096)
+    make_checkpoint(tmp_path / "demo-target", seed=0, **long_ctx)
+    make_checkpoint(tmp_path / "demo-draft", seed=1, **dict(DRAFT, max_position_embeddings=4096))
+    env = {"TFORCE_DEMO_MODELS": str(tmp_path)}
+    r = runner.invoke(app, ["run", *FAST, "-n", "4", "--json"], input="", env=env)
+    assert r.exit_code == 0, r.output
+    assert "demo pair" in r.stderr and "demo's excerpt" in r.stderr
+    target = tforce.load_model(str(tmp_path / "demo-target"))
+    ids = target.tokenizer.encode(demo_prompt())
+    out = json.loads(r.stdout)
+    assert out["prompt_tokens"] == len(ids) > 2000
+    assert out["tokens"] == tforce.generate(target.model, ids, method="ar", max_new_tokens=4, temperature=0).tokens
+    # a prompt given with no model: the demo pair on that prompt
+    r = runner.invoke(app, ["run", "-p", "Hello", *FAST, "-n", "2", "--json"], env=env)
+    assert r.exit_code == 0 and "demo's excerpt" not in r.stderr, r.output
+    assert json.loads(r.stdout)["prompt_tokens"] == len(target.tokenizer.encode("Hello"))
+    # no demo pair where it is looked for: one line, exit 2
+    r = runner.invoke(app, ["run", "-p", "hi"], env={"TFORCE_DEMO_MODELS": str(tmp_path / "nowhere")})
+    _one_error_line(r, 2, "no --model given")
+
+
 @pytest.mark.parametrize("args,code,needle", [
     (["-f", "/nonexistent/prompt.txt"], 2, "cannot read prompt file"),
     (["-p", "   "], 2, "empty"),

@@ -9,14 +9,17 @@ from typing import Optional
 import typer
 
 from ..config import Sampling, Speculation
+from ..demo import demo_pair, demo_prompt
 from ..errors import UsageError
 from .app import app
 from .common import DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _threads, _device, _guarded, _placement_options, _say
 from .live import Progress, TextStream, _summary_line
 
 
-def _read_prompt(prompt_file: Optional[str], prompt: Optional[str]) -> str:
-    """The document (a file, `-` for stdin, or piped stdin) followed by --prompt, joined by a blank line."""
+def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Optional[str] = None) -> str:
+    """The document (a file, `-` for stdin, or piped stdin) followed by --prompt, joined by a blank line.
+
+    With nothing given, `default` (the demo's excerpt) if there is one, else a usage error."""
     document = ""
     if prompt_file == "-" or (prompt_file is None and not sys.stdin.isatty()):
         try:
@@ -30,6 +33,9 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str]) -> str:
         except OSError as e:
             raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror or e}") from e
     parts = [p for p in (document, prompt or "") if p.strip()]
+    if not parts and default is not None:
+        _say("tforce: no prompt given: using the demo's excerpt (Great Expectations, chapter 1) and a question")
+        return default
     if not parts:
         raise UsageError("the prompt is empty: give a prompt file, --prompt TEXT or text on stdin")
     return "\n\n".join(parts)
@@ -55,7 +61,8 @@ def run(
                                                     help="Document to read ('-' = stdin)."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f", help="Document to read ('-' = stdin)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text placed after the document."),
-    model: str = typer.Option(..., "--model", "-m", help="Target: a folder, hub id or short name."),
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="Target: a folder, hub id or short name (default: the demo pair)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Small draft model (default: the registry's)."),
     method: str = typer.Option("triforce", "--method", help="triforce | ar | retrieval | streaming | naive"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate."),
@@ -97,11 +104,17 @@ def run(
         placement_options = _placement_options(offload, gpu_memory)
         _threads(threads)
         world, dev = _parallel(tp, gpus, device)
-        draft_name = draft if draft is not None else _default_draft(model)
+        target_name, default_prompt = model, None
+        if model is None:
+            target_name, demo_draft = demo_pair()
+            default_prompt = demo_prompt()
+            _say(f"tforce: no --model given: using the trained demo pair {target_name} (draft: {draft or demo_draft}; "
+                 "small models trained by scripts/train_demo.py, see models/README.md)")
+        draft_name = draft if draft is not None else _default_draft(target_name)
         if spec.uses_draft and draft_name is None:
             raise UsageError(f"method {method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
-        text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt)
-        _run(text, model, draft_name if spec.uses_draft else None, dev, None if dtype == "auto" else dtype,
+        text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt, default_prompt)
+        _run(text, target_name, draft_name if spec.uses_draft else None, dev, None if dtype == "auto" else dtype,
              as_json, dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            top_k=top_k, seed=seed, ignore_eos=ignore_eos, budget=budget, chunk_size=chunk_size,
                            gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget, sinks=sinks,

@@ -1,0 +1,34 @@
+"""The embedded default: the trained demo pair and a book excerpt, used when `tforce run` gets no model.
+
+The pair lives in the repository's models/ (written by scripts/train_demo.py; see models/README.md);
+TFORCE_DEMO_MODELS names another folder holding demo-target/ and demo-draft/. The excerpt is the opening
+of Great Expectations, chapter 1 (public domain; a book held out from the demo pair's training).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import UsageError
+
+EXCERPT = Path(__file__).resolve().parent / "data" / "demo_excerpt.txt"
+QUESTION = "Question: what did the narrator call himself?"
+
+
+def models_dir() -> Path:
+    env = os.environ.get("TFORCE_DEMO_MODELS")
+    return Path(env).expanduser() if env else Path(__file__).resolve().parent.parent / "models"
+
+
+def demo_pair() -> tuple[str, str]:
+    """(target folder, draft folder) of the demo pair, or a UsageError saying how to get one."""
+    root = models_dir()
+    target, draft = root / "demo-target", root / "demo-draft"
+    if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
+        raise UsageError(f"no --model given and the demo pair is not in {root} "
+                         "(python scripts/train_demo.py writes it): pass --model")
+    return str(target), str(draft)
+
+
+def demo_prompt() -> str:
+    return EXCERPT.read_text(encoding="utf-8").strip() + "\n\n" + QUESTION

@@ -25,7 +25,7 @@ import random
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,7 +58,7 @@ class Setup:
     draft: Arch
     minutes: float            # total budget for training both models (tokenizer and evaluation extra)
     draft_share: float        # fraction of the training budget given to the draft
-    passkey_frac: float       # fraction of target sequences that carry a passkey example
+    passkey_frac: float       # fraction of target sequences that carry passkey examples (phase 1)
     answer_weight: float      # loss weight of the passkey answer tokens
     eval_tokens: int          # held-out tokens per book for perplexity
     passkey_lengths: tuple = (256, 512, 1024, 2048)
@@ -66,6 +66,11 @@ class Setup:
     tokenizer_chars: int = 40_000_000
     train_chars: int = 10 ** 9  # training text pool, a random slice of each book (CPU: a few passes' worth)
     steps: int | None = None  # fixed step count for the target (draft: scaled); None: from --minutes
+    # Phase 2 of the target: this share of its budget on sequences made only of packed passkey episodes,
+    # (seq_len, batch) below. Many short episodes per step are what makes the copying (induction) circuit
+    # form; with the episodes only a minority of phase 1's tokens, a CPU budget never got there.
+    passkey_phase: float = 0.0
+    passkey_shape: tuple = (512, 4)
 
 
 CONFIGS = {
@@ -73,17 +78,19 @@ CONFIGS = {
                   target=Arch(64, 2, 2, 1, 172, 128, 2, 2e-3),
                   draft=Arch(32, 1, 2, 1, 86, 64, 2, 2e-3, tie=True),
                   minutes=0.05, draft_share=0.3, passkey_frac=0.5, answer_weight=4.0, eval_tokens=256,
-                  passkey_lengths=(64, 96), passkey_prompts=2, tokenizer_chars=300_000, steps=3),
+                  passkey_lengths=(64, 96), passkey_prompts=2, tokenizer_chars=300_000, steps=3,
+                  passkey_phase=0.4, passkey_shape=(96, 2)),
     "cpu": Setup(vocab=4096,
                  target=Arch(256, 4, 4, 2, 512, 1024, 2, 2e-3, rope_theta=10000.0),
                  draft=Arch(96, 2, 2, 1, 256, 256, 8, 3e-3, tie=True),
                  minutes=11.0, draft_share=0.18, passkey_frac=0.5, answer_weight=12.0, eval_tokens=8192,
-                 passkey_lengths=(256, 512, 1024), tokenizer_chars=12_000_000, train_chars=10_000_000),
+                 passkey_lengths=(256, 512, 1024), tokenizer_chars=12_000_000, train_chars=10_000_000,
+                 passkey_phase=0.5, passkey_shape=(512, 4)),
     "gpu": Setup(vocab=8192,
                  target=Arch(512, 8, 8, 4, 1376, 8192, 8, 1e-3, rope_theta=500000.0),
                  draft=Arch(128, 2, 4, 2, 344, 512, 64, 3e-3, tie=True),
                  minutes=8.0, draft_share=0.15, passkey_frac=0.4, answer_weight=12.0, eval_tokens=32768,
-                 passkey_lengths=(1024, 2048, 4096, 8192)),
+                 passkey_lengths=(1024, 2048, 4096, 8192), passkey_phase=0.3, passkey_shape=(2048, 16)),
 }
 
 
@@ -138,8 +145,11 @@ class Stream:
         return ids[start:start + n].tolist()
 
     def passkey(self, max_len: int) -> tuple[list[int], int, int]:
-        """(ids, answer_start, answer_end): needle prompt + answer + eos, of random length <= max_len."""
-        length = self.rng.randint(min(64, max_len // 2), max(min(64, max_len // 2), max_len - 8))
+        """(ids, answer_start, answer_end): needle prompt + answer + eos, of random length <= max_len.
+
+        Lengths are log-uniform from 48 tokens: mostly short episodes (many answers per step), some long."""
+        lo = min(48, max_len // 2)
+        length = int(math.exp(self.rng.uniform(math.log(lo), math.log(max(lo, max_len - 8)))))
         name = self.rng.choices(self.names, self.weights)[0]
         text = self.books[name]
         n_chars = length * 6 + 200
@@ -302,6 +312,11 @@ def save(model, tok, path: Path) -> None:
 def card_markdown(card: dict) -> str:
     t, d = card["target"], card["draft"]
     pk = ", ".join(f"{k}: {v:.0%}" for k, v in t["passkey_accuracy"].items())
+    p2 = t.get("passkey_train")
+    phase2 = (f" {p2['steps']} steps ({p2['tokens']:,} tokens, {p2['wall_s']:.0f} s, final loss "
+              f"{p2['final_loss']:.3f}) on {p2['seq_len']}-token sequences made only of packed passkey episodes "
+              f"(peak learning rate {p2['peak_lr']:g}): the phase that forms the copying circuit;" if p2
+              else " nothing else;")
     return f"""# tforce demo pair ({card['config']} config)
 
 Trained from scratch by `{card['command']}` (seed {card['seed']}) on {card['device']}, in
@@ -311,10 +326,11 @@ English without much sense; what they show is real text and real acceptance rate
 **Data.** Tokenizer and both models: the {len(card['data']['train_books'])} public-domain novels in
 `../shared/data/books/train/` (Project Gutenberg headers and licences removed;
 {card['data']['train_tokens']:,} tokens). **Held out entirely** (never seen by the tokenizer or the models):
-{', '.join(card['data']['held_out_books'])} (`../shared/data/books/*.txt`). A fraction {card['passkey_frac']} of
-the target's training sequences are packed passkey examples from `tforce.needle` ("The pass key is
-KEY. Remember it." at a random depth of a novel excerpt, then "What is the pass key? The pass key is
-KEY"; answer tokens weigh {card['answer_weight']:g}x in the loss); evaluation uses the same phrasing on
+{', '.join(card['data']['held_out_books'])} (`../shared/data/books/*.txt`). The target trains in two
+phases: first a fraction {card['passkey_frac']} of its sequences are packed passkey examples from
+`tforce.needle` ("The pass key is KEY. Remember it." at a random depth of a novel excerpt, then "What is
+the pass key? The pass key is KEY"; episode lengths log-uniform from 48 tokens; answer tokens weigh
+{card['answer_weight']:g}x in the loss), the rest plain book text; then{phase2} evaluation uses the same phrasing on
 the held-out books. The training loss reported is the plain mean over all tokens.
 
 **Tokenizer.** Byte-level BPE, {card['vocab']} ids, digits one per token; `<s>` (bos, prepended),
@@ -325,9 +341,9 @@ the held-out books. The training loss reported is the plain mean over all tokens
 | parameters | {t['params'] / 1e6:.2f} M | {d['params'] / 1e6:.2f} M |
 | shape | {t['arch']['layers']} layers, hidden {t['arch']['hidden']}, {t['arch']['heads']} heads / {t['arch']['kv_heads']} KV heads, rope_theta {t['arch']['rope_theta']:g} | {d['arch']['layers']} layers, hidden {d['arch']['hidden']}, {d['arch']['heads']} heads / {d['arch']['kv_heads']} KV heads, tied embeddings |
 | training sequences | {t['train']['seq_len']} tokens x {t['train']['batch']} | {d['train']['seq_len']} tokens x {d['train']['batch']} |
-| steps (tokens) | {t['train']['steps']} ({t['train']['tokens']:,}) | {d['train']['steps']} ({d['train']['tokens']:,}) |
-| training wall time | {t['train']['wall_s']:.0f} s ({t['train']['tokens_per_s']:,} tokens/s) | {d['train']['wall_s']:.0f} s ({d['train']['tokens_per_s']:,} tokens/s) |
-| final training loss (nats/token) | {t['train']['final_loss']:.3f} | {d['train']['final_loss']:.3f} |
+| steps (tokens) | {t['train']['steps']} ({t['train']['tokens']:,}){f" + passkey phase {p2['steps']} ({p2['tokens']:,})" if p2 else ""} | {d['train']['steps']} ({d['train']['tokens']:,}) |
+| training wall time | {t['train']['wall_s'] + (p2['wall_s'] if p2 else 0):.0f} s ({t['train']['tokens_per_s']:,} tokens/s) | {d['train']['wall_s']:.0f} s ({d['train']['tokens_per_s']:,} tokens/s) |
+| final training loss (nats/token; target: phase 1) | {t['train']['final_loss']:.3f} | {d['train']['final_loss']:.3f} |
 | held-out perplexity (geometric mean over books) | {t['perplexity']['all']} | {d['perplexity']['all']} |
 | max_position_embeddings | {t['max_position_embeddings']} | {d['max_position_embeddings']} |
 
@@ -399,9 +415,18 @@ def main(argv=None) -> int:
         stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), pk)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"{name}: {n_params / 1e6:.2f} M parameters")
-        tr = train(name, model, stream, arch, budget * share, steps, setup.answer_weight, args.device)
+        phase2 = setup.passkey_phase if name == "target" else 0.0
+        tr = train(name, model, stream, arch, budget * share * (1 - phase2), steps, setup.answer_weight,
+                   args.device)
         rec[name] = {"params": n_params, "arch": asdict(arch), "train": tr,
                      "max_position_embeddings": target_max_pos}
+        if phase2:
+            seq_len, batch = setup.passkey_shape
+            stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), 1.0)
+            rec[name]["passkey_train"] = train(
+                f"{name} (passkey phase)", model, stream, replace(arch, seq_len=seq_len, batch=batch, lr=arch.lr / 2),
+                budget * share * phase2, None if steps is None else max(1, round(steps * phase2)),
+                setup.answer_weight, args.device)
     t_eval = time.perf_counter()
     for name, model, arch in (("target", target, setup.target), ("draft", draft, setup.draft)):
         rec[name]["perplexity"] = perplexity(model, held_ids, arch.seq_len, setup.eval_tokens, args.device)
@@ -418,6 +443,7 @@ def main(argv=None) -> int:
             "device": f"{args.device} ({torch.get_num_threads()} threads)" if args.device == "cpu"
             else torch.cuda.get_device_name(), "torch": torch.__version__,
             "vocab": vocab, "passkey_frac": setup.passkey_frac, "answer_weight": setup.answer_weight,
+            "passkey_phase": setup.passkey_phase,
             "eval_tokens": setup.eval_tokens, "passkey_prompts": setup.passkey_prompts,
             "data": {"train_books": sorted(train_books), "held_out_books": sorted(held_books),
                      "train_tokens": n_train},

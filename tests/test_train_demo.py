@@ -40,6 +40,8 @@ def test_tiny_end_to_end(tmp_path):
         with safe_open(str(st), "pt") as f:
             assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())
     assert set(card["target"]["passkey_accuracy"]) == {"64", "96"}
+    assert card["target"]["passkey_train"]["steps"] == 1 and card["target"]["passkey_train"]["seq_len"] == 96
+    assert "passkey_train" not in card["draft"]
     ids = loaded.tokenizer.encode("Hello there")
     assert ids[0] == loaded.tokenizer.bos_token_id
     assert "# tforce demo pair" in (tmp_path / "README.md").read_text()

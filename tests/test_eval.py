@@ -34,3 +34,19 @@ def test_eval_writes_results_and_plots(tmp_path):
     assert all(0 <= r["acceptance"] <= 1 for r in t1)
     assert {r["method"] for r in res["speed"]} == {"ar", "triforce"}
     assert "Table 1" in (out / "results.md").read_text()
+    # needle runs report how often the output starts with the key; pg19 runs have no key
+    assert all((r["answer_rate"] is None) == (r["task"] == "pg19") for r in t1)
+    assert all(0 <= r["answer_rate"] <= 1 for r in t1 if r["task"] == "needle")
+    assert "key in output" in (out / "results.md").read_text()
+
+
+def test_needle_prompts_generate_the_key_and_one_more_token():
+    from tforce.evaluate import EvalConfig, Evaluator
+
+    cfg = EvalConfig(tasks=["needle"], contexts=[64], policies=["retrieval"], budgets=[], chunk_sizes=[],
+                     gamma1s=[], gamma2s=[], temperatures=[], gen_len=40)
+    ev = Evaluator(None, None, None, [], cfg)
+    assert ev._gen_len({"answer": [5, 6, 7, 8, 9]}) == 6
+    assert ev._gen_len({"answer": None}) == 40
+    cfg.needle_gen_len = 12
+    assert ev._gen_len({"answer": [5, 6, 7, 8, 9]}) == 12

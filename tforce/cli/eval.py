@@ -50,7 +50,9 @@ def eval_(
     gamma2: int = typer.Option(6, "--gamma2"),
     temperature: float = typer.Option(0.6, "--temperature", "-t", help="Temperature outside its sweep."),
     sinks: int = typer.Option(4, "--sinks", help="Attention sinks of the streaming policy."),
-    gen_len: int = typer.Option(32, "--gen-len", help="Tokens generated per prompt."),
+    gen_len: int = typer.Option(32, "--gen-len", help="Tokens generated per pg19 prompt."),
+    needle_gen_len: int = typer.Option(0, "--needle-gen-len",
+                                       help="Tokens generated per needle prompt (0: the key's length + 1)."),
     sweep_prompts: int = typer.Option(3, "--sweep-prompts", help="Prompts per task at each sweep point."),
     rebuild_every: int = typer.Option(128, "--rebuild-every", help="Re-select the middle cache every N tokens."),
     seed: int = typer.Option(0, "--seed"),
@@ -76,11 +78,13 @@ def eval_(
         cfg = E.EvalConfig(tasks=tasks, contexts=_list(context, int, "context"), policies=names,
                            budgets=_list(budgets, int, "budgets"), chunk_sizes=_list(chunk_sizes, int, "chunk-sizes"),
                            gamma1s=_list(gamma1s, int, "gamma1s"), gamma2s=_list(gamma2s, int, "gamma2s"),
-                           temperatures=_list(temperatures, float, "temperatures"), gen_len=gen_len, budget=budget,
+                           temperatures=_list(temperatures, float, "temperatures"), gen_len=gen_len, needle_gen_len=needle_gen_len,
+                           budget=budget,
                            chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, temperature=temperature,
                            sinks=sinks, sweep_prompts=sweep_prompts, rebuild_every=rebuild_every, seed=seed)
-        if gen_len < 1 or sweep_prompts < 1 or min(cfg.contexts) < 2:
-            raise UsageError("--gen-len and --sweep-prompts must be >= 1 and --context lengths >= 2")
+        if gen_len < 1 or sweep_prompts < 1 or needle_gen_len < 0 or min(cfg.contexts) < 2:
+            raise UsageError("--gen-len and --sweep-prompts must be >= 1, --needle-gen-len >= 0 and "
+                             "--context lengths >= 2")
         for b in cfg.budgets + [budget]:
             for g1 in cfg.gamma1s + [gamma1]:
                 for g2 in cfg.gamma2s + [gamma2]:

@@ -205,7 +205,7 @@ def test_info(runner, models):
 
 @pytest.mark.parametrize("argv,needle", [
     (["run", "-m", "x", "-p", "hi", "-n", "abc"], "--max-new-tokens"),
-    (["run", "-p", "hi"], "--model"),
+    (["run", "-m", "x", "-p", "hi", "--top-k", "many"], "--top-k"),
     (["run", "-m", "x", "--frob"], "--frob"),
     (["bogus"], "bogus"),
 ])

@@ -46,22 +46,30 @@ def brute_force_chunks(keys, length, query, chunk, budget):
     """keys (S, H_kv, D), query (H_q, D) -> per KV head the kept chunk ids: the first chunk, then the others
     by descending score (group query . chunk mean key), up to budget // chunk chunks, or all of them when
     the budget holds the whole context. Plain Python."""
-    keys, query = keys[:length].tolist(), query.tolist()
-    n_kv, n_q, d = len(keys[0]), len(query), len(query[0])
-    group = n_q // n_kv
     n_chunks = math.ceil(length / chunk)
     n_keep = n_chunks if length <= budget else min(budget // chunk, n_chunks)
     kept = []
-    for h in range(n_kv):
-        group_query = [sum(query[h * group + j][i] for j in range(group)) for i in range(d)]
-        scores = []
-        for c in range(n_chunks):
-            tokens = range(c * chunk, min(length, (c + 1) * chunk))
-            mean = [sum(keys[t][h][i] for t in tokens) / len(tokens) for i in range(d)]
-            scores.append(sum(m * g for m, g in zip(mean, group_query)))
+    for scores in brute_chunk_scores(keys, length, query, chunk):
         rest = sorted(range(1, n_chunks), key=lambda c: -scores[c])
         kept.append([0] + rest[:n_keep - 1])
     return kept
+
+
+def brute_chunk_scores(keys, length, query, chunk) -> list[list[float]]:
+    """Per KV head, per chunk: group query (sum of the group's query heads) . chunk mean key. Plain Python."""
+    keys, query = keys[:length].tolist(), query.tolist()
+    n_kv, n_q, d = len(keys[0]), len(query), len(query[0])
+    group = n_q // n_kv
+    out = []
+    for h in range(n_kv):
+        group_query = [sum(query[h * group + j][i] for j in range(group)) for i in range(d)]
+        scores = []
+        for c in range(math.ceil(length / chunk)):
+            tokens = range(c * chunk, min(length, (c + 1) * chunk))
+            mean = [sum(keys[t][h][i] for t in tokens) / len(tokens) for i in range(d)]
+            scores.append(sum(m * g for m, g in zip(mean, group_query)))
+        out.append(scores)
+    return out
 
 
 def held_positions(cache: RetrievalCache, layer: int, head: int) -> set[int]:
@@ -104,6 +112,45 @@ def test_retrieval_picks_brute_force_chunks(tiny, name, length, chunk, budget):
                     assert torch.equal(cache.v[layer, 0, slot, h], full.v[layer, 0, p, h])
     assert not_prefix > 0 or length <= budget  # the choice is not simply the first chunks
     assert cache.length == cache.base == length
+
+
+def brute_force_votes(full: FullCache, length: int, chunk: int) -> list[float]:
+    """The shared rule in plain Python: per (layer, KV head), softmax over chunks of (group query . chunk
+    mean key) / sqrt(D); summed over layers and heads."""
+    votes = [0.0] * math.ceil(length / chunk)
+    for layer, query in enumerate(last_queries(full)):
+        d = query.shape[-1]
+        for scores in brute_chunk_scores(full.k[layer, 0], length, query, chunk):
+            scaled = [x / math.sqrt(d) for x in scores]
+            top = max(scaled)
+            z = sum(math.exp(x - top) for x in scaled)
+            for c, x in enumerate(scaled):
+                votes[c] += math.exp(x - top) / z
+    return votes
+
+
+@pytest.mark.parametrize("name,length,chunk,budget", [("gqa", 45, 8, 24), ("mha", 37, 5, 20), ("llama3", 50, 4, 16)])
+def test_shared_retrieval_keeps_the_brute_force_vote_in_every_layer(tiny, name, length, chunk, budget):
+    model = tiny[name].model
+    full = prefill(model, random_ids(length, seed=length))
+    cache = RetrievalCache(model.config.num_hidden_layers, model.n_kv_heads, model.head_dim, budget, chunk,
+                           full.rotary, shared=True)
+    cache.rebuild(full, last_queries(full))
+    votes = brute_force_votes(full, length, chunk)
+    rest = sorted(range(1, len(votes)), key=lambda c: -votes[c])
+    kept = [0] + rest[:budget // chunk - 1]
+    assert votes[rest[len(kept) - 2]] - votes[rest[len(kept) - 1]] > 1e-6, "tie at the boundary: pick another seed"
+    want = [p for c in kept for p in range(c * chunk, (c + 1) * chunk)]
+    want = [p if p < length else -1 for p in want]
+    for layer in range(model.config.num_hidden_layers):
+        for h in range(model.n_kv_heads):
+            assert cache.key_pos[layer, h].tolist() == want + [-1] * (budget - len(want)), (layer, h)
+            for slot, p in enumerate(want):
+                if p >= 0:
+                    assert torch.equal(cache.k[layer, 0, slot, h], full.k[layer, 0, p, h])
+                    assert torch.equal(cache.v[layer, 0, slot, h], full.v[layer, 0, p, h])
+    # the per-layer rule picks differently somewhere, so the test would notice the flag being ignored
+    assert not torch.equal(retrieval_for(model, full, budget, chunk).key_pos, cache.key_pos)
 
 
 @pytest.mark.parametrize("name,budget", [("gqa", 64), ("gqa", 45), ("gqa", 47), ("llama3", 46)])

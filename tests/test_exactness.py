@@ -111,9 +111,9 @@ def exact_joint(model, prompt, n):
     return out
 
 
-def draw(target, draft, prompt, method, n_samples, seed):
+def draw(target, draft, prompt, method, n_samples, seed, policy="retrieval"):
     """n_samples independent generations of N_TOKENS tokens, each from a fresh session."""
-    spec = Speculation(method=method, **dict(SMALL, gamma2=3))
+    spec = Speculation(method=method, policy=policy, **dict(SMALL, gamma2=3))
     gen = torch.Generator().manual_seed(seed)
     samples, drafted, accepted = [], 0, 0
     for _ in range(n_samples):
@@ -156,6 +156,15 @@ def test_sampling_matches_target_distribution(small_vocab, method):
     assert min(pvals) > 1e-3, pvals
     if method != "ar":  # the test only means something if drafts are both accepted and rejected
         assert 0.1 < acc < 0.95, acc
+
+
+@pytest.mark.parametrize("policy", ["shared", "topk"])
+def test_sampling_with_other_middle_policies_matches_target_distribution(small_vocab, policy):
+    target, draft = small_vocab
+    joint = exact_joint(target, PROMPT, N_TOKENS)
+    samples, acc = draw(target, draft, PROMPT, "triforce", SAMPLES, seed=2, policy=policy)
+    assert min(check(samples, joint)) > 1e-3
+    assert 0.1 < acc < 0.95, acc
 
 
 @pytest.mark.parametrize("method", ["triforce", "naive"])

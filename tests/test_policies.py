@@ -129,7 +129,7 @@ def test_h2o_holds_heavy_hitters_and_recent_window(tiny, name):
     check_contents(cache, full)
 
 
-@pytest.mark.parametrize("policy", ["retrieval", "topk", "streaming", "h2o"])
+@pytest.mark.parametrize("policy", ["retrieval", "shared", "topk", "streaming", "h2o"])
 @pytest.mark.parametrize("method", ["retrieval", "triforce"])
 def test_greedy_with_any_policy_equals_plain_decoding(tiny, policy, method):
     prompt = random_ids(60, seed=11)[0].tolist()

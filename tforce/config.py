@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .errors import UsageError
 
 METHODS = ("triforce", "ar", "retrieval", "streaming", "naive")
-POLICIES = ("retrieval", "topk", "streaming", "h2o")  # the middle cache's selection rule (cache/policies.py)
+POLICIES = ("retrieval", "shared", "topk", "streaming", "h2o")  # the middle cache's selection rule (cache/policies.py)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,8 @@ class Session:
         if method in ("triforce", "retrieval"):
             self.retrieval = RetrievalCache(*dims, budget=spec.budget, chunk_size=spec.chunk_size,
                                             rotary=rotary, dtype=p.dtype, device=p.device,
-                                            select=make_select(spec.policy, spec.sinks))
+                                            select=make_select(spec.policy, spec.sinks),
+                                            shared=spec.policy == "shared")
             self.middle = Node("retrieval", target, self.retrieval, sampling, capacity, prefill_chunk,
                                _runner(target, self.retrieval, cuda_graphs))
         elif method == "streaming":

@@ -12,6 +12,8 @@ come in descending importance: tokens generated after a rebuild overwrite the en
 
 - "retrieval" (ours, TriForce): chunk-mean keys scored by the group query, first chunk always kept
   (the RetrievalCache default; `select=None`).
+- "shared": the chunk rule with one selection for every layer and KV head (the mean of their
+  softmaxed chunk scores; `RetrievalCache(shared=True)`, `select=None`).
 - "topk": the exact highest-attention tokens of the current query, per layer and KV head, attention
   probabilities summed over the GQA group's query heads. An oracle upper bound for any selection of
   `budget` single tokens for this query (it reads every key, as the full cache does).
@@ -34,7 +36,7 @@ import torch
 
 from .full import FullCache
 
-POLICIES = ("retrieval", "topk", "streaming", "h2o")
+POLICIES = ("retrieval", "shared", "topk", "streaming", "h2o")
 
 
 def group_attention(keys: torch.Tensor, length: int, query: torch.Tensor) -> torch.Tensor:
@@ -150,7 +152,7 @@ class H2O:
 
 def make_select(policy: str, sinks: int = 4):
     """The select rule for a policy name; None means RetrievalCache's own chunk rule."""
-    if policy == "retrieval":
+    if policy in ("retrieval", "shared"):
         return None
     if policy == "topk":
         return TopK()

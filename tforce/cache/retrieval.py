@@ -11,11 +11,21 @@ first; the engine rebuilds before they would reach the first chunk. Keys keep th
 true position (cache/base.py), so any subset is attended exactly as in the full cache: with a budget
 >= the context, this cache gives the full cache's attention.
 
+With `shared=True` ("shared" policy) one selection serves every layer and KV head: each (layer, head)'s
+chunk scores, scaled by 1/sqrt(head_dim), become a softmax over chunks; their mean over layers and
+heads ranks the chunks once. Why: in a small model the heads that copy a passkey sit in the lowest
+layers, and the last prompt token's query there does not point at the key (the next tokens' queries
+do); per-layer selection drops the key from exactly those layers, while a model-wide vote keeps the
+chunks the answering layers point at everywhere (EVALUATION.md). It reads every layer's keys twice
+per rebuild (scores, then the gather).
+
 Other selection rules (Top-K, StreamingLLM, H2O: cache/policies.py) fill the same fixed budget through
 `select(layer, keys, length, query, budget) -> positions (H_kv, n <= budget)` (-1 = empty, descending
 importance); `select=None` is the chunk rule above.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -46,8 +56,9 @@ def select_chunks(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
 
 class RetrievalCache(StaticInputs):
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, budget: int, chunk_size: int,
-                 rotary: Rotary, dtype=torch.float32, device="cpu", select=None):
+                 rotary: Rotary, dtype=torch.float32, device="cpu", select=None, shared: bool = False):
         self.select = select  # None: the chunk rule; else a policies.py rule
+        self.shared = shared  # the chunk rule with one selection for all layers and heads
         shape = (n_layers, 1, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -71,11 +82,13 @@ class RetrievalCache(StaticInputs):
         self.key_pos.fill_(-1)
         # budget >= context keeps every chunk, the last one maybe partial (budget // c could drop one).
         n_keep = -(-L // c) if L <= self.budget else self.budget // c
+        votes = self._shared_votes(full, queries, L) if self.shared and L > self.budget else None
         for layer, query in enumerate(queries):
             keys, values = full.layer_keys(layer), full.layer_values(layer)  # may live in host memory
             query = query.to(keys.device)
             if self.select is None:
-                chunks = select_chunks(chunk_scores(keys[0], L, query, c), n_keep)  # (H_kv, K)
+                scores = chunk_scores(keys[0], L, query, c) if votes is None else votes.to(keys.device)
+                chunks = select_chunks(scores, n_keep)  # (H_kv, K)
                 pos = (chunks[:, :, None] * c + torch.arange(c, device=chunks.device)).flatten(1)  # (H_kv, K*c)
                 if L <= self.budget:  # all chunks: drop the partial chunk's padding so the L tokens fit
                     pos = pos[pos < L].view(pos.shape[0], L)
@@ -90,6 +103,16 @@ class RetrievalCache(StaticInputs):
             self.v[layer, :, :n] = values[:, :L].gather(1, gather).to(self.v.device)
             self.key_pos[layer, :, :n] = torch.where(valid, pos, -1).to(self.key_pos.device)
         self.length = self.base = L
+
+    def _shared_votes(self, full: FullCache, queries: list[torch.Tensor], L: int) -> torch.Tensor:
+        """(H_kv, C): every head's softmax over chunk scores, averaged over layers and heads."""
+        total = None
+        for layer, query in enumerate(queries):
+            keys = full.layer_keys(layer)[0]
+            probs = (chunk_scores(keys, L, query.to(keys.device), self.chunk_size)
+                     / math.sqrt(keys.shape[-1])).softmax(-1)
+            total = probs.sum(0) if total is None else total + probs.sum(0).to(total.device)
+        return total.expand(self.key_pos.shape[1], -1)
 
     def _slots(self, start: int, n: int) -> torch.Tensor:
         """Slots of sequence positions [start, start + n): from the end of the buffer backwards."""

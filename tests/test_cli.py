@@ -76,6 +76,15 @@ def test_greedy_json_matches_plain_decoding(runner, models):
     assert r.stderr == ""  # --json: no summary line either
 
 
+@pytest.mark.parametrize("policy", ["shared", "topk"])
+def test_policy_option_keeps_greedy_output(runner, models, policy):
+    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--policy", policy, "--budget", "16",
+             "--chunk-size", "4")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert obj["tokens"] == _expected(models, DOC) and obj["stats"]["acceptance"]["retrieval"] is not None
+
+
 def test_streamed_text_is_the_only_stdout(runner, models):
     r = _run(runner, models, "-f", str(models / "doc.txt"), *FAST, "--method", "ar")
     assert r.exit_code == 0, r.output
@@ -145,6 +154,7 @@ def test_no_model_uses_the_demo_pair_and_excerpt(runner, tmp_path):
     (["-p", "hi", "--top-p", "0"], 2, "top-p"),
     (["-p", "hi", "--top-p", "1.5"], 2, "top-p"),
     (["-p", "hi", "--method", "beam"], 2, "unknown method"),
+    (["-p", "hi", "--policy", "oracle"], 2, "unknown policy"),
     (["-p", "hi", "--device", "tpu"], 2, "--device"),
     (["-p", "hi", "--dtype", "int8"], 2, "--dtype"),
 ])

@@ -79,6 +79,8 @@ def run(
     sinks: int = typer.Option(16, "--sinks", help="Attention-sink tokens of streaming caches."),
     rebuild_every: int = typer.Option(128, "--rebuild-every", help="Rebuild the retrieval cache every N tokens."),
     rebuild_below: float = typer.Option(0.3, "--rebuild-below", help="... or when acceptance falls below this."),
+    policy: str = typer.Option("retrieval", "--policy",
+                               help="Middle cache's selection: retrieval, shared, topk, streaming, h2o."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
@@ -94,7 +96,7 @@ def run(
             raise UsageError("give the prompt file once: as an argument or with --prompt-file")
         spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                            draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
-                           rebuild_below=rebuild_below)
+                           rebuild_below=rebuild_below, policy=policy)
         spec.validate()
         Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed).validate()
         if max_new_tokens < 0:
@@ -118,7 +120,8 @@ def run(
              as_json, dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            top_k=top_k, seed=seed, ignore_eos=ignore_eos, budget=budget, chunk_size=chunk_size,
                            gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget, sinks=sinks,
-                           rebuild_every=rebuild_every, rebuild_below=rebuild_below, **placement_options),
+                           rebuild_every=rebuild_every, rebuild_below=rebuild_below, policy=policy,
+                           **placement_options),
              world)
 
     _guarded(body)

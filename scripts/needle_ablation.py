@@ -46,6 +46,16 @@ def acceptance(model, ids: list[int], n_new: int, select) -> tuple[float, list[i
     return stats.accepted / max(stats.drafted, 1), got[:n_new]
 
 
+def key_held(model, ids: list[int], key_at: range, policy: str, budget: int) -> list[float]:
+    """Per layer: the share of the key's ids (over KV heads) the policy's cache holds after prefill."""
+    spec = Speculation(method="retrieval", budget=budget, chunk_size=8, gamma2=6, policy=policy, sinks=4)
+    session = Session(model, None, len(ids), 8, spec, Sampling(temperature=0.0), cuda_graphs=False)
+    session.prefill(torch.tensor(ids))
+    pos = session.retrieval.key_pos  # (layers, H_kv, budget)
+    return [sum(int((pos[layer] == p).any(-1).sum()) for p in key_at) / (len(key_at) * pos.shape[1])
+            for layer in range(pos.shape[0])]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="models/demo-target")
@@ -53,6 +63,7 @@ def main() -> None:
     ap.add_argument("--depths", default="0.2,0.5,0.8")
     ap.add_argument("--key", default="40718")
     ap.add_argument("--books", default="../shared/data/books/*.txt")
+    ap.add_argument("--budget", type=int, default=128, help="Budget of the key-held table.")
     args = ap.parse_args()
     torch.set_num_threads(1)
     loaded = load_model(args.model)
@@ -64,6 +75,8 @@ def main() -> None:
     removals |= {f"last 16 prompt tokens, layer {i}": ({i}, "recent") for i in range(n_layers)}
     depths = [float(d) for d in args.depths.split(",")]
     table, answers = {name: [] for name in removals}, []
+    policies = ("retrieval", "shared", "topk", "streaming")
+    held = {p: [] for p in policies}
     for depth in depths:
         ids, answer = needle_prompt(tok, filler, args.context, depth, args.key)
         at = next(i for i in range(len(ids)) if ids[i:i + len(answer)] == answer)  # the key's first id
@@ -72,6 +85,9 @@ def main() -> None:
         for name, (layers, span) in removals.items():
             acc, out = acceptance(model, ids, len(answer) + 1, Without(layers, spans[span]))
             table[name].append(f"{acc:.2f}")
+        for policy in policies:
+            shares = key_held(model, ids, range(at, at + len(answer)), policy, args.budget)
+            held[policy].append(" / ".join(f"{x:.1f}" for x in shares))
         answers.append(tok.decode(out[:len(answer)]) + ("" if out[:len(answer)] == answer else " (wrong)"))
     print(f"{args.model}, context {args.context}, key {args.key}: middle-level acceptance, greedy, "
           f"{len(answer) + 1} tokens\n")
@@ -80,6 +96,12 @@ def main() -> None:
     for name, cells in table.items():
         print(f"| {name} | " + " | ".join(cells) + " |")
     print("| (target's answer) | " + " | ".join(answers) + " |")
+    print(f"\nShare of the key's ids held by each policy's cache (budget {args.budget}) after prefill, "
+          "per layer 0 / 1 / ...:\n")
+    print("| policy | " + " | ".join(f"depth {d:.1f}" for d in depths) + " |")
+    print("|---|" + "---|" * len(depths))
+    for policy, cells in held.items():
+        print(f"| {policy} | " + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     main()

@@ -30,7 +30,7 @@ def test_eval_writes_results_and_plots(tmp_path):
                  "gamma1.png", "gamma2.png", "temperature.png", "speed.png"):
         assert (out / name).stat().st_size > 0, name
     t1 = res["table1"]
-    assert len(t1) == 2 * 2 * 4  # tasks x contexts x policies
+    assert len(t1) == 2 * 2 * 5  # tasks x contexts x policies
     assert all(0 <= r["acceptance"] <= 1 for r in t1)
     assert {r["method"] for r in res["speed"]} == {"ar", "triforce"}
     assert "Table 1" in (out / "results.md").read_text()

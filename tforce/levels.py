@@ -56,6 +56,8 @@ class Node:
     def probs(self, seq: torch.Tensor, n: int, last: int = 1) -> torch.Tensor:
         """Distributions (last, V) of the next token after each of seq[:n - last + 1], ..., seq[:n]."""
         start = min(self.sync(seq, n), n - last)
+        if start < self.cache.length:  # the logits of tokens it already holds are wanted: feed them again
+            self.cache.truncate(start)
         while n - start > self.prefill_chunk + last:  # catching up on a long stretch: in chunks
             step = min(self.prefill_chunk, n - last - start)
             self._feed(seq, start, start + step, last_n=0)

@@ -1,0 +1,56 @@
+"""Node (levels.py): a node asked for distributions over tokens its cache already holds must feed them
+again at their true positions. A middle level that drafted past what the level above took is asked
+exactly that; before this was handled, its tokens landed one position late and its acceptance fell,
+invisibly to the exactness tests (the full cache still verified every token)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tforce
+from model_helpers import full_cache, random_ids
+from tforce.cache import RetrievalCache
+from tforce.config import Sampling
+from tforce.demo import demo_prompt
+from tforce.levels import Node
+
+SAMPLING = Sampling(temperature=1.0, top_p=1.0)
+DEMO = Path(__file__).resolve().parents[1] / "models"
+
+
+def node_over(model, cache):
+    return Node("test", model, cache, SAMPLING, capacity=64)
+
+
+@pytest.mark.parametrize("kind", ["full", "retrieval"])
+def test_probs_over_held_tokens_match_a_fresh_node(tiny, kind):
+    model = tiny["gqa"].model
+    seq = random_ids(40, seed=5)[0]
+
+    def make():
+        full = full_cache(model, 64)
+        if kind == "full":
+            return full
+        return RetrievalCache(model.config.num_hidden_layers, model.n_kv_heads, model.head_dim, 64, 8, full.rotary)
+
+    used = node_over(model, make())
+    used.probs(seq, 30)  # the cache now holds seq[:30]
+    got = used.probs(seq, 32, last=5)  # distributions after seq[:28], ..., seq[:32]: re-feeds 27..29
+    want = node_over(model, make()).probs(seq, 32, last=5)
+    assert used.cache.length == 32
+    torch.testing.assert_close(got, want)
+
+
+def test_middle_level_with_the_whole_context_is_never_rejected():
+    """budget >= context: the middle level computes the full cache's own distribution, so at
+    temperature 0 the full cache accepts every middle-level token. The trained demo pair (committed
+    under models/): its draft is good enough that the middle level often drafts past what the full
+    level takes, which is when the re-feed above matters (random tiny models rarely get there)."""
+    target, draft = tforce.load_model(str(DEMO / "demo-target")), tforce.load_model(str(DEMO / "demo-draft"))
+    prompt = target.tokenizer.encode(demo_prompt())[-600:]
+    out = tforce.generate(target, prompt, draft=draft, method="triforce", max_new_tokens=48, temperature=0,
+                          ignore_eos=True, budget=1024)
+    assert out.stats["acceptance"]["retrieval"] == 1.0
+    assert 0.2 < out.stats["acceptance"]["draft"] < 1.0  # the draft was both accepted and rejected

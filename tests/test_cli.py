@@ -3,6 +3,8 @@ exit 2 (usage) or 1 (runtime), --json is exactly one object, greedy output equal
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -83,6 +85,19 @@ def test_policy_option_keeps_greedy_output(runner, models, policy):
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
     assert obj["tokens"] == _expected(models, DOC) and obj["stats"]["acceptance"]["retrieval"] is not None
+
+
+def test_text_line_is_ended_only_when_stderr_shares_stdout(models):
+    """`2>&1`: the summary line must not run on from the text; separate streams keep the exact text."""
+    cmd = [sys.executable, "-m", "tforce", "run", "-m", str(models / "tiny-target"), "--method", "ar",
+           "-p", "hi", "-n", "4", "--temperature", "0", "--threads", "1"]
+    apart = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    joint = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           stdin=subprocess.DEVNULL)
+    assert apart.returncode == joint.returncode == 0, apart.stderr
+    text = apart.stdout
+    assert text and not text.endswith("\n")  # the tiny model's 4 tokens end mid-line
+    assert joint.stdout.startswith(text + "\ntforce: ar: 4 tokens"), joint.stdout
 
 
 def test_streamed_text_is_the_only_stdout(runner, models):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -214,13 +215,23 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
         return
-    if sys.stdout.isatty() and out and not out.endswith("\n"):
+    if (sys.stdout.isatty() or _shared_with_stderr()) and out and not out.endswith("\n"):
         sys.stdout.write("\n")
         sys.stdout.flush()
     if progress:
         progress.finish(result.stats)
     else:
         _say(_summary_line(len(result.tokens), len(ids), options["method"], result.stats))
+
+
+def _shared_with_stderr() -> bool:
+    """stdout and stderr write to the same file or pipe (`2>&1`): end the text's line before the
+    summary, as on a terminal. A file or pipe of its own gets the text exactly as generated."""
+    try:
+        a, b = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):  # captured streams without a descriptor
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 # --------------------------------------------------------------------------------------------- info

@@ -71,6 +71,7 @@ def test_bench_offload_on_cpu(runner):
     (["--offload", "maybe"], "--offload"),
     (["--gpus", "2"], "--gpus runs on CUDA"),
     (["--tp", "2"], "needs --model"),
+    (["--prompt-len", "4000", "--gen-len", "200"], "exceeds the model's context"),
 ])
 def test_bench_bad_options_are_one_line(runner, args, needle):
     result = runner.invoke(app, BENCH + args)

@@ -40,6 +40,15 @@ def test_eval_writes_results_and_plots(tmp_path):
     assert "key in output" in (out / "results.md").read_text()
 
 
+def test_eval_refuses_contexts_that_leave_no_room_to_generate(tmp_path):
+    """A pg19 point at context 500 + 32 tokens on a 512-token model would stop early: refused."""
+    target = make_checkpoint(tmp_path / "t-target", seed=0, max_position_embeddings=512)
+    result = CliRunner().invoke(app, ["eval", "-m", str(target), "--context", "500", "--gen-len", "32"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "exceeds the model's context (512 tokens)" in lines[0], result.stderr
+
+
 def test_needle_prompts_generate_the_key_and_one_more_token():
     from tforce.evaluate import EvalConfig, Evaluator
 

@@ -80,6 +80,12 @@ def bench(
     _guarded(body)
 
 
+def _check_room(cfg, context: int) -> None:
+    if cfg.prompt_len + cfg.gen_len > context:  # generation would stop early: ms/token of fewer tokens
+        raise UsageError(f"--prompt-len {cfg.prompt_len} + --gen-len {cfg.gen_len} exceeds the model's context "
+                         f"({context} tokens)")
+
+
 def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Optional[str], device: str,
            dtype: str, text: Optional[str], world: int = 1) -> dict:
     import torch
@@ -92,6 +98,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
             raise UsageError(f"--synthetic must be one of {', '.join(ARCHITECTURES)}, got {synthetic!r}")
         torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if device == "cuda"
                                                                      else torch.float32)
+        _check_room(cfg, ARCHITECTURES[synthetic]["max_position_embeddings"])
         _say(f"tforce: bench: building a random-weight {synthetic} target and draft on {device} (SYNTHETIC)")
         models = b.Models.local(*b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed))
         config, tokenizer, name = models.target.config, None, f"synthetic:{synthetic}"
@@ -114,8 +121,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
             models, config, tokenizer = b.Models.local(loaded.model, small), loaded.config, loaded.tokenizer
         name = model
     context = config.max_position_embeddings
-    if cfg.prompt_len >= context:
-        raise UsageError(f"--prompt-len {cfg.prompt_len} reaches the model's context ({context} tokens)")
+    _check_room(cfg, context)
     ids = b.prompt_ids(cfg.prompt_len, config.vocab_size, tokenizer, text, cfg.seed)
     return b.bench(models, ids, cfg, synthetic is not None, name,
                    progress=lambda line: _say(f"tforce: bench: {line}"))

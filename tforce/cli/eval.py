@@ -104,8 +104,10 @@ def eval_(
         torch_dtype = None if dtype == "auto" else dtype
         loaded = load_model(model, device=dev, dtype=torch_dtype)
         context_max = loaded.config.max_position_embeddings
-        if max(cfg.contexts) >= context_max:
-            raise UsageError(f"--context {max(cfg.contexts)} reaches the model's context ({context_max} tokens)")
+        longest = max(cfg.contexts) + max(cfg.gen_len, cfg.needle_gen_len)
+        if longest > context_max:  # generation would stop early at the context's end, unlike the rest
+            raise UsageError(f"--context {max(cfg.contexts)} + --gen-len {max(cfg.gen_len, cfg.needle_gen_len)} "
+                             f"exceeds the model's context ({context_max} tokens)")
         draft_name = draft if draft is not None else _default_draft(model)
         small = None if draft_name is None else load_model(draft_name, device=dev, dtype=torch_dtype,
                                                             tokenizer=False).model

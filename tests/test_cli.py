@@ -151,6 +151,11 @@ def test_no_model_uses_the_demo_pair_and_excerpt(runner, tmp_path):
     r = runner.invoke(app, ["run", "-p", "Hello", *FAST, "-n", "2", "--json"], env=env)
     assert r.exit_code == 0 and "demo's excerpt" not in r.stderr, r.output
     assert json.loads(r.stdout)["prompt_tokens"] == len(target.tokenizer.encode("Hello"))
+    # an empty prompt or file that was given is an error, not a cue for the excerpt
+    _one_error_line(runner.invoke(app, ["run", "-p", "  ", *FAST], input="", env=env), 2, "empty")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _one_error_line(runner.invoke(app, ["run", str(empty), *FAST], input="", env=env), 2, "empty")
     # no demo pair where it is looked for: one line, exit 2
     r = runner.invoke(app, ["run", "-p", "hi"], env={"TFORCE_DEMO_MODELS": str(tmp_path / "nowhere")})
     _one_error_line(r, 2, "no --model given")

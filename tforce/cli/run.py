@@ -20,7 +20,8 @@ from .live import Progress, TextStream, _summary_line
 def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Optional[str] = None) -> str:
     """The document (a file, `-` for stdin, or piped stdin) followed by --prompt, joined by a blank line.
 
-    With nothing given, `default` (the demo's excerpt) if there is one, else a usage error."""
+    With nothing given (no file, no --prompt, nothing on stdin), `default` (the demo's excerpt) if there
+    is one; a prompt or file that was given but is empty is a usage error, never replaced."""
     document = ""
     if prompt_file == "-" or (prompt_file is None and not sys.stdin.isatty()):
         try:
@@ -34,7 +35,7 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Opt
         except OSError as e:
             raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror or e}") from e
     parts = [p for p in (document, prompt or "") if p.strip()]
-    if not parts and default is not None:
+    if not parts and default is not None and prompt is None and prompt_file is None:
         _say("tforce: no prompt given: using the demo's excerpt (Great Expectations, chapter 1) and a question")
         return default
     if not parts:
@@ -107,16 +108,18 @@ def run(
         placement_options = _placement_options(offload, gpu_memory)
         _threads(threads)
         world, dev = _parallel(tp, gpus, device)
-        target_name, default_prompt = model, None
+        target_name = model
         if model is None:
             target_name, demo_draft = demo_pair()
-            default_prompt = demo_prompt()
-            _say(f"tforce: no --model given: using the trained demo pair {target_name} (draft: {draft or demo_draft}; "
-                 "small models trained by scripts/train_demo.py, see models/README.md)")
         draft_name = draft if draft is not None else _default_draft(target_name)
         if spec.uses_draft and draft_name is None:
             raise UsageError(f"method {method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
-        text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt, default_prompt)
+        # the prompt before any notice, so that a bad prompt is the only line
+        text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
+                            demo_prompt() if model is None else None)
+        if model is None:
+            _say(f"tforce: no --model given: using the trained demo pair {target_name} (draft: {draft or demo_draft}; "
+                 "small models trained by scripts/train_demo.py, see models/README.md)")
         _run(text, target_name, draft_name if spec.uses_draft else None, dev, None if dtype == "auto" else dtype,
              as_json, dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            top_k=top_k, seed=seed, ignore_eos=ignore_eos, budget=budget, chunk_size=chunk_size,

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import tforce
+from tforce import placement
 from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
 from tforce.rope import Rotary
@@ -76,3 +77,21 @@ def test_layer_major_prefill_is_bit_identical(tiny, resident, n):
     for cache in (full, off):
         cache.begin(1)
     assert torch.equal(model(nxt, full), model(nxt, off))
+
+
+
+def test_device_free_plans_a_cpu_run_as_if_a_device_had_that_room():
+    """device_free (what tensor-parallel ranks agree on) drives the planner on a CPU run too."""
+    from tforce.model import Llama
+    from tforce.synthetic import make_config
+
+    torch.manual_seed(0)
+    model = Llama(make_config("tiny", num_hidden_layers=5, num_key_value_heads=2)).eval()
+    prompt, kw = list(range(5, 45)), dict(method="ar", max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    ref = tforce.generate(model, prompt, **kw)
+    assert ref.stats["kv_offloaded_layers"] == 0
+    layer = ref.stats["kv_gpu_bytes"] // 5
+    fixed = 5 * placement.kv_layer_bytes(model.n_kv_heads, model.head_dim, 4096, 4) + placement.GiB
+    tight = tforce.generate(model, prompt, device_free=fixed + 4 * layer, **kw)  # 2 staging + 2 layers
+    assert (tight.stats["kv_resident_layers"], tight.stats["kv_offloaded_layers"]) == (2, 3)
+    assert tight.tokens == ref.tokens

@@ -51,7 +51,7 @@ class Session:
 
     def __init__(self, target, draft, prompt_len: int, max_new: int, spec: Speculation, sampling: Sampling,
                  prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, device_free: int | None = None):
         self.spec, self.sampling = spec, sampling
         self.target, self.draft = target, draft
         cfg = target.config
@@ -61,7 +61,7 @@ class Session:
         p = next(target.parameters())
         dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
         rotary = Rotary(cfg, max_len=self.total, device=p.device)
-        self.plan = _plan(dims, capacity, p, spec, offload, gpu_memory)
+        self.plan = _plan(dims, capacity, p, spec, offload, gpu_memory, device_free)
         if self.plan.resident == self.plan.n_layers:
             full = FullCache(*dims, capacity=capacity, rotary=rotary, dtype=p.dtype, device=p.device)
         else:
@@ -164,14 +164,16 @@ def _runner(model, cache, enabled: bool):
 
 
 def _plan(dims, capacity: int, p: torch.Tensor, spec: Speculation, offload: str,
-          gpu_memory: int | None) -> placement.Plan:
+          gpu_memory: int | None, device_free: int | None = None) -> placement.Plan:
     n_layers, n_kv, head_dim = dims
     layer = placement.kv_layer_bytes(n_kv, head_dim, capacity, p.element_size())
     host_free = psutil.virtual_memory().available
-    if p.device.type != "cuda":
+    cuda = p.device.type == "cuda"
+    if not cuda and device_free is None:
         return placement.plan(n_layers, layer, offload, None, 0, host_free)
-    free, _ = torch.cuda.mem_get_info(p.device)
-    allowed = free if gpu_memory is None else min(free, gpu_memory - torch.cuda.memory_allocated(p.device))
+    free = device_free if device_free is not None else torch.cuda.mem_get_info(p.device)[0]
+    used = torch.cuda.memory_allocated(p.device) if cuda else 0
+    allowed = free if gpu_memory is None else min(free, gpu_memory - used)
     # Resident besides the full cache: the retrieval cache (one budget-sized layer set) and a margin
     # for activations, logits and the draft's small cache.
     fixed = n_layers * placement.kv_layer_bytes(n_kv, head_dim, spec.budget, p.element_size()) + placement.GiB
@@ -193,14 +195,17 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
              ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
              gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
              rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
-             gpu_memory: int | None = None, cuda_graphs: bool = True, on_token=None, on_prefill=None,
-             on_round=None) -> Result:
+             gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
+             on_token=None, on_prefill=None, on_round=None) -> Result:
     """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
     or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
     on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each
     verification with the acceptance so far per level ({"draft", "retrieval"}). offload: where the full KV cache lives ("auto":
     on the GPU while it fits, the rest in pinned host memory; "on": all in host memory; "off": all on
-    the device); gpu_memory caps the bytes tforce may use on the GPU. policy: which tokens the middle
+    the device); gpu_memory caps the bytes tforce may use on the GPU. device_free: the device's free bytes
+    as the caller measured them (tensor-parallel ranks pass their minimum so that all plan alike; None:
+    measured here); given on a CPU run, the KV cache is placed as if a device had that much room, which
+    runs the offloaded cache's code path on the CPU (for tests). policy: which tokens the middle
     (retrieval) cache holds: retrieval | topk | streaming | h2o (cache/policies.py)."""
     spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                        draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
@@ -224,7 +229,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     gen.manual_seed(seed if seed is not None else torch.seed())
 
     session = Session(target, draft, len(prompt), max_new, spec, sampling, prefill_chunk, offload, gpu_memory,
-                      cuda_graphs)
+                      cuda_graphs, device_free)
     t0 = time.perf_counter()
     session.prefill(prompt, on_prefill)
     _sync_device(device)

@@ -111,13 +111,13 @@ def exact_joint(model, prompt, n):
     return out
 
 
-def draw(target, draft, prompt, method, n_samples, seed, policy="retrieval"):
+def draw(target, draft, prompt, method, n_samples, seed, policy="retrieval", deterministic=False):
     """n_samples independent generations of N_TOKENS tokens, each from a fresh session."""
     spec = Speculation(method=method, policy=policy, **dict(SMALL, gamma2=3))
     gen = torch.Generator().manual_seed(seed)
     samples, drafted, accepted = [], 0, 0
     for _ in range(n_samples):
-        session = Session(target, draft, len(prompt), N_TOKENS + 8, spec, SAMPLING)
+        session = Session(target, draft, len(prompt), N_TOKENS + 8, spec, SAMPLING, deterministic=deterministic)
         session.prefill(torch.tensor(prompt))
         n, got = len(prompt), []
         while len(got) < N_TOKENS:
@@ -163,6 +163,16 @@ def test_sampling_with_other_middle_policies_matches_target_distribution(small_v
     target, draft = small_vocab
     joint = exact_joint(target, PROMPT, N_TOKENS)
     samples, acc = draw(target, draft, PROMPT, "triforce", SAMPLES, seed=2, policy=policy)
+    assert min(check(samples, joint)) > 1e-3
+    assert 0.1 < acc < 0.95, acc
+
+
+@pytest.mark.parametrize("method", ["triforce", "retrieval"])
+def test_sampling_with_rowwise_verification_matches_target_distribution(small_vocab, method):
+    """deterministic=True changes how the verifier computes its logits (row by row), not the rule."""
+    target, draft = small_vocab
+    joint = exact_joint(target, PROMPT, N_TOKENS)
+    samples, acc = draw(target, draft, PROMPT, method, SAMPLES, seed=3, deterministic=True)
     assert min(check(samples, joint)) > 1e-3
     assert 0.1 < acc < 0.95, acc
 

@@ -22,6 +22,7 @@ from .graphs import GraphRunner
 from .prefill import prefill_layer_major
 from .levels import Drafter, Node, SpecLevel
 from .rope import Rotary
+from .rowwise import RowwiseRunner
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Session:
 
     def __init__(self, target, draft, prompt_len: int, max_new: int, spec: Speculation, sampling: Sampling,
                  prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
-                 cuda_graphs: bool = True, device_free: int | None = None):
+                 cuda_graphs: bool = True, device_free: int | None = None, deterministic: bool = False):
         self.spec, self.sampling = spec, sampling
         self.target, self.draft = target, draft
         cfg = target.config
@@ -67,7 +68,9 @@ class Session:
         else:
             full = OffloadedCache(*dims, capacity=capacity, rotary=rotary, resident=self.plan.resident,
                                   dtype=p.dtype, device=p.device)
-        self.full = Node("full", target, full, sampling, capacity, prefill_chunk)
+        # deterministic: verify row by row, exactly as one-token decoding computes each logit (rowwise.py)
+        self.full = Node("full", target, full, sampling, capacity, prefill_chunk,
+                         RowwiseRunner(target, full) if deterministic else None)
         self.middle = self.small = self.retrieval = None
         method = spec.method
         if method in ("triforce", "retrieval"):
@@ -196,7 +199,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
              gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
              rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
              gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
-             on_token=None, on_prefill=None, on_round=None) -> Result:
+             deterministic: bool = False, on_token=None, on_prefill=None, on_round=None) -> Result:
     """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
     or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
     on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each
@@ -206,7 +209,9 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     as the caller measured them (tensor-parallel ranks pass their minimum so that all plan alike; None:
     measured here); given on a CPU run, the KV cache is placed as if a device had that much room, which
     runs the offloaded cache's code path on the CPU (for tests). policy: which tokens the middle
-    (retrieval) cache holds: retrieval | topk | streaming | h2o (cache/policies.py)."""
+    (retrieval) cache holds: retrieval | topk | streaming | h2o (cache/policies.py). deterministic: the
+    full-cache level computes every drafted position's logits exactly as one-token decoding does
+    (rowwise.py), so greedy output equals `ar`'s in any dtype; it costs weight reads per verification."""
     spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                        draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                        rebuild_below=rebuild_below, policy=policy)
@@ -229,7 +234,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     gen.manual_seed(seed if seed is not None else torch.seed())
 
     session = Session(target, draft, len(prompt), max_new, spec, sampling, prefill_chunk, offload, gpu_memory,
-                      cuda_graphs, device_free)
+                      cuda_graphs, device_free, deterministic)
     t0 = time.perf_counter()
     session.prefill(prompt, on_prefill)
     _sync_device(device)

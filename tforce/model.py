@@ -91,4 +91,8 @@ class Llama(nn.Module):
             return None
         if last_n is not None:
             x = x[:, -last_n:]
+        return self.head(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (B, T, hidden) -> logits (B, T, V) in float32."""
         return self.lm_head(self.model.norm(x)).float()

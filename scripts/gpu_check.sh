@@ -63,6 +63,8 @@ step cpu_suite "$PY" -m pytest -q -m "not cuda" "${par[@]}"
 
 step info "$PY" -m tforce.cli info --synthetic llama2-7b --context 131072 --json
 cp "$OUT/info.log" "$OUT/info.json" 2>/dev/null
+# The RTX 4090 plan (issue 13): every device allocation itemised, prefill and decode peaks under 24 GiB.
+step info_24gib "$PY" -m tforce.cli info --synthetic llama2-7b --gpu-memory 24GiB --context 131072
 for mode in off on; do
     name="bench_llama2-7b_${PROMPT_LEN}_offload_${mode}"
     echo "== $name"

@@ -145,3 +145,49 @@ def test_host_storage_is_one_tensor_per_offloaded_layer_and_totals_the_plan():
     assert isinstance(full.host_k, list) and len(full.host_k) == len(full.host_v) == s.plan.offloaded == 3
     assert all(t.shape == full.host_k[0].shape and t.shape[0] == 1 for t in full.host_k + full.host_v)
     assert full.host_bytes == _nbytes(*full.host_k, *full.host_v) == s.plan.host_bytes
+
+
+# ----------------------------------------------------------------------------------------- tforce info
+
+
+def _info(args):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tforce.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["info", *args, "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    text = runner.invoke(app, ["info", *args], env={"COLUMNS": "200"}).stdout
+    return json.loads(r.stdout), text
+
+
+def test_info_prints_an_itemised_plan_under_the_budget():
+    obj, text = _info(["--synthetic", "llama2-7b", "--gpu-memory", "24GiB", "--context", "131072"])
+    p = obj["plan"]
+    if torch.cuda.is_available():
+        pytest.skip("plans the local GPU")
+    names = [i["name"] for i in p["items"]]
+    for name in ("CUDA context", "target weights", "draft weights", "full KV, resident layers",
+                 "staging buffers (2 layers)", "retrieval cache and key positions", "retrieval chunk statistics",
+                 "rebuild scratch", "draft StreamingLLM cache", "prefill hidden states", "decode activations",
+                 "logits and probabilities", "CUDA graph pools (estimate)"):
+        assert name in names
+        assert f"  {name}" in text
+    assert p["prefill_peak_bytes"] <= 24 * GiB and p["decode_peak_bytes"] <= 24 * GiB
+    assert p["budget_bytes"] == 24 * GiB and p["host_pinned_bytes"] == p["offloaded_layers"] * 2 * GiB
+    assert "prefill peak" in text and "decode peak" in text and "24.00 GiB" in text
+
+
+def test_info_plans_one_rank_of_two_and_refuses_13b_on_one():
+    one, text = _info(["--synthetic", "llama2-13b", "--gpu-memory", "24GiB", "--context", "122880"])
+    assert "not enough GPU memory" in one["plan"]["error"] and "does not fit" in text
+    two, _ = _info(["--synthetic", "llama2-13b", "--gpu-memory", "24GiB", "--context", "122880", "--gpus", "2"])
+    assert "error" not in two["plan"] and two["plan"]["peak_bytes"] <= 24 * GiB and two["plan"]["ranks"] == 2
+
+
+def test_info_sizes_the_cache_for_the_models_own_context(tiny_dir):
+    obj, _ = _info(["-m", str(sorted(tiny_dir.iterdir())[0])])
+    assert obj["model"]["kv_context"] == obj["model"]["context"] == obj["plan"]["context"] != 131072

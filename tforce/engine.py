@@ -13,12 +13,12 @@ import torch
 import psutil
 
 from . import placement
+from .attention import flash_attn_func
 from .cache import FullCache, RetrievalCache, StreamingCache
 from .cache.offload import OffloadedCache
 from .cache.policies import make_select
 from .config import Sampling, Speculation
 from .errors import UsageError
-from .attention import flash_attn_func
 from .graphs import GraphRunner
 from .prefill import prefill_layer_major
 from .levels import Drafter, Node, SpecLevel
@@ -62,9 +62,9 @@ class Session:
         p = next(target.parameters())
         dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
         rotary = Rotary(cfg, max_len=self.total, device=p.device)
-        flash = p.device.type == "cuda" and flash_attn_func is not None and p.dtype != torch.float32
-        work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, cuda_graphs and p.device.type == "cuda",
-                                 flash)
+        cuda = p.device.type == "cuda"
+        flash = cuda and flash_attn_func is not None and p.dtype != torch.float32  # attention.flash_usable
+        work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, cuda_graphs and cuda, flash)
         self.plan = _plan(target, draft, work, offload, gpu_memory, device_free)
         if self.plan.resident == self.plan.n_layers:
             full = FullCache(*dims, capacity=capacity, rotary=rotary, dtype=p.dtype, device=p.device)

@@ -82,6 +82,8 @@ def test_layer_major_prefill_is_bit_identical(tiny, resident, n):
 
 def test_device_free_plans_a_cpu_run_as_if_a_device_had_that_room():
     """device_free (what tensor-parallel ranks agree on) drives the planner on a CPU run too."""
+    from tforce.config import Speculation
+    from tforce.engine import model_shape
     from tforce.model import Llama
     from tforce.synthetic import make_config
 
@@ -90,8 +92,11 @@ def test_device_free_plans_a_cpu_run_as_if_a_device_had_that_room():
     prompt, kw = list(range(5, 45)), dict(method="ar", max_new_tokens=8, temperature=0.0, ignore_eos=True)
     ref = tforce.generate(model, prompt, **kw)
     assert ref.stats["kv_offloaded_layers"] == 0
-    layer = ref.stats["kv_gpu_bytes"] // 5
-    fixed = 5 * placement.kv_layer_bytes(model.n_kv_heads, model.head_dim, 4096, 4) + placement.GiB
-    tight = tforce.generate(model, prompt, device_free=fixed + 4 * layer, **kw)  # 2 staging + 2 layers
+    # The room beside the weights that the plan with 2 resident layers (and 2 staging buffers) needs.
+    work = placement.Work.of(Speculation(method="ar"), len(prompt) + 8 + Speculation().max_lookahead + 1,
+                             len(prompt) - 1, cuda_graphs=False, flash=False)
+    shape = model_shape(model)
+    room = placement.layout(shape, work, 2, context=0).peak - shape.weights
+    tight = tforce.generate(model, prompt, device_free=room, **kw)
     assert (tight.stats["kv_resident_layers"], tight.stats["kv_offloaded_layers"]) == (2, 3)
     assert tight.tokens == ref.tokens

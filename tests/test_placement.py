@@ -1,12 +1,30 @@
-"""The placement planner's decisions for given GPU and host memory sizes."""
+"""The memory plan: its items, peaks and placement decisions for given GPU and host memory sizes, and on a
+tiny model on the CPU, its items against the bytes the engine's objects really allocate."""
 import pytest
+import torch
 
 from tforce import placement
+from tforce.bench import LLAMA_68M, synthetic_pair
+from tforce.config import Sampling, Speculation
+from tforce.engine import Session, model_shape
 from tforce.errors import TforceError, UsageError
 from tforce.placement import GiB
+from tforce.prefill import prefill_layer_major
+from tforce.synthetic import make_config
 
 # Llama2-7B-128K: 32 layers, 32 KV heads of 128, fp16, 131072 slots -> 2 GiB of K+V per layer.
 LAYER = placement.kv_layer_bytes(32, 128, 131072, 2)
+ARCHS = ("llama2-7b", "llama2-13b", "llama3.1-8b")
+
+
+def shapes(arch: str, world: int = 1):
+    draft = make_config(arch, rope_scaling=None, **LLAMA_68M)
+    return placement.Shape.of(make_config(arch), 2, world), placement.Shape.of(draft, 2)
+
+
+def work(prompt: int, gen: int = 256) -> placement.Work:
+    spec = Speculation()
+    return placement.Work.of(spec, prompt + gen + spec.max_lookahead + 1, prompt)
 
 
 def test_layer_bytes_match_the_paper():
@@ -14,36 +32,162 @@ def test_layer_bytes_match_the_paper():
     assert 32 * LAYER == 64 * GiB  # "64 GiB of KV cache for Llama2-7B at 128K"
 
 
-def test_cpu_keeps_everything_in_place():
-    p = placement.plan(32, LAYER, "auto", None, 0, 100 * GiB)
+def test_no_device_keeps_everything_in_place():
+    target, draft = shapes("llama2-7b")
+    p = placement.plan(target, work(122880), "auto", None, 100 * GiB, draft, context=0)
     assert (p.resident, p.host_bytes) == (32, 0)
 
 
-def test_rtx4090_budget_offloads_most_layers():
-    # 24 GiB card, 13.5 GiB of weights + 1 GiB retrieval + 1 GiB margin resident: 8.5 GiB left,
-    # of which 4 GiB go to two staging buffers: 2 layers stay.
-    p = placement.plan(32, LAYER, "auto", 24 * GiB, int(15.5 * GiB), 128 * GiB)
-    assert p.resident == 2 and p.offloaded == 30
-    assert p.gpu_bytes == 4 * LAYER and p.host_bytes == 30 * LAYER
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("prompt", [32768, 65536, 122880])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plans_fit_a_24gib_gpu_or_refuse_in_one_line(arch, prompt, world):
+    target, draft = shapes(arch, world)
+    w = work(prompt)
+    if arch == "llama2-13b" and world == 1:  # 24.2 GiB of fp16 weights
+        with pytest.raises(TforceError, match=r"not enough GPU memory: .*\(target weights 24\.2 GiB") as e:
+            placement.plan(target, w, "auto", 24 * GiB, 1024 * GiB, draft)
+        assert "\n" not in str(e.value)
+        return
+    p = placement.plan(target, w, "auto", 24 * GiB, 1024 * GiB, draft)
+    assert p.prefill_peak <= 24 * GiB and p.decode_peak <= 24 * GiB
+    assert p.resident == target.layers or placement.layout(target, w, p.resident + 1, draft).peak > 24 * GiB
+    assert p.host_bytes == p.offloaded * p.layer_bytes
 
 
-def test_large_card_keeps_everything_on_chip():
-    p = placement.plan(32, LAYER, "auto", 78 * GiB, int(12.5 * GiB), 128 * GiB)
-    assert p.resident == 32 and p.host_bytes == 0 and p.gpu_bytes == 64 * GiB
+def test_the_prefill_peak_counts_what_the_old_margin_hid():
+    """Llama-2-7B at 122,880 + 256 tokens on 24 GiB: the prompt's hidden states, the staging buffers, the
+    chunk statistics and the CUDA context are items, and the plan's peak fits with them."""
+    target, draft = shapes("llama2-7b")
+    p = placement.plan(target, work(122880), "auto", 24 * GiB, 1024 * GiB, draft)
+    assert p.item("prefill hidden states") == 122880 * 4096 * 2
+    assert p.item("staging buffers (2 layers)") == 2 * p.layer_bytes
+    assert p.item("CUDA context") == placement.CONTEXT_BYTES
+    stats = placement.chunk_stat_bytes(p.layer_bytes // (2 * 32 * 128 * 2), 8, 32, 128)
+    assert p.item("retrieval chunk statistics") == (p.resident + 1) * stats
+    assert p.prefill_peak == sum(i.bytes for i in p.items if i.phase != "decode") <= 24 * GiB
+
+
+def test_tensor_parallel_ranks_hold_half_the_kv_and_layers_but_all_embeddings():
+    one, _ = shapes("llama2-13b", 1)
+    two, _ = shapes("llama2-13b", 2)
+    embeddings = 2 * 32000 * 5120 * 2  # embed_tokens + lm_head, on every rank
+    assert two.kv_heads == 20 and two.heads == 20 and two.intermediate == 13824 // 2
+    assert 2 * two.weights - embeddings == pytest.approx(one.weights, rel=1e-4)
 
 
 def test_forced_modes():
-    on = placement.plan(32, LAYER, "on", 78 * GiB, 0, 128 * GiB)
-    assert on.resident == 0 and on.gpu_bytes == 2 * LAYER and on.host_bytes == 64 * GiB
+    target, draft = shapes("llama2-7b")
+    on = placement.plan(target, work(122880), "on", 78 * GiB, 128 * GiB, draft)
+    assert on.resident == 0 and on.gpu_bytes == 2 * on.layer_bytes and on.host_bytes == 32 * on.layer_bytes
     with pytest.raises(TforceError, match="not enough GPU memory"):
-        placement.plan(32, LAYER, "off", 24 * GiB, 14 * GiB, 128 * GiB)
+        placement.plan(target, work(122880), "off", 24 * GiB, 128 * GiB, draft)
 
 
 def test_host_memory_shortage_names_the_sizes():
+    target, draft = shapes("llama2-7b")
     with pytest.raises(TforceError, match=r"64\.0 GiB needed, 32\.0 GiB available"):
-        placement.plan(32, LAYER, "on", 24 * GiB, 14 * GiB, 32 * GiB)
+        placement.plan(target, placement.Work(131072, 131072), "on", 24 * GiB, 32 * GiB, draft)
 
 
 def test_bad_mode():
+    target, _ = shapes("llama2-7b")
     with pytest.raises(UsageError):
-        placement.plan(32, LAYER, "sometimes", None, 0, GiB)
+        placement.plan(target, work(1024), "sometimes", None, GiB)
+
+
+# ----------------------------------------------------------------- the plan against what is allocated
+
+
+def _session(prompt_len: int, resident: int | None):
+    """A triforce Session on the tiny pair (5 target layers); `resident` layers of KV on the "device"
+    (None: no device, all in place), through device_free as tensor-parallel ranks pass it."""
+    target, draft = synthetic_pair("tiny", "cpu", torch.float32)
+    target_cfg = make_config("tiny", num_hidden_layers=5)
+    target = type(target)(target_cfg).eval()
+    spec, chunk = Speculation(budget=64, draft_budget=32, sinks=4), 16
+    device_free = None
+    if resident is not None:
+        w = placement.Work.of(spec, prompt_len + 8 + spec.max_lookahead + 1, prompt_len - 1, chunk, False, False)
+        shape, small = model_shape(target), model_shape(draft)
+        device_free = placement.layout(shape, w, resident, small, 0).peak - shape.weights - small.weights
+    s = Session(target, draft, prompt_len, 8, spec, Sampling(), chunk, "auto", None, False, device_free)
+    return s, target
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.nbytes for t in tensors)
+
+
+@pytest.mark.parametrize("resident", [None, 2, 0])
+def test_items_equal_the_bytes_the_caches_and_prefill_allocate(resident):
+    n = 40
+    s, target = _session(n, resident)
+    p, full = s.plan, s.full.cache
+    assert p.resident == (5 if resident is None else resident)
+    assert p.item("full KV, resident layers") == _nbytes(full.k, full.v)
+    staging = _nbytes(full.stage_k, full.stage_v) if p.offloaded else 0
+    assert p.item("staging buffers (2 layers)") == staging
+    r = s.retrieval
+    assert p.item("retrieval cache and key positions") == _nbytes(r.k, r.v, r.key_pos)
+    assert p.item("draft StreamingLLM cache") == _nbytes(s.small.cache.k, s.small.cache.v)
+    assert p.item("target weights") == _nbytes(*target.parameters())
+    if p.offloaded:  # the layer-major prefill: the prompt's hidden states, K/V in a staging slot
+        ids = torch.arange(3, n + 2)[: n - 1]
+        allocated = prefill_layer_major(target, ids, full, s.full.prefill_chunk)
+        assert allocated == p.item("prefill hidden states") + p.item("prefill K/V scratch (a staging slot)")
+        assert allocated == (n - 1) * target.config.hidden_size * 4
+
+
+def test_host_storage_is_one_tensor_per_offloaded_layer_and_totals_the_plan():
+    s, _ = _session(40, 2)
+    full = s.full.cache
+    assert isinstance(full.host_k, list) and len(full.host_k) == len(full.host_v) == s.plan.offloaded == 3
+    assert all(t.shape == full.host_k[0].shape and t.shape[0] == 1 for t in full.host_k + full.host_v)
+    assert full.host_bytes == _nbytes(*full.host_k, *full.host_v) == s.plan.host_bytes
+
+
+# ----------------------------------------------------------------------------------------- tforce info
+
+
+def _info(args):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tforce.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["info", *args, "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    text = runner.invoke(app, ["info", *args], env={"COLUMNS": "200"}).stdout
+    return json.loads(r.stdout), text
+
+
+def test_info_prints_an_itemised_plan_under_the_budget():
+    obj, text = _info(["--synthetic", "llama2-7b", "--gpu-memory", "24GiB", "--context", "131072"])
+    p = obj["plan"]
+    if torch.cuda.is_available():
+        pytest.skip("plans the local GPU")
+    names = [i["name"] for i in p["items"]]
+    for name in ("CUDA context", "target weights", "draft weights", "full KV, resident layers",
+                 "staging buffers (2 layers)", "retrieval cache and key positions", "retrieval chunk statistics",
+                 "rebuild scratch", "draft StreamingLLM cache", "prefill hidden states", "decode activations",
+                 "logits and probabilities", "CUDA graph pools (estimate)"):
+        assert name in names
+        assert f"  {name}" in text
+    assert p["prefill_peak_bytes"] <= 24 * GiB and p["decode_peak_bytes"] <= 24 * GiB
+    assert p["budget_bytes"] == 24 * GiB and p["host_pinned_bytes"] == p["offloaded_layers"] * 2 * GiB
+    assert "prefill peak" in text and "decode peak" in text and "24.00 GiB" in text
+
+
+def test_info_plans_one_rank_of_two_and_refuses_13b_on_one():
+    one, text = _info(["--synthetic", "llama2-13b", "--gpu-memory", "24GiB", "--context", "122880"])
+    assert "not enough GPU memory" in one["plan"]["error"] and "does not fit" in text
+    two, _ = _info(["--synthetic", "llama2-13b", "--gpu-memory", "24GiB", "--context", "122880", "--gpus", "2"])
+    assert "error" not in two["plan"] and two["plan"]["peak_bytes"] <= 24 * GiB and two["plan"]["ranks"] == 2
+
+
+def test_info_sizes_the_cache_for_the_models_own_context(tiny_dir):
+    obj, _ = _info(["-m", str(sorted(tiny_dir.iterdir())[0])])
+    assert obj["model"]["kv_context"] == obj["model"]["context"] == obj["plan"]["context"] != 131072

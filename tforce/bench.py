@@ -305,42 +305,34 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
 # ------------------------------------------------------------------------------------------ info plan
 
 
-def weight_bytes(config, dtype_bytes: int) -> int:
-    """Parameter bytes of a Llama config, counted from its shapes (no weights are read)."""
-    h, i, v, n = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    d = getattr(config, "head_dim", None) or h // heads
-    layer = h * heads * d * 2 + h * kv * d * 2 + 3 * h * i + 2 * h
-    tied = getattr(config, "tie_word_embeddings", False)
-    return dtype_bytes * (n * layer + h + v * h * (1 if tied else 2))
-
-
-def info_plan(config, context: int, dtype_bytes: int, gpu_free: int | None, host_free: int,
+def info_plan(config, context: int, dtype_bytes: int, gpu_budget: int | None, host_free: int,
               offload: str = "auto", budget: int = 4096, h2d_gbps: float | None = None,
-              device_gbps: float | None = None) -> dict:
-    """The placement plan of the full KV cache for `context` tokens, and the s/token floor of plain
-    (autoregressive) offloaded decoding it implies: every token streams the offloaded KV over H2D and
-    reads the weights and the resident KV from device memory. Unmeasured parts are None."""
-    heads = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // heads
-    n = config.num_hidden_layers
-    layer = placement.kv_layer_bytes(n_kv, d, context, dtype_bytes)
-    weights = weight_bytes(config, dtype_bytes)
-    # As engine._plan, plus the weights (nothing is loaded here): retrieval cache and a 1 GiB margin.
-    fixed = weights + n * placement.kv_layer_bytes(n_kv, d, budget, dtype_bytes) + GiB
-    record = {"context": context, "weights_bytes": weights, "kv_bytes": n * layer, "gpu_budget_bytes": gpu_free,
-              "fixed_gpu_bytes": fixed, "host_available_bytes": host_free}
+              device_gbps: float | None = None, world: int = 1, draft_config=None,
+              context_bytes: int = placement.CONTEXT_BYTES, flash: bool = True) -> dict:
+    """The memory plan of one rank (of `world`) for a prompt of `context` tokens (triforce, default
+    options, the draft replicated), and the s/token floor of plain (autoregressive) offloaded decoding
+    it implies: every token streams the offloaded KV over H2D and reads the weights and the resident KV
+    from device memory. gpu_budget: device bytes for everything, the CUDA context (context_bytes)
+    included. Unmeasured parts are None."""
+    shape = placement.Shape.of(config, dtype_bytes, world)
+    if draft_config is None:
+        draft_config = make_config("tiny", rope_scaling=None, **LLAMA_68M, vocab_size=config.vocab_size)
+    draft = placement.Shape.of(draft_config, dtype_bytes)
+    work = placement.Work.of(Speculation(budget=budget), context, context, cuda_graphs=gpu_budget is not None,
+                             flash=flash)
+    layer = placement.kv_layer_bytes(shape.kv_heads, shape.head_dim, context, dtype_bytes)
+    record = {"context": context, "ranks": world, "weights_bytes": shape.weights,
+              "kv_bytes": shape.layers * layer, "gpu_budget_bytes": gpu_budget, "host_available_bytes": host_free}
     try:
-        p = placement.plan(n, layer, offload, gpu_free, fixed, 2**62)  # host memory checked below
+        p = placement.plan(shape, work, offload, gpu_budget, 2**62, draft, context_bytes)  # host checked below
     except TforceError as e:
         record["error"] = str(e)
         return record
+    record.update(p.as_dict())
     record.update(resident_layers=p.resident, offloaded_layers=p.offloaded, gpu_kv_bytes=p.gpu_bytes,
-                  host_kv_bytes=p.host_bytes, host_fits=p.host_bytes <= host_free, describe=p.describe())
+                  host_kv_bytes=p.host_bytes, host_fits=world * p.host_bytes <= host_free, describe=p.describe())
     h2d_s = p.host_bytes / (h2d_gbps * 1e9) if h2d_gbps else (0.0 if p.host_bytes == 0 else None)
-    dev_s = (weights + p.resident * layer) / (device_gbps * 1e9) if device_gbps else None
+    dev_s = (shape.weights + p.resident * layer) / (device_gbps * 1e9) if device_gbps else None
     record.update(floor_h2d_s_per_token=h2d_s, floor_device_s_per_token=dev_s,
                   floor_s_per_token=h2d_s + dev_s if h2d_s is not None and dev_s is not None else None)
     return record

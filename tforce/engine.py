@@ -13,6 +13,7 @@ import torch
 import psutil
 
 from . import placement
+from .attention import flash_attn_func
 from .cache import FullCache, RetrievalCache, StreamingCache
 from .cache.offload import OffloadedCache
 from .cache.policies import make_select
@@ -62,7 +63,10 @@ class Session:
         p = next(target.parameters())
         dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
         rotary = Rotary(cfg, max_len=self.total, device=p.device)
-        self.plan = _plan(dims, capacity, p, spec, offload, gpu_memory, device_free)
+        cuda = p.device.type == "cuda"
+        flash = cuda and flash_attn_func is not None and p.dtype != torch.float32  # attention.flash_usable
+        work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, cuda_graphs and cuda, flash)
+        self.plan = _plan(target, draft, work, offload, gpu_memory, device_free)
         if self.plan.resident == self.plan.n_layers:
             full = FullCache(*dims, capacity=capacity, rotary=rotary, dtype=p.dtype, device=p.device)
         else:
@@ -166,21 +170,40 @@ def _runner(model, cache, enabled: bool):
     return GraphRunner(model, cache) if enabled and on_cuda else None
 
 
-def _plan(dims, capacity: int, p: torch.Tensor, spec: Speculation, offload: str,
-          gpu_memory: int | None, device_free: int | None = None) -> placement.Plan:
-    n_layers, n_kv, head_dim = dims
-    layer = placement.kv_layer_bytes(n_kv, head_dim, capacity, p.element_size())
+def model_shape(model) -> placement.Shape:
+    """placement.Shape of a built model as it is (a tensor-parallel rank's shard included), its weights
+    counted from its parameters."""
+    layer = model.model.layers[0]
+    params = {p.data_ptr(): p.nbytes for p in model.parameters()}  # tied embeddings once
+    p = next(model.parameters())
+    return placement.Shape(len(model.model.layers), model.config.hidden_size, layer.mlp.gate_proj.out_features,
+                           layer.self_attn.n_heads, model.n_kv_heads, model.head_dim, model.config.vocab_size,
+                           p.element_size(), sum(params.values()))
+
+
+def _plan(target, draft, work: placement.Work, offload: str, gpu_memory: int | None,
+          device_free: int | None = None) -> placement.Plan:
+    """The memory plan of this generation. Device budget, for everything including the CUDA context: on
+    CUDA, the device's memory (what is allocated now, the context, what is free), capped by gpu_memory;
+    with device_free, what is loaded now plus device_free (a CPU run then plans as if a device had that
+    room beside the weights); a CPU run without it: no device, everything in place."""
+    shape = model_shape(target)
+    small = model_shape(draft) if draft is not None and work.uses_draft else None
+    loaded = shape.weights + (small.weights if small else 0)
     host_free = psutil.virtual_memory().available
-    cuda = p.device.type == "cuda"
-    if not cuda and device_free is None:
-        return placement.plan(n_layers, layer, offload, None, 0, host_free)
-    free = device_free if device_free is not None else torch.cuda.mem_get_info(p.device)[0]
-    used = torch.cuda.memory_allocated(p.device) if cuda else 0
-    allowed = free if gpu_memory is None else min(free, gpu_memory - used)
-    # Resident besides the full cache: the retrieval cache (one budget-sized layer set) and a margin
-    # for activations, logits and the draft's small cache.
-    fixed = n_layers * placement.kv_layer_bytes(n_kv, head_dim, spec.budget, p.element_size()) + placement.GiB
-    return placement.plan(n_layers, layer, offload, allowed, fixed, host_free)
+    dev = next(target.parameters()).device
+    context, budget = 0, None
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        reserved = torch.cuda.memory_reserved(dev)
+        context = total - free - reserved  # the CUDA context and other processes' memory
+        room = device_free if device_free is not None else free + reserved - torch.cuda.memory_allocated(dev)
+        budget = loaded + context + room
+    elif device_free is not None:
+        budget = loaded + device_free
+    if budget is not None and gpu_memory is not None:
+        budget = min(budget, gpu_memory)
+    return placement.plan(shape, work, offload, budget, host_free, small, context)
 
 
 def _check_pair(target, draft, spec: Speculation) -> None:

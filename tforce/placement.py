@@ -1,59 +1,269 @@
-"""Where the target's full KV cache lives: how many layers stay on the GPU, how many stream from host.
+"""The memory plan: every device allocation of one generation, itemised, and where the full KV cache lives.
 
-Everything else (weights, retrieval cache, small draft and its StreamingLLM cache, two staging
-buffers when any layer is offloaded, activations) must be resident; the full cache takes what is left.
+One `Plan` object is read by the engine (how many layers of KV stay on the device), `tforce info` and
+`tforce bench`. Its items are the bytes each part of a generation holds on one device (one rank under
+tensor parallelism), tagged with the phase that holds them: the prefill peak and the decode peak are the
+sums over the items live in that phase, and the plan's peak, the larger, must fit the device budget,
+which is compared with everything, the CUDA context included. The full cache takes what is left: the
+planner keeps as many of its layers on the device as the peak allows and the rest in pinned host memory
+(allocated per layer and page-locked as is, without the caching allocator's power-of-two rounding, so
+the host bytes checked are the bytes pinned).
+
+What is an estimate and says so: the CUDA context on paper (CONTEXT_BYTES; on a CUDA device the engine
+measures it), CUDA graph pools (GRAPH_POOL_BYTES), and the activations of one forward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import TforceError, UsageError
 
 GiB = 1024 ** 3
+MiB = 1024 ** 2
 OFFLOAD_MODES = ("auto", "on", "off")
+CONTEXT_BYTES = GiB // 2  # the CUDA context (kernels, cuBLAS workspaces) when no device is measured
+GRAPH_POOL_BYTES = 256 * MiB  # estimate: the private pools of the draft and middle levels' CUDA graphs
+LOGIT_COPIES = 4  # float32 (rows, vocab) tensors alive at once: logits, probabilities, sorted, residual
 
 
 @dataclass(frozen=True)
-class Plan:
-    n_layers: int
-    resident: int  # layers whose KV stays on the GPU
-    layer_bytes: int  # K + V of one layer at full capacity
-    gpu_bytes: int  # the full cache's device share, staging buffers included
-    host_bytes: int  # pinned host memory for the offloaded layers
+class Shape:
+    """One rank's share of a Llama model: local heads and MLP features, full hidden size and vocabulary."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int
+    weights: int  # parameter bytes on this rank
+
+    @classmethod
+    def of(cls, config, dtype_bytes: int, world: int = 1) -> "Shape":
+        """From a Hugging Face config, for one of `world` tensor-parallel ranks."""
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        d = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, config.hidden_size, config.intermediate_size // world, heads // world,
+                   kv // world, d, config.vocab_size, dtype_bytes, weight_bytes(config, dtype_bytes, world))
 
     @property
-    def offloaded(self) -> int:
-        return self.n_layers - self.resident
+    def layer_kv_per_token(self) -> int:
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
-    def describe(self) -> str:
-        return (f"{self.resident}/{self.n_layers} layers of KV on the GPU ({self.gpu_bytes / GiB:.1f} GiB), "
-                f"{self.offloaded} in pinned host memory ({self.host_bytes / GiB:.1f} GiB)")
+
+def weight_bytes(config, dtype_bytes: int, world: int = 1) -> int:
+    """Parameter bytes of a Llama config on one of `world` ranks, counted from its shapes (nothing is read):
+    attention and MLP split over the ranks, embeddings, norms and lm_head replicated."""
+    h, i, v, n = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or h // heads
+    layer = (h * heads * d * 2 + h * kv * d * 2 + 3 * h * i) // world + 2 * h
+    tied = getattr(config, "tie_word_embeddings", False)
+    return dtype_bytes * (n * layer + h + v * h * (1 if tied else 2))
 
 
 def kv_layer_bytes(n_kv: int, head_dim: int, capacity: int, dtype_bytes: int) -> int:
     return 2 * capacity * n_kv * head_dim * dtype_bytes
 
 
-def plan(n_layers: int, layer_bytes: int, offload: str, gpu_free: int | None, fixed_gpu: int,
-         host_free: int) -> Plan:
-    """gpu_free: bytes tforce may use on the device (None: no device, e.g. CPU runs);
-    fixed_gpu: bytes that must be resident whatever happens (weights, other caches, activations)."""
+def n_chunks(capacity: int, chunk: int) -> int:
+    return -(-capacity // chunk)
+
+
+def chunk_stat_bytes(capacity: int, chunk: int, n_kv: int, head_dim: int) -> int:
+    """One layer's retrieval chunk statistics: a float32 key sum per chunk and KV head."""
+    return n_chunks(capacity, chunk) * n_kv * head_dim * 4
+
+
+def streaming_capacity(budget: int, sinks: int, max_rollback: int, max_new: int) -> int:
+    """Slots of a StreamingCache (cache/streaming.py): sinks, window + rollback, one forward's new tokens."""
+    return sinks + (budget - sinks + max_rollback) + max_new
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one generation asks of the device: cache sizes and the shapes of its forwards."""
+
+    capacity: int  # full-cache slots (prompt + new tokens + lookahead)
+    prompt: int  # tokens prefilled
+    method: str = "triforce"
+    budget: int = 4096
+    chunk_size: int = 8
+    draft_budget: int = 256
+    sinks: int = 16
+    gamma1: int = 2
+    gamma2: int = 6
+    prefill_chunk: int = 512
+    cuda_graphs: bool = True  # graphs of the draft and middle levels (CUDA only)
+    flash: bool = True  # flash-attn kernel: no score matrix; else SDPA, whose math kernel materialises scores
+
+    @classmethod
+    def of(cls, spec, capacity: int, prompt: int, prefill_chunk: int = 512, cuda_graphs: bool = True,
+           flash: bool = True) -> "Work":
+        return cls(capacity, prompt, spec.method, spec.budget, spec.chunk_size, spec.draft_budget, spec.sinks,
+                   spec.gamma1, spec.gamma2, prefill_chunk, cuda_graphs, flash)
+
+    @property
+    def lookahead(self) -> int:  # config.Speculation.max_lookahead
+        return self.gamma2 + self.gamma1 + 2
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.method in ("triforce", "streaming", "naive")
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    bytes: int
+    phase: str  # "both", "prefill" or "decode"
+
+
+@dataclass(frozen=True)
+class Plan:
+    n_layers: int
+    resident: int  # layers whose KV stays on the device
+    layer_bytes: int  # K + V of one layer at full capacity
+    items: tuple[Item, ...] = ()
+    budget: int | None = None  # device bytes allowed (None: no device)
+    host_bytes: int = 0  # pinned host memory for the offloaded layers, exactly as allocated
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def offloaded(self) -> int:
+        return self.n_layers - self.resident
+
+    @property
+    def gpu_bytes(self) -> int:
+        """The full cache's device share, staging buffers included."""
+        return self.resident * self.layer_bytes + (2 * self.layer_bytes if self.offloaded else 0)
+
+    def item(self, name: str) -> int:
+        return sum(i.bytes for i in self.items if i.name == name)
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(i.bytes for i in self.items if i.phase in ("both", phase))
+
+    @property
+    def prefill_peak(self) -> int:
+        return self.phase_bytes("prefill")
+
+    @property
+    def decode_peak(self) -> int:
+        return self.phase_bytes("decode")
+
+    @property
+    def peak(self) -> int:
+        return max(self.prefill_peak, self.decode_peak)
+
+    def describe(self) -> str:
+        return (f"{self.resident}/{self.n_layers} layers of KV on the GPU ({self.gpu_bytes / GiB:.1f} GiB), "
+                f"{self.offloaded} in pinned host memory ({self.host_bytes / GiB:.1f} GiB)")
+
+    def as_dict(self) -> dict:
+        return {"items": [{"name": i.name, "bytes": i.bytes, "phase": i.phase} for i in self.items],
+                "prefill_peak_bytes": self.prefill_peak, "decode_peak_bytes": self.decode_peak,
+                "peak_bytes": self.peak, "budget_bytes": self.budget, "resident_layers": self.resident,
+                "offloaded_layers": self.offloaded, "host_pinned_bytes": self.host_bytes, **self.notes}
+
+
+def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
+          context: int = CONTEXT_BYTES) -> tuple[Item, ...]:
+    """Every device allocation of one rank with `resident` layers of the full cache on the device."""
+    s, w, e = shape, work, shape.dtype_bytes
+    n, kv, d = s.layers, s.kv_heads, s.head_dim
+    layer = kv_layer_bytes(kv, d, w.capacity, e)
+    offloaded = resident < n
+    out = [Item("CUDA context", context, "both"),
+           Item("target weights", s.weights, "both")]
+    if w.uses_draft and draft is not None:
+        out.append(Item("draft weights", draft.weights, "both"))
+    out += [Item("full KV, resident layers", resident * layer, "both"),
+            Item("staging buffers (2 layers)", 2 * layer if offloaded else 0, "both")]
+    if w.method in ("triforce", "retrieval"):
+        chunks = n_chunks(w.capacity, w.chunk_size)
+        out += [Item("retrieval cache and key positions", n * (kv_layer_bytes(kv, d, w.budget, e) + kv * w.budget * 8),
+                     "both"),
+                # Resident layers keep theirs on the device; an offloaded layer is scored in one scratch.
+                Item("retrieval chunk statistics",
+                     (resident + offloaded) * chunk_stat_bytes(w.capacity, w.chunk_size, kv, d), "both"),
+                # One layer at a time: budget rows of K and V gathered, their positions, float32 scores.
+                Item("rebuild scratch", kv_layer_bytes(kv, d, w.budget, e) + 2 * kv * w.budget * 8 + kv * chunks * 4,
+                     "decode")]
+    elif w.method == "streaming":
+        cap = streaming_capacity(w.budget, w.sinks, w.lookahead, w.prefill_chunk + w.lookahead)
+        out.append(Item("middle StreamingLLM cache", n * kv_layer_bytes(kv, d, cap, e), "both"))
+    if w.uses_draft and draft is not None:
+        cap = streaming_capacity(w.draft_budget, w.sinks, w.lookahead, min(w.prefill_chunk, w.draft_budget) + w.lookahead)
+        out.append(Item("draft StreamingLLM cache", draft.layers * kv_layer_bytes(draft.kv_heads, draft.head_dim, cap,
+                                                                                   draft.dtype_bytes), "both"))
+    # Rotated queries of the last forward, kept per layer for rebuilds (FullCache.queries).
+    out.append(Item("stored queries", n * w.prefill_chunk * s.heads * d * e, "both"))
+    layer_major = offloaded and w.prompt > 1  # engine.Session.prefill
+    out += [Item("prefill hidden states", w.prompt * s.hidden * e if layer_major else 0, "prefill"),
+            Item("prefill K/V scratch (a staging slot)", 0, "prefill"),
+            Item("prefill chunk activations", _activations(s, w, w.prefill_chunk, w.prompt), "prefill"),
+            Item("decode activations", _activations(s, w, w.gamma2 + 1, w.capacity), "decode"),
+            Item("logits and probabilities", LOGIT_COPIES * (w.gamma2 + 1) * s.vocab * 4, "decode")]
+    if w.cuda_graphs and context and w.method != "ar":
+        out.append(Item("CUDA graph pools (estimate)", GRAPH_POOL_BYTES, "decode"))
+    return tuple(out)
+
+
+def _activations(s: Shape, w: Work, rows: int, keys: int) -> int:
+    """One layer's forward of `rows` tokens against `keys` keys: hidden-size tensors (input, norm, residual,
+    attention output), q/k/v, the MLP's gate, up and product, the visibility mask, and the float32
+    scores when no flash kernel runs (SDPA's math kernel materialises them)."""
+    e = s.dtype_bytes
+    hidden = 4 * rows * s.hidden * e
+    qkv = rows * (s.heads + 2 * s.kv_heads) * s.head_dim * e
+    mlp = 3 * rows * s.intermediate * e
+    attention = rows * keys + (0 if w.flash else s.heads * rows * keys * 4)
+    return hidden + qkv + mlp + attention
+
+
+def layout(shape: Shape, work: Work, resident: int, draft: Shape | None = None, context: int = CONTEXT_BYTES,
+           budget: int | None = None) -> Plan:
+    """The plan with `resident` layers of KV on the device, unchecked."""
+    layer = kv_layer_bytes(shape.kv_heads, shape.head_dim, work.capacity, shape.dtype_bytes)
+    return Plan(shape.layers, resident, layer, items(shape, work, resident, draft, context), budget,
+                (shape.layers - resident) * layer,
+                {"context_tokens": work.capacity, "attention": "flash-attn" if work.flash else "sdpa"})
+
+
+def plan(shape: Shape, work: Work, offload: str, budget: int | None, host_free: int, draft: Shape | None = None,
+         context: int = CONTEXT_BYTES) -> Plan:
+    """The plan keeping the most full-cache layers on the device whose peak fits `budget` (device bytes for
+    everything, context included; None: no device, keep everything in place)."""
     if offload not in OFFLOAD_MODES:
         raise UsageError(f"--offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
-    if offload == "off" or (offload == "auto" and gpu_free is None):
-        resident = n_layers
+    n = shape.layers
+    if offload == "off" or (offload == "auto" and budget is None):
+        choices = [n]
     elif offload == "on":
-        resident = 0
+        choices = [0]
     else:
-        room = gpu_free - fixed_gpu
-        resident = n_layers if room >= n_layers * layer_bytes else max(0, (room - 2 * layer_bytes) // layer_bytes)
-    staging = 2 * layer_bytes if resident < n_layers else 0
-    p = Plan(n_layers, int(resident), layer_bytes, int(resident * layer_bytes + staging),
-             int((n_layers - resident) * layer_bytes))
-    if gpu_free is not None and fixed_gpu + p.gpu_bytes > gpu_free:
-        raise TforceError(f"not enough GPU memory: {(fixed_gpu + p.gpu_bytes) / GiB:.1f} GiB needed "
-                          f"({p.describe()}), {gpu_free / GiB:.1f} GiB available")
+        choices = range(n, -1, -1)
+    for r in choices:
+        p = layout(shape, work, r, draft, context, budget)
+        if budget is None or p.peak <= budget:
+            break
+    else:
+        raise TforceError(_shortage(p, budget))
     if p.host_bytes > host_free:
         raise TforceError(f"not enough host memory for the offloaded KV cache: {p.host_bytes / GiB:.1f} GiB "
                           f"needed, {host_free / GiB:.1f} GiB available")
     return p
+
+
+def _shortage(p: Plan, budget: int) -> str:
+    phase = "prefill" if p.prefill_peak >= p.decode_peak else "decode"
+    largest = sorted((i for i in p.items if i.bytes and i.phase in ("both", phase)), key=lambda i: -i.bytes)[:4]
+    return (f"not enough GPU memory: {p.peak / GiB:.1f} GiB needed at the {phase} peak with "
+            f"{p.resident}/{p.n_layers} layers of KV on the GPU ("
+            + ", ".join(f"{i.name} {i.bytes / GiB:.1f} GiB" for i in largest)
+            + f"), {budget / GiB:.1f} GiB available")

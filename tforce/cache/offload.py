@@ -1,5 +1,5 @@
 """OffloadedCache: a FullCache whose first `resident` layers live on the device and the rest in host
-memory (pinned when the device is CUDA), streamed back layer by layer at every forward.
+memory (one tensor per layer, pinned when the device is CUDA), streamed back layer by layer at every forward.
 
 Per forward, for offloaded layer i: its committed K/V [0, length) were copied host -> device into one
 of two staging buffers on a copy stream while the previous layer computed; the new tokens' K/V are
@@ -9,11 +9,37 @@ On the CPU code path the same steps run as plain copies, so the results are bit-
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from ..errors import TforceError
 from ..rope import Rotary
 from .base import CacheView
 from .full import FullCache
+
+
+def host_tensor(shape: tuple, dtype: torch.dtype, pin_for: torch.device | None = None) -> torch.Tensor:
+    """A zeroed host tensor; with pin_for (a CUDA device), page-locked in place by cudaHostRegister.
+
+    Not pin_memory=True: PyTorch's pinned allocator rounds every block up to a power of two (a 28.2 GiB
+    buffer takes 32 GiB, a layer of 1.01 GiB takes 2), while registering ordinary memory pins exactly
+    its bytes, which is what the planner checks against the host's free memory. Unregistered when
+    the tensor is freed, once the device's pending copies are done."""
+    t = torch.zeros(shape, dtype=dtype)
+    if pin_for is not None:
+        ptr = t.data_ptr()
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, t.nbytes, 0))
+        if err:
+            raise TforceError(f"cannot pin {t.nbytes / 2**30:.2f} GiB of host memory "
+                              f"(cudaHostRegister error {err})")
+        weakref.finalize(t, _unregister, ptr, pin_for).atexit = False  # at exit the process frees it all
+    return t
+
+
+def _unregister(ptr: int, device: torch.device) -> None:
+    torch.cuda.synchronize(device)  # no copy may still read or write the pages
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class OffloadedCache(FullCache):
@@ -26,9 +52,11 @@ class OffloadedCache(FullCache):
         # Resident layers, as in FullCache (self.k / self.v hold only them).
         super().__init__(resident, n_kv, head_dim, capacity, rotary, dtype, device)
         self.queries = [None] * n_layers
-        host_shape = (n_layers - resident, 1, capacity, n_kv, head_dim)
-        self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=cuda)
-        self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=cuda)
+        # One tensor per offloaded layer (B, S, H_kv, D), page-locked as allocated (host_tensor).
+        host_shape = (1, capacity, n_kv, head_dim)
+        pin = device if cuda else None
+        self.host_k = [host_tensor(host_shape, dtype, pin) for _ in range(n_layers - resident)]
+        self.host_v = [host_tensor(host_shape, dtype, pin) for _ in range(n_layers - resident)]
         stage_shape = (2, 1, capacity, n_kv, head_dim)
         self.stage_k = torch.zeros(stage_shape, dtype=dtype, device=device)
         self.stage_v = torch.zeros(stage_shape, dtype=dtype, device=device)
@@ -37,7 +65,8 @@ class OffloadedCache(FullCache):
 
     @property
     def host_bytes(self) -> int:
-        return 2 * self.host_k.numel() * self.host_k.element_size()
+        """Bytes of host storage, all of them pinned when the device is CUDA (no rounding: host_tensor)."""
+        return sum(t.nbytes for t in self.host_k + self.host_v)
 
     def _slot(self, layer: int) -> int:
         return (layer - self.resident) % 2
@@ -48,14 +77,14 @@ class OffloadedCache(FullCache):
             return
         j, h, L = self._slot(layer), layer - self.resident, self.length
         if self.copy_stream is None:
-            self.stage_k[j, :, :L] = self.host_k[h, :, :L]
-            self.stage_v[j, :, :L] = self.host_v[h, :, :L]
+            self.stage_k[j, :, :L] = self.host_k[h][:, :L]
+            self.stage_v[j, :, :L] = self.host_v[h][:, :L]
             return
         # Wait for the compute stream's work so far (the layer that last used this buffer).
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.stage_k.device))
         with torch.cuda.stream(self.copy_stream):
-            self.stage_k[j, :, :L].copy_(self.host_k[h, :, :L], non_blocking=True)
-            self.stage_v[j, :, :L].copy_(self.host_v[h, :, :L], non_blocking=True)
+            self.stage_k[j, :, :L].copy_(self.host_k[h][:, :L], non_blocking=True)
+            self.stage_v[j, :, :L].copy_(self.host_v[h][:, :L], non_blocking=True)
             self._ready[j] = torch.cuda.Event()
             self._ready[j].record(self.copy_stream)
 
@@ -80,13 +109,13 @@ class OffloadedCache(FullCache):
     def _write_back(self, j: int, h: int, L: int, n: int) -> None:
         """Only the new tokens' rows go back to host memory."""
         if self.copy_stream is None:
-            self.host_k[h, :, L:L + n] = self.stage_k[j, :, L:L + n]
-            self.host_v[h, :, L:L + n] = self.stage_v[j, :, L:L + n]
+            self.host_k[h][:, L:L + n] = self.stage_k[j, :, L:L + n]
+            self.host_v[h][:, L:L + n] = self.stage_v[j, :, L:L + n]
             return
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.stage_k.device))
         with torch.cuda.stream(self.copy_stream):
-            self.host_k[h, :, L:L + n].copy_(self.stage_k[j, :, L:L + n], non_blocking=True)
-            self.host_v[h, :, L:L + n].copy_(self.stage_v[j, :, L:L + n], non_blocking=True)
+            self.host_k[h][:, L:L + n].copy_(self.stage_k[j, :, L:L + n], non_blocking=True)
+            self.host_v[h][:, L:L + n].copy_(self.stage_v[j, :, L:L + n], non_blocking=True)
 
     def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer-major prefill hands over one layer: an offloaded one goes to host memory once."""
@@ -94,8 +123,8 @@ class OffloadedCache(FullCache):
             return super().write_layer(layer, k, v)
         L, n, h = self.length, k.shape[1], layer - self.resident
         # Synchronous on purpose: the caller reuses k and v's storage for the next layer right away.
-        self.host_k[h, :, L:L + n].copy_(k)
-        self.host_v[h, :, L:L + n].copy_(v)
+        self.host_k[h][:, L:L + n].copy_(k)
+        self.host_v[h][:, L:L + n].copy_(v)
 
     def layer_keys(self, layer: int) -> torch.Tensor:
         """Committed keys (B, S, H_kv, D) of one layer, wherever they live (for retrieval rebuilds)."""

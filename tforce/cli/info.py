@@ -43,19 +43,29 @@ def _arch(config, context: int, dtype: str) -> dict:
 
 
 def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, offload: str,
-               gpu_memory: Optional[int]) -> dict:
+               gpu_memory: Optional[int], world: int) -> dict:
+    """The plan for GPU 0 as it is (its memory, capped by --gpu-memory; the CUDA context measured), or on
+    paper for a GPU of --gpu-memory bytes (the context a named constant; flash-attn assumed)."""
     import torch
 
+    from .. import placement
+    from ..attention import flash_attn_func
     from ..bench import device_bandwidth_gbps, h2d_peak_gbps, info_plan
 
     cuda = torch.cuda.is_available()
-    gpu_free = torch.cuda.mem_get_info(0)[0] if cuda else None
-    if gpu_memory is not None:
-        gpu_free = gpu_memory if gpu_free is None else min(gpu_free, gpu_memory)
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    gpu_budget, context_bytes, flash = gpu_memory, placement.CONTEXT_BYTES, True
+    if cuda:
+        free, total = torch.cuda.mem_get_info(0)
+        context_bytes = total - free - torch.cuda.memory_reserved(0)
+        gpu_budget = total if gpu_memory is None else min(total, gpu_memory)
+        flash = flash_attn_func is not None and dtype != "float32"
+    elif gpu_memory is None:
+        context_bytes = 0  # no device: the plan for the CPU
     h2d, dev = (h2d_peak_gbps("cuda:0"), device_bandwidth_gbps("cuda:0")) if cuda else (None, None)
-    return {"h2d_gbps": h2d, "device_gbps": dev, "offload": offload,
-            **info_plan(config, context, elem, gpu_free, host_free, offload, budget, h2d, dev)}
+    return {"h2d_gbps": h2d, "device_gbps": dev, "offload": offload, "context_measured": cuda,
+            **info_plan(config, context, elem, gpu_budget, host_free, offload, budget, h2d, dev, world,
+                        context_bytes=context_bytes, flash=flash)}
 
 
 def _gib(n: int) -> str:
@@ -67,12 +77,15 @@ def info(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Also describe this model (config only)."),
     synthetic: Optional[str] = typer.Option(None, "--synthetic", help="... or this architecture (bench's "
                                                                        "--synthetic names)."),
-    context: int = typer.Option(131072, "--context", help="Context length for the KV-cache size."),
+    context: Optional[int] = typer.Option(None, "--context", help="Context length for the KV-cache size "
+                                                                  "(default: the model's own context)."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="KV-cache dtype: float32 | float16 | bfloat16"),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory to plan for (default: "
                                                                          "the free memory of GPU 0)."),
     offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
     budget: int = typer.Option(4096, "--budget", help="Retrieval cache size (resident beside the full cache)."),
+    ranks: int = typer.Option(1, "--gpus", help="Plan one rank of the target split over N GPUs (tensor "
+                                               "parallelism: half the KV heads each for 2)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Versions, devices, host memory, measured H2D bandwidth and (with --model or --synthetic) the model's
@@ -86,8 +99,10 @@ def info(
 
         from .. import __version__
 
-        if context <= 0:
+        if context is not None and context <= 0:
             raise UsageError(f"--context must be positive, got {context}")
+        if ranks < 1:
+            raise UsageError(f"--gpus must be >= 1, got {ranks}")
         if dtype not in DTYPES[1:]:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES[1:])}, got {dtype!r}")
         if model is not None and synthetic is not None:
@@ -110,16 +125,22 @@ def info(
                 config = AutoConfig.from_pretrained(path)
             except Exception as e:
                 raise UsageError(f"cannot read {path / 'config.json'}: {e}") from e
-            record["model"] = {"name": model, "path": str(path), **_arch(config, context, dtype)}
+            record["model"] = {"name": model, "path": str(path),
+                               **_arch(config, context or config.max_position_embeddings, dtype)}
         if synthetic is not None:
             from ..synthetic import ARCHITECTURES, make_config
 
             if synthetic not in ARCHITECTURES:
                 raise UsageError(f"--synthetic must be one of {', '.join(ARCHITECTURES)}, got {synthetic!r}")
             config = make_config(synthetic)
-            record["model"] = {"name": f"synthetic:{synthetic}", "path": None, **_arch(config, context, dtype)}
+            record["model"] = {"name": f"synthetic:{synthetic}", "path": None,
+                               **_arch(config, context or config.max_position_embeddings, dtype)}
         if "model" in record:
-            record["plan"] = _info_plan(config, context, dtype, budget, mem.available, **placement_options)
+            from ..parallel import check_tp
+
+            check_tp(config, ranks)
+            record["plan"] = _info_plan(config, record["model"]["kv_context"], dtype, budget, mem.available,
+                                        world=ranks, **placement_options)
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
             return
@@ -156,6 +177,9 @@ def _print_info(r: dict) -> None:
     Console().print(t)
 
 
+_PHASES = {"both": "prefill and decode", "prefill": "prefill", "decode": "decode"}
+
+
 def _plan_rows(t, p: dict) -> None:
     def rate(x):
         return "unmeasured (no CUDA GPU)" if x is None else f"{x:.1f} GB/s"
@@ -164,14 +188,22 @@ def _plan_rows(t, p: dict) -> None:
         return "unmeasured" if x is None else f"{x:.4f} s/token"
 
     budget = "no GPU (plan for the CPU)" if p["gpu_budget_bytes"] is None else _gib(p["gpu_budget_bytes"])
+    ranks = f" per rank of {p['ranks']}" if p["ranks"] > 1 else ""
     t.add_row("H2D (pinned) / device memory", f"{rate(p['h2d_gbps'])} / {rate(p['device_gbps'])}")
-    t.add_row("placement budget", f"GPU {budget}; weights {_gib(p['weights_bytes'])}, resident besides the "
-                                  f"full cache {_gib(p['fixed_gpu_bytes'])}; offload {p['offload']}")
+    t.add_row("placement budget", f"GPU {budget}{ranks}; weights {_gib(p['weights_bytes'])}; offload {p['offload']}")
     if "error" in p:
         t.add_row("placement plan", f"does not fit: {p['error']}")
         return
     host = "" if p["host_fits"] else f"  (host memory too small: {_gib(p['host_available_bytes'])} available)"
     t.add_row("placement plan", f"{p['describe']} of {_gib(p['kv_bytes'])} KV for {p['context']} tokens{host}")
+    context = "measured" if p["context_measured"] else "estimate"
+    t.add_row("memory plan", f"device bytes{ranks}; attention {p['attention']}, CUDA context {context}")
+    for item in p["items"]:
+        t.add_row(f"  {item['name']}", f"{_gib(item['bytes'])}  ({_PHASES[item['phase']]})")
+    t.add_row("  prefill peak", _gib(p["prefill_peak_bytes"]))
+    t.add_row("  decode peak", _gib(p["decode_peak_bytes"]))
+    t.add_row("  budget", budget)
+    t.add_row("pinned host memory", f"{_gib(p['host_pinned_bytes'])}{ranks}")
     t.add_row("floor, plain offloaded decoding",
               f"{secs(p['floor_s_per_token'])} = KV over H2D {secs(p['floor_h2d_s_per_token'])} "
               f"+ weights and resident KV from device memory {secs(p['floor_device_s_per_token'])}")

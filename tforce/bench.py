@@ -2,7 +2,8 @@
 
 Per method, one `generate` over the same prompt with the same seed (ignore_eos), and the roofline
 quantities of DESIGN.md habit 9: ms/token, speed-up over `ar` on the same engine and placement,
-acceptance per level, tokens per full-cache verification, prefill seconds, the achieved host-to-device
+acceptance per level, tokens per full-cache verification, prefill seconds, seconds spent rebuilding the
+retrieval cache during decoding (and how many rebuilds), the achieved host-to-device
 rate of the offloaded KV stream against the measured pinned-copy peak, GPU and pinned memory.
 
 Synthetic models (`--synthetic ARCH`) are built in memory with random weights (nothing is written to
@@ -255,6 +256,9 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig, h2d_p
         "verifications": s["verifications"],
         "prefill_s": s["prefill_s"],
         "decode_s": s["decode_s"],
+        "rebuild_s": s["rebuild_s"],  # retrieval rebuilds during decoding (within decode_s); None: no retrieval
+        "rebuilds": s["rebuilds"],
+        "prefill_rebuild_s": s["prefill_rebuild_s"],  # the initial one, within prefill_s
         "h2d_gbps": h2d,
         "h2d_bytes_per_verification": int(models.world * offloaded) if streamed else None,
         "floor_ms_per_verification": 1000 * offloaded / (h2d_peak * 1e9) if streamed and h2d_peak else None,

@@ -121,7 +121,10 @@ class Session:
         n = len(prompt)
         self.seq[:n] = prompt
         if isinstance(self.full.cache, OffloadedCache) and n > 1:  # PCIe traffic linear in the prompt
-            prefill_layer_major(self.target, self.seq[:n - 1], self.full.cache, self.full.prefill_chunk, progress)
+            chunk_rule = self.retrieval is not None and self.retrieval.select is None
+            observe = (lambda i, k: self.retrieval.observe(self.full.cache, i, k)) if chunk_rule else None
+            prefill_layer_major(self.target, self.seq[:n - 1], self.full.cache, self.full.prefill_chunk, progress,
+                                observe)
             self.full.adopt(self.seq, n - 1)
         else:
             self.full.prefill(self.seq, n - 1, progress)
@@ -136,11 +139,18 @@ class Session:
         if self.small is not None:
             self.small.prefill(self.seq, n - 1)
 
+    rebuild_times: tuple[float, ...] = ()  # seconds of each retrieval rebuild, the prefill's first
+
     def _rebuild(self) -> None:
         full = self.full.cache
         L = full.length
+        device = next(self.target.parameters()).device
+        _sync_device(device)  # time the rebuild alone, not the work queued before it
+        t0 = time.perf_counter()
         queries = [full.query_at(i, L - 1) for i in range(len(full.queries))] if L else []
         self.retrieval.rebuild(full, queries)
+        _sync_device(device)
+        self.rebuild_times += (time.perf_counter() - t0,)
         self.middle.adopt(self.seq, L)
         if self.middle_level is not None:
             self.middle_level.stats.recent = []
@@ -304,4 +314,9 @@ def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, veri
         "kv_offloaded_layers": session.plan.offloaded,
         "kv_gpu_bytes": session.plan.gpu_bytes,
         "kv_host_bytes": session.plan.host_bytes,
+        # Retrieval rebuilds: the prefill's initial one, then those during decoding (their seconds are
+        # part of decode_s). None without a retrieval cache.
+        "prefill_rebuild_s": session.rebuild_times[0] if session.rebuild_times else None,
+        "rebuild_s": sum(session.rebuild_times[1:]) if session.retrieval is not None else None,
+        "rebuilds": len(session.rebuild_times[1:]) if session.retrieval is not None else None,
     }

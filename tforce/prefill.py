@@ -40,8 +40,10 @@ def _scratch(model, full: FullCache, n: int) -> tuple[FullCache, int]:
 
 
 @torch.inference_mode()
-def prefill_layer_major(model, ids: torch.Tensor, full: FullCache, chunk: int, progress=None) -> int:
-    """Append ids (N,) to `full` (which must be empty); progress(done, total) in token-layers.
+def prefill_layer_major(model, ids: torch.Tensor, full: FullCache, chunk: int, progress=None,
+                        on_layer=None) -> int:
+    """Append ids (N,) to `full` (which must be empty); progress(done, total) in token-layers;
+    on_layer(i, keys) sees each layer's rotated keys (1, N, H_kv, D) on the device before they leave.
     Returns the device bytes it allocated beyond the model's own activations (hidden states, scratch)."""
     assert full.length == 0, "layer-major prefill starts from an empty cache"
     n, layers = len(ids), model.model.layers
@@ -57,6 +59,8 @@ def prefill_layer_major(model, ids: torch.Tensor, full: FullCache, chunk: int, p
             scratch.commit(b - a)
             if progress:
                 progress(i * n + b, len(layers) * n)
+        if on_layer:
+            on_layer(i, scratch.k[0, :, :n])
         full.write_layer(i, scratch.k[0, :, :n], scratch.v[0, :, :n])
         full.queries[i] = scratch.queries[0]
     full.query_pos = scratch.query_pos

@@ -75,3 +75,24 @@ class FullCache:
         i = position - int(self.query_pos[0])
         assert 0 <= i < len(self.query_pos), "no stored query at that position"
         return self.queries[layer][0, i]
+
+    # Reads for retrieval rebuilds (cache/retrieval.py, cache/chunkstats.py): rows, never whole layers.
+
+    def kv_home(self, layer: int) -> torch.device:
+        """Where a layer's K/V live (its chunk statistics live there too)."""
+        return self.k.device
+
+    def read_keys(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Keys (B, end - start, H_kv, D) of positions [start, end), on the layer's home device."""
+        return self.k[layer, :, start:end]
+
+    def gather_rows(self, layer: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx (n, H_kv) positions -> K, V (B, n, H_kv, D): for each KV head, the rows at its positions."""
+        idx = idx.to(self.k.device)
+        return gather_heads(self.k[layer], idx), gather_heads(self.v[layer], idx)
+
+
+def gather_heads(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x (B, S, H_kv, D), idx (n, H_kv) on x's device -> (B, n, H_kv, D)."""
+    B, _, H, D = x.shape
+    return x.gather(1, idx[None, :, :, None].expand(B, idx.shape[0], H, D))

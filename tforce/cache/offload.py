@@ -16,7 +16,7 @@ import torch
 from ..errors import TforceError
 from ..rope import Rotary
 from .base import CacheView
-from .full import FullCache
+from .full import FullCache, gather_heads
 
 
 def host_tensor(shape: tuple, dtype: torch.dtype, pin_for: torch.device | None = None) -> torch.Tensor:
@@ -140,3 +140,28 @@ class OffloadedCache(FullCache):
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
         return self.host_v[layer - self.resident]
+
+    # Reads for retrieval rebuilds: an offloaded layer's rows come from host memory, counted in
+    # host_rows_read (token rows of one layer, K and V together; per-forward streaming is not counted).
+    host_rows_read = 0
+
+    def kv_home(self, layer: int) -> torch.device:
+        return super().kv_home(layer) if layer < self.resident else self.host_k[layer - self.resident].device
+
+    def read_keys(self, layer: int, start: int, end: int) -> torch.Tensor:
+        if layer < self.resident:
+            return super().read_keys(layer, start, end)
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()  # write-backs of the last forward
+        self.host_rows_read += end - start
+        return self.host_k[layer - self.resident][:, start:end]
+
+    def gather_rows(self, layer: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered in host memory: only the selected rows cross to the device (the caller moves them)."""
+        if layer < self.resident:
+            return super().gather_rows(layer, idx)
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        h, idx = layer - self.resident, idx.cpu()
+        self.host_rows_read += idx.shape[0]
+        return gather_heads(self.host_k[h], idx), gather_heads(self.host_v[h], idx)

@@ -6,6 +6,12 @@ the chunk's mean key, where the query of a KV head is the sum of its group's que
 the first chunk always (attention sinks) and the top-scoring chunks up to the budget, per layer and per
 KV head. Slots are filled in descending score, so the end of the buffer holds the least important.
 
+The chunk means come from per-chunk key sums kept with this cache (cache/chunkstats.py): built once at
+prefill (`observe`) and extended at each rebuild by the chunks completed since the last one, so a
+rebuild reads the rows committed since the last rebuild, the partial last chunk, and the selected rows'
+K/V: O(budget + new tokens) rows of each layer, not O(context), wherever the layer lives. Scores are
+computed on this cache's device, where the query is.
+
 New tokens (after a rebuild) take slots from the end backwards, replacing the least important entries
 first; the engine rebuilds before they would reach the first chunk. Keys keep the rotation of their
 true position (cache/base.py), so any subset is attended exactly as in the full cache: with a budget
@@ -16,12 +22,11 @@ chunk scores, scaled by 1/sqrt(head_dim), become a softmax over chunks; their me
 heads ranks the chunks once. Why: in a small model the heads that copy a passkey sit in the lowest
 layers, and the last prompt token's query there does not point at the key (the next tokens' queries
 do); per-layer selection drops the key from exactly those layers, while a model-wide vote keeps the
-chunks the answering layers point at everywhere (EVALUATION.md). It reads every layer's keys twice
-per rebuild (scores, then the gather).
+chunks the answering layers point at everywhere (EVALUATION.md). It scores from the same statistics.
 
 Other selection rules (Top-K, StreamingLLM, H2O: cache/policies.py) fill the same fixed budget through
 `select(layer, keys, length, query, budget) -> positions (H_kv, n <= budget)` (-1 = empty, descending
-importance); `select=None` is the chunk rule above.
+importance); `select=None` is the chunk rule above. Those rules read a layer's full keys.
 """
 from __future__ import annotations
 
@@ -31,18 +36,13 @@ import torch
 
 from ..rope import Rotary
 from .base import CacheView, StaticInputs, visibility
+from .chunkstats import ChunkStats
 from .full import FullCache
 
 
-def chunk_scores(keys: torch.Tensor, length: int, query: torch.Tensor, chunk: int) -> torch.Tensor:
-    """keys (S >= length, H_kv, D), query (H_q, D) -> scores (H_kv, n_chunks): group query . chunk mean key."""
-    n_kv, d = keys.shape[1], keys.shape[2]
-    n_chunks = -(-length // chunk)
-    padded = keys.new_zeros(n_chunks * chunk, n_kv, d)
-    padded[:length] = keys[:length]
-    counts = torch.full((n_chunks,), float(chunk), device=keys.device)
-    counts[-1] = length - (n_chunks - 1) * chunk
-    means = padded.view(n_chunks, chunk, n_kv, d).float().sum(1) / counts[:, None, None]  # (C, H_kv, D)
+def chunk_scores(means: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """means (C, H_kv, D) float32 chunk mean keys, query (H_q, D) -> (H_kv, C): group query . mean key."""
+    n_kv, d = means.shape[1], means.shape[2]
     group_query = query.float().view(n_kv, -1, d).sum(1)  # (H_kv, D)
     return torch.einsum("chd,hd->hc", means, group_query)
 
@@ -52,6 +52,13 @@ def select_chunks(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
     scores = scores.clone()
     scores[:, 0] = float("inf")
     return scores.topk(min(n_keep, scores.shape[1]), dim=1).indices
+
+
+def shared_votes(scores: list[torch.Tensor], head_dim: int) -> torch.Tensor:
+    """Per layer (H_kv, C) scores -> (H_kv, C): every head's softmax over chunks, summed over layers and
+    heads, the same for every head."""
+    total = sum((s / math.sqrt(head_dim)).softmax(-1).sum(0) for s in scores)
+    return total.expand(scores[0].shape[0], -1)
 
 
 class RetrievalCache(StaticInputs):
@@ -67,6 +74,8 @@ class RetrievalCache(StaticInputs):
         self.length = 0
         self.base = 0  # sequence length at the last rebuild; later tokens are "new"
         self.pending = 0
+        self.stats: ChunkStats | None = None  # the chunk rule's statistics of the full cache _stats_of
+        self._stats_of: FullCache | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -76,43 +85,66 @@ class RetrievalCache(StaticInputs):
         """New tokens that still fit before they would overwrite the first chunk."""
         return self.budget - self.chunk_size - self.new_tokens
 
+    def stats_for(self, full: FullCache) -> ChunkStats:
+        """The chunk statistics of `full` (allocated at first use, next to each layer's KV)."""
+        if self._stats_of is not full:
+            self.stats, self._stats_of = ChunkStats.for_cache(full, self.chunk_size), full
+        return self.stats
+
+    def observe(self, full: FullCache, layer: int, keys: torch.Tensor) -> None:
+        """Layer-major prefill hands over a layer's keys (B, n, H_kv, D) of positions [full.length,
+        full.length + n) while they are on the device: their chunk sums are taken now, not re-read later."""
+        self.stats_for(full).observe(layer, keys, full.length)
+
     def rebuild(self, full: FullCache, queries: list[torch.Tensor]) -> None:
         """Refill from the full cache's committed tokens; queries: per layer (H_q, D), rotated."""
-        L, c = full.length, self.chunk_size
+        L = full.length
         self.key_pos.fill_(-1)
-        # budget >= context keeps every chunk, the last one maybe partial (budget // c could drop one).
-        n_keep = -(-L // c) if L <= self.budget else self.budget // c
-        votes = self._shared_votes(full, queries, L) if self.shared and L > self.budget else None
-        for layer, query in enumerate(queries):
-            keys, values = full.layer_keys(layer), full.layer_values(layer)  # may live in host memory
-            query = query.to(keys.device)
-            if self.select is None:
-                scores = chunk_scores(keys[0], L, query, c) if votes is None else votes.to(keys.device)
-                chunks = select_chunks(scores, n_keep)  # (H_kv, K)
-                pos = (chunks[:, :, None] * c + torch.arange(c, device=chunks.device)).flatten(1)  # (H_kv, K*c)
-                if L <= self.budget:  # all chunks: drop the partial chunk's padding so the L tokens fit
-                    pos = pos[pos < L].view(pos.shape[0], L)
-            else:
-                pos = self.select(layer, keys[0], L, query, self.budget)
-                assert pos.shape[1] <= self.budget, "a select rule returned more positions than the budget"
-            valid = (pos >= 0) & (pos < L)
-            idx = pos.clamp(min=0, max=L - 1).T  # (K*c, H_kv)
-            n = idx.shape[0]
-            gather = idx[None, :, :, None].expand(1, n, idx.shape[1], keys.shape[-1])
-            self.k[layer, :, :n] = keys[:, :L].gather(1, gather).to(self.k.device)
-            self.v[layer, :, :n] = values[:, :L].gather(1, gather).to(self.v.device)
-            self.key_pos[layer, :, :n] = torch.where(valid, pos, -1).to(self.key_pos.device)
+        if self.select is None:
+            positions = self._chunk_positions(full, queries, L)
+        else:
+            positions = [self._select(full, layer, query, L) for layer, query in enumerate(queries)]
+        for layer, pos in enumerate(positions):
+            self._fill(full, layer, pos, L)
         self.length = self.base = L
 
-    def _shared_votes(self, full: FullCache, queries: list[torch.Tensor], L: int) -> torch.Tensor:
-        """(H_kv, C): every head's softmax over chunk scores, averaged over layers and heads."""
-        total = None
+    def _chunk_positions(self, full: FullCache, queries: list[torch.Tensor], L: int) -> list[torch.Tensor]:
+        """Per layer (H_kv, K * chunk) positions of the chunk rule (per layer, or shared)."""
+        c, device = self.chunk_size, self.key_pos.device
+        stats = self.stats_for(full)
+        stats.truncate(L)
+        scores = []
         for layer, query in enumerate(queries):
-            keys = full.layer_keys(layer)[0]
-            probs = (chunk_scores(keys, L, query.to(keys.device), self.chunk_size)
-                     / math.sqrt(keys.shape[-1])).softmax(-1)
-            total = probs.sum(0) if total is None else total + probs.sum(0).to(total.device)
-        return total.expand(self.key_pos.shape[1], -1)
+            stats.update(layer, full, L)
+            scores.append(chunk_scores(stats.means(layer, full, L, device), query.to(device)))
+        if self.shared and L > self.budget and scores:
+            scores = [shared_votes(scores, self.k.shape[-1])] * len(scores)
+        # budget >= context keeps every chunk, the last one maybe partial (budget // c could drop one).
+        n_keep = -(-L // c) if L <= self.budget else self.budget // c
+        positions = []
+        for s in scores:
+            chunks = select_chunks(s, n_keep)  # (H_kv, K)
+            pos = (chunks[:, :, None] * c + torch.arange(c, device=device)).flatten(1)  # (H_kv, K*c)
+            if L <= self.budget:  # all chunks: drop the partial chunk's padding so the L tokens fit
+                pos = pos[pos < L].view(pos.shape[0], L)
+            positions.append(pos)
+        return positions
+
+    def _select(self, full: FullCache, layer: int, query: torch.Tensor, L: int) -> torch.Tensor:
+        keys = full.layer_keys(layer)  # the whole layer, wherever it lives
+        pos = self.select(layer, keys[0], L, query.to(keys.device), self.budget)
+        assert pos.shape[1] <= self.budget, "a select rule returned more positions than the budget"
+        return pos
+
+    def _fill(self, full: FullCache, layer: int, pos: torch.Tensor, L: int) -> None:
+        """Hold the K/V at pos (H_kv, n <= budget) in slots [0, n); -1 or >= L: an empty slot."""
+        valid = (pos >= 0) & (pos < L)
+        idx = pos.clamp(min=0, max=L - 1).T  # (n, H_kv)
+        n = idx.shape[0]
+        k, v = full.gather_rows(layer, idx)  # only these rows, wherever the layer lives
+        self.k[layer, :, :n] = k.to(self.k.device)
+        self.v[layer, :, :n] = v.to(self.v.device)
+        self.key_pos[layer, :, :n] = torch.where(valid, pos, -1).to(self.key_pos.device)
 
     def _slots(self, start: int, n: int) -> torch.Tensor:
         """Slots of sequence positions [start, start + n): from the end of the buffer backwards."""

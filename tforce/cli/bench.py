@@ -127,6 +127,11 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
                    progress=lambda line: _say(f"tforce: bench: {line}"))
 
 
+def _rebuilds(run: dict) -> str:
+    """Seconds in retrieval rebuilds during decoding and their count, e.g. '0.12 (3)'; '-' without any."""
+    return "-" if run["rebuilds"] is None else f"{run['rebuild_s']:.2f} ({run['rebuilds']})"
+
+
 def _print_bench(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -142,7 +147,7 @@ def _print_bench(r: dict) -> None:
                                    f"per verification / peak; warm-up {f(r['warmup_s'], '.1f', ' s')} (not in the runs); "
                                    f"'-' = not applicable or not measured")
     for col in ("method", "ms/token", "speed-up vs ar", "accept draft", "accept retrieval", "tokens/verif",
-                "prefill s", "H2D GB/s (peak)", "floor ms/verif", "GPU GiB", "pinned GiB", "KV layers GPU/host"):
+                "prefill s", "rebuild s (n)", "H2D GB/s (peak)", "floor ms/verif", "GPU GiB", "pinned GiB", "KV layers GPU/host"):
         t.add_column(col, justify="left" if col == "method" else "right")
     for run in r["runs"]:
         acc = run["acceptance"]
@@ -150,7 +155,7 @@ def _print_bench(r: dict) -> None:
         pl = run["placement"]
         t.add_row(run["method"], f(run["ms_per_token"], ".1f"), f(run["speedup_vs_ar"], ".2f", "x"),
                   f(acc.get("draft"), ".1%"), f(acc.get("retrieval"), ".1%"),
-                  f(run["tokens_per_verification"], ".2f"), f(run["prefill_s"], ".2f"), h2d,
+                  f(run["tokens_per_verification"], ".2f"), f(run["prefill_s"], ".2f"), _rebuilds(run), h2d,
                   f(run["floor_ms_per_verification"], ".1f"), f(run["gpu_mem_gib"], ".1f"),
                   f(run["pinned_gib"], ".2f"), f"{pl['resident_layers']}/{pl['offloaded_layers']}")
     Console(width=None if sys.stdout.isatty() else 200).print(t)

@@ -15,6 +15,13 @@ and gloo's, reduces each slice on one rank and then copies it to the others; wit
 exactly anyway), and everything after the last all_reduce is replicated, deterministic computation.
 `generate_tp` checks the assumption at the end (all ranks' tokens must agree) instead of trusting it.
 Against the unsharded model the logits differ only by summation order (allclose, not bitwise).
+The same holds only if every rank runs the same code path, so all ranks place their KV caches from one
+figure, the least free device memory over the ranks (`_agreed_free`), and the end check compares the
+plans as well as the tokens.
+
+Loading: each rank reads from the safetensors files only its slice of every sharded weight
+(`tp_slices`, used by weights.load_model(rank=, world=)); embeddings, norms and lm_head whole.
+Start-up has a limit (`launch`'s start_timeout_s) and ends in one all_reduce whose sums are checked.
 """
 from __future__ import annotations
 

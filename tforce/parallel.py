@@ -309,6 +309,7 @@ def _end(procs, q, wait_s: float) -> None:
 
 def _generate_worker(rank, world, model_path, draft_path, prompt_ids, device, dtype, options, events, free,
                      emit=None):
+    """One rank of generate_tp. free: one device_free figure per rank (tests give the ranks different ones)."""
     from .engine import generate
     from .weights import load_model
 
@@ -355,16 +356,14 @@ def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int,
     on cuda:r); the draft is replicated. Returns rank 0's Result. on_token / on_prefill / on_round
     callbacks run here, in this process, as rank 0 produces the events. A missing seed is drawn here,
     so every rank samples with the same one. Every rank plans its KV cache from the least free device
-    memory over the ranks (device_free, when given, stands for every rank's measure; _agreed_free).
-    _simulated_free: a test hook, one device_free figure per rank, for ranks that measure differently."""
+    memory over the ranks (device_free, when given, stands for every rank's measure; _agreed_free)."""
     if device not in ("cpu", "cuda"):
         raise UsageError(f"tensor parallelism runs on cpu or cuda, got {device!r}")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     callbacks = {name: generate_kwargs.pop(name) for name in EVENTS if generate_kwargs.get(name) is not None}
-    device_free, simulated = generate_kwargs.pop("device_free", None), generate_kwargs.pop("_simulated_free", None)
-    free = list(simulated) if simulated is not None else [device_free] * world
+    free = [generate_kwargs.pop("device_free", None)] * world  # each rank's own figure (None: measured there)
     generate_kwargs.pop("draft", None)
     for name in EVENTS:
         generate_kwargs.pop(name, None)

@@ -1,10 +1,14 @@
 """Tensor parallelism on the CPU (gloo, 2 spawned processes): a sharded forward's logits match the
-unsharded model's, greedy tokens with --tp 2 equal --tp 1 (ar and triforce), sampled tokens agree across
-ranks, worker failures surface as one line, and bad --tp / --gpus values are one usage line.
+unsharded model's, a rank loading only its slices equals load-then-apply_tp, greedy tokens with --tp 2
+equal --tp 1 (ar and triforce), sampled tokens agree across ranks, ranks measuring different free memory
+still plan alike, worker failures and a rank that never starts surface as one line, and bad --tp /
+--gpus values are one usage line.
 
 Starting workers costs seconds (each imports torch and transformers), so one launch runs every
 in-worker check and the CLI test makes the only other one."""
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -14,7 +18,8 @@ import tforce
 from model_helpers import forward, full_cache, random_ids
 from tforce.cli import app
 from tforce.errors import TforceError, UsageError
-from tforce.parallel import apply_tp, check_tp, launch
+from tforce import placement
+from tforce.parallel import _generate_worker, apply_tp, check_tp, launch
 from tforce.synthetic import make_checkpoint
 
 TARGET = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -37,10 +42,20 @@ def _checks(rank, world, target_path, draft_path):
     target = apply_tp(tforce.load_model(target_path, tokenizer=False).model, rank, world)
     draft = tforce.load_model(draft_path, tokenizer=False).model
     out = {"kv_heads": target.n_kv_heads, "logits": forward(target, full_cache(target), torch.tensor([PROMPT]))}
+    sliced = tforce.load_model(target_path, tokenizer=False, rank=rank, world=world).model
+    whole = target.state_dict()
+    out["sliced_weights_equal"] = sliced.state_dict().keys() == whole.keys() and all(
+        torch.equal(t, whole[name]) for name, t in sliced.state_dict().items())
+    out["sliced_logits"] = forward(sliced, full_cache(sliced), torch.tensor([PROMPT]))
     for method in ("ar", "triforce"):
         out[method] = tforce.generate(target, PROMPT, draft=draft, method=method, temperature=0, **GEN).tokens
     out["sampled"] = tforce.generate(target, PROMPT, draft=draft, method="triforce", **SAMPLED, **GEN).tokens
     return out
+
+
+def _hang_rank_1(rank):
+    if rank == 1:
+        time.sleep(3600)  # a rank stuck before it starts (the parent ends it)
 
 
 def _fail(rank, world):
@@ -68,6 +83,12 @@ def test_sharded_forward_matches_unsharded(ranks, single):
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])  # bitwise: the ranks sample alike
 
 
+def test_rank_reading_its_slices_equals_load_then_apply_tp(ranks):
+    for out in ranks:
+        assert out["sliced_weights_equal"]
+        assert torch.equal(out["sliced_logits"], out["logits"])
+
+
 @pytest.mark.parametrize("method", ["ar", "triforce"])
 def test_greedy_tp2_equals_tp1(ranks, single, method):
     target, draft = single
@@ -88,6 +109,46 @@ def test_worker_error_is_one_line_not_a_hang():
         launch(_fail, 2, "gloo")
     assert str(info.value) == "rank 1: ValueError: boom"
     assert "Traceback" in str(info.value.__cause__)  # the worker's traceback, for TFORCE_DEBUG=1
+
+
+def test_ranks_with_different_free_memory_plan_alike(tmp_path):
+    """Rank 0 measures room for 2 of 5 KV layers (plus staging), rank 1 for all 5: alone, rank 0 would
+    offload 3 layers (layer-major prefill) and rank 1 none (token-major), and their all_reduces would
+    pair up wrongly. Both must plan with the smaller figure and produce ar's tokens."""
+    path = make_checkpoint(tmp_path / "five-layers", seed=13, num_hidden_layers=5, **TARGET)
+    target = tforce.load_model(str(path), tokenizer=False).model
+    prompt = random_ids(49, seed=8)[0].tolist()  # 48 prefill tokens: 3 chunks of 16
+    kw = dict(method="ar", temperature=0, max_new_tokens=12, ignore_eos=True, budget=32, prefill_chunk=16)
+    expected = tforce.generate(target, prompt, **kw)
+    assert expected.stats["kv_offloaded_layers"] == 0
+    layer = expected.stats["kv_gpu_bytes"] // 5 // 2  # one rank holds half the KV heads
+    fixed = 5 * placement.kv_layer_bytes(1, target.head_dim, kw["budget"], 4) + placement.GiB
+    free = [fixed + 4 * layer, fixed + 5 * layer]  # rank 0: 2 staging + 2 layers; rank 1: all 5
+    results = launch(_generate_worker, 2, "gloo", str(path), None, prompt, "cpu", torch.float32,
+                     dict(kw, seed=0), (), free, all_ranks=True)
+    for result in results:
+        assert (result.stats["kv_resident_layers"], result.stats["kv_offloaded_layers"]) == (2, 3)
+        assert result.tokens == expected.tokens
+
+
+def test_rank_that_never_starts_is_one_line_within_the_limit():
+    t0 = time.monotonic()
+    with pytest.raises(TforceError, match=r"^ranks? (0, )?1 did not start within 15 s$"):
+        launch(_fail, 2, "gloo", start_timeout_s=15, _on_spawn=_hang_rank_1)
+    assert time.monotonic() - t0 < 25
+
+
+@pytest.mark.cuda
+def test_bandwidth_probes_leave_no_cached_device_memory():
+    """bench measures H2D peak in the parent before launching ranks; memory its allocator kept on cuda:0
+    would shrink rank 0's free-memory figure (and so every rank's agreed plan)."""
+    from tforce.bench import device_bandwidth_gbps, h2d_peak_gbps
+
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(0)
+    assert h2d_peak_gbps("cuda:0", nbytes=64 << 20, repeats=1) > 0
+    assert device_bandwidth_gbps("cuda:0", nbytes=64 << 20, repeats=1) > 0
+    assert torch.cuda.memory_reserved(0) == before
 
 
 def test_check_tp(single):

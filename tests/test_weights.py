@@ -1,4 +1,5 @@
-"""Loading checkpoints: sharded and single-file, tied embeddings, a real trained model, load errors."""
+"""Loading checkpoints: sharded and single-file, tied embeddings, one tensor-parallel rank's slices, a real
+trained model, load errors."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ from transformers import GPT2Config
 
 import tforce
 from model_helpers import forward, full_cache, hf_logits, hf_model, random_ids
+from tforce import weights
+from tforce.parallel import apply_tp
 from tforce.synthetic import make_checkpoint
 
 STORIES = Path(__file__).resolve().parent.parent / ".." / "shared" / "models" / "stories260K"
@@ -51,6 +54,59 @@ def test_dtype_is_applied_and_ties_survive(tmp_path):
     model = tforce.load_model(str(path), dtype="bfloat16", tokenizer=False).model
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+class _CountingFile:
+    """safe_open that adds the bytes of every tensor it hands out (whole or sliced) to `read`."""
+
+    def __init__(self, read: list, *args, **kwargs):
+        self.read, self.file = read, _REAL_SAFE_OPEN(*args, **kwargs)
+
+    def __enter__(self):
+        self.inner = self.file.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.file.__exit__(*exc)
+
+    def keys(self):
+        return self.inner.keys()
+
+    def get_tensor(self, key):
+        return self._count(self.inner.get_tensor(key))
+
+    def get_slice(self, key):
+        part = self.inner.get_slice(key)
+        return type("Slice", (), {"__getitem__": lambda _, index: self._count(part[index])})()
+
+    def _count(self, tensor):
+        self.read.append(tensor.nbytes)
+        return tensor
+
+
+_REAL_SAFE_OPEN = weights.safe_open
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_tensor_parallel_rank_reads_only_its_slices(tmp_path, monkeypatch, bias):
+    """load_model(rank=, world=) equals load-then-apply_tp bit for bit (row-parallel biases on rank 0 only)
+    and reads from the files only the bytes that rank keeps."""
+    path = make_checkpoint(tmp_path / "tiny", seed=5, attention_bias=bias, mlp_bias=bias)
+    read = []
+    monkeypatch.setattr(weights, "safe_open", lambda *a, **k: _CountingFile(read, *a, **k))
+    whole = tforce.load_model(str(path), tokenizer=False).model
+    whole_bytes = sum(read)
+    assert whole_bytes == sum(t.nbytes for t in whole.state_dict().values())
+    for rank in range(2):
+        read.clear()
+        sliced = tforce.load_model(str(path), tokenizer=False, rank=rank, world=2).model
+        state = sliced.state_dict()
+        assert sum(read) == sum(t.nbytes for t in state.values()) < whole_bytes
+        expected = apply_tp(tforce.load_model(str(path), tokenizer=False).model, rank, 2).state_dict()
+        assert state.keys() == expected.keys()
+        assert all(torch.equal(t, expected[name]) for name, t in state.items())
+        assert sliced.n_kv_heads == 1 and sliced.model.layers[0].self_attn.n_heads == 2
+        assert (sliced.model.layers[0].self_attn.o_proj.bias is not None) == (bias and rank == 0)
 
 
 @pytest.fixture(scope="module")

@@ -142,6 +142,7 @@ def h2d_peak_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     ms = _median_ms(lambda: dev.copy_(host, non_blocking=True), repeats)
     del host, dev
+    torch.cuda.empty_cache()  # else the allocator keeps the buffer, and later free-memory figures lack it
     return nbytes / (ms / 1000) / 1e9
 
 
@@ -154,6 +155,7 @@ def device_bandwidth_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float 
     b = torch.empty_like(a)
     ms = _median_ms(lambda: b.copy_(a), repeats)
     del a, b
+    torch.cuda.empty_cache()  # as in h2d_peak_gbps
     return 2 * nbytes / (ms / 1000) / 1e9
 
 

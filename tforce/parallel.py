@@ -15,6 +15,13 @@ and gloo's, reduces each slice on one rank and then copies it to the others; wit
 exactly anyway), and everything after the last all_reduce is replicated, deterministic computation.
 `generate_tp` checks the assumption at the end (all ranks' tokens must agree) instead of trusting it.
 Against the unsharded model the logits differ only by summation order (allclose, not bitwise).
+The same holds only if every rank runs the same code path, so all ranks place their KV caches from one
+figure, the least free device memory over the ranks (`_agreed_free`), and the end check compares the
+plans as well as the tokens.
+
+Loading: each rank reads from the safetensors files only its slice of every sharded weight
+(`tp_slices`, used by weights.load_model(rank=, world=)); embeddings, norms and lm_head whole.
+Start-up has a limit (`launch`'s start_timeout_s) and ends in one all_reduce whose sums are checked.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ import socket
 import sys
 import time
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,6 +43,9 @@ from torch import nn
 from .errors import TforceError, UsageError
 
 EVENTS = ("on_token", "on_prefill", "on_round")
+START_TIMEOUT_S = 120.0  # spawn, imports, process group and a test all_reduce (launch's start_timeout_s)
+COLLECTIVE_TIMEOUT_S = 600  # a worker waiting this long in one collective (or the rendezvous) fails itself
+P2P_HINT = "GPUs without working peer-to-peer access (e.g. RTX 4090 pairs) need NCCL_P2P_DISABLE=1"
 
 
 def check_tp(config, world: int) -> None:
@@ -75,8 +86,42 @@ def _all_reduce_output(module, inputs, output: torch.Tensor) -> torch.Tensor:
     return output
 
 
+def _layer_cuts(layer, rank: int, world: int) -> dict[str, tuple[int, int, int]]:
+    """One decoder layer's sharded linears -> (dim, start, end): the weight slice rank keeps (dim 0:
+    output features, column-parallel; dim 1: input features, row-parallel). Read from the unsharded layer."""
+    attn, mlp = layer.self_attn, layer.mlp
+    d = attn.head_dim
+    n_q, n_kv = attn.n_heads // world, attn.n_kv // world  # local heads; GQA groups stay whole
+    f = mlp.gate_proj.out_features // world
+    q, kv, ff = (rank * n_q * d, (rank + 1) * n_q * d), (rank * n_kv * d, (rank + 1) * n_kv * d), \
+        (rank * f, (rank + 1) * f)
+    return {"self_attn.q_proj": (0, *q), "self_attn.k_proj": (0, *kv), "self_attn.v_proj": (0, *kv),
+            "self_attn.o_proj": (1, *q), "mlp.gate_proj": (0, *ff), "mlp.up_proj": (0, *ff),
+            "mlp.down_proj": (1, *ff)}
+
+
+def tp_slices(model, rank: int, world: int) -> dict[str, tuple[int, int, int] | None]:
+    """Checkpoint tensor name -> (dim, start, end) of the part rank keeps under apply_tp, or None for a
+    tensor it drops (a row-parallel bias off rank 0); tensors not named are replicated whole. Read from
+    an unsharded model (the meta device will do): weights.load_model reads only these slices."""
+    model = getattr(model, "model", model) if not isinstance(model, nn.Module) else model
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        for name, (dim, start, end) in _layer_cuts(layer, rank, world).items():
+            prefix = f"model.layers.{i}.{name}"
+            out[f"{prefix}.weight"] = (dim, start, end)
+            if layer.get_submodule(name).bias is None:
+                continue
+            if dim == 0:
+                out[f"{prefix}.bias"] = (0, start, end)
+            elif rank != 0:  # row-parallel: the sum over ranks adds rank 0's whole bias once
+                out[f"{prefix}.bias"] = None
+    return out
+
+
 def apply_tp(model, rank: int, world: int):
     """Shard a built tforce Llama in place for rank `rank` of `world`; returns it. world == 1: unchanged.
+    Works on a model on the meta device too (shapes only; weights.load_model then assigns the slices).
 
     The process group must be initialised before the model's first forward (not before this call)."""
     model = getattr(model, "model", model) if not isinstance(model, nn.Module) else model
@@ -86,18 +131,14 @@ def apply_tp(model, rank: int, world: int):
     if world == 1:
         return model
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        d = attn.head_dim
-        n_q, n_kv = attn.n_heads // world, attn.n_kv // world  # local heads; GQA groups stay whole
-        _shard_rows(attn.q_proj, rank * n_q * d, (rank + 1) * n_q * d)
-        _shard_rows(attn.k_proj, rank * n_kv * d, (rank + 1) * n_kv * d)
-        _shard_rows(attn.v_proj, rank * n_kv * d, (rank + 1) * n_kv * d)
-        _shard_cols(attn.o_proj, rank * n_q * d, (rank + 1) * n_q * d, rank)
-        attn.n_heads, attn.n_kv = n_q, n_kv
-        f = mlp.gate_proj.out_features // world
-        _shard_rows(mlp.gate_proj, rank * f, (rank + 1) * f)
-        _shard_rows(mlp.up_proj, rank * f, (rank + 1) * f)
-        _shard_cols(mlp.down_proj, rank * f, (rank + 1) * f, rank)
+        for name, (dim, start, end) in _layer_cuts(layer, rank, world).items():
+            linear = layer.get_submodule(name)
+            if dim == 0:
+                _shard_rows(linear, start, end)
+            else:
+                _shard_cols(linear, start, end, rank)
+        attn = layer.self_attn
+        attn.n_heads, attn.n_kv = attn.n_heads // world, attn.n_kv // world
     return model
 
 
@@ -134,16 +175,22 @@ def _portable(rank: int, e: BaseException) -> tuple[TforceError, str]:
     return err, text
 
 
-def _worker(rank, world, backend, port, threads, q, fn, args, emit_events):
+def _worker(rank, world, backend, port, threads, q, fn, args, emit_events, on_spawn):
     try:
+        if on_spawn is not None:
+            on_spawn(rank)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-            extra = {"device_id": torch.device("cuda", rank)}
+            device = torch.device("cuda", rank)
+            extra = {"device_id": device}
         else:
             torch.set_num_threads(threads)
-            extra = {}
+            device, extra = torch.device("cpu"), {}
+        q.put(("up", rank, None))
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                **extra)
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **extra)
+        _check_link(rank, world, device)
+        q.put(("joined", rank, None))
         kwargs = {"emit": lambda event: q.put(("event", rank, pickle.dumps(event)))} if emit_events else {}
         # Plain pickle: tensors travel by value (a queue would share them through this process, which
         # is about to exit).
@@ -156,6 +203,17 @@ def _worker(rank, world, backend, port, threads, q, fn, args, emit_events):
     _leave(q, 0)
 
 
+def _check_link(rank: int, world: int, device: torch.device) -> None:
+    """One 1 MiB all_reduce before any work, checked: a link that hangs does so inside the start-up
+    limit, and one that corrupts data fails here instead of in the model's sums."""
+    x = torch.arange(1 << 18, dtype=torch.float32, device=device)
+    expected = world * x + world * (world - 1) // 2  # exact in float32: every value stays below 2 ** 24
+    x += rank
+    dist.all_reduce(x)
+    if not torch.equal(x, expected):
+        raise TforceError(f"rank {rank}: a test all_reduce returned wrong sums: {P2P_HINT}")
+
+
 def _leave(q, code: int) -> None:
     """Flush what this worker sent, then exit at once (skipping a slow interpreter teardown; after an
     error, also any teardown that would wait on ranks stuck in a collective)."""
@@ -166,26 +224,34 @@ def _leave(q, code: int) -> None:
     os._exit(code)
 
 
-def launch(fn, world: int, backend: str, *args, on_event=None, all_ranks: bool = False, grace_s: float = 2.0):
+def launch(fn, world: int, backend: str, *args, on_event=None, all_ranks: bool = False, grace_s: float = 2.0,
+           start_timeout_s: float = START_TIMEOUT_S, _on_spawn=None):
     """Run fn(rank, world, *args) in `world` spawned processes joined by a process group (gloo on CPU,
     nccl on CUDA with rank r on cuda:r); return rank 0's return value (every rank's, in order, with
     all_ranks). fn must be importable (module level). With on_event, fn also gets emit=callable, and
     every emit(event) in a worker calls on_event(event) here, in order. A worker's failure is raised
     here as one TforceError (its message; the worker's traceback chained), and the other workers are
-    ended rather than left waiting."""
+    ended rather than left waiting. So is a start-up that takes over start_timeout_s (spawn, imports,
+    the process group and one test all_reduce), naming the ranks that did not start. _on_spawn: a test
+    hook, an importable callable run first in each worker with its rank."""
     if backend not in ("gloo", "nccl"):
         raise UsageError(f"backend must be gloo or nccl, got {backend!r}")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port, threads = _free_port(), max(1, torch.get_num_threads() // world)
-    procs = [ctx.Process(target=_worker, args=(r, world, backend, port, threads, q, fn, args, on_event is not None),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, backend, port, threads, q, fn, args, on_event is not None,
+                                               _on_spawn), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    results, errors, died, stop_at = {}, [], None, None
+    start_by = time.monotonic() + start_timeout_s
+    results, errors, died, stop_at, late = {}, [], None, None, None
+    up, joined = set(), set()
     ok = False
     try:
         while len(results) < world and (stop_at is None or time.monotonic() < stop_at):
+            if stop_at is None and len(joined) < world and time.monotonic() > start_by:
+                late = TforceError(_late_start(world, up, start_timeout_s, backend))
+                break
             try:
                 kind, rank, payload = q.get(timeout=0.05)
             except queue_mod.Empty:
@@ -194,7 +260,11 @@ def launch(fn, world: int, backend: str, *args, on_event=None, all_ranks: bool =
                     died = TforceError(f"rank {dead[0][0]} died (exit code {dead[0][1]})")
                     stop_at = min(stop_at or float("inf"), time.monotonic() + grace_s)
                 continue
-            if kind == "event":
+            if kind == "up":
+                up.add(rank)
+            elif kind == "joined":
+                joined.add(rank)
+            elif kind == "event":
                 on_event(pickle.loads(payload))
             elif kind == "result":
                 results[rank] = pickle.loads(payload)
@@ -208,8 +278,17 @@ def launch(fn, world: int, backend: str, *args, on_event=None, all_ranks: bool =
         err, text, _ = next((e for e in errors if e[2]), errors[0])
         raise err from WorkerTraceback(text)
     if not ok:
-        raise died or TforceError("the workers stopped without a result")
+        raise late or died or TforceError("the workers stopped without a result")
     return [results[r] for r in range(world)] if all_ranks else results[0]
+
+
+def _late_start(world: int, up: set, limit_s: float, backend: str) -> str:
+    """The one-line message for a start-up past its limit: the ranks that never ran, else the group."""
+    missing = [str(r) for r in range(world) if r not in up]
+    if missing:
+        return f"rank{'s' if len(missing) > 1 else ''} {', '.join(missing)} did not start within {limit_s:g} s"
+    hint = f"; {P2P_HINT}" if backend == "nccl" else ""
+    return f"the {world} ranks did not join their process group within {limit_s:g} s{hint}"
 
 
 def _end(procs, q, wait_s: float) -> None:
@@ -228,23 +307,47 @@ def _end(procs, q, wait_s: float) -> None:
 # ---------------------------------------------------------------------------------------- generation
 
 
-def _generate_worker(rank, world, model_path, draft_path, prompt_ids, device, dtype, options, events, emit=None):
+def _generate_worker(rank, world, model_path, draft_path, prompt_ids, device, dtype, options, events, free,
+                     emit=None):
+    """One rank of generate_tp. free: one device_free figure per rank (tests give the ranks different ones)."""
     from .engine import generate
     from .weights import load_model
 
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-    # Load on the host and shard there: a GPU never holds more than its shard of the target.
-    target = load_model(model_path, device="cpu", dtype=dtype, tokenizer=False).model
-    apply_tp(target, rank, world).to(dev)
+    # Each rank reads only its shard of the target from the files, straight to its device.
+    target = load_model(model_path, device=str(dev), dtype=dtype, tokenizer=False, rank=rank, world=world).model
     small = load_model(draft_path, device=str(dev), dtype=dtype, tokenizer=False).model if draft_path else None
     callbacks = {}
     if rank == 0 and emit is not None:
         callbacks = {name: (lambda *a, name=name: emit((name, a))) for name in events}
-    result = generate(target, prompt_ids, draft=small, **options, **callbacks)
-    if not all_equal(result.tokens):
-        raise TforceError("the tensor-parallel ranks generated different tokens (their logits were not "
-                          "bitwise identical): please report this")
+    options = dict(options)
+    device_free = _agreed_free(dev, free[rank], options.pop("gpu_memory", None))
+    result = generate(target, prompt_ids, draft=small, device_free=device_free, **options, **callbacks)
+    plan = (result.stats["kv_resident_layers"], result.stats["kv_offloaded_layers"])
+    if not all_equal((result.tokens, plan)):
+        raise TforceError("the tensor-parallel ranks generated different tokens or placed their KV caches "
+                          "differently: please report this")
     return result
+
+
+def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
+    """The device memory every rank plans with: the least any rank may use (a collective).
+
+    A rank that plans from its own free memory may offload where another does not; the two then run
+    different prefill paths and their all_reduces pair up wrongly (gloo: an error or the same wrong
+    tokens on every rank; NCCL: a hang or silent corruption). So each rank measures (or takes `given`),
+    applies gpu_memory as the engine would (less what this rank has allocated, which differs by the
+    row-parallel biases), and all plan with the minimum, gpu_memory already folded in. None: no rank
+    has a figure (a CPU run), which plans the whole cache as resident."""
+    free = given
+    if free is None and dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0]
+    if free is not None and gpu_memory is not None:
+        free = min(free, gpu_memory - (torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0))
+    frees = [None] * dist.get_world_size()
+    dist.all_gather_object(frees, free)
+    known = [f for f in frees if f is not None]
+    return min(known) if known else None
 
 
 def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int, device: str = "cpu",
@@ -252,13 +355,15 @@ def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int,
     """tforce.generate with the target split over `world` processes (gloo on CPU, NCCL on CUDA, rank r
     on cuda:r); the draft is replicated. Returns rank 0's Result. on_token / on_prefill / on_round
     callbacks run here, in this process, as rank 0 produces the events. A missing seed is drawn here,
-    so every rank samples with the same one."""
+    so every rank samples with the same one. Every rank plans its KV cache from the least free device
+    memory over the ranks (device_free, when given, stands for every rank's measure; _agreed_free)."""
     if device not in ("cpu", "cuda"):
         raise UsageError(f"tensor parallelism runs on cpu or cuda, got {device!r}")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     callbacks = {name: generate_kwargs.pop(name) for name in EVENTS if generate_kwargs.get(name) is not None}
+    free = [generate_kwargs.pop("device_free", None)] * world  # each rank's own figure (None: measured there)
     generate_kwargs.pop("draft", None)
     for name in EVENTS:
         generate_kwargs.pop(name, None)
@@ -273,5 +378,5 @@ def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int,
 
     backend = "nccl" if device == "cuda" else "gloo"
     return launch(_generate_worker, world, backend, str(model_path), str(draft_path) if draft_path else None,
-                  list(prompt_ids), device, dtype, generate_kwargs, tuple(callbacks),
+                  list(prompt_ids), device, dtype, generate_kwargs, tuple(callbacks), free,
                   on_event=on_event if callbacks else None)

@@ -71,8 +71,11 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str | None = None,
-               tokenizer: bool = True) -> LoadedModel:
-    """Load a Llama-family checkpoint. dtype defaults to float32 on CPU and bfloat16 on CUDA."""
+               tokenizer: bool = True, rank: int = 0, world: int = 1) -> LoadedModel:
+    """Load a Llama-family checkpoint. dtype defaults to float32 on CPU and bfloat16 on CUDA.
+
+    world > 1: the model of tensor-parallel rank `rank` (parallel.apply_tp's layout), reading from the
+    files only that rank's slice of each sharded weight (safetensors get_slice), the rest whole."""
     path = resolve(name_or_path)
     try:
         config = AutoConfig.from_pretrained(path)
@@ -89,11 +92,19 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     with torch.device("meta"):
         model = Llama(config)
+    slices = {}
+    if world > 1:
+        from .parallel import apply_tp, tp_slices
+
+        slices = tp_slices(model, rank, world)
+        apply_tp(model, rank, world)  # on the meta device: the shard's shapes, no memory
     state = {}
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for key in sf.keys():
-                state[key] = sf.get_tensor(key).to(dtype)
+                if key in slices and slices[key] is None:
+                    continue
+                state[key] = _read(sf, key, slices.get(key)).to(dtype)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -107,6 +118,15 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
     model = model.to(device).eval()
     tok = _load_tokenizer(path) if tokenizer else None
     return LoadedModel(model, tok, path, name_or_path)
+
+
+def _read(sf, key: str, cut: tuple[int, int, int] | None) -> torch.Tensor:
+    """The tensor `key`, or its slice [start, end) along dim (0 or 1) read without the rest."""
+    if cut is None:
+        return sf.get_tensor(key)
+    dim, start, end = cut
+    part = sf.get_slice(key)
+    return part[start:end] if dim == 0 else part[:, start:end]
 
 
 def _load_tokenizer(path: Path):

@@ -81,6 +81,55 @@ def test_bench_bad_options_are_one_line(runner, args, needle):
     assert result.stdout == ""
 
 
+def test_bench_refuses_what_cannot_fit_before_building(runner, monkeypatch):
+    """llama2-7b in float32 on a 24 GiB CPU box: one line with the figures, nothing built."""
+    def no_building(*a, **k):
+        raise AssertionError("models built")
+
+    monkeypatch.setattr("tforce.cli.common._host_available", lambda: 24 * 2**30)
+    monkeypatch.setattr("tforce.bench.synthetic_pair", no_building)
+    result = runner.invoke(app, ["bench", "--synthetic", "llama2-7b", "--device", "cpu", "--prompt-len", "1000",
+                                 "--gen-len", "24"])
+    assert result.exit_code == 1, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tforce: error: not enough memory: "), result.stderr
+    assert "target weights 25.1 GiB" in lines[0] and "KV cache for 1024 tokens 1.0 GiB" in lines[0]
+    assert "24.0 GiB available" in lines[0]
+
+
+def test_bench_table_fits_80_columns(runner):
+    """Every number of the report is printed whole (never cut to '1.…') in a terminal of 80 columns."""
+    from tforce.cli.bench import _bench_rows
+
+    args = BENCH + ["--methods", "ar,triforce", "--gen-len", "4", "--threads", "1"]
+    result = runner.invoke(app, args, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "…" not in result.stdout and max(len(line) for line in result.stdout.splitlines()) <= 80
+    report = json.loads(runner.invoke(app, args + ["--json"]).stdout)
+    report["runs"][0]["ms_per_token"] = 12345.6  # wider figures than the tiny model's
+    report["runs"][1]["placement"].update(resident_layers=80, offloaded_layers=120)
+    from io import StringIO
+
+    from rich.console import Console
+
+    from tforce.cli.bench import _print_bench
+
+    out = StringIO()
+    _print_bench(report, Console(file=out, width=80))
+    text = out.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    cells = {line.strip() for line in text.replace("│", "\n").splitlines()}
+    for row in _bench_rows(report):
+        assert set(row) <= cells, set(row) - cells
+    assert "12345.6" in cells and "80/120" in cells
+
+
+def test_bench_warm_up_line_counts_the_prompt(runner):
+    result = runner.invoke(app, BENCH + ["--methods", "ar", "--gen-len", "2"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "on the first 200 prompt tokens" in result.stderr
+
+
 def test_bench_needs_one_model_source(runner):
     result = runner.invoke(app, ["bench", "--device", "cpu"])
     assert result.exit_code == 2 and "--synthetic" in result.stderr

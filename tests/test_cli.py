@@ -30,7 +30,9 @@ def models(tmp_path_factory):
     make_checkpoint(root / "no-tokenizer", seed=3, tokenizer=False, **TARGET)
     broken = root / "broken"
     broken.mkdir()
-    (broken / "config.json").write_text((root / "tiny-target" / "config.json").read_text())
+    for f in (root / "tiny-target").iterdir():  # config and tokenizer, so that the weights are what fails
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     (root / "doc.txt").write_text(DOC)
     return root
@@ -67,7 +69,8 @@ def test_greedy_json_matches_plain_decoding(runner, models):
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1
     obj = json.loads(lines[0])
-    assert set(obj) == {"text", "tokens", "prompt_tokens", "method", "stats"}
+    assert set(obj) == {"text", "tokens", "prompt_tokens", "method", "device", "stats"}
+    assert obj["device"] == "cpu" and "kv_device_bytes" in obj["stats"] and "kv_gpu_bytes" not in obj["stats"]
     assert set(obj["stats"]) >= {"prefill_s", "decode_s", "ms_per_token", "tokens_per_s", "acceptance",
                                  "tokens_per_verification"}
     assert set(obj["stats"]["acceptance"]) == {"draft", "retrieval"}
@@ -171,6 +174,9 @@ def test_no_model_uses_the_demo_pair_and_excerpt(runner, tmp_path):
     (["-p", "hi", "--chunk-size", "0"], 2, "chunk-size"),
     (["-p", "hi", "--chunk-size", "16", "--budget", "8"], 2, "larger than --budget"),
     (["-p", "hi", "--temperature", "-0.5"], 2, "temperature"),
+    (["-p", "hi", "--temperature", "inf"], 2, "temperature"),
+    (["-p", "hi", "--temperature", "nan"], 2, "temperature"),
+    (["-p", "hi", "--ignore-eos", "true"], 2, "flags: they take no value"),
     (["-p", "hi", "--top-p", "0"], 2, "top-p"),
     (["-p", "hi", "--top-p", "1.5"], 2, "top-p"),
     (["-p", "hi", "--method", "beam"], 2, "unknown method"),
@@ -191,8 +197,89 @@ def test_bad_models(runner, models):
     _one_error_line(run("-m", str(models / "no-tokenizer"), "--method", "ar"), 2, "tokenizer")
     _one_error_line(run("-m", str(models / "tiny-target"), "--draft", str(models / "other-vocab")), 2,
                     "vocabularies differ")
-    _one_error_line(run("-m", str(models / "broken"), "--method", "ar"), 1)
+    _one_error_line(run("-m", str(models / "broken"), "--method", "ar"), 1, "target model: cannot read the weights")
     _one_error_line(run("-m", str(models / "tiny-target"), "--draft", str(models / "no-such-draft")), 2)
+
+
+LATIN1 = "caf\xe9 cr\xe8me, na\xefve".encode("latin-1")
+
+
+@pytest.mark.parametrize("via", ["stdin", "file"])
+def test_non_utf8_prompt_is_replaced_with_one_warning(runner, models, tmp_path, via):
+    """A Latin-1 text reads the same from stdin and from a file: U+FFFD for each bad byte, one warning."""
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(LATIN1)
+    args = ["-"] if via == "stdin" else [str(path)]
+    r = _run(runner, models, *args, *FAST, "--method", "ar", "--json", input=LATIN1 if via == "stdin" else None)
+    assert r.exit_code == 0, (r.output, r.exception)
+    text = LATIN1.decode("utf-8", errors="replace")
+    assert json.loads(r.stdout)["tokens"] == _expected(models, text)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tforce: warning: ") and "not valid UTF-8" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("via", ["stdin", "file"])
+def test_binary_prompt_is_refused(runner, models, tmp_path, via):
+    data = b"\x7fELF\x02\x01\x01\x00\x00\x00" + bytes(range(256))
+    path = tmp_path / "prog"
+    path.write_bytes(data)
+    args = ["-"] if via == "stdin" else [str(path)]
+    _one_error_line(_run(runner, models, *args, "--method", "ar", input=data if via == "stdin" else None), 2,
+                    "is not text")
+
+
+def test_missing_target_is_named_before_the_draft(runner, models):
+    """Without a draft for a missing target folder, the target is what is reported missing."""
+    r = runner.invoke(app, ["run", "-p", "hi", "-m", str(models / "nowhere-target")])
+    _one_error_line(r, 2, "target model: no model folder")
+    r = runner.invoke(app, ["run", "-p", "hi", "-m", str(models / "tiny-target"), "--draft", str(models / "nowhere")])
+    _one_error_line(r, 2, "draft model: no model folder")
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_corrupt_weights_name_the_file_and_the_role(runner, models, tmp_path, role):
+    import shutil
+
+    bad = tmp_path / "cut"
+    shutil.copytree(models / f"tiny-{role}", bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
+    pair = {"target": models / "tiny-target", "draft": models / "tiny-draft", role: bad}
+    r = runner.invoke(app, ["run", "-p", "hi", "-n", "2", "-m", str(pair["target"]), "--draft", str(pair["draft"])])
+    _one_error_line(r, 1, f"{role} model: cannot read the weights in {weights}")
+
+
+def test_run_refuses_what_cannot_fit_before_loading(runner, models, monkeypatch):
+    def no_loading(*a, **k):
+        raise AssertionError("weights loaded")
+
+    monkeypatch.setattr("tforce.cli.common._host_available", lambda: 2**20)
+    monkeypatch.setattr("tforce.weights.load_model", no_loading)
+    r = _run(runner, models, "-p", "hi", "-n", "4")
+    _one_error_line(r, 1, "not enough memory")
+    assert "KV cache for 6 tokens" in r.stderr and "GiB needed" in r.stderr and "0.0 GiB available" in r.stderr
+
+
+def test_context_full_is_said(runner, models):
+    """-n beyond the context: generation stops where the context ends, and stderr says so."""
+    r = _run(runner, models, "-p", "x" * 500, *FAST, "-n", "30", "--method", "ar", "--json")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert len(json.loads(r.stdout)["tokens"]) == 12
+    assert "leaves room for 12 new tokens after the 500-token prompt, not the 30 asked for" in r.stderr
+
+
+def test_gpu_memory_on_cpu_is_said(runner, models):
+    r = _run(runner, models, "-p", "hi", *FAST, "--method", "ar", "--device", "cpu", "--gpu-memory", "1GiB")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "--gpu-memory has no effect on a cpu run" in r.stderr
+
+
+def test_flags_read_as_flags_in_help(runner):
+    for command in ("run", "bench"):
+        r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "120"})
+        assert r.exit_code == 0
+        lines = [line for line in r.stdout.splitlines() if "--json" in line or "--ignore-eos" in line]
+        assert lines and not any("<bool>" in line for line in lines), lines
 
 
 def test_unreadable_prompt_file_and_empty_stdin(runner, models):

@@ -179,3 +179,23 @@ def test_no_weights(tmp_path):
     for f in tmp_path.glob("*.safetensors"):
         f.unlink()
     assert "safetensors" in _load_error(str(tmp_path))
+
+
+@pytest.mark.parametrize("keep", [100, None])  # a cut header, a cut body
+def test_truncated_weights_name_the_file(tmp_path, keep):
+    path = make_checkpoint(tmp_path / "cut", seed=0)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: keep or len(data) // 2])
+    with pytest.raises(tforce.TforceError) as info:
+        tforce.load_model(str(path))
+    assert str(weights) in str(info.value) and "truncated or corrupt" in str(info.value)
+
+
+def test_missing_shard_names_the_file(tiny_dir, tmp_path):
+    hf_model(tiny_dir / "gqa").save_pretrained(tmp_path, max_shard_size="40KB")
+    shard = sorted(tmp_path.glob("*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(tforce.TforceError) as info:
+        tforce.load_model(str(tmp_path))
+    assert str(shard) in str(info.value)

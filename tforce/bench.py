@@ -217,16 +217,19 @@ def _options(cfg: BenchConfig, max_new: int) -> dict:
                 ignore_eos=True, offload=cfg.offload, gpu_memory=cfg.gpu_memory, **cfg.engine)
 
 
+WARMUP_TOKENS = 256  # prompt tokens of the warm-up generations
+
+
 def warm_up(models: Models, ids: list[int], cfg: BenchConfig) -> float | None:
-    """A short generation per method (first 256 prompt tokens, 4 new ones) before anything is timed, so
-    that one-time costs (kernel loading, allocator growth, thread pools) land in none of the runs.
+    """A short generation per method (first WARMUP_TOKENS prompt tokens, 4 new ones) before anything is
+    timed, so that one-time costs (kernel loading, allocator growth, thread pools) land in none of the runs.
     Returns its seconds, reported apart (DESIGN.md habit 9). None when split over ranks: every
     generation starts fresh worker processes, so nothing warm would carry over."""
     if models.world > 1:
         return None
     t0 = time.perf_counter()
     for method in cfg.methods:
-        models.generate(ids[:256], method, **_options(cfg, 4))
+        models.generate(ids[:WARMUP_TOKENS], method, **_options(cfg, 4))
     return time.perf_counter() - t0
 
 
@@ -281,7 +284,8 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
                  else "no CUDA device: no host-to-device figures")
     peak = h2d_peak_gbps(device)
     if progress:
-        progress("warm-up: every method on the first 256 prompt tokens (not timed)" if models.world == 1
+        progress(f"warm-up: every method on the first {min(WARMUP_TOKENS, len(ids))} prompt tokens (not timed)"
+                 if models.world == 1
                  else f"{models.world} ranks: fresh worker processes per method, no warm-up (cold runs)")
     warmup_s = warm_up(models, ids, cfg)
     runs = []

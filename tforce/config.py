@@ -5,6 +5,7 @@ every RoPE variant); everything here is what tforce adds on top.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import UsageError
@@ -27,8 +28,8 @@ class Sampling:
         return self.temperature == 0
 
     def validate(self) -> None:
-        if not self.temperature >= 0:
-            raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also refuses nan
+            raise UsageError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

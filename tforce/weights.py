@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
 from .errors import TforceError, UsageError
@@ -100,11 +100,16 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
         apply_tp(model, rank, world)  # on the meta device: the shard's shapes, no memory
     state = {}
     for f in _weight_files(path):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for key in sf.keys():
-                if key in slices and slices[key] is None:
-                    continue
-                state[key] = _read(sf, key, slices.get(key)).to(dtype)
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for key in sf.keys():
+                    if key in slices and slices[key] is None:
+                        continue
+                    state[key] = _read(sf, key, slices.get(key)).to(dtype)
+        except (SafetensorError, OSError) as e:  # safetensors names neither the file nor what is wrong with it
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise TforceError(f"cannot read the weights in {f} ({reason}): the file is missing, truncated or "
+                              "corrupt") from e
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Optional
 
@@ -10,8 +11,9 @@ import typer
 from ..config import Sampling, Speculation
 from ..errors import UsageError
 from .app import app
-from .common import DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _threads, _guarded, _placement_options, _say
-from .run import _default_draft, _parallel, _read_prompt, _tp_target
+from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory,
+                     _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
+from .run import _check_local, _default_draft, _parallel, _read_config, _read_prompt, _tp_target
 
 
 @app.command()
@@ -45,7 +47,7 @@ def bench(
                                                       "float16 | bfloat16"),
     offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: bool = flag("--json", "Print one JSON object."),
 ) -> None:
     """Time every method on one prompt: ms/token, speed-up over ar, acceptance, H2D GB/s, memory."""
     def body():
@@ -70,6 +72,7 @@ def bench(
         if world > 1 and synthetic is not None:
             raise UsageError("--gpus/--tp > 1 needs --model (a checkpoint folder the ranks load); "
                              "--synthetic models are built in one process")
+        _gpu_memory_note(gpu_memory, dev)
         record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text, world)
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
@@ -86,11 +89,17 @@ def _check_room(cfg, context: int) -> None:
                          f"({context} tokens)")
 
 
+def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str) -> None:
+    """The weights and the KV cache of the longest run must fit before anything is built (tforce info's plan)."""
+    _check_memory(target_cfg, draft_cfg, cfg.prompt_len + cfg.gen_len, torch_dtype.itemsize, device, cfg.offload,
+                  cfg.gpu_memory, cfg.engine["budget"])
+
+
 def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Optional[str], device: str,
            dtype: str, text: Optional[str], world: int = 1) -> dict:
     import torch
 
-    from ..synthetic import ARCHITECTURES
+    from ..synthetic import ARCHITECTURES, make_config
 
     uses_draft = any(Speculation(method=m).uses_draft for m in cfg.methods)
     if synthetic is not None:
@@ -99,12 +108,16 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if device == "cuda"
                                                                      else torch.float32)
         _check_room(cfg, ARCHITECTURES[synthetic]["max_position_embeddings"])
+        target_cfg = make_config(synthetic)
+        draft_cfg = make_config(synthetic, **b.DRAFT_SHAPES.get(synthetic, b.LLAMA_68M)) if uses_draft else None
+        _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device)
         _say(f"tforce: bench: building a random-weight {synthetic} target and draft on {device} (SYNTHETIC)")
         models = b.Models.local(*b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed))
         config, tokenizer, name = models.target.config, None, f"synthetic:{synthetic}"
     else:
         from ..weights import load_model, resolve
 
+        _check_local(model, "target model")  # the target first: a missing target folder is not a missing draft
         draft_name = draft if draft is not None else _default_draft(model)
         if uses_draft and draft_name is None:
             raise UsageError("the methods need a draft model: pass --draft, or drop triforce, naive and streaming")
@@ -115,9 +128,14 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
             models = b.Models.split(config, str(path), str(resolve(draft_name)) if uses_draft else None, world,
                                     device, torch_dtype)
         else:
-            loaded = load_model(model, device=device, dtype=torch_dtype)
-            small = load_model(draft_name, device=device, dtype=torch_dtype, tokenizer=False).model \
-                if uses_draft else None
+            target_cfg = _read_config(model, "target model")[1]
+            _check_room(cfg, target_cfg.max_position_embeddings)
+            draft_cfg = _read_config(draft_name, "draft model")[1] if uses_draft else None
+            _check_bench_memory(cfg, target_cfg, draft_cfg,
+                                torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32), device)
+            loaded = _as_role("target model", load_model, model, device=device, dtype=torch_dtype)
+            small = _as_role("draft model", load_model, draft_name, device=device, dtype=torch_dtype,
+                             tokenizer=False).model if uses_draft else None
             models, config, tokenizer = b.Models.local(loaded.model, small), loaded.config, loaded.tokenizer
         name = model
     context = config.max_position_embeddings
@@ -132,30 +150,67 @@ def _rebuilds(run: dict) -> str:
     return "-" if run["rebuilds"] is None else f"{run['rebuild_s']:.2f} ({run['rebuilds']})"
 
 
-def _print_bench(r: dict) -> None:
+# Column headers break where given, so that a column is as wide as its numbers, not its header.
+COLUMNS = ("method", "ms/token", "speed-up\nvs ar", "accept\ndraft", "accept\nretrieval", "tokens/\nverif",
+           "prefill\ns", "rebuild\ns (n)", "H2D GB/s\n(peak)", "floor ms\n/verif", "GPU\nGiB", "pinned\nGiB", "KV layers\nGPU/host")
+
+
+def _bench_rows(r: dict) -> list[list[str]]:
+    def f(x, fmt, suffix=""):
+        return "-" if x is None else format(x, fmt) + suffix
+
+    peak = r["h2d_peak_gbps"]
+    rows = []
+    for run in r["runs"]:
+        acc = run["acceptance"]
+        h2d = "-" if run["h2d_gbps"] is None else f"{run['h2d_gbps']:.1f} ({f(peak, '.1f')})"
+        pl = run["placement"]
+        rows.append([run["method"], f(run["ms_per_token"], ".1f"), f(run["speedup_vs_ar"], ".2f", "x"),
+                     f(acc.get("draft"), ".1%"), f(acc.get("retrieval"), ".1%"),
+                     f(run["tokens_per_verification"], ".2f"), f(run["prefill_s"], ".2f"), _rebuilds(run), h2d,
+                     f(run["floor_ms_per_verification"], ".1f"), f(run["gpu_mem_gib"], ".1f"),
+                     f(run["pinned_gib"], ".2f"), f"{pl['resident_layers']}/{pl['offloaded_layers']}"])
+    return rows
+
+
+def _column_groups(widths: list[int], width: int) -> list[list[int]]:
+    """Column indices per table: every table repeats column 0 (the method) and fits `width` terminal
+    columns (a bordered cell takes its text + 3), so that no number is ever cut."""
+    groups, used = [[0]], 4 + widths[0]
+    for i, w in enumerate(widths[1:], start=1):
+        if used + w + 3 > width and len(groups[-1]) > 1:
+            groups.append([0])
+            used = 4 + widths[0]
+        groups[-1].append(i)
+        used += w + 3
+    return groups
+
+
+def _print_bench(r: dict, console=None) -> None:
+    """The bench table, split into as many tables (each led by the method) as the terminal's width needs."""
     from rich.console import Console
     from rich.table import Table
 
     def f(x, fmt, suffix=""):
         return "-" if x is None else format(x, fmt) + suffix
 
-    peak = r["h2d_peak_gbps"]
+    if console is None:  # a file or pipe gets one wide table unless COLUMNS says otherwise
+        wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+        console = Console(width=200 if wide else None)
+    rows = _bench_rows(r)
+    widths = [max(len(line) for cell in [c] + [row[i] for row in rows] for line in cell.split("\n"))
+              for i, c in enumerate(COLUMNS)]
+    groups = _column_groups(widths, console.width)
     title = (f"tforce bench: {r['model']} on {r['device']}, {r['prompt_tokens']} prompt + {r['gen_len']} tokens, "
              f"{r['dtype']}, temperature {r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"]
                                                                 else ""))
-    t = Table(title=title, caption=f"pinned H2D peak: {f(peak, '.1f', ' GB/s')}; floor = offloaded KV bytes "
-                                   f"per verification / peak; warm-up {f(r['warmup_s'], '.1f', ' s')} (not in the runs); "
-                                   f"'-' = not applicable or not measured")
-    for col in ("method", "ms/token", "speed-up vs ar", "accept draft", "accept retrieval", "tokens/verif",
-                "prefill s", "rebuild s (n)", "H2D GB/s (peak)", "floor ms/verif", "GPU GiB", "pinned GiB", "KV layers GPU/host"):
-        t.add_column(col, justify="left" if col == "method" else "right")
-    for run in r["runs"]:
-        acc = run["acceptance"]
-        h2d = "-" if run["h2d_gbps"] is None else f"{run['h2d_gbps']:.1f} ({f(peak, '.1f')})"
-        pl = run["placement"]
-        t.add_row(run["method"], f(run["ms_per_token"], ".1f"), f(run["speedup_vs_ar"], ".2f", "x"),
-                  f(acc.get("draft"), ".1%"), f(acc.get("retrieval"), ".1%"),
-                  f(run["tokens_per_verification"], ".2f"), f(run["prefill_s"], ".2f"), _rebuilds(run), h2d,
-                  f(run["floor_ms_per_verification"], ".1f"), f(run["gpu_mem_gib"], ".1f"),
-                  f(run["pinned_gib"], ".2f"), f"{pl['resident_layers']}/{pl['offloaded_layers']}")
-    Console(width=None if sys.stdout.isatty() else 200).print(t)
+    caption = (f"pinned H2D peak: {f(r['h2d_peak_gbps'], '.1f', ' GB/s')}; floor = offloaded KV bytes per "
+               f"verification / peak; warm-up {f(r['warmup_s'], '.1f', ' s')} (not in the runs); "
+               f"'-' = not applicable or not measured")
+    for n, group in enumerate(groups):
+        t = Table(title=title if n == 0 else None, caption=caption if n == len(groups) - 1 else None)
+        for i in group:
+            t.add_column(COLUMNS[i], justify="left" if i == 0 else "right", min_width=widths[i])
+        for row in rows:
+            t.add_row(*(row[i] for i in group))
+        console.print(t)

@@ -18,7 +18,12 @@ from ..errors import TforceError, UsageError
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 OFFLOAD_HELP = "Full KV cache: auto (GPU while it fits, rest in pinned host memory) | on (all host) | off."
-GPU_MEMORY_HELP = "Most GPU memory tforce may use, e.g. 24GiB, 24GB, 24000MiB."
+GPU_MEMORY_HELP = "Most GPU memory tforce may use, e.g. 24GiB, 24GB, 24000MiB (CUDA runs only)."
+
+
+def flag(name: str, help: str):
+    """A boolean option that takes no value: its help shows no `<bool>` type."""
+    return typer.Option(False, name, help=help, metavar="")
 
 
 def _placement_options(offload: str, gpu_memory: Optional[str]) -> dict:
@@ -42,6 +47,74 @@ def _threads(n: int) -> None:
         import torch
 
         torch.set_num_threads(n)
+
+
+def _gpu_memory_note(gpu_memory: Optional[str], device: str) -> None:
+    if gpu_memory is not None and device != "cuda":
+        _say(f"tforce: note: --gpu-memory has no effect on a {device} run (it caps GPU memory)")
+
+
+def _decode_text(data: bytes, source: str) -> str:
+    """Prompt bytes -> text, the same for a file and for stdin: NUL bytes mean a binary file (refused,
+    exit 2); text that is not UTF-8 (Latin-1, say) is decoded with U+FFFD for each undecodable byte and
+    one warning line on stderr."""
+    if b"\0" in data:
+        raise UsageError(f"{source} is not text (it holds NUL bytes): tforce reads UTF-8 text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _say(f"tforce: warning: {source} is not valid UTF-8 (first bad byte at offset {e.start}): "
+             "undecodable bytes are replaced with U+FFFD")
+        return data.decode("utf-8", errors="replace")
+
+
+def _as_role(role: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), its errors prefixed with `role` ("target model", "draft model")."""
+    try:
+        return fn(*args, **kwargs)
+    except TforceError as e:
+        raise type(e)(f"{role}: {e}") from e
+
+
+def _host_available() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, device: str, offload: str,
+                  gpu_memory: Optional[int], budget: int) -> None:
+    """Refuse, before any weights are built or read, a run that cannot fit in memory: the weights of the
+    target and draft and the target's KV cache for `tokens` (prompt + generation), planned as `tforce info`
+    plans them (tforce.bench.info_plan), against the available host memory, and on CUDA against the
+    device's free memory (or --gpu-memory) and the pinned host memory the offloaded layers need."""
+    from ..bench import info_plan, weight_bytes
+    from ..placement import GiB
+
+    def gib(n: int) -> str:
+        return f"{n / GiB:.1f} GiB"
+
+    host_free = _host_available()
+    draft = weight_bytes(draft_config, dtype_bytes) if draft_config is not None else 0
+    gpu_free = None
+    if device == "cuda":  # untested on CUDA
+        import torch
+
+        gpu_free = torch.cuda.mem_get_info()[0]
+        gpu_free = (gpu_free if gpu_memory is None else min(gpu_free, gpu_memory)) - draft  # the draft is resident
+    plan = info_plan(target_config, tokens, dtype_bytes, gpu_free, host_free, offload, budget)
+    weights, kv = plan["weights_bytes"], plan["kv_bytes"]
+    if device != "cuda":
+        need = plan["fixed_gpu_bytes"] + kv + draft
+        if need > host_free:
+            raise TforceError(f"not enough memory: {gib(need)} needed (target weights {gib(weights)} + draft "
+                              f"{gib(draft)} + KV cache for {tokens} tokens {gib(kv)} + retrieval cache and "
+                              f"margin {gib(plan['fixed_gpu_bytes'] - weights)}), {gib(host_free)} available")
+    elif "error" in plan:
+        raise TforceError(f"{plan['error']} (besides the draft's {gib(draft)})")
+    elif not plan["host_fits"]:
+        raise TforceError(f"not enough host memory for the offloaded KV cache: {gib(plan['host_kv_bytes'])} "
+                          f"needed, {gib(host_free)} available")
 
 
 def _debug() -> bool:

@@ -13,7 +13,8 @@ from ..config import Sampling, Speculation
 from ..demo import demo_pair, demo_prompt
 from ..errors import UsageError
 from .app import app
-from .common import DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _threads, _device, _guarded, _placement_options, _say
+from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory, _decode_text,
+                     _device, _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
 from .live import Progress, TextStream, _summary_line
 
 
@@ -25,15 +26,19 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Opt
     document = ""
     if prompt_file == "-" or (prompt_file is None and not sys.stdin.isatty()):
         try:
-            document = sys.stdin.read()
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
         except (OSError, ValueError):
-            document = ""
+            data = b""
+        document = _decode_text(data, "stdin")
     elif prompt_file is not None:
         path = Path(prompt_file).expanduser()
         try:
-            document = path.read_text(encoding="utf-8", errors="replace")
+            data = path.read_bytes()
         except OSError as e:
-            raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror or e}") from e
+            hint = " (--json and --ignore-eos are flags: they take no value)" \
+                if prompt_file.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0") else ""
+            raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror or e}{hint}") from e
+        document = _decode_text(data, f"prompt file {prompt_file}")
     parts = [p for p in (document, prompt or "") if p.strip()]
     if not parts and default is not None and prompt is None and prompt_file is None:
         _say("tforce: no prompt given: using the demo's excerpt (Great Expectations, chapter 1) and a question")
@@ -41,6 +46,16 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Opt
     if not parts:
         raise UsageError("the prompt is empty: give a prompt file, --prompt TEXT or text on stdin")
     return "\n\n".join(parts)
+
+
+def _check_local(name: str, role: str) -> None:
+    """A local folder or an unknown name is checked here, its error naming the role ("target model",
+    "draft model"), before anything else; registry names and hub ids are fetched when loaded."""
+    from ..weights import REGISTRY, resolve
+
+    hub = name in REGISTRY or (name.count("/") == 1 and not name.startswith((".", "/", "~")))
+    if Path(name).expanduser().exists() or not hub:
+        _as_role(role, resolve, name)
 
 
 def _default_draft(model: str) -> Optional[str]:
@@ -72,7 +87,7 @@ def run(
     top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling, in (0, 1]."),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past end-of-sequence."),
+    ignore_eos: bool = flag("--ignore-eos", "Keep going past end-of-sequence."),
     budget: int = typer.Option(4096, "--budget", help="Retrieval (or streaming) cache of the middle level."),
     chunk_size: int = typer.Option(8, "--chunk-size", help="Retrieval chunk size."),
     gamma1: int = typer.Option(2, "--gamma1", help="Draft tokens per middle-level verification."),
@@ -88,7 +103,7 @@ def run(
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
     offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    as_json: bool = flag("--json", "Print one JSON object instead of streaming text."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda)."),
 ) -> None:
@@ -111,12 +126,17 @@ def run(
         target_name = model
         if model is None:
             target_name, demo_draft = demo_pair()
+        else:  # the target first: a missing target folder is not a missing draft
+            _check_local(model, "target model")
+        if draft is not None and spec.uses_draft:
+            _check_local(draft, "draft model")
         draft_name = draft if draft is not None else _default_draft(target_name)
         if spec.uses_draft and draft_name is None:
             raise UsageError(f"method {method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
         # the prompt before any notice, so that a bad prompt is the only line
         text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
                             demo_prompt() if model is None else None)
+        _gpu_memory_note(gpu_memory, dev)
         if model is None:
             _say(f"tforce: no --model given: using the trained demo pair {target_name} (draft: {draft or demo_draft}; "
                  "small models trained by scripts/train_demo.py, see models/README.md)")
@@ -154,20 +174,36 @@ def _parallel(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:
     return world, dev
 
 
-def _tp_target(model: str, world: int):
-    """For a split target: (folder, config, tokenizer) without loading weights; the heads must split."""
+def _read_config(name: str, role: str):
+    """(folder, config) of a model without reading its weights; errors name the role."""
     from transformers import AutoConfig
 
-    from ..parallel import check_tp
-    from ..weights import _load_tokenizer, resolve
+    from ..weights import resolve
 
-    path = resolve(model)
+    path = _as_role(role, resolve, name)
     try:
-        config = AutoConfig.from_pretrained(path)
+        return path, AutoConfig.from_pretrained(path)
     except Exception as e:
-        raise UsageError(f"cannot read {path / 'config.json'}: {(str(e).strip().splitlines() or [''])[0]}") from e
-    check_tp(config, world)
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise UsageError(f"{role}: cannot read {path / 'config.json'}: {reason}") from e
+
+
+def _tp_target(model: str, world: int):
+    """(folder, config, tokenizer) of the target without loading weights; split over world > 1 ranks,
+    the heads must split."""
+    from ..parallel import check_tp
+    from ..weights import _load_tokenizer
+
+    path, config = _read_config(model, "target model")
+    if world > 1:
+        check_tp(config, world)
     return path, config, _load_tokenizer(path)
+
+
+def _dtype_bytes(dtype: Optional[str], device: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype or ("bfloat16" if device == "cuda" else "float32"))).element_size()
 
 
 def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Optional[str], as_json: bool,
@@ -175,19 +211,24 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
     from ..engine import generate
     from ..weights import load_model, resolve
 
-    if world > 1:  # the workers load the weights: here only the config and tokenizer
-        path, config, tok = _tp_target(model, world)
-    else:
-        target = load_model(model, device=device, dtype=dtype)
-        path, config, tok = target.path, target.config, target.tokenizer
+    path, config, tok = _tp_target(model, world)  # no weights yet: the prompt and memory are checked first
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
     ids = list(tok.encode(text))
     context = config.max_position_embeddings
     if len(ids) >= context:
         raise UsageError(f"the prompt is {len(ids)} tokens; the model's context is {context}")
-    small = load_model(draft, device=device, dtype=dtype, tokenizer=False) if draft and world == 1 else None
     max_new = min(options["max_new_tokens"], context - len(ids))
+    if max_new < options["max_new_tokens"]:
+        _say(f"tforce: note: the model's context ({context} tokens) leaves room for {max_new} new tokens after "
+             f"the {len(ids)}-token prompt, not the {options['max_new_tokens']} asked for")
+    if world == 1:  # split runs: the workers load the weights
+        draft_config = _read_config(draft, "draft model")[1] if draft else None
+        _check_memory(config, draft_config, len(ids) + max_new, _dtype_bytes(dtype, device), device,
+                      options["offload"], options["gpu_memory"], options["budget"])
+        target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
+    small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) \
+        if draft and world == 1 else None
     stream = TextStream(tok, sys.stdout, enabled=not as_json)
     progress = Progress(max_new, options["method"], keep_live=not sys.stdout.isatty()) \
         if sys.stderr.isatty() and not as_json else None
@@ -213,8 +254,10 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
         raise
     out = stream.finish()
     if as_json:
+        stats = dict(result.stats)  # the KV bytes on the run's device: not "gpu" on a CPU run
+        stats["kv_device_bytes"] = stats.pop("kv_gpu_bytes")
         record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
-                  "stats": result.stats}
+                  "device": device, "stats": stats}
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
         return

@@ -84,34 +84,34 @@ def _host_available() -> int:
 
 def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, device: str, offload: str,
                   gpu_memory: Optional[int], budget: int) -> None:
-    """Refuse, before any weights are built or read, a run that cannot fit in memory: the weights of the
-    target and draft and the target's KV cache for `tokens` (prompt + generation), planned as `tforce info`
-    plans them (tforce.bench.info_plan), against the available host memory, and on CUDA against the
-    device's free memory (or --gpu-memory) and the pinned host memory the offloaded layers need."""
-    from ..bench import info_plan, weight_bytes
-    from ..placement import GiB
+    """Refuse, before any weights are built or read, a run that cannot fit in memory, planned as `tforce
+    info` plans it (tforce.bench.info_plan, itemised in placement.py): on the CPU every item lives in host
+    memory; on CUDA the device items must fit its free memory (or --gpu-memory) and the offloaded KV layers
+    the available host memory."""
+    from ..bench import info_plan
+    from ..placement import CONTEXT_BYTES, GiB
 
     def gib(n: int) -> str:
         return f"{n / GiB:.1f} GiB"
 
     host_free = _host_available()
-    draft = weight_bytes(draft_config, dtype_bytes) if draft_config is not None else 0
+    cuda = device == "cuda"
     gpu_free = None
-    if device == "cuda":  # untested on CUDA
+    if cuda:  # untested on CUDA
         import torch
 
-        gpu_free = torch.cuda.mem_get_info()[0]
-        gpu_free = (gpu_free if gpu_memory is None else min(gpu_free, gpu_memory)) - draft  # the draft is resident
-    plan = info_plan(target_config, tokens, dtype_bytes, gpu_free, host_free, offload, budget)
-    weights, kv = plan["weights_bytes"], plan["kv_bytes"]
-    if device != "cuda":
-        need = plan["fixed_gpu_bytes"] + kv + draft
+        gpu_free = torch.cuda.mem_get_info()[0] + CONTEXT_BYTES  # the context already holds its share
+        gpu_free = gpu_free if gpu_memory is None else min(gpu_free, gpu_memory)
+    plan = info_plan(target_config, tokens, dtype_bytes, gpu_free, host_free, offload, budget,
+                     draft_config=draft_config, context_bytes=CONTEXT_BYTES if cuda else 0, flash=False)
+    if "error" in plan:
+        raise TforceError(plan["error"])
+    if not cuda:
+        need = plan["peak_bytes"] + plan["host_kv_bytes"]
         if need > host_free:
-            raise TforceError(f"not enough memory: {gib(need)} needed (target weights {gib(weights)} + draft "
-                              f"{gib(draft)} + KV cache for {tokens} tokens {gib(kv)} + retrieval cache and "
-                              f"margin {gib(plan['fixed_gpu_bytes'] - weights)}), {gib(host_free)} available")
-    elif "error" in plan:
-        raise TforceError(f"{plan['error']} (besides the draft's {gib(draft)})")
+            raise TforceError(f"not enough memory: {gib(need)} needed (target weights {gib(plan['weights_bytes'])}, "
+                              f"KV cache for {tokens} tokens {gib(plan['kv_bytes'])}, the rest in `tforce info`'s "
+                              f"plan), {gib(host_free)} available")
     elif not plan["host_fits"]:
         raise TforceError(f"not enough host memory for the offloaded KV cache: {gib(plan['host_kv_bytes'])} "
                           f"needed, {gib(host_free)} available")

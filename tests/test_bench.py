@@ -14,7 +14,8 @@ from tforce.synthetic import make_checkpoint
 
 BENCH = ["bench", "--synthetic", "tiny", "--device", "cpu", "--prompt-len", "200", "--gen-len", "16"]
 RUN_FIELDS = {"method", "ms_per_token", "speedup_vs_ar", "acceptance", "tokens_per_verification", "prefill_s",
-              "h2d_gbps", "gpu_mem_gib", "pinned_gib", "floor_ms_per_verification", "placement"}
+              "h2d_gbps", "gpu_mem_gib", "pinned_gib", "floor_ms_per_verification", "placement", "rebuild_s",
+              "rebuilds", "prefill_rebuild_s"}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,9 @@ def test_bench_json_has_every_field(report):
         assert r["speedup_vs_ar"] == pytest.approx(report["runs"][0]["ms_per_token"] / r["ms_per_token"])
     ar = report["runs"][0]
     assert ar["speedup_vs_ar"] == 1.0 and ar["tokens_per_verification"] == 1.0
+    assert ar["rebuilds"] is None and ar["rebuild_s"] is None  # no retrieval cache
+    for r in report["runs"][1], report["runs"][3]:  # triforce, retrieval: rebuilt at prefill, maybe later
+        assert r["prefill_rebuild_s"] > 0 and r["rebuilds"] >= 0 and r["rebuild_s"] >= 0
     assert set(report["runs"][1]["acceptance"]) == {"draft", "retrieval"}
 
 
@@ -50,6 +54,7 @@ def test_bench_table_says_synthetic(runner):
     assert result.exit_code == 0, (result.output, result.exception)
     assert "SYNTHETIC (random weights)" in result.stdout
     assert result.stdout.index("ar ") < result.stdout.index("retrieval")  # ar first: the baseline
+    assert "rebuild s" in result.stdout
     assert "SYNTHETIC" in result.stderr  # diagnostics go to stderr, the table to stdout
 
 

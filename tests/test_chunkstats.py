@@ -169,3 +169,24 @@ def test_offloaded_triforce_with_rebuilds_equals_ar(tiny, temperature):
         assert on.tokens == ar.tokens
     assert on.stats["rebuilds"] >= 4 and on.stats["rebuild_s"] > 0 and on.stats["prefill_rebuild_s"] > 0
     assert ar.stats["rebuilds"] is None and ar.stats["rebuild_s"] is None
+
+
+@pytest.mark.cuda
+def test_on_cuda_stats_live_next_to_their_layer_and_tokens_stay_exact(tiny_dir):
+    from tforce.rope import Rotary
+
+    target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda", dtype=torch.float32)
+    draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda", dtype=torch.float32)
+    model = target.model
+    dims = (model.config.num_hidden_layers, model.n_kv_heads, model.head_dim)
+    full = OffloadedCache(*dims, capacity=128, rotary=Rotary(model.config, 128, device="cuda"), resident=1,
+                          device="cuda")
+    stats = ChunkStats.for_cache(full, 8)
+    assert stats.sums[0].device.type == "cuda"
+    assert stats.sums[1].device.type == "cpu" and stats.sums[1].is_pinned()
+    prompt = list(range(3, 120))
+    kw = dict(max_new_tokens=40, temperature=0.0, ignore_eos=True, offload="on")
+    ar = tforce.generate(target, prompt, method="ar", **kw)
+    on = tforce.generate(target, prompt, draft=draft, method="triforce", budget=32, chunk_size=4, draft_budget=24,
+                         sinks=4, rebuild_every=8, **kw)
+    assert on.tokens == ar.tokens and on.stats["rebuilds"] >= 4

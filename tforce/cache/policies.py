@@ -14,6 +14,10 @@ come in descending importance: tokens generated after a rebuild overwrite the en
   (the RetrievalCache default; `select=None`).
 - "shared": the chunk rule with one selection for every layer and KV head (the mean of their
   softmaxed chunk scores; `RetrievalCache(shared=True)`, `select=None`).
+  Both score chunks from per-chunk key sums kept with the cache (cache/chunkstats.py), so a rebuild
+  reads O(budget + new tokens) rows of each layer. The rules below are evaluation baselines: at every
+  rebuild they read each layer's full keys (`FullCache.layer_keys`; from host memory for an offloaded
+  layer), O(context) per layer.
 - "topk": the exact highest-attention tokens of the current query, per layer and KV head, attention
   probabilities summed over the GQA group's query heads. An oracle upper bound for any selection of
   `budget` single tokens for this query (it reads every key, as the full cache does).

@@ -127,3 +127,57 @@ def test_flash_matches_sdpa_on_cuda(h_q, h_kv, T):
     err_flash = (attend(q, view).double() - ref).abs().max()
     err_sdpa = (attend(q, view, use_flash=False).double() - ref).abs().max()
     assert err_flash <= 2 * err_sdpa + 1e-3
+
+
+def causal_view(h_kv, T, S, seed, dtype=torch.float32):
+    """A full-cache view: the T queries are the last T of S keys, bottom-right causal (view.causal)."""
+    from tforce.cache.base import visibility
+
+    _, view = make_inputs(1, h_kv, T, S, None, seed, dtype)
+    mask = visibility(torch.arange(S)[None], torch.arange(S - T, S)) if T > 1 else None
+    return CacheView(view.k, view.v, mask, causal=True)
+
+
+@pytest.mark.parametrize("h_q,h_kv", SHAPES)
+@pytest.mark.parametrize("T", range(1, 10))
+@pytest.mark.parametrize("kind", ["causal", "per_head"])
+def test_folded_gqa_matches_reference_for_every_query_length(h_q, h_kv, T, kind):
+    """The GQA fold (query heads of a KV head stacked along the query axis) against float64."""
+    S = 41
+    if kind == "causal":
+        view = causal_view(h_kv, T, S, seed=T)
+    else:
+        _, view = make_inputs(h_q, h_kv, T, S, h_kv, seed=T)
+    q = torch.randn(1, T, h_q, D, generator=torch.Generator().manual_seed(300 + T))
+    ref = attend_reference(q.double(), CacheView(view.k.double(), view.v.double(), view.mask))
+    torch.testing.assert_close(attend(q, view).double(), ref, atol=2e-6, rtol=0)
+
+
+class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor (in bytes) that any aten op produces inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+@pytest.mark.parametrize("mask_heads", [1, 2])
+def test_masked_gqa_never_materialises_kv_per_query_head(mask_heads):
+    """With a mask, SDPA's enable_gqa runs the math backend (CUDA's choice for masked GQA, forced here),
+    which repeats K/V for every query head in float32: 8x K's bytes for this 8:2 bf16 shape. The fold
+    keeps every intermediate at most a float32 copy of K (2x its bytes): O(S x H_kv), not O(S x H_q)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    h_q, h_kv, T, S = 8, 2, 4, 2048
+    q, view = make_inputs(h_q, h_kv, T, S, mask_heads, seed=7, dtype=torch.bfloat16)
+    k_bytes = view.k.numel() * view.k.element_size()
+    with sdpa_kernel([SDPBackend.MATH]), _LargestTensor() as probe:
+        attend(q, view)
+    assert probe.largest <= 2 * k_bytes, (probe.largest, k_bytes)

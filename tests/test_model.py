@@ -6,6 +6,8 @@ import torch
 
 import tforce
 from model_helpers import feed, forward, full_cache, hf_logits, hf_model, random_ids
+from tforce.cache import FullCache
+from tforce.rope import Rotary
 from tforce.synthetic import make_checkpoint
 
 ARCHS = ["mha", "gqa", "yarn", "llama3"]
@@ -83,3 +85,29 @@ def test_scaled_rope_changes_the_logits(tmp_path, tiny):
     a, b = forward(scaled, full_cache(scaled), ids), forward(plain, full_cache(plain), ids)
     assert torch.equal(a[:, 0], b[:, 0])  # position 0 is not rotated: same weights, same logits
     assert (a - b).abs().max() > 1e-2
+
+
+def _logits_and_hidden(model, ids):
+    """The forward's logits and the final-norm output they were computed from."""
+    seen = []
+    hook = model.model.norm.register_forward_hook(lambda m, i, out: seen.append(out))
+    try:
+        cfg, p = model.config, next(model.parameters())
+        cache = FullCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, 64,
+                          Rotary(cfg, device=p.device), dtype=p.dtype, device=p.device)
+        logits = forward(model, cache, ids)
+    finally:
+        hook.remove()
+    return logits, seen[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bf16_logits_are_float32_products_not_rounded_to_bf16(tiny_dir, device):
+    """With bfloat16 weights the logits are the float32-accumulated product of the bfloat16 hidden state
+    and lm_head, kept in float32: rounding them to bfloat16 (8 mantissa bits) would make argmax ties."""
+    model = tforce.load_model(str(tiny_dir / "gqa"), device=device, dtype=torch.bfloat16).model
+    logits, hidden = _logits_and_hidden(model, random_ids(T, seed=3).to(device))
+    exact = hidden.double() @ model.lm_head.weight.double().T  # (B, T, V)
+    assert logits.dtype == torch.float32
+    assert (exact.float().bfloat16().double() != exact).float().mean() > 0.9  # bf16 rounding is visible
+    torch.testing.assert_close(logits.double(), exact, atol=1e-5, rtol=1e-5)

@@ -1,7 +1,8 @@
 """attend(q, view): attention of fresh queries over what a cache hands back.
 
 flash-attn (`flash_attn_func`, causal and bottom-right aligned) on CUDA when it is installed and the
-view's mask is plain causal; PyTorch SDPA otherwise (and for the retrieval cache's per-head masks);
+view's mask is plain causal; PyTorch SDPA otherwise (and for the retrieval cache's per-head masks),
+with each KV head's query heads folded into the query axis so that memory stays O(S x H_kv);
 `attend_reference` is the plain-math oracle the tests compare against.
 Layouts are the ones fixed in cache/base.py: q (B, T, H_q, D), view.k / view.v (B, S, H_kv, D).
 """
@@ -20,8 +21,31 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_func = None
 
 
+def _fold(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """q (B, T, H_q, D) -> (B, H_kv, group * T, D): each KV head's query heads stacked along the query
+    axis (row g * T + t is query head h * group + g at token t), so that SDPA sees as many query heads
+    as KV heads and never needs K/V repeated per query head."""
+    B, T, n_heads, D = q.shape
+    return q.view(B, T, n_kv, n_heads // n_kv, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv, -1, D)
+
+
+def _unfold(out: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, H_kv, group * T, D) -> (B, T, H_q, D), the inverse of _fold."""
+    B, n_kv, _, D = out.shape
+    return out.view(B, n_kv, -1, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, -1, D)
+
+
+def _folded_mask(view: CacheView, group: int) -> torch.Tensor | None:
+    """view.mask (H_m, T, S), H_m in {1, H_kv} -> (1, H_m, group * T, S) for the folded queries: every
+    query head of a group has its KV head's mask. Its size is that of the scores, never of K/V."""
+    if view.mask is None:
+        return None
+    m = view.mask
+    return m[:, None].expand(m.shape[0], group, *m.shape[1:]).reshape(m.shape[0], -1, m.shape[-1])[None]
+
+
 def _sdpa_mask(view: CacheView, n_heads: int) -> torch.Tensor | None:
-    """view.mask (H_m, T, S) with H_m in {1, H_kv} -> (1, 1 or H_q, T, S) for SDPA."""
+    """view.mask (H_m, T, S) with H_m in {1, H_kv} -> (1, 1 or H_q, T, S), one mask per query head."""
     if view.mask is None:
         return None
     m = view.mask
@@ -40,15 +64,17 @@ def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Te
     if use_flash and flash_usable(q, view):
         # Same layout as ours, GQA native; causal=True aligns the T queries with the last T keys.
         return flash_attn_func(q, view.k, view.v, causal=q.shape[1] > 1)
-    n_heads, n_kv = q.shape[2], view.k.shape[2]
+    # GQA folded into the query axis rather than SDPA's enable_gqa: with a mask, enable_gqa sends SDPA to
+    # its math backend, which repeats K/V per query head and upcasts them to float32 (gigabytes per layer
+    # at 128K tokens); folded, the heads match and the memory-efficient backend takes the mask.
+    T, n_kv = q.shape[1], view.k.shape[2]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),  # (B, H_q, T, D)
+        _fold(q, n_kv),  # (B, H_kv, group * T, D)
         view.k.transpose(1, 2),  # (B, H_kv, S, D)
         view.v.transpose(1, 2),
-        attn_mask=_sdpa_mask(view, n_heads),
-        enable_gqa=n_heads != n_kv,
+        attn_mask=_folded_mask(view, q.shape[2] // n_kv),
     )
-    return out.transpose(1, 2)
+    return _unfold(out, T)
 
 
 def attend_reference(q: torch.Tensor, view: CacheView) -> torch.Tensor:

@@ -8,6 +8,7 @@ returns the keys and values to attend to (see cache/base.py).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
@@ -95,4 +96,25 @@ class Llama(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states (B, T, hidden) -> logits (B, T, V) in float32."""
-        return self.lm_head(self.model.norm(x)).float()
+        return float32_logits(self.model.norm(x), self.lm_head.weight)
+
+
+# torch >= 2.8 has mm(a, b, out_dtype=float32) for float16/bfloat16 inputs, on CUDA only.
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def float32_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h (B, T, hidden) @ weight (V, hidden)^T -> (B, T, V) float32, accumulated in float32 and never
+    rounded to the weights' dtype (a bfloat16 output would make argmax ties frequent).
+
+    CUDA, 16-bit weights: one GEMM with a float32 output (cuBLAS accumulates in float32 anyway).
+    CPU without that kernel, 16-bit weights: the weight is converted to float32 at every call (4 bytes
+    per parameter written and read again: 2 GB for Llama-3's 128K x 4096 lm_head; CPU runs are for tests
+    and demos). float32 weights: the plain product.
+    """
+    if weight.dtype == torch.float32:
+        return F.linear(h.float(), weight)
+    if h.is_cuda and _MM_OUT_DTYPE:
+        rows = h.reshape(-1, h.shape[-1])
+        return torch.mm(rows, weight.t(), out_dtype=torch.float32).view(*h.shape[:-1], -1)
+    return F.linear(h.float(), weight.float())

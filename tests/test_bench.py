@@ -179,3 +179,30 @@ def test_info_plans_offloaded_layers(runner):
 def test_run_takes_placement_options(runner):
     result = runner.invoke(app, ["run", "-m", "nowhere", "-p", "hi", "--gpu-memory", "lots"])
     assert result.exit_code == 2 and "--gpu-memory" in result.stderr
+
+
+def test_bench_times_row_wise_verification_beside_the_plain_one(runner, monkeypatch):
+    """--methods triforce,triforce+det: the deterministic mode's cost, measured side by side in one run."""
+    import tforce.engine
+    from tforce.bench import parse_methods, split_method
+    from tforce.rowwise import RowwiseRunner
+
+    built = []
+
+    class Counted(RowwiseRunner):
+        def __init__(self, *a):
+            built.append(1)
+            super().__init__(*a)
+
+    monkeypatch.setattr(tforce.engine, "RowwiseRunner", Counted)
+
+    assert parse_methods("triforce+det,ar") == ("ar", "triforce+det")
+    assert split_method("retrieval+det") == ("retrieval", True) and split_method("ar") == ("ar", False)
+    with pytest.raises(UsageError):
+        parse_methods("ar+det2")
+    result = runner.invoke(app, BENCH + ["--methods", "ar,triforce,triforce+det", "--temperature", "0", "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    runs = json.loads(result.stdout.strip().splitlines()[-1])["runs"]
+    assert [r["method"] for r in runs] == ["ar", "triforce", "triforce+det"]
+    assert all(r["ms_per_token"] > 0 for r in runs)
+    assert len(built) == 2  # triforce+det's warm-up and timed run, and nothing else

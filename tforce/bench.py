@@ -52,11 +52,21 @@ class BenchConfig:
     engine: dict = field(default_factory=dict)  # budget, gamma1, gamma2, draft_budget, chunk_size, ...
 
 
+DETERMINISTIC = "+det"  # method suffix: the same method with row-wise verification (rowwise.py)
+
+
+def split_method(name: str) -> tuple[str, bool]:
+    """'triforce+det' -> ('triforce', True): the engine's method and its deterministic flag."""
+    return (name[:-len(DETERMINISTIC)], True) if name.endswith(DETERMINISTIC) else (name, False)
+
+
 def parse_methods(text: str) -> tuple[str, ...]:
+    """Comma-separated methods, each optionally with the +det suffix (deterministic=True), ar first."""
     names = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in names if m not in METHODS]
+    bad = [m for m in names if split_method(m)[0] not in METHODS]
     if not names or bad:
-        raise UsageError(f"--methods takes a comma-separated list of {', '.join(METHODS)}; got {text!r}")
+        raise UsageError(f"--methods takes a comma-separated list of {', '.join(METHODS)} (each may end in "
+                         f"{DETERMINISTIC}: verified row by row); got {text!r}")
     ordered = tuple(dict.fromkeys(names))
     return ("ar",) + tuple(m for m in ordered if m != "ar") if "ar" in ordered else ordered  # ar first
 
@@ -201,6 +211,8 @@ class Models:
                    world=world)
 
     def generate(self, ids: list[int], method: str, **options):
+        method, deterministic = split_method(method)
+        options["deterministic"] = deterministic
         uses_draft = Speculation(method=method).uses_draft
         if self.world == 1:
             from .engine import generate

@@ -29,7 +29,8 @@ def bench(
     prompt_len: int = typer.Option(122880, "--prompt-len", help="Prompt tokens."),
     gen_len: int = typer.Option(256, "--gen-len", help="Tokens generated per method (EOS ignored)."),
     methods: str = typer.Option("ar,triforce,naive,retrieval,streaming", "--methods",
-                                help="Comma-separated; ar runs first and is the speed-up baseline."),
+                                help="Comma-separated; ar runs first and is the speed-up baseline; a method ending in "
+                                     "+det (e.g. triforce+det) verifies row by row (run --deterministic)."),
     temperature: float = typer.Option(0.6, "--temperature", "-t", help="0 = greedy."),
     top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling, in (0, 1]."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f",
@@ -63,7 +64,7 @@ def bench(
         _threads(threads)
         engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget)
         for m in names:
-            Speculation(method=m, **engine).validate()
+            Speculation(method=b.split_method(m)[0], **engine).validate()
         Sampling(temperature=temperature, top_p=top_p, seed=seed).validate()
         cfg = b.BenchConfig(methods=names, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
                             top_p=top_p, seed=seed, engine=engine, **_placement_options(offload, gpu_memory))

@@ -121,9 +121,20 @@ def test_ranks_with_different_free_memory_plan_alike(tmp_path):
     kw = dict(method="ar", temperature=0, max_new_tokens=12, ignore_eos=True, budget=32, prefill_chunk=16)
     expected = tforce.generate(target, prompt, **kw)
     assert expected.stats["kv_offloaded_layers"] == 0
-    layer = expected.stats["kv_gpu_bytes"] // 5 // 2  # one rank holds half the KV heads
-    fixed = 5 * placement.kv_layer_bytes(1, target.head_dim, kw["budget"], 4) + placement.GiB
-    free = [fixed + 4 * layer, fixed + 5 * layer]  # rank 0: 2 staging + 2 layers; rank 1: all 5
+    # Each rank's room beside its weights, from the planner itself for one rank's shard (engine._plan on
+    # a CPU run: budget = weights + device_free, no CUDA context).
+    from tforce.config import Speculation
+    from tforce.engine import model_shape
+
+    shard = model_shape(apply_tp(tforce.load_model(str(path), tokenizer=False).model, 0, 2))
+    spec = Speculation(method="ar", budget=kw["budget"])
+    capacity = len(prompt) + kw["max_new_tokens"] + spec.max_lookahead + 1
+    work = placement.Work.of(spec, capacity, len(prompt) - 1, kw["prefill_chunk"], False, False)
+
+    def room(resident):
+        return placement.layout(shard, work, resident, None, 0).peak - shard.weights
+
+    free = [room(2), room(5)]  # rank 0: 2 staging + 2 layers; rank 1: all 5
     results = launch(_generate_worker, 2, "gloo", str(path), None, prompt, "cpu", torch.float32,
                      dict(kw, seed=0), (), free, all_ranks=True)
     for result in results:

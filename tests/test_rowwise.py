@@ -33,10 +33,12 @@ def test_rowwise_logits_are_one_token_logits_bit_for_bit(tiny, dtype, kind):
     try:
         ids = torch.randint(3, 259, (1, 27), generator=torch.Generator().manual_seed(1))
         one, rows = _cache(model, kind, dtype), _cache(model, kind, dtype)
-        for cache in (one, rows):  # the same prefill
-            cache.begin(20)
-            model(ids[:, :20], cache, last_n=0)
-            cache.commit(20)
+        one.begin(20)  # plain decoding's prefill
+        model(ids[:, :20], one, last_n=0)
+        one.commit(20)
+        rows.begin(20)  # the runner's prefill (no logits) must be that same plain forward
+        RowwiseRunner(model, rows)(ids[:, :20], last_n=0)
+        rows.commit(20)
         expected = []
         for t in range(20, 27):  # plain decoding: seven one-token forwards
             one.begin(1)

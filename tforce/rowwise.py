@@ -35,12 +35,12 @@ class RowwiseRunner:
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, last_n: int | None):
+        if last_n == 0:  # prefill computes no logits: the plain forward, exactly as plain decoding prefills
+            return self.model(ids, self.cache, last_n=0)
         body, T = self.model.model, ids.shape[1]
         rows = [body.embed_tokens(ids[:, t:t + 1]) for t in range(T)]  # T x (B, 1, hidden)
         for layer in body.layers:
             rows = self._layer(layer, rows)
-        if last_n == 0:
-            return None
         keep = rows if last_n is None else rows[T - last_n:]
         return torch.cat([self.model.head(x) for x in keep], dim=1)  # (B, last_n, V)
 

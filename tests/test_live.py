@@ -158,3 +158,42 @@ def test_ctrl_c_keeps_the_text_and_gives_the_screen_back(prompt_file, expected):
     assert shown(final) >= at_interrupt[0]  # nothing written before Ctrl-C was erased
     assert any(line.startswith("tforce: interrupted") for line in final)  # on a line of its own
     assert screen.margins is None
+
+
+class _Terminal:
+    """A file whose writes go to a pyte screen: what a terminal shows of stdout and stderr together."""
+
+    def __init__(self, cols: int, rows: int):
+        self.screen = pyte.Screen(cols, rows)
+        self.stream = pyte.Stream(self.screen)
+
+    def write(self, s: str) -> None:
+        self.stream.feed(s.replace("\n", "\r\n"))  # as a tty's output processing (onlcr) does
+
+    def flush(self) -> None:
+        pass
+
+
+def test_pinned_status_never_overwrites_text(monkeypatch):
+    """Text written in chunks, wrapping and scrolling, with the status redrawn after every chunk; a chunk that
+    ends exactly at the right margin (the cursor waiting to wrap) defers the redraw, since restoring the
+    cursor loses that wait on some terminals (pyte among them) and the next character would overwrite."""
+    from tforce.cli import live
+
+    cols, rows = 20, 10
+    monkeypatch.setattr(live, "_terminal_size", lambda out: (cols, rows))
+    term = _Terminal(cols, rows)
+    status = live.PinnedStatus(term, height=2)
+    text, drawn = "", []
+    for chunk in ["a" * cols, "b" * 7, "c" * 13, "d" * 5, "\n" + "e" * 45, "f" * 15, "g" * 3, "\nh"]:
+        term.write(chunk)
+        text += chunk
+        drawn.append(status.draw([f"status {len(text)}", "second row"], text))
+    assert drawn == [False, True, False, True, True, False, True, True]  # no redraw where a row was just filled
+    shown = [line.rstrip() for line in term.screen.display]
+    assert shown[-2:] == [f"status {len(text)}", "second row"]
+    wrapped = [line[i:i + cols] for line in text.split("\n") for i in range(0, max(len(line), 1), cols)]
+    assert shown[:len(wrapped)] == wrapped
+    status.close()
+    assert term.screen.margins is None
+    assert all(line.strip() == "" for line in term.screen.display[-2:])

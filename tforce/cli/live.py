@@ -139,7 +139,7 @@ class PinnedStatus:
 
     def close(self) -> None:
         """Clear the status rows and give the whole screen back; the cursor returns to the text's end."""
-        cols, rows = self.size
+        cols, rows = _terminal_size(self.out)
         clear = "".join(f"\x1b[{rows - self.height + 1 + i};1H\x1b[2K" for i in range(self.height))
         self._write("\x1b7" + clear + "\x1b[r\x1b8")
 
@@ -176,7 +176,8 @@ def _rows(fields: list[str], width: int) -> list[str]:
 
 
 class Progress:
-    """The live view: pinned status rows when the text shares the terminal, else a rich Live panel."""
+    """The live view: pinned status rows when the text shares the terminal (none on a terminal too short to
+    spare them), else a rich Live panel; then a final panel."""
 
     REFRESH_S = 0.1
 
@@ -189,7 +190,10 @@ class Progress:
         self.last = 0.0
         self.pinned = self.live = None
         if shared:
-            self.pinned = PinnedStatus(sys.stderr, height=len(self._rows(_WIDEST, _terminal_size(sys.stderr)[0] - 1)))
+            cols, rows = _terminal_size(sys.stderr)
+            height = len(self._rows(_WIDEST, cols - 1))
+            if rows >= height + 3:
+                self.pinned = PinnedStatus(sys.stderr, height)
         else:
             from rich.live import Live
 
@@ -208,12 +212,14 @@ class Progress:
         self._show(force=first)
 
     def finish(self, stats: dict) -> None:
-        """The final statistics: the pinned rows give way to a panel after the text; a Live panel stays."""
+        """The final statistics: a Live panel shows them and stays; pinned rows give way to a panel printed
+        after the text."""
         self.status.stats = stats
-        if self.live is not None:
-            self.live.update(self._panel(), refresh=True)
+        live = self.live
+        if live is not None:
+            live.update(self._panel(), refresh=True)
         self.close()
-        if self.pinned is not None:
+        if live is None:
             self.console.print(self._panel())
 
     def close(self) -> None:
@@ -222,6 +228,7 @@ class Progress:
             self.pinned.close()
         if self.live is not None:
             self.live.stop()
+        self.pinned = self.live = None
 
     def _show(self, force: bool = False) -> None:
         now = time.perf_counter()
@@ -229,9 +236,11 @@ class Progress:
             return
         if self.pinned is not None:
             drawn = self.pinned.draw(self._rows(self.status.fields(), self.pinned.size[0] - 1), self.stream.printed)
-        else:
+        elif self.live is not None:
             self.live.update(self._panel())
             drawn = True
+        else:
+            return
         if drawn:
             self.last = now
 
@@ -241,7 +250,8 @@ class Progress:
     def _panel(self):
         from rich.panel import Panel
 
-        return Panel("\n".join(self.status.fields()), title=f"tforce {self.status.method}", expand=False)
+        rows = _rows(self.status.fields(), max(20, self.console.width - 5))  # inside the border and padding
+        return Panel("\n".join(rows), title=f"tforce {self.status.method}", expand=False)
 
 
 def _summary_line(n: int, n_prompt: int, method: str, stats: dict) -> str:

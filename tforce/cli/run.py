@@ -201,12 +201,12 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
                                  **callbacks, **options)
         else:
             result = generate(target.model, ids, draft=small.model if small else None, **callbacks, **options)
-    except BaseException:
+        out = stream.finish()
+    except BaseException:  # end the live view and keep the text written so far (Ctrl-C, errors)
         if progress:
             progress.close()
         _end_line(stream.printed)
         raise
-    out = stream.finish()
     if as_json:
         record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
                   "stats": result.stats}

@@ -1,7 +1,20 @@
-"""The live view on stderr (prefill progress, tokens, s/token, acceptance) and the streamed text on stdout."""
+"""The streamed text on stdout and the live status on stderr (prefill progress, tokens, s/token, tokens/s,
+acceptance per level, tokens per verification), then a final summary with the KV cache's placement.
+
+On a terminal that shows both the text and the status (the usual case), the status lives in the bottom rows,
+outside a scroll region (DECSTBM) that the text scrolls in: the text is written as generated, the terminal
+wraps it, and no status update ever erases or overwrites it. With only stderr on a terminal (stdout piped or
+redirected), the status is a rich Live panel. With no terminal, there is no live view, only the summary line.
+"""
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 import time
+
+from rich.cells import cell_len
+
 
 class TextStream:
     """Decodes the whole generated id list after each accepted batch and writes only the new suffix."""
@@ -35,76 +48,210 @@ class TextStream:
             self.printed = text
 
 
-class Progress:
-    """A rich Live panel on stderr (terminals only): prefill progress, tokens, speed, acceptance."""
+class Status:
+    """What the live view shows, from generate's callbacks; fields() renders it as short phrases."""
 
-    def __init__(self, max_new: int, method: str, keep_live: bool):
-        from rich.console import Console
-        from rich.live import Live
-
-        self.console = Console(stderr=True)
-        self.max_new, self.method, self.keep_live = max_new, method, keep_live
+    def __init__(self, max_new: int, method: str):
+        self.max_new, self.method = max_new, method
         self.prefill = (0, 0)
         self.tokens = self.rounds = 0
-        self.t_decode: float | None = None
-        self.stats: dict | None = None
-        self.live = Live(self._panel(), console=self.console, refresh_per_second=8, transient=not keep_live,
-                         redirect_stdout=False, redirect_stderr=False)
-        self.live.start()
+        self.t_decode: float | None = None  # when prefill ended
+        self.acceptance: dict = {}
+        self.stats: dict | None = None  # the final statistics
 
     def on_prefill(self, done: int, total: int) -> None:
         self.prefill = (done, total)
-        self._update()
-
-    def on_token(self, tokens: list[int]) -> None:
-        if self.t_decode is None:
+        if done >= total:
             self.t_decode = time.perf_counter()
-            if not self.keep_live:  # stdout is this terminal too: let the text stream undisturbed
-                self.live.stop()
+
+    def on_round(self, tokens: list[int], acceptance: dict) -> None:
+        if self.t_decode is None:  # a run without prefill reports (tensor-parallel workers may not send them)
+            self.t_decode = time.perf_counter()
         self.tokens += len(tokens)
         self.rounds += 1
-        self._update()
+        self.acceptance = acceptance
+
+    def fields(self) -> list[str]:
+        done, total = self.prefill
+        s = self.stats
+        if s is None and not self.tokens:
+            return [f"prefill {done}/{total} tokens" if total else "prefill ..."]
+        if s is None:
+            elapsed = time.perf_counter() - self.t_decode
+            s = {"ms_per_token": 1000 * elapsed / self.tokens, "tokens_per_s": self.tokens / elapsed if elapsed else None,
+                 "acceptance": self.acceptance, "tokens_per_verification": self.tokens / self.rounds}
+        out = [f"{self.tokens}/{self.max_new} tokens"]
+        if s.get("ms_per_token") is not None:
+            out.append(f"{s['ms_per_token'] / 1000:.4f} s/token")
+        if s.get("tokens_per_s") is not None:
+            out.append(f"{s['tokens_per_s']:.1f} tokens/s")
+        out += [f"accept {level} {rate:.1%}" for level, rate in (s.get("acceptance") or {}).items() if rate is not None]
+        if s.get("tokens_per_verification") is not None:
+            out.append(f"{s['tokens_per_verification']:.2f} tokens/verification")
+        if self.stats is not None:
+            out.insert(0, f"prefill {total} tokens in {s['prefill_s']:.2f} s")
+            if s.get("kv_resident_layers") is not None:
+                n = s["kv_resident_layers"] + s["kv_offloaded_layers"]
+                out.append(f"KV cache: {s['kv_resident_layers']}/{n} layers on the device, "
+                           f"{s['kv_offloaded_layers']} in host memory")
+        return out
+
+
+class PinnedStatus:
+    """Status rows pinned to the bottom of a terminal whose upper part the streamed text scrolls in.
+
+    The text is never touched: the status is drawn with the cursor saved and restored (DECSC/DECRC) around
+    it, in rows outside the scroll region. A cursor that has just filled a row's last column waits to wrap,
+    and terminals differ in whether restoring the cursor keeps that; the status is then not redrawn until
+    more text has arrived."""
+
+    def __init__(self, out, height: int):
+        self.out, self.height = out, height
+        self.size = _terminal_size(out)
+        # Room below the cursor for the status rows: index down (scrolling at the bottom) and back up.
+        self._write("\x1bD" * height + "\x1bM" * height)
+        self._set_region()
+
+    def _write(self, s: str) -> None:
+        self.out.write(s)
+        self.out.flush()
+
+    def _set_region(self) -> None:
+        cols, rows = self.size
+        self._write(f"\x1b7\x1b[1;{max(1, rows - self.height)}r\x1b8")  # setting the region homes the cursor
+
+    def draw(self, lines: list[str], text: str) -> bool:
+        """Show lines in the status rows; False (nothing drawn) while the text's cursor waits to wrap."""
+        size = _terminal_size(self.out)
+        if size != self.size:  # resized: the region follows the new height
+            self.size = size
+            self._set_region()
+        cols, rows = self.size
+        tail = text.rsplit("\n", 1)[-1].rsplit("\r", 1)[-1]
+        if tail and cell_len(tail) % cols == 0:
+            return False
+        parts = ["\x1b7"]
+        for i in range(self.height):
+            line = lines[i] if i < len(lines) else ""
+            parts.append(f"\x1b[{rows - self.height + 1 + i};1H\x1b[2K{_crop(line, cols - 1)}")
+        self._write("".join(parts) + "\x1b8")
+        return True
+
+    def close(self) -> None:
+        """Clear the status rows and give the whole screen back; the cursor returns to the text's end."""
+        cols, rows = _terminal_size(self.out)
+        clear = "".join(f"\x1b[{rows - self.height + 1 + i};1H\x1b[2K" for i in range(self.height))
+        self._write("\x1b7" + clear + "\x1b[r\x1b8")
+
+
+def _terminal_size(out) -> tuple[int, int]:
+    """(columns, rows) of the terminal out writes to, read again at each call so that resizes are seen."""
+    try:
+        size = os.get_terminal_size(out.fileno())
+    except (OSError, ValueError, AttributeError):
+        size = shutil.get_terminal_size()
+    return size.columns, size.lines
+
+
+def _crop(line: str, width: int) -> str:
+    while cell_len(line) > width:
+        line = line[:-1]
+    return line
+
+
+# The longest decode status, which sets how many rows the pinned status takes at a terminal's width.
+_WIDEST = ["10000/10000 tokens", "10.0000 s/token", "1000.0 tokens/s", "accept draft 100.0%",
+           "accept retrieval 100.0%", "10.00 tokens/verification"]
+
+
+def _rows(fields: list[str], width: int) -> list[str]:
+    """fields joined by ' · ', a new row wherever the next field would pass width."""
+    rows: list[str] = []
+    for f in fields:
+        if rows and cell_len(rows[-1] + " · " + f) <= width:
+            rows[-1] += " · " + f
+        else:
+            rows.append(f)
+    return rows
+
+
+class Progress:
+    """The live view: pinned status rows when the text shares the terminal (none on a terminal too short to
+    spare them), else a rich Live panel; then a final panel."""
+
+    REFRESH_S = 0.1
+
+    def __init__(self, max_new: int, method: str, stream: TextStream, shared: bool):
+        from rich.console import Console
+
+        self.status = Status(max_new, method)
+        self.stream = stream
+        self.console = Console(stderr=True)
+        self.last = 0.0
+        self.pinned = self.live = None
+        if shared:
+            cols, rows = _terminal_size(sys.stderr)
+            height = len(self._rows(_WIDEST, cols - 1))
+            if rows >= height + 3:
+                self.pinned = PinnedStatus(sys.stderr, height)
+        else:
+            from rich.live import Live
+
+            self.live = Live(self._panel(), console=self.console, refresh_per_second=8, transient=False,
+                             redirect_stdout=False, redirect_stderr=False)
+            self.live.start()
+        self._show(force=True)
+
+    def on_prefill(self, done: int, total: int) -> None:
+        self.status.on_prefill(done, total)
+        self._show(force=done >= total)
+
+    def on_round(self, tokens: list[int], acceptance: dict) -> None:
+        first = self.status.rounds == 0
+        self.status.on_round(tokens, acceptance)
+        self._show(force=first)
 
     def finish(self, stats: dict) -> None:
-        self.stats = stats
-        if self.keep_live:
-            self.live.update(self._panel(), refresh=True)
-            self.live.stop()
-        else:  # the live panel was transient: print the final one
-            self.live.stop()
+        """The final statistics: a Live panel shows them and stays; pinned rows give way to a panel printed
+        after the text."""
+        self.status.stats = stats
+        live = self.live
+        if live is not None:
+            live.update(self._panel(), refresh=True)
+        self.close()
+        if live is None:
             self.console.print(self._panel())
 
-    def _update(self) -> None:
-        if self.live.is_started:
+    def close(self) -> None:
+        """End the live view, leaving the text as it is (also on errors and Ctrl-C)."""
+        if self.pinned is not None:
+            self.pinned.close()
+        if self.live is not None:
+            self.live.stop()
+        self.pinned = self.live = None
+
+    def _show(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self.last < self.REFRESH_S:
+            return
+        if self.pinned is not None:
+            drawn = self.pinned.draw(self._rows(self.status.fields(), self.pinned.size[0] - 1), self.stream.printed)
+        elif self.live is not None:
             self.live.update(self._panel())
+            drawn = True
+        else:
+            return
+        if drawn:
+            self.last = now
+
+    def _rows(self, fields: list[str], width: int) -> list[str]:
+        return _rows([f"tforce {self.status.method}"] + fields, width)
 
     def _panel(self):
         from rich.panel import Panel
-        from rich.table import Table
 
-        t = Table.grid(padding=(0, 2))
-        t.add_column(style="bold")
-        t.add_column()
-        done, total = self.prefill
-        t.add_row("prefill", f"{done}/{total} tokens" if total else "...")
-        t.add_row("generated", f"{self.tokens}/{self.max_new} tokens")
-        s = self.stats
-        if s is None and self.t_decode is not None and self.tokens:
-            elapsed = time.perf_counter() - self.t_decode
-            s = {"ms_per_token": 1000 * elapsed / self.tokens, "tokens_per_s": self.tokens / elapsed if elapsed else None,
-                 "acceptance": {}, "tokens_per_verification": None}
-        if s is not None:
-            if s.get("ms_per_token") is not None:
-                t.add_row("speed", f"{s['ms_per_token'] / 1000:.4f} s/token, {s['tokens_per_s']:.1f} tokens/s")
-            for level, rate in (s.get("acceptance") or {}).items():
-                if rate is not None:
-                    t.add_row(f"accept {level}", f"{rate:.1%}")
-            tpv = s.get("tokens_per_verification")
-            if tpv is None and self.rounds:
-                tpv = self.tokens / self.rounds
-            if tpv is not None:
-                t.add_row("tokens/verify", f"{tpv:.2f}")
-        return Panel(t, title=f"tforce {self.method}", expand=False)
+        rows = _rows(self.status.fields(), max(20, self.console.width - 5))  # inside the border and padding
+        return Panel("\n".join(rows), title=f"tforce {self.status.method}", expand=False)
 
 
 def _summary_line(n: int, n_prompt: int, method: str, stats: dict) -> str:

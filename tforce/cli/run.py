@@ -230,29 +230,24 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) \
         if draft and world == 1 else None
     stream = TextStream(tok, sys.stdout, enabled=not as_json)
-    progress = Progress(max_new, options["method"], keep_live=not sys.stdout.isatty()) \
+    progress = Progress(max_new, options["method"], stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
-
-    def on_token(tokens):
-        stream.add(tokens)
-        if progress:
-            progress.on_token(tokens)
-
-    on_prefill = progress.on_prefill if progress else None
+    callbacks = dict(on_token=stream.add, on_prefill=progress.on_prefill if progress else None,
+                     on_round=progress.on_round if progress else None)
     try:
         if world > 1:
             from ..parallel import generate_tp
 
             result = generate_tp(str(path), str(resolve(draft)) if draft else None, ids, world, device, dtype,
-                                 on_token=on_token, on_prefill=on_prefill, **options)
+                                 **callbacks, **options)
         else:
-            result = generate(target.model, ids, draft=small.model if small else None, on_token=on_token,
-                              on_prefill=on_prefill, **options)
-    except BaseException:
+            result = generate(target.model, ids, draft=small.model if small else None, **callbacks, **options)
+        out = stream.finish()
+    except BaseException:  # end the live view and keep the text written so far (Ctrl-C, errors)
         if progress:
-            progress.live.stop()
+            progress.close()
+        _end_line(stream.printed)
         raise
-    out = stream.finish()
     if as_json:
         stats = dict(result.stats)  # the KV bytes on the run's device: not "gpu" on a CPU run
         stats["kv_device_bytes"] = stats.pop("kv_gpu_bytes")
@@ -261,13 +256,19 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
         return
-    if (sys.stdout.isatty() or _shared_with_stderr()) and out and not out.endswith("\n"):
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+    _end_line(out)
     if progress:
         progress.finish(result.stats)
     else:
         _say(_summary_line(len(result.tokens), len(ids), options["method"], result.stats))
+
+
+def _end_line(text: str) -> None:
+    """On a terminal, or a file or pipe shared with stderr, end the text's line so that what stderr writes
+    next (the summary, an interruption notice) starts a line of its own."""
+    if (sys.stdout.isatty() or _shared_with_stderr()) and text and not text.endswith("\n"):
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 def _shared_with_stderr() -> bool:

@@ -90,6 +90,24 @@ def test_policy_option_keeps_greedy_output(runner, models, policy):
     assert obj["tokens"] == _expected(models, DOC) and obj["stats"]["acceptance"]["retrieval"] is not None
 
 
+def test_deterministic_flag_reaches_the_engine(runner, models, monkeypatch):
+    """--deterministic: the full-cache level verifies row by row (greedy output still plain decoding's)."""
+    import tforce.engine
+    from tforce.rowwise import RowwiseRunner
+
+    built = []
+
+    class Counted(RowwiseRunner):
+        def __init__(self, *a):
+            built.append(1)
+            super().__init__(*a)
+
+    monkeypatch.setattr(tforce.engine, "RowwiseRunner", Counted)
+    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--deterministic")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["tokens"] == _expected(models, DOC) and built == [1]
+
+
 def test_text_line_is_ended_only_when_stderr_shares_stdout(models):
     """`2>&1`: the summary line must not run on from the text; separate streams keep the exact text."""
     cmd = [sys.executable, "-m", "tforce", "run", "-m", str(models / "tiny-target"), "--method", "ar",

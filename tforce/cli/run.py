@@ -98,6 +98,9 @@ def run(
     rebuild_below: float = typer.Option(0.3, "--rebuild-below", help="... or when acceptance falls below this."),
     policy: str = typer.Option("retrieval", "--policy",
                                help="Middle cache's selection: retrieval, shared, topk, streaming, h2o."),
+    deterministic: bool = flag("--deterministic", "Verify row by row, each logit bit for bit what one-token "
+                                                   "decoding computes: greedy output equals --method ar's in any "
+                                                   "dtype (costs weight reads per verification)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
@@ -145,7 +148,7 @@ def run(
                            top_k=top_k, seed=seed, ignore_eos=ignore_eos, budget=budget, chunk_size=chunk_size,
                            gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget, sinks=sinks,
                            rebuild_every=rebuild_every, rebuild_below=rebuild_below, policy=policy,
-                           **placement_options),
+                           deterministic=deterministic, **placement_options),
              world)
 
     _guarded(body)

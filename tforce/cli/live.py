@@ -65,7 +65,7 @@ class Status:
             self.t_decode = time.perf_counter()
 
     def on_round(self, tokens: list[int], acceptance: dict) -> None:
-        if self.t_decode is None:  # a run without prefill reports (tensor-parallel workers may not send them)
+        if self.t_decode is None:  # no report of prefill's end came: time decoding from its first round
             self.t_decode = time.perf_counter()
         self.tokens += len(tokens)
         self.rounds += 1

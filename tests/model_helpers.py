@@ -51,3 +51,19 @@ def hf_model(path) -> LlamaForCausalLM:
 @torch.no_grad()
 def hf_logits(hf: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     return hf(ids).logits.float()
+
+
+def count_rowwise_runners(monkeypatch) -> list:
+    """Patch the engine so every RowwiseRunner it builds (deterministic=True) appends to the returned list."""
+    import tforce.engine
+    from tforce.rowwise import RowwiseRunner
+
+    built = []
+
+    class Counted(RowwiseRunner):
+        def __init__(self, *a):
+            built.append(1)
+            super().__init__(*a)
+
+    monkeypatch.setattr(tforce.engine, "RowwiseRunner", Counted)
+    return built

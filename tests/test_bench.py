@@ -183,18 +183,10 @@ def test_run_takes_placement_options(runner):
 
 def test_bench_times_row_wise_verification_beside_the_plain_one(runner, monkeypatch):
     """--methods triforce,triforce+det: the deterministic mode's cost, measured side by side in one run."""
-    import tforce.engine
+    from model_helpers import count_rowwise_runners
     from tforce.bench import parse_methods, split_method
-    from tforce.rowwise import RowwiseRunner
 
-    built = []
-
-    class Counted(RowwiseRunner):
-        def __init__(self, *a):
-            built.append(1)
-            super().__init__(*a)
-
-    monkeypatch.setattr(tforce.engine, "RowwiseRunner", Counted)
+    built = count_rowwise_runners(monkeypatch)
 
     assert parse_methods("triforce+det,ar") == ("ar", "triforce+det")
     assert split_method("retrieval+det") == ("retrieval", True) and split_method("ar") == ("ar", False)

@@ -92,17 +92,9 @@ def test_policy_option_keeps_greedy_output(runner, models, policy):
 
 def test_deterministic_flag_reaches_the_engine(runner, models, monkeypatch):
     """--deterministic: the full-cache level verifies row by row (greedy output still plain decoding's)."""
-    import tforce.engine
-    from tforce.rowwise import RowwiseRunner
+    from model_helpers import count_rowwise_runners
 
-    built = []
-
-    class Counted(RowwiseRunner):
-        def __init__(self, *a):
-            built.append(1)
-            super().__init__(*a)
-
-    monkeypatch.setattr(tforce.engine, "RowwiseRunner", Counted)
+    built = count_rowwise_runners(monkeypatch)
     r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--deterministic")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["tokens"] == _expected(models, DOC) and built == [1]

@@ -12,8 +12,14 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .cache.base import CacheView
+
+# SDPA's backends on CUDA, cuDNN's left out: on an H100 with torch 2.11 it was PyTorch's first choice and
+# cost 2.7 ms of host time per call (a new cuDNN graph for every key length, i.e. every decode step):
+# 92 ms/token for Llama-2-7B on chip at 8K where the weights read in 5 ms (BENCHMARKS.md, GPU log).
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 try:  # optional: the `gpu` extra
     from flash_attn import flash_attn_func
@@ -68,12 +74,15 @@ def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Te
     # its math backend, which repeats K/V per query head and upcasts them to float32 (gigabytes per layer
     # at 128K tokens); folded, the heads match and the memory-efficient backend takes the mask.
     T, n_kv = q.shape[1], view.k.shape[2]
-    out = F.scaled_dot_product_attention(
-        _fold(q, n_kv),  # (B, H_kv, group * T, D)
-        view.k.transpose(1, 2),  # (B, H_kv, S, D)
-        view.v.transpose(1, 2),
-        attn_mask=_folded_mask(view, q.shape[2] // n_kv),
-    )
+    args = (_fold(q, n_kv),  # (B, H_kv, group * T, D)
+            view.k.transpose(1, 2),  # (B, H_kv, S, D)
+            view.v.transpose(1, 2))
+    mask = _folded_mask(view, q.shape[2] // n_kv)
+    if q.is_cuda:
+        with sdpa_kernel(_CUDA_BACKENDS):
+            out = F.scaled_dot_product_attention(*args, attn_mask=mask)
+    else:
+        out = F.scaled_dot_product_attention(*args, attn_mask=mask)
     return _unfold(out, T)
 
 

@@ -62,6 +62,7 @@ class OffloadedCache(FullCache):
         self.stage_v = torch.zeros(stage_shape, dtype=dtype, device=device)
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
         self._ready = [None, None]  # events: staging buffer j holds its layer's prefix
+        self._gather_bufs = [None, None]  # page-locked K and V rows for rebuilds (_gathered)
 
     @property
     def host_bytes(self) -> int:
@@ -164,4 +165,19 @@ class OffloadedCache(FullCache):
             self.copy_stream.synchronize()
         h, idx = layer - self.resident, idx.cpu()
         self.host_rows_read += idx.shape[0]
-        return gather_heads(self.host_k[h], idx), gather_heads(self.host_v[h], idx)
+        return self._gathered(self.host_k[h], idx, 0), self._gathered(self.host_v[h], idx, 1)
+
+    def _gathered(self, x: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
+        """gather_heads, on CUDA into a page-locked buffer so that the rows cross by DMA: gathered into
+        ordinary memory they went through a pageable bounce ("Memcpy HtoD (Pageable -> Device)" in every
+        rebuild of a profile on an H100). The buffer is reused: the caller copies it out synchronously."""
+        if self.copy_stream is None:
+            return gather_heads(x, idx)
+        B, _, H, D = x.shape
+        n = idx.shape[0]
+        buf = self._gather_bufs[which]
+        if buf is None or buf.shape[1] < n:
+            buf = self._gather_bufs[which] = host_tensor((B, n, H, D), x.dtype, self.stage_k.device)
+        out = buf[:, :n]
+        torch.gather(x, 1, idx[None, :, :, None].expand(B, n, H, D), out=out)
+        return out

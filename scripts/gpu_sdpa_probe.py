@@ -1,0 +1,83 @@
+"""On a CUDA GPU: does tforce's SDPA path (no flash-attn) materialise the attention scores?
+
+For each shape, the extra device memory attend() allocates beyond its inputs and output, its time, and
+whether the memory-efficient backend alone accepts the call. Also checks attend() against the float64
+reference on fresh random inputs at a small size. Prints one JSON line per shape, a table last.
+
+    python3 scripts/gpu_sdpa_probe.py > $OUT/sdpa_probe.jsonl
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, ".")
+from tforce.attention import attend, attend_reference  # noqa: E402
+from tforce.cache.base import CacheView  # noqa: E402
+
+
+def view_for(T, S, h_kv, D, dtype, gen):
+    k = torch.randn(1, S, h_kv, D, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(1, S, h_kv, D, device="cuda", dtype=dtype, generator=gen)
+    mask = torch.ones(T, S, dtype=torch.bool, device="cuda").tril(S - T)[None]
+    return CacheView(k, v, mask, causal=True)
+
+
+def probe(T, S, h_q, h_kv, D=128, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(T * 7 + S)
+    view = view_for(T, S, h_kv, D, dtype, gen)
+    q = torch.randn(1, T, h_q, D, device="cuda", dtype=dtype, generator=gen)
+    attend(q, view, use_flash=False)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = attend(q, view, use_flash=False)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        attend(q, view, use_flash=False)
+    end.record()
+    torch.cuda.synchronize()
+    try:
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            attend(q, view, use_flash=False)
+        efficient = True
+    except RuntimeError:
+        efficient = False
+    scores = h_q * T * S * 4
+    return {"T": T, "S": S, "h_q": h_q, "h_kv": h_kv, "dtype": str(dtype).split(".")[-1],
+            "extra_bytes": extra, "float32_scores_bytes": scores, "ms": start.elapsed_time(end) / 5,
+            "efficient_backend_accepts": efficient}
+
+
+def check_exact():
+    errs = []
+    for h_q, h_kv in ((32, 32), (32, 8)):
+        gen = torch.Generator(device="cuda").manual_seed(h_kv)
+        view = view_for(64, 4096, h_kv, 128, torch.float32, gen)
+        q = torch.randn(1, 64, h_q, 128, device="cuda", generator=gen)
+        got, ref = attend(q, view, use_flash=False).double(), attend_reference(q, view).double()
+        errs.append(((got - ref).norm() / ref.norm()).item())
+    return errs
+
+
+if __name__ == "__main__":
+    rows = []
+    print(json.dumps({"relative_error_fp32_vs_float64": check_exact()}), flush=True)
+    for h_q, h_kv in ((32, 32), (32, 8)):
+        for S in (32768, 131072):
+            for T in (1, 7, 512):
+                r = probe(T, S, h_q, h_kv)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    print(f"{'h_q/h_kv':>9} {'S':>7} {'T':>4} {'extra MiB':>10} {'fp32 scores MiB':>16} {'ms':>8} efficient",
+          file=sys.stderr)
+    for r in rows:
+        print(f"{r['h_q']:>4}/{r['h_kv']:<4} {r['S']:>7} {r['T']:>4} {r['extra_bytes'] / 2**20:>10.1f} "
+              f"{r['float32_scores_bytes'] / 2**20:>16.1f} {r['ms']:>8.3f} {r['efficient_backend_accepts']}",
+              file=sys.stderr)

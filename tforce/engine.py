@@ -65,8 +65,10 @@ class Session:
         rotary = Rotary(cfg, max_len=self.total, device=p.device)
         cuda = p.device.type == "cuda"
         flash = cuda and flash_attn_func is not None and p.dtype != torch.float32  # attention.flash_usable
-        work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, cuda_graphs and cuda, flash)
+        graphs = cuda_graphs and cuda
+        work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, graphs, flash)
         self.plan = _plan(target, draft, work, offload, gpu_memory, device_free)
+        pool = torch.cuda.graph_pool_handle() if graphs else None  # one pool for every GraphRunner
         if self.plan.resident == self.plan.n_layers:
             full = FullCache(*dims, capacity=capacity, rotary=rotary, dtype=p.dtype, device=p.device)
         else:
@@ -83,13 +85,13 @@ class Session:
                                             select=make_select(spec.policy, spec.sinks),
                                             shared=spec.policy == "shared")
             self.middle = Node("retrieval", target, self.retrieval, sampling, capacity, prefill_chunk,
-                               _runner(target, self.retrieval, cuda_graphs))
+                               _runner(target, self.retrieval, graphs, pool))
         elif method == "streaming":
             cache = StreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
                                    max_rollback=spec.max_lookahead, max_new=prefill_chunk + spec.max_lookahead,
                                    dtype=p.dtype, device=p.device)
             self.middle = Node("streaming", target, cache, sampling, capacity, prefill_chunk,
-                               _runner(target, cache, cuda_graphs))
+                               _runner(target, cache, graphs, pool))
         if spec.uses_draft:
             dcfg, dp = draft.config, next(draft.parameters())
             chunk = min(prefill_chunk, spec.draft_budget)
@@ -98,7 +100,7 @@ class Session:
                                    rotary=Rotary(dcfg, max_len=self.total, device=dp.device),
                                    max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
                                    dtype=dp.dtype, device=dp.device)
-            self.small = Node("draft", draft, cache, sampling, capacity, chunk, _runner(draft, cache, cuda_graphs))
+            self.small = Node("draft", draft, cache, sampling, capacity, chunk, _runner(draft, cache, graphs, pool))
         self.top, self.draft_level, self.middle_level = self._compose()
 
     def _compose(self):
@@ -138,6 +140,25 @@ class Session:
                 self.middle.prefill(self.seq, n - 1)
         if self.small is not None:
             self.small.prefill(self.seq, n - 1)
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Right after prefill, outside the timed decode: the graphs of the draft and middle levels'
+        decode forwards. A drafter feeds 1 token (2 after a fully accepted round); the middle level
+        verifying gamma1 drafts feeds gamma1 + 1. For the retrieval cache only its first forward's shape:
+        a capture writes the slots of the positions it covers, and only that forward is sure to write
+        them again before reading (GraphRunner.capture)."""
+        shapes = {}
+        if self.small is not None:
+            shapes[self.small] = [(1, 1), (2, 1)]
+        if self.spec.method == "triforce":
+            shapes[self.middle] = [(self.spec.gamma1 + 1, self.spec.gamma1 + 1)]
+        elif self.middle is not None:
+            shapes[self.middle] = [(1, 1)] if self.retrieval is not None else [(1, 1), (2, 1)]
+        for node, node_shapes in shapes.items():
+            if isinstance(node.runner, GraphRunner):
+                for n_tokens, last_n in node_shapes:
+                    node.runner.capture(n_tokens, last_n)
 
     rebuild_times: tuple[float, ...] = ()  # seconds of each retrieval rebuild, the prefill's first
 
@@ -174,10 +195,10 @@ class Session:
         return tokens
 
 
-def _runner(model, cache, enabled: bool):
+def _runner(model, cache, enabled: bool, pool):
     """CUDA graphs for the draft and middle levels' forwards (never the full cache's)."""
     on_cuda = next(model.parameters()).device.type == "cuda"
-    return GraphRunner(model, cache) if enabled and on_cuda else None
+    return GraphRunner(model, cache, pool) if enabled and on_cuda else None
 
 
 def model_shape(model) -> placement.Shape:

@@ -12,6 +12,15 @@ A Level produces tokens together with the distribution each was drawn from:
   each labelled with the *node's* distribution at its position. The yielded sequence is an exact sample
   of the node's own distribution, so a SpecLevel is itself a proposer for the level above: that is
   the whole hierarchy (triforce = SpecLevel(SpecLevel(Drafter(draft), middle, g1), full, g2)).
+
+Host and device. The shared sequence buffer and each node's record of its tokens live on the host;
+token ids reach the device through sync.to_device (no sync). The device -> host transfers of a decode
+step all go through sync.host: one per drafted token (Drafter.round: the token joins the host-side
+sequence that catch-up compares against) and one per verification (speculative.verify). So a triforce
+round of gamma2 tokens from gamma1-token middle rounds costs about gamma2 draft syncs plus one per middle
+round plus one. Keeping drafted tokens on the device until a verification would save the draft syncs;
+it needs a device-side sequence buffer and a catch-up rule that does not compare token values, not
+done.
 """
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ import torch
 from .config import Sampling
 from .sampling import sample, to_probs
 from .speculative import Proposal, verify
+from .sync import host, to_device
 
 
 class Node:
@@ -47,7 +57,7 @@ class Node:
     def _feed(self, seq: torch.Tensor, start: int, end: int, last_n: int):
         ids = seq[start:end]
         self.cache.begin(len(ids))
-        logits = self.runner(ids[None].to(self.device), last_n)
+        logits = self.runner(to_device(ids[None], self.device), last_n)
         self.cache.commit(len(ids))
         self.tokens[start:end] = ids
         self.forwards += 1
@@ -107,7 +117,8 @@ class Level:
             tokens += t
             probs.append(p)
             m += len(t)
-        return Proposal(torch.tensor(tokens[:k]), torch.cat(probs)[:k])
+        probs = torch.cat(probs)[:k]
+        return Proposal(to_device(torch.tensor(tokens[:k]), probs.device), probs)
 
 
 class Drafter(Level):
@@ -116,7 +127,9 @@ class Drafter(Level):
 
     def round(self, seq, n, gen):
         p = self.node.probs(seq, n)  # (1, V)
-        token = int(sample(p, gen)[0])
+        # A host sync per drafted token: the token joins the host-side sequence that every node's
+        # catch-up (Node.sync) compares against. The verification's sync comes on top (speculative.py).
+        [token] = host(sample(p, gen))
         seq[n] = token
         return [token], p
 
@@ -127,11 +140,10 @@ class SpecLevel(Level):
         self.stats = LevelStats()
 
     def round(self, seq, n, gen):
-        proposal = self.proposer.propose(seq, n, self.gamma, gen)
-        seq[n:n + self.gamma] = proposal.tokens
+        proposal = self.proposer.propose(seq, n, self.gamma, gen)  # writes seq[n:n + gamma] (host)
         p = self.node.probs(seq, n + self.gamma, last=self.gamma + 1)  # (gamma + 1, V)
         verdict = verify(proposal, p.to(proposal.probs.device), gen)
-        tokens = proposal.tokens[:verdict.n_accepted].tolist() + [verdict.next_token]
+        tokens = seq[n:n + verdict.n_accepted].tolist() + [verdict.next_token]
         seq[n:n + len(tokens)] = torch.tensor(tokens)
         self._count(verdict.n_accepted)
         return tokens, p[:len(tokens)]

@@ -22,7 +22,7 @@ GiB = 1024 ** 3
 MiB = 1024 ** 2
 OFFLOAD_MODES = ("auto", "on", "off")
 CONTEXT_BYTES = GiB // 2  # the CUDA context (kernels, cuBLAS workspaces) when no device is measured
-GRAPH_POOL_BYTES = 256 * MiB  # estimate: the private pools of the draft and middle levels' CUDA graphs
+GRAPH_POOL_BYTES = 256 * MiB  # estimate: the one pool the draft and middle levels' CUDA graphs share
 LOGIT_COPIES = 4  # float32 (rows, vocab) tensors alive at once: logits, probabilities, sorted, residual
 
 

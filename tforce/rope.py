@@ -27,8 +27,9 @@ class Rotary:
         self.scale = float(scale)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions (T,) -> cos, sin, each (T, 1, D) in `dtype`, broadcasting over (B, T, H, D)."""
-        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
+        """positions (T,), on the frequencies' device -> cos, sin, each (T, 1, D) in `dtype`, broadcasting
+        over (B, T, H, D)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
         cos = (emb.cos() * self.scale).to(dtype)[:, None, :]
         sin = (emb.sin() * self.scale).to(dtype)[:, None, :]

@@ -33,7 +33,7 @@ def to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """probs (..., V) -> token ids (...), drawn on the probs' device (no host sync)."""
+    """probs (..., V) -> token ids (...), drawn on the probs' device; the ids stay there."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=gen).view(probs.shape[:-1])
 

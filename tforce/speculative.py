@@ -1,4 +1,5 @@
-"""Standard speculative sampling, vectorised over a proposal, with one host sync per verification.
+"""Standard speculative sampling, vectorised over a proposal, with one host sync per verification
+(sync.host: the number accepted and the next token, fetched together).
 
 Given drafted tokens x_1..x_k drawn from q_1..q_k, and the verifier's p_1..p_{k+1} at the same positions:
 accept x_i with probability min(1, p_i(x_i) / q_i(x_i)) in order; at the first rejection i draw the
@@ -13,6 +14,7 @@ import torch
 
 from .sampling import residual as exact_residual
 from .sampling import sample
+from .sync import host
 
 
 @dataclass
@@ -40,6 +42,6 @@ def verify(proposal: Proposal, p: torch.Tensor, gen: torch.Generator, residual=e
     # First rejection, or k when every token is accepted.
     n = torch.where(accepted, k, rows).min() if k else torch.zeros((), dtype=torch.long, device=p.device)
     candidates = torch.cat([residual(p[:k], q), p[k:k + 1]])  # (k + 1, V)
-    nxt = sample(candidates[n], gen)
-    n_acc, token = torch.stack([n, nxt]).tolist()
+    nxt = sample(candidates.index_select(0, n.view(1)), gen)  # (1,); indexing by a tensor, not an int
+    n_acc, token = host(torch.cat([n.view(1), nxt]))
     return Verdict(n_acc, token)

@@ -77,4 +77,4 @@ class StaticInputs:
 def visibility(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
     """key_pos (H, S) sequence positions (-1 = empty), query_pos (T,) -> bool (H, T, S)."""
     k = key_pos[:, None, :]
-    return (k >= 0) & (k <= query_pos[None, :, None].to(key_pos.device))
+    return (k >= 0) & (k <= query_pos[None, :, None])

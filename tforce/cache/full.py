@@ -27,12 +27,13 @@ class FullCache:
         if self.length + n > self.capacity:
             raise TforceError(f"KV cache full: {self.length} + {n} tokens > capacity {self.capacity}")
         self.pending = n
-        pos = torch.arange(self.length, self.length + n)
-        self.query_pos = pos
+        L, device = self.length, self.k.device
+        # On the host, for query_at (retrieval rebuilds): no device -> host copy to read it back.
+        self.query_pos = torch.arange(L, L + n)
+        pos = torch.arange(L, L + n, device=device)  # built on the device: no host -> device copy
         self._cos, self._sin = self.rotary.cos_sin(pos, self.k.dtype)
         # One new token sees everything before it: no mask needed.
-        # On the storage's device: SDPA refuses a CPU mask for CUDA tensors.
-        self._mask = None if n == 1 else visibility(torch.arange(self.length + n, device=self.k.device)[None], pos)
+        self._mask = None if n == 1 else visibility(torch.arange(L + n, device=device)[None], pos)
 
     def update(self, layer, q, k, v):
         L, n = self.length, self.pending

@@ -148,7 +148,7 @@ class RetrievalCache(StaticInputs):
 
     def _slots(self, start: int, n: int) -> torch.Tensor:
         """Slots of sequence positions [start, start + n): from the end of the buffer backwards."""
-        offset = torch.arange(start - self.base, start - self.base + n)
+        offset = torch.arange(start - self.base, start - self.base + n, device=self.key_pos.device)
         return self.budget - 1 - offset % self.budget
 
     def graph_key(self):
@@ -158,7 +158,7 @@ class RetrievalCache(StaticInputs):
         self.pending = n
         device = self.key_pos.device
         pos = torch.arange(self.length, self.length + n, device=device)
-        self._slot = self._static("slot", self._slots(self.length, n).to(device))
+        self._slot = self._static("slot", self._slots(self.length, n))  # built on the device
         cos, sin = self.rotary.cos_sin(pos, self.k.dtype)
         self._cos, self._sin = self._static("cos", cos), self._static("sin", sin)
         self.key_pos[:, :, self._slot] = pos

@@ -37,11 +37,17 @@ class StreamingCache(StaticInputs):
     def _row(self, pos: int) -> int:
         return pos if pos < self.sinks else self.sinks + pos - self.offset
 
+    def _view_start(self) -> tuple[int, int]:
+        """(sinks held, first sequence position of the recent window) of the next view."""
+        n_sinks = min(self.sinks, self.length)
+        return n_sinks, max(n_sinks, self.length - self.window)
+
     def positions(self, n: int) -> torch.Tensor:
-        """Sequence positions of the view for n new tokens: sinks, the recent window, the new tokens."""
-        L = self.length
-        lo = max(min(self.sinks, L), L - self.window)
-        return torch.cat([torch.arange(min(self.sinks, L)), torch.arange(lo, L + n)])
+        """Sequence positions (S,) of the view for n new tokens: sinks, the recent window, the new
+        tokens; built on the cache's device from Python ints."""
+        n_sinks, lo = self._view_start()
+        device = self.k.device
+        return torch.cat([torch.arange(n_sinks, device=device), torch.arange(lo, self.length + n, device=device)])
 
     def _compact(self) -> None:
         start = max(self.sinks, self.length - self.keep)
@@ -58,18 +64,19 @@ class StreamingCache(StaticInputs):
         if self._row(self.length + n) > self.capacity:
             self._compact()
         self.pending = n
+        # Everything below is built on the device from Python ints: no host -> device copy.
         pos = self.positions(n)  # (S,) sequence positions, in view order
-        n_sinks = min(self.sinks, self.length)
-        lo = self._row(int(pos[n_sinks])) if len(pos) > n_sinks else 0
-        device = self.k.device
-        rows = torch.cat([torch.arange(n_sinks), torch.arange(lo, lo + len(pos) - n_sinks)])
-        self._rows = self._static("rows", rows.to(device))
+        n_sinks, lo = self._view_start()
+        first, device = self._row(lo), self.k.device
+        rows = torch.cat([torch.arange(n_sinks, device=device),
+                          torch.arange(first, first + self.length + n - lo, device=device)])
+        self._rows = self._static("rows", rows)
         first = self._row(self.length)
         self._new_rows = self._static("new_rows", torch.arange(first, first + n, device=device))
         cos, sin = self.rotary.cos_sin(torch.arange(len(pos), device=device), self.k.dtype)
         self._cos, self._sin = self._static("cos", cos), self._static("sin", sin)
         self._qcos, self._qsin = self._cos[-n:], self._sin[-n:]
-        self._mask = None if n == 1 else self._static("mask", visibility(pos[None].to(device), pos[-n:]))
+        self._mask = None if n == 1 else self._static("mask", visibility(pos[None], pos[-n:]))
         self.view_positions = pos
 
     def graph_key(self):

@@ -284,12 +284,25 @@ def test_gpu_memory_on_cpu_is_said(runner, models):
     assert "--gpu-memory has no effect on a cpu run" in r.stderr
 
 
-def test_flags_read_as_flags_in_help(runner):
-    for command in ("run", "bench"):
-        r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "120"})
-        assert r.exit_code == 0
-        lines = [line for line in r.stdout.splitlines() if "--json" in line or "--ignore-eos" in line]
-        assert lines and not any("<bool>" in line for line in lines), lines
+@pytest.mark.parametrize("command", [[], ["run"], ["bench"], ["info"], ["eval"]])
+def test_flags_read_as_flags_in_help(runner, command):
+    """No `<bool>` / BOOLEAN type on a flag: Typer's rich panels put `<bool>` on --help itself."""
+    r = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0
+    assert "--help" in r.stdout
+    assert "<bool>" not in r.stdout and "BOOLEAN" not in r.stdout, r.stdout
+
+
+def test_no_command_shows_the_help(monkeypatch, capsys):
+    """`tforce` alone: the commands listed on stderr, exit 2 (Click's plain layout prints the help only
+    when asked to)."""
+    from tforce.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["tforce"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Usage:" in err and "run" in err and "bench" in err
 
 
 def test_unreadable_prompt_file_and_empty_stdin(runner, models):

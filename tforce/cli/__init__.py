@@ -19,7 +19,8 @@ def main() -> None:
 
     try:
         code = app(standalone_mode=False)
-    except getattr(cx, "NoArgsIsHelpError", ()):  # Typer has printed the help already
+    except getattr(cx, "NoArgsIsHelpError", ()) as e:  # `tforce` alone: the help, on stderr
+        e.show()
         code = 2
     except cx.UsageError as e:
         _say(f"tforce: error: {e.format_message()}" + (f" (see '{e.ctx.command_path} --help')" if e.ctx else ""))

@@ -2,5 +2,7 @@ from __future__ import annotations
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# rich_markup_mode=None: Click's plain help layout. Typer's rich panels label every option with its
+# Python type, `<bool>` on --help and on flags declared without common.flag among them.
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Lossless hierarchical speculative decoding (TriForce) for long-context Llama models.")

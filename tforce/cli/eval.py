@@ -13,7 +13,7 @@ import typer
 from ..config import POLICIES, Sampling, Speculation
 from ..errors import UsageError
 from .app import app
-from .common import DTYPES, THREADS_HELP, _device, _guarded, _say, _threads
+from .common import DTYPES, THREADS_HELP, _device, _guarded, _say, _threads, flag
 from .run import _default_draft
 
 DEFAULT_BOOKS = "../shared/data/books/*.txt"
@@ -60,7 +60,7 @@ def eval_(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON object."),
+    as_json: bool = flag("--json", "Print the results as one JSON object."),
 ) -> None:
     """Acceptance of Top-K, StreamingLLM, H2O and retrieval caches at the same budget (Table 1, Fig. 5/6)."""
     def body():

@@ -10,7 +10,7 @@ import typer
 
 from ..errors import UsageError
 from .app import app
-from .common import DTYPES, OFFLOAD_HELP, _guarded, _placement_options
+from .common import DTYPES, OFFLOAD_HELP, _guarded, _placement_options, flag
 
 
 def _arch(config, context: int, dtype: str) -> dict:
@@ -86,7 +86,7 @@ def info(
     budget: int = typer.Option(4096, "--budget", help="Retrieval cache size (resident beside the full cache)."),
     ranks: int = typer.Option(1, "--gpus", help="Plan one rank of the target split over N GPUs (tensor "
                                                "parallelism: half the KV heads each for 2)."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: bool = flag("--json", "Print one JSON object."),
 ) -> None:
     """Versions, devices, host memory, measured H2D bandwidth and (with --model or --synthetic) the model's
     shape, KV-cache size, placement plan and the s/token floor of plain offloaded decoding."""

@@ -66,6 +66,7 @@ def test_bench_offload_on_cpu(runner):
     assert run["speedup_vs_ar"] is None  # no ar in --methods
     assert run["h2d_gbps"] is None and run["floor_ms_per_verification"] is None
     assert run["placement"]["resident_layers"] == 0 and run["placement"]["offloaded_layers"] == 2
+    assert run["placement"]["device_kv_gib"] > 0 and "gpu_kv_gib" not in run["placement"]  # a CPU run
     assert run["pinned_gib"] > 0
 
 

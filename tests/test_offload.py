@@ -99,4 +99,7 @@ def test_device_free_plans_a_cpu_run_as_if_a_device_had_that_room():
     room = placement.layout(shape, work, 2, context=0).peak - shape.weights
     tight = tforce.generate(model, prompt, device_free=room, **kw)
     assert (tight.stats["kv_resident_layers"], tight.stats["kv_offloaded_layers"]) == (2, 3)
+    layer = placement.kv_layer_bytes(2, model.head_dim, work.capacity, 4)
+    assert tight.stats["kv_device_bytes"] == (2 + 2) * layer  # resident layers and the staging buffers
+    assert "kv_gpu_bytes" not in tight.stats  # named for the run's device: a CPU run has no GPU
     assert tight.tokens == ref.tokens

@@ -282,7 +282,7 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig, h2d_p
         "gpu_mem_gib": torch.cuda.max_memory_allocated(device) / GiB if local_cuda else None,
         "pinned_gib": models.world * s["kv_host_bytes"] / GiB,
         "placement": {"resident_layers": s["kv_resident_layers"], "offloaded_layers": s["kv_offloaded_layers"],
-                      "gpu_kv_gib": s["kv_gpu_bytes"] / GiB, "host_kv_gib": s["kv_host_bytes"] / GiB,
+                      "device_kv_gib": s["kv_device_bytes"] / GiB, "host_kv_gib": s["kv_host_bytes"] / GiB,
                       "ranks": models.world},
     }
 

@@ -333,7 +333,7 @@ def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, veri
         "verifications": verifications,
         "kv_resident_layers": session.plan.resident,  # the full cache's placement (placement.Plan)
         "kv_offloaded_layers": session.plan.offloaded,
-        "kv_gpu_bytes": session.plan.gpu_bytes,
+        "kv_device_bytes": session.plan.gpu_bytes,  # on the model's device: the GPU, or host memory on a CPU run
         "kv_host_bytes": session.plan.host_bytes,
         # Retrieval rebuilds: the prefill's initial one, then those during decoding (their seconds are
         # part of decode_s). None without a retrieval cache.

@@ -252,10 +252,8 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
         _end_line(stream.printed)
         raise
     if as_json:
-        stats = dict(result.stats)  # the KV bytes on the run's device: not "gpu" on a CPU run
-        stats["kv_device_bytes"] = stats.pop("kv_gpu_bytes")
         record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
-                  "device": device, "stats": stats}
+                  "device": device, "stats": result.stats}
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
         return

@@ -270,6 +270,27 @@ def test_run_refuses_what_cannot_fit_before_loading(runner, models, monkeypatch)
     assert "KV cache for 6 tokens" in r.stderr and "GiB needed" in r.stderr and "0.0 GiB available" in r.stderr
 
 
+def test_memory_check_plans_the_method_asked_for(runner, models, monkeypatch):
+    """Host memory that holds ar's plan but not triforce's (its retrieval cache, the draft and its cache):
+    --method ar runs, triforce is refused before loading."""
+    from transformers import AutoConfig
+
+    from tforce.bench import info_plan
+
+    target, draft = (AutoConfig.from_pretrained(models / name) for name in ("tiny-target", "tiny-draft"))
+
+    def need(method: str) -> int:  # as _check_memory plans "-p hi -n 4" (6 tokens) in float32 on the CPU
+        plan = info_plan(target, 6, 4, None, 2**40, "auto", 4096, draft_config=draft, context_bytes=0,
+                         flash=False, method=method)
+        return plan["peak_bytes"] + plan["host_kv_bytes"]
+
+    assert need("ar") < need("triforce")
+    monkeypatch.setattr("tforce.cli.common._host_available", lambda: (need("ar") + need("triforce")) // 2)
+    r = _run(runner, models, "-p", "hi", "-n", "4", "--method", "ar", "--temperature", "0")
+    assert r.exit_code == 0, (r.output, r.exception)
+    _one_error_line(_run(runner, models, "-p", "hi", "-n", "4"), 1, "not enough memory")
+
+
 def test_context_full_is_said(runner, models):
     """-n beyond the context: generation stops where the context ends, and stderr says so."""
     r = _run(runner, models, "-p", "x" * 500, *FAST, "-n", "30", "--method", "ar", "--json")

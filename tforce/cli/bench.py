@@ -91,9 +91,12 @@ def _check_room(cfg, context: int) -> None:
 
 
 def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str) -> None:
-    """The weights and the KV cache of the longest run must fit before anything is built (tforce info's plan)."""
-    _check_memory(target_cfg, draft_cfg, cfg.prompt_len + cfg.gen_len, torch_dtype.itemsize, device, cfg.offload,
-                  cfg.gpu_memory, cfg.engine["budget"])
+    """Every method's run must fit, weights and caches, before anything is built (tforce info's plan)."""
+    from ..bench import split_method
+
+    for method in dict.fromkeys(split_method(m)[0] for m in cfg.methods):
+        _check_memory(target_cfg, draft_cfg, cfg.prompt_len + cfg.gen_len, torch_dtype.itemsize, device,
+                      cfg.offload, cfg.gpu_memory, cfg.engine["budget"], method)
 
 
 def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Optional[str], device: str,

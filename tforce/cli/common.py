@@ -83,9 +83,10 @@ def _host_available() -> int:
 
 
 def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, device: str, offload: str,
-                  gpu_memory: Optional[int], budget: int) -> None:
-    """Refuse, before any weights are built or read, a run that cannot fit in memory, planned as `tforce
-    info` plans it (tforce.bench.info_plan, itemised in placement.py): on the CPU every item lives in host
+                  gpu_memory: Optional[int], budget: int, method: str) -> None:
+    """Refuse, before any weights are built or read, a run of `method` that cannot fit in memory, planned
+    as `tforce info` plans it (tforce.bench.info_plan, itemised in placement.py: a retrieval cache only for
+    triforce and retrieval, a draft only for the methods that use one): on the CPU every item lives in host
     memory; on CUDA the device items must fit its free memory (or --gpu-memory) and the offloaded KV layers
     the available host memory."""
     from ..bench import info_plan
@@ -103,7 +104,8 @@ def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, de
         gpu_free = torch.cuda.mem_get_info()[0] + CONTEXT_BYTES  # the context already holds its share
         gpu_free = gpu_free if gpu_memory is None else min(gpu_free, gpu_memory)
     plan = info_plan(target_config, tokens, dtype_bytes, gpu_free, host_free, offload, budget,
-                     draft_config=draft_config, context_bytes=CONTEXT_BYTES if cuda else 0, flash=False)
+                     draft_config=draft_config, context_bytes=CONTEXT_BYTES if cuda else 0, flash=False,
+                     method=method)
     if "error" in plan:
         raise TforceError(plan["error"])
     if not cuda:

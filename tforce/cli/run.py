@@ -228,7 +228,7 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
     if world == 1:  # split runs: the workers load the weights
         draft_config = _read_config(draft, "draft model")[1] if draft else None
         _check_memory(config, draft_config, len(ids) + max_new, _dtype_bytes(dtype, device), device,
-                      options["offload"], options["gpu_memory"], options["budget"])
+                      options["offload"], options["gpu_memory"], options["budget"], options["method"])
         target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) \
         if draft and world == 1 else None

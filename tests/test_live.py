@@ -138,6 +138,35 @@ def test_piped_stdout_gets_only_the_text_while_the_terminal_shows_the_status(pro
     assert _mid_run(snapshots, ["s/token", "accept"]), "\n".join(screen.display)
 
 
+def _before_first_token(snapshots) -> list[str]:
+    """Screens from before the first token: a prefill field, no decode count (k/n tokens) and no summary."""
+    texts = ["\n".join(lines) for lines in snapshots]
+    return [t for t in texts if "prefill" in t and not re.search(r"(?<!prefill )\b\d+/\d+ tokens", t)
+            and not re.search(r"prefill \d+ tokens in", t)]
+
+
+def test_placement_shows_during_prefill(prompt_file):
+    """The KV cache's placement is on screen before the first token (the engine reports its plan before
+    prefill, on_plan), not only in the final panel; it stays there to the end."""
+    proc, master = _spawn([str(prompt_file), "--method", "triforce", "-n", "8", *ARGS])
+    screen, snapshots, _ = _watch(proc, master)
+    final = "\n".join(screen.display)
+    assert proc.returncode == 0, final
+    early = _before_first_token(snapshots)
+    assert any("layers on device" in t for t in early), "\n---\n".join(early[-3:])
+    assert "layers on device" in final
+
+
+def test_status_fields_carry_the_plan_from_the_start():
+    from tforce.cli.live import Status
+
+    status = Status(8, "triforce")
+    assert status.fields() == ["prefill ..."]
+    status.on_plan({"kv_resident_layers": 2, "kv_offloaded_layers": 3, "kv_device_bytes": 1, "kv_host_bytes": 1})
+    status.on_prefill(10, 100)
+    assert status.fields() == ["prefill 10/100 tokens", "KV cache: 2/5 layers on device, 3 in host"]
+
+
 def test_ctrl_c_keeps_the_text_and_gives_the_screen_back(prompt_file, expected):
     def shown(lines) -> int:  # how much of the text (its first 40 tokens) the screen holds
         text, want = _squash("\n".join(lines)), _squash(expected)

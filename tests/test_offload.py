@@ -97,8 +97,13 @@ def test_device_free_plans_a_cpu_run_as_if_a_device_had_that_room():
                              len(prompt) - 1, cuda_graphs=False, flash=False)
     shape = model_shape(model)
     room = placement.layout(shape, work, 2, context=0).peak - shape.weights
-    tight = tforce.generate(model, prompt, device_free=room, **kw)
+    events = []
+    tight = tforce.generate(model, prompt, device_free=room, on_plan=lambda p: events.append(("plan", p)),
+                            on_prefill=lambda done, total: events.append(("prefill", done)), **kw)
     assert (tight.stats["kv_resident_layers"], tight.stats["kv_offloaded_layers"]) == (2, 3)
+    # The placement is reported once, before prefill, as the statistics state it.
+    assert events[0] == ("plan", {k: v for k, v in tight.stats.items() if k.startswith("kv_")})
+    assert [e for e, _ in events].count("plan") == 1 and events[1][0] == "prefill"
     layer = placement.kv_layer_bytes(2, model.head_dim, work.capacity, 4)
     assert tight.stats["kv_device_bytes"] == (2 + 2) * layer  # resident layers and the staging buffers
     assert "kv_gpu_bytes" not in tight.stats  # named for the run's device: a CPU run has no GPU

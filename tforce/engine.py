@@ -253,13 +253,14 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
              gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
              rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
              gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
-             deterministic: bool = False, on_token=None, on_prefill=None, on_round=None) -> Result:
+             deterministic: bool = False, on_token=None, on_prefill=None, on_round=None, on_plan=None) -> Result:
     """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
     or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
     on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each
-    verification with the acceptance so far per level ({"draft", "retrieval"}). offload: where the full KV cache lives ("auto":
-    on the GPU while it fits, the rest in pinned host memory; "on": all in host memory; "off": all on
-    the device); gpu_memory caps the bytes tforce may use on the GPU. device_free: the device's free bytes
+    verification with the acceptance so far per level ({"draft", "retrieval"}); on_plan(placement) gets
+    the full KV cache's placement (the kv_* entries of the statistics) once planned, before prefill.
+    offload: where the full KV cache lives ("auto": on the GPU while it fits, the rest in pinned host
+    memory; "on": all in host memory; "off": all on the device); gpu_memory caps the bytes tforce may use on the GPU. device_free: the device's free bytes
     as the caller measured them (tensor-parallel ranks pass their minimum so that all plan alike; None:
     measured here); given on a CPU run, the KV cache is placed as if a device had that much room, which
     runs the offloaded cache's code path on the CPU (for tests). policy: which tokens the middle
@@ -289,6 +290,8 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
 
     session = Session(target, draft, len(prompt), max_new, spec, sampling, prefill_chunk, offload, gpu_memory,
                       cuda_graphs, device_free, deterministic)
+    if on_plan:
+        on_plan(_placement(session.plan))
     t0 = time.perf_counter()
     session.prefill(prompt, on_prefill)
     _sync_device(device)
@@ -322,6 +325,16 @@ def _acceptance(session: Session) -> dict:
     return {"draft": acc(session.draft_level), "retrieval": acc(session.middle_level)}
 
 
+def _placement(plan: placement.Plan) -> dict:
+    """The full cache's placement, as the statistics and on_plan report it."""
+    return {
+        "kv_resident_layers": plan.resident,
+        "kv_offloaded_layers": plan.offloaded,
+        "kv_device_bytes": plan.gpu_bytes,  # on the model's device: the GPU, or host memory on a CPU run
+        "kv_host_bytes": plan.host_bytes,
+    }
+
+
 def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, verifications: int) -> dict:
     return {
         "prefill_s": prefill_s,
@@ -331,10 +344,7 @@ def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, veri
         "acceptance": _acceptance(session),
         "tokens_per_verification": n_out / verifications if verifications else None,
         "verifications": verifications,
-        "kv_resident_layers": session.plan.resident,  # the full cache's placement (placement.Plan)
-        "kv_offloaded_layers": session.plan.offloaded,
-        "kv_device_bytes": session.plan.gpu_bytes,  # on the model's device: the GPU, or host memory on a CPU run
-        "kv_host_bytes": session.plan.host_bytes,
+        **_placement(session.plan),
         # Retrieval rebuilds: the prefill's initial one, then those during decoding (their seconds are
         # part of decode_s). None without a retrieval cache.
         "prefill_rebuild_s": session.rebuild_times[0] if session.rebuild_times else None,

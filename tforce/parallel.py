@@ -42,7 +42,7 @@ from torch import nn
 
 from .errors import TforceError, UsageError
 
-EVENTS = ("on_token", "on_prefill", "on_round")
+EVENTS = ("on_token", "on_prefill", "on_round", "on_plan")
 START_TIMEOUT_S = 120.0  # spawn, imports, process group and a test all_reduce (launch's start_timeout_s)
 COLLECTIVE_TIMEOUT_S = 600  # a worker waiting this long in one collective (or the rendezvous) fails itself
 P2P_HINT = "GPUs without working peer-to-peer access (e.g. RTX 4090 pairs) need NCCL_P2P_DISABLE=1"
@@ -353,7 +353,7 @@ def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -
 def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int, device: str = "cpu",
                 dtype: torch.dtype | str | None = None, **generate_kwargs):
     """tforce.generate with the target split over `world` processes (gloo on CPU, NCCL on CUDA, rank r
-    on cuda:r); the draft is replicated. Returns rank 0's Result. on_token / on_prefill / on_round
+    on cuda:r); the draft is replicated. Returns rank 0's Result. on_token / on_prefill / on_round / on_plan
     callbacks run here, in this process, as rank 0 produces the events. A missing seed is drawn here,
     so every rank samples with the same one. Every rank plans its KV cache from the least free device
     memory over the ranks (device_free, when given, stands for every rank's measure; _agreed_free)."""

@@ -1,5 +1,6 @@
-"""The streamed text on stdout and the live status on stderr (prefill progress, tokens, s/token, tokens/s,
-acceptance per level, tokens per verification), then a final summary with the KV cache's placement.
+"""The streamed text on stdout and the live status on stderr (the KV cache's placement from the start,
+prefill progress, tokens, s/token, tokens/s, acceptance per level, tokens per verification), then a final
+summary.
 
 On a terminal that shows both the text and the status (the usual case), the status lives in the bottom rows,
 outside a scroll region (DECSTBM) that the text scrolls in: the text is written as generated, the terminal
@@ -57,7 +58,11 @@ class Status:
         self.tokens = self.rounds = 0
         self.t_decode: float | None = None  # when prefill ended
         self.acceptance: dict = {}
+        self.placement: dict | None = None  # the full KV cache's placement, planned before prefill
         self.stats: dict | None = None  # the final statistics
+
+    def on_plan(self, placement: dict) -> None:
+        self.placement = placement
 
     def on_prefill(self, done: int, total: int) -> None:
         self.prefill = (done, total)
@@ -75,7 +80,7 @@ class Status:
         done, total = self.prefill
         s = self.stats
         if s is None and not self.tokens:
-            return [f"prefill {done}/{total} tokens" if total else "prefill ..."]
+            return [f"prefill {done}/{total} tokens" if total else "prefill ..."] + self._kv()
         if s is None:
             elapsed = time.perf_counter() - self.t_decode
             s = {"ms_per_token": 1000 * elapsed / self.tokens, "tokens_per_s": self.tokens / elapsed if elapsed else None,
@@ -90,11 +95,15 @@ class Status:
             out.append(f"{s['tokens_per_verification']:.2f} tokens/verification")
         if self.stats is not None:
             out.insert(0, f"prefill {total} tokens in {s['prefill_s']:.2f} s")
-            if s.get("kv_resident_layers") is not None:
-                n = s["kv_resident_layers"] + s["kv_offloaded_layers"]
-                out.append(f"KV cache: {s['kv_resident_layers']}/{n} layers on the device, "
-                           f"{s['kv_offloaded_layers']} in host memory")
-        return out
+        return out + self._kv()
+
+    def _kv(self) -> list[str]:
+        """The placement field: from the final statistics, else from the plan reported at the start."""
+        p = self.stats if self.stats is not None else self.placement
+        if p is None:
+            return []
+        n = p["kv_resident_layers"] + p["kv_offloaded_layers"]
+        return [f"KV cache: {p['kv_resident_layers']}/{n} layers on device, {p['kv_offloaded_layers']} in host"]
 
 
 class PinnedStatus:
@@ -161,7 +170,7 @@ def _crop(line: str, width: int) -> str:
 
 # The longest decode status, which sets how many rows the pinned status takes at a terminal's width.
 _WIDEST = ["10000/10000 tokens", "10.0000 s/token", "1000.0 tokens/s", "accept draft 100.0%",
-           "accept retrieval 100.0%", "10.00 tokens/verification"]
+           "accept retrieval 100.0%", "10.00 tokens/verification", "KV cache: 80/80 layers on device, 80 in host"]
 
 
 def _rows(fields: list[str], width: int) -> list[str]:
@@ -205,6 +214,10 @@ class Progress:
     def on_prefill(self, done: int, total: int) -> None:
         self.status.on_prefill(done, total)
         self._show(force=done >= total)
+
+    def on_plan(self, placement: dict) -> None:
+        self.status.on_plan(placement)
+        self._show(force=True)
 
     def on_round(self, tokens: list[int], acceptance: dict) -> None:
         first = self.status.rounds == 0

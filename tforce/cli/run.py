@@ -236,7 +236,7 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
     progress = Progress(max_new, options["method"], stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
     callbacks = dict(on_token=stream.add, on_prefill=progress.on_prefill if progress else None,
-                     on_round=progress.on_round if progress else None)
+                     on_round=progress.on_round if progress else None, on_plan=progress.on_plan if progress else None)
     try:
         if world > 1:
             from ..parallel import generate_tp

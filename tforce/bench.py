@@ -330,7 +330,7 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
 def info_plan(config, context: int, dtype_bytes: int, gpu_budget: int | None, host_free: int,
               offload: str = "auto", budget: int = 4096, h2d_gbps: float | None = None,
               device_gbps: float | None = None, world: int = 1, draft_config=None,
-              context_bytes: int = placement.CONTEXT_BYTES, flash: bool = True) -> dict:
+              context_bytes: int = placement.CONTEXT_BYTES, attention: str = "flash") -> dict:
     """The memory plan of one rank (of `world`) for a prompt of `context` tokens (triforce, default
     options, the draft replicated), and the s/token floor of plain (autoregressive) offloaded decoding
     it implies: every token streams the offloaded KV over H2D and reads the weights and the resident KV
@@ -341,7 +341,7 @@ def info_plan(config, context: int, dtype_bytes: int, gpu_budget: int | None, ho
         draft_config = make_config("tiny", rope_scaling=None, **LLAMA_68M, vocab_size=config.vocab_size)
     draft = placement.Shape.of(draft_config, dtype_bytes)
     work = placement.Work.of(Speculation(budget=budget), context, context, cuda_graphs=gpu_budget is not None,
-                             flash=flash)
+                             attention=attention)
     layer = placement.kv_layer_bytes(shape.kv_heads, shape.head_dim, context, dtype_bytes)
     record = {"context": context, "ranks": world, "weights_bytes": shape.weights,
               "kv_bytes": shape.layers * layer, "gpu_budget_bytes": gpu_budget, "host_available_bytes": host_free}

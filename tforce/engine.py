@@ -65,7 +65,8 @@ class Session:
         rotary = Rotary(cfg, max_len=self.total, device=p.device)
         cuda = p.device.type == "cuda"
         flash = cuda and flash_attn_func is not None and p.dtype != torch.float32  # attention.flash_usable
-        work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, cuda_graphs and cuda, flash)
+        kernel = "flash" if flash else "sdpa" if cuda else "math"
+        work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, cuda_graphs and cuda, kernel)
         self.plan = _plan(target, draft, work, offload, gpu_memory, device_free)
         if self.plan.resident == self.plan.n_layers:
             full = FullCache(*dims, capacity=capacity, rotary=rotary, dtype=p.dtype, device=p.device)

@@ -58,6 +58,8 @@ def test_peers_json(runner):
         assert p["peer"].startswith("transformers ") and p["skipped"] is None, p
         assert p["tokens"] == 12 and p["vs_ar"] == "match" and p["ms_per_token"] > 0 and p["prefill_s"] > 0
         assert p["speedup_vs_ar"] == pytest.approx(ar["ms_per_token"] / p["ms_per_token"])
+        assert p["tokens_per_verification"] >= 1
+    assert report["peers"][0]["tokens_per_verification"] == 1  # plain decoding: one forward per token
     offload = report["peers"][3]
     assert offload["skipped"].startswith("CPU run") and offload["ms_per_token"] is None
 
@@ -110,8 +112,8 @@ def test_hf_model_shares_our_weights_and_ignores_eos(pair):
     run = peers.Runner(model, None, temperature=0, top_p=1, seed=0)
     assert run.target.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert run.target.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
-    tokens, seconds = run.generate("hf", ids, 8)
-    assert tokens == ar and seconds > 0
+    tokens, seconds, forwards = run.generate("hf", ids, 8)
+    assert tokens == ar and seconds > 0 and forwards == 8  # the prompt's, then one per token but the last
 
 
 def test_sampled_peers_are_not_compared(pair):

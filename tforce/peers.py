@@ -13,7 +13,8 @@ sampling (greedy at temperature 0). Greedy outputs are compared with tforce's `a
 Timing: a warm-up generation per peer (WARMUP_TOKENS prompt tokens, 4 new) first, as for tforce's
 methods. Then per peer a 1-token generation (prefill and first token: `prefill_s`) and a
 gen_len-token one; ms/token = (their difference) / (gen_len - 1), decoding without the prefill, as
-tforce's ms/token is.
+tforce's ms/token is. tokens/verification = new tokens / the target's forward passes (the first, over
+the prompt, yields a token too): 1 for plain decoding, more where drafted tokens are accepted.
 """
 from __future__ import annotations
 
@@ -127,16 +128,22 @@ class Runner:
         self.sampling = {"do_sample": False} if temperature == 0 else \
             {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
 
-    def generate(self, peer: str, ids: list[int], max_new: int) -> tuple[list[int], float]:
-        """(new tokens, seconds) of one generation."""
+    def generate(self, peer: str, ids: list[int], max_new: int) -> tuple[list[int], float, int]:
+        """(new tokens, seconds, the target's forward passes) of one generation."""
         x = torch.tensor([ids], device=self.device)
         torch.manual_seed(self.seed)
         options = dict(self.sampling, **peer_options(peer, self.draft))
-        _sync(self.device)
-        t0 = time.perf_counter()
-        out = self.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, **options)
-        _sync(self.device)
-        return out[0, len(ids):].tolist(), time.perf_counter() - t0
+        forwards = []
+        hook = self.target.register_forward_pre_hook(lambda *_: forwards.append(1))
+        try:
+            _sync(self.device)
+            t0 = time.perf_counter()
+            out = self.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, **options)
+            _sync(self.device)
+            seconds = time.perf_counter() - t0
+        finally:
+            hook.remove()
+        return out[0, len(ids):].tolist(), seconds, len(forwards)
 
 
 def _sync(device: torch.device) -> None:
@@ -183,7 +190,7 @@ def _attempt(fn, *args):
 
 def _record(runner: Runner, peer: str, ids: list[int], cfg, ar_tokens, skipped: str | None) -> dict:
     record = {"method": peer, "peer": f"transformers {transformers_version()}", "attention": ATTENTION, "tokens": 0,
-              "ms_per_token": None, "speedup_vs_ar": None, "prefill_s": None, "decode_s": None, "vs_ar": None,
+              "ms_per_token": None, "speedup_vs_ar": None, "tokens_per_verification": None, "prefill_s": None, "decode_s": None, "vs_ar": None,
               "skipped": skipped}
     if skipped:
         return record
@@ -192,9 +199,10 @@ def _record(runner: Runner, peer: str, ids: list[int], cfg, ar_tokens, skipped: 
     if error:
         record["skipped"] = error
         return record
-    (tokens, total_s), prefill_s = full, first[1]
+    (tokens, total_s, forwards), prefill_s = full, first[1]
     decode_s = total_s - prefill_s
     record.update(tokens=len(tokens), prefill_s=prefill_s, decode_s=decode_s,
                   ms_per_token=1000 * decode_s / (len(tokens) - 1) if len(tokens) > 1 else None,
+                  tokens_per_verification=len(tokens) / forwards,
                   vs_ar=compare(tokens, ar_tokens) if cfg.temperature == 0 else None)
     return record

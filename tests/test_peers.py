@@ -133,3 +133,15 @@ def test_bf16_note():
                "vs_ar": "differ at token 7"}]
     assert any("bfloat16: rounding differs" in line for line in _peer_notes(dict(base, dtype="bfloat16", peers=differ)))
     assert not any("rounding" in line for line in _peer_notes(dict(base, dtype="float32", peers=differ)))
+
+
+@pytest.mark.cuda
+def test_peers_on_cuda_include_the_offloaded_cache(runner):
+    """On CUDA every hf peer runs, hf-offload with transformers' offloaded cache, each equal to ar in float32."""
+    args = ["bench", "--synthetic", "tiny", "--device", "cuda", "--dtype", "float32", "--prompt-len", "300",
+            "--gen-len", "12", "--temperature", "0", "--methods", "ar", "--peers", "hf", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads(result.stdout)
+    for p in report["peers"]:
+        assert p["skipped"] is None and p["vs_ar"] == "match" and p["gpu_mem_gib"] > 0, p

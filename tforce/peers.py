@@ -19,6 +19,7 @@ the prompt, yields a token too): 1 for plain decoding, more where drafted tokens
 from __future__ import annotations
 
 import copy
+import gc
 import time
 
 import torch
@@ -189,13 +190,16 @@ def _attempt(fn, *args):
 
 
 def _record(runner: Runner, peer: str, ids: list[int], cfg, ar_tokens, skipped: str | None) -> dict:
-    record = {"method": peer, "peer": f"transformers {transformers_version()}", "attention": ATTENTION, "tokens": 0,
-              "ms_per_token": None, "speedup_vs_ar": None, "tokens_per_verification": None, "prefill_s": None, "decode_s": None, "vs_ar": None,
-              "skipped": skipped}
+    record = {"method": peer, "peer": f"transformers {transformers_version()}", "attention": ATTENTION,
+              "tokens": 0, "ms_per_token": None, "speedup_vs_ar": None, "tokens_per_verification": None,
+              "prefill_s": None, "decode_s": None, "gpu_mem_gib": None, "vs_ar": None, "skipped": skipped}
     if skipped:
         return record
+    _free(runner.device)
     first, error = _attempt(runner.generate, peer, ids, 1)
-    full, error = (None, error) if error else _attempt(runner.generate, peer, ids, cfg.gen_len)
+    if error is None:
+        _free(runner.device)
+        full, error = _attempt(runner.generate, peer, ids, cfg.gen_len)
     if error:
         record["skipped"] = error
         return record
@@ -204,5 +208,15 @@ def _record(runner: Runner, peer: str, ids: list[int], cfg, ar_tokens, skipped: 
     record.update(tokens=len(tokens), prefill_s=prefill_s, decode_s=decode_s,
                   ms_per_token=1000 * decode_s / (len(tokens) - 1) if len(tokens) > 1 else None,
                   tokens_per_verification=len(tokens) / forwards,
+                  gpu_mem_gib=torch.cuda.max_memory_allocated(runner.device) / 2**30
+                  if runner.device.type == "cuda" else None,
                   vs_ar=compare(tokens, ar_tokens) if cfg.temperature == 0 else None)
     return record
+
+
+def _free(device: torch.device) -> None:
+    """Drop what earlier generations left (tforce's caches included) and restart the peak-memory count."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)

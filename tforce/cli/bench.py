@@ -185,7 +185,8 @@ def _bench_rows(r: dict) -> list[list[str]]:
     for peer in r.get("peers", []):
         ms = "not run" if peer["skipped"] else f(peer["ms_per_token"], ".1f")
         cells = {0: f"{peer['method']} (peer)", 1: ms, 2: f(peer["speedup_vs_ar"], ".2f", "x"),
-                 5: f(peer["tokens_per_verification"], ".2f"), 6: f(peer["prefill_s"], ".2f")}
+                 5: f(peer["tokens_per_verification"], ".2f"), 6: f(peer["prefill_s"], ".2f"),
+                 10: f(peer["gpu_mem_gib"], ".1f")}
         rows.append([cells.get(i, "-") for i in range(len(COLUMNS))])
     return rows
 

@@ -64,7 +64,7 @@ def hf_model(model):
         missing = [m for m in missing if m != "lm_head.weight"]
     if missing or unexpected:
         raise TforceError(f"transformers' LlamaForCausalLM does not take these weights (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]})")
+                          f"unexpected {unexpected[:3]})")
     device = next(model.parameters()).device
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config).to(device)
     hf.generation_config = no_eos()

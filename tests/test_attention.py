@@ -181,3 +181,27 @@ def test_masked_gqa_never_materialises_kv_per_query_head(mask_heads):
     with sdpa_kernel([SDPBackend.MATH]), _LargestTensor() as probe:
         attend(q, view)
     assert probe.largest <= 2 * k_bytes, (probe.largest, k_bytes)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 7])
+def test_sdpa_on_cuda_never_runs_cudnn_and_stays_exact(T):
+    """cuDNN attention cost 2.7 ms of host time per call on an H100 (a graph per key length): attend()
+    keeps SDPA off it. Checked in the profiler's op names, and against float64."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tforce.cache.base import visibility
+
+    S = 1000
+    q, view = make_inputs(32, 8, T, S, 0, seed=T, dtype=torch.bfloat16)
+    mask = visibility(torch.arange(S)[None], torch.arange(S - T, S)) if T > 1 else None
+    view = CacheView(view.k.cuda(), view.v.cuda(), None if mask is None else mask.cuda(), causal=True)
+    q = q.cuda()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = attend(q, view, use_flash=False)
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in names  # the profile saw the call
+    assert not any("cudnn" in n for n in names), sorted(names)
+    ref = attend_reference(q.double(), CacheView(view.k.double(), view.v.double(), view.mask))
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2

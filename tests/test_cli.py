@@ -281,7 +281,7 @@ def test_memory_check_plans_the_method_asked_for(runner, models, monkeypatch):
 
     def need(method: str) -> int:  # as _check_memory plans "-p hi -n 4" (6 tokens) in float32 on the CPU
         plan = info_plan(target, 6, 4, None, 2**40, "auto", 4096, draft_config=draft, context_bytes=0,
-                         flash=False, method=method)
+                         attention="math", method=method)
         return plan["peak_bytes"] + plan["host_kv_bytes"]
 
     assert need("ar") < need("triforce")

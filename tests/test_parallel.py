@@ -129,7 +129,7 @@ def test_ranks_with_different_free_memory_plan_alike(tmp_path):
     shard = model_shape(apply_tp(tforce.load_model(str(path), tokenizer=False).model, 0, 2))
     spec = Speculation(method="ar", budget=kw["budget"])
     capacity = len(prompt) + kw["max_new_tokens"] + spec.max_lookahead + 1
-    work = placement.Work.of(spec, capacity, len(prompt) - 1, kw["prefill_chunk"], False, False)
+    work = placement.Work.of(spec, capacity, len(prompt) - 1, kw["prefill_chunk"], False, "math")
 
     def room(resident):
         return placement.layout(shard, work, resident, None, 0).peak - shard.weights

@@ -1,5 +1,8 @@
 """The memory plan: its items, peaks and placement decisions for given GPU and host memory sizes, and on a
 tiny model on the CPU, its items against the bytes the engine's objects really allocate."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -90,6 +93,35 @@ def test_host_memory_shortage_names_the_sizes():
         placement.plan(target, placement.Work(131072, 131072), "on", 24 * GiB, 32 * GiB, draft)
 
 
+SDPA_PROBE = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu" / "2026-11-23_h100_sdpa_probe.jsonl"
+
+
+def test_sdpa_scratch_is_what_an_h100_allocated():
+    """The planner's SDPA scratch (Work.attention "sdpa") against the extra bytes attend() allocated on an
+    H100 (scripts/gpu_sdpa_probe.py; torch 2.11, bf16, no flash-attn), MHA and GQA, 1 to 512 queries
+    over 32K and 128K keys: within 4 MiB or 10%. The float32 scores once assumed are 10-60x more."""
+    rows = [json.loads(line) for line in SDPA_PROBE.read_text().splitlines() if '"extra_bytes"' in line]
+    assert len(rows) == 12
+    for r in rows:
+        s = placement.Shape(layers=1, hidden=4096, heads=r["h_q"], kv_heads=r["h_kv"], head_dim=128,
+                            intermediate=11008, vocab=32000, dtype_bytes=2, weights=0)
+        w = placement.Work(r["S"], r["S"], attention="sdpa")
+        flash = placement.Work(r["S"], r["S"], attention="flash")
+        scratch = (placement._activations(s, w, r["T"], r["S"])
+                   - placement._activations(s, flash, r["T"], r["S"]))
+        assert abs(scratch - r["extra_bytes"]) <= max(4 << 20, 0.1 * r["extra_bytes"]), r
+
+
+def test_24gib_plan_at_128k_fits_with_sdpa_and_not_with_materialised_scores():
+    target, draft = shapes("llama2-7b")
+    sdpa = placement.Work(131072, 131072, attention="sdpa")
+    p = placement.plan(target, sdpa, "auto", 24 * GiB, 128 * GiB, draft)
+    assert max(p.prefill_peak, p.decode_peak) <= 24 * GiB and p.offloaded > 0
+    with pytest.raises(TforceError, match="not enough GPU memory"):
+        placement.plan(target, placement.Work(131072, 131072, attention="math"), "auto", 24 * GiB, 128 * GiB,
+                       draft)
+
+
 def test_bad_mode():
     target, _ = shapes("llama2-7b")
     with pytest.raises(UsageError):
@@ -108,7 +140,7 @@ def _session(prompt_len: int, resident: int | None):
     spec, chunk = Speculation(budget=64, draft_budget=32, sinks=4), 16
     device_free = None
     if resident is not None:
-        w = placement.Work.of(spec, prompt_len + 8 + spec.max_lookahead + 1, prompt_len - 1, chunk, False, False)
+        w = placement.Work.of(spec, prompt_len + 8 + spec.max_lookahead + 1, prompt_len - 1, chunk, False, "math")
         shape, small = model_shape(target), model_shape(draft)
         device_free = placement.layout(shape, w, resident, small, 0).peak - shape.weights - small.weights
     s = Session(target, draft, prompt_len, 8, spec, Sampling(), chunk, "auto", None, False, device_free)

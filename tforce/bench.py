@@ -6,6 +6,9 @@ acceptance per level, tokens per full-cache verification, prefill seconds, secon
 retrieval cache during decoding (and how many rebuilds), the achieved host-to-device
 rate of the offloaded KV stream against the measured pinned-copy peak, GPU and pinned memory.
 
+`--peers hf` adds transformers' own `generate` on the same weights and prompt (tforce/peers.py), in
+the record's "peers", each with its speed-up over `ar` and whether its greedy tokens equal `ar`'s.
+
 Synthetic models (`--synthetic ARCH`) are built in memory with random weights (nothing is written to
 disk) and every result from them carries "synthetic": true.
 """
@@ -50,6 +53,7 @@ class BenchConfig:
     offload: str = "auto"
     gpu_memory: int | None = None
     engine: dict = field(default_factory=dict)  # budget, gamma1, gamma2, draft_budget, chunk_size, ...
+    peers: tuple[str, ...] = ()  # peers.FAMILIES' members: transformers' generate, timed beside the methods
 
 
 DETERMINISTIC = "+det"  # method suffix: the same method with row-wise verification (rowwise.py)
@@ -245,7 +249,9 @@ def warm_up(models: Models, ids: list[int], cfg: BenchConfig) -> float | None:
     return time.perf_counter() - t0
 
 
-def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig, h2d_peak: float | None) -> dict:
+def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
+            h2d_peak: float | None) -> tuple[dict, list[int]]:
+    """The run's record and its tokens."""
     device = models.device
     local_cuda = device.type == "cuda" and models.world == 1
     gc.collect()
@@ -284,7 +290,7 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig, h2d_p
         "placement": {"resident_layers": s["kv_resident_layers"], "offloaded_layers": s["kv_offloaded_layers"],
                       "device_kv_gib": s["kv_device_bytes"] / GiB, "host_kv_gib": s["kv_host_bytes"] / GiB,
                       "ranks": models.world},
-    }
+    }, result.tokens
 
 
 def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, model_name: str,
@@ -300,13 +306,19 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
                  if models.world == 1
                  else f"{models.world} ranks: fresh worker processes per method, no warm-up (cold runs)")
     warmup_s = warm_up(models, ids, cfg)
-    runs = []
+    runs, outputs = [], {}
     for method in cfg.methods:
         if progress:
             progress(f"{method}: {len(ids)} prompt tokens, {cfg.gen_len} new tokens")
-        runs.append(run_one(models, ids, method, cfg, peak))
+        record, outputs[method] = run_one(models, ids, method, cfg, peak)
+        runs.append(record)
+    others = []
+    if cfg.peers:
+        from . import peers
+
+        others = peers.run(models, ids, cfg, outputs.get("ar"), WARMUP_TOKENS, progress)
     ar = next((r["ms_per_token"] for r in runs if r["method"] == "ar"), None)
-    for r in runs:
+    for r in runs + others:
         r["speedup_vs_ar"] = ar / r["ms_per_token"] if ar and r["ms_per_token"] else None
     return {
         "device": device_name(device) + (f" x {models.world} ranks" if models.world > 1 else ""),
@@ -321,6 +333,7 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
         "ranks": models.world,
         "warmup_s": warmup_s,
         "runs": runs,
+        "peers": others,
     }
 
 
@@ -330,19 +343,19 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
 def info_plan(config, context: int, dtype_bytes: int, gpu_budget: int | None, host_free: int,
               offload: str = "auto", budget: int = 4096, h2d_gbps: float | None = None,
               device_gbps: float | None = None, world: int = 1, draft_config=None,
-              context_bytes: int = placement.CONTEXT_BYTES, flash: bool = True,
+              context_bytes: int = placement.CONTEXT_BYTES, attention: str = "flash",
               method: str = "triforce") -> dict:
     """The memory plan of one rank (of `world`) for a prompt of `context` tokens (`method` with default
     options; a draft, where the method uses one, replicated), and the s/token floor of plain
-    (autoregressive) offloaded decoding it implies: every token streams the offloaded KV over H2D and reads the weights and the resident KV
-    from device memory. gpu_budget: device bytes for everything, the CUDA context (context_bytes)
+    (autoregressive) offloaded decoding it implies: every token streams the offloaded KV over H2D and
+    reads the weights and the resident KV from device memory. gpu_budget: device bytes for everything, the CUDA context (context_bytes)
     included. Unmeasured parts are None."""
     shape = placement.Shape.of(config, dtype_bytes, world)
     if draft_config is None:
         draft_config = make_config("tiny", rope_scaling=None, **LLAMA_68M, vocab_size=config.vocab_size)
     draft = placement.Shape.of(draft_config, dtype_bytes)
     work = placement.Work.of(Speculation(method=method, budget=budget), context, context,
-                             cuda_graphs=gpu_budget is not None, flash=flash)
+                             cuda_graphs=gpu_budget is not None, attention=attention)
     layer = placement.kv_layer_bytes(shape.kv_heads, shape.head_dim, context, dtype_bytes)
     record = {"context": context, "ranks": world, "weights_bytes": shape.weights,
               "kv_bytes": shape.layers * layer, "gpu_budget_bytes": gpu_budget, "host_available_bytes": host_free}

@@ -66,7 +66,8 @@ class Session:
         cuda = p.device.type == "cuda"
         flash = cuda and flash_attn_func is not None and p.dtype != torch.float32  # attention.flash_usable
         graphs = cuda_graphs and cuda
-        work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, graphs, flash)
+        kernel = "flash" if flash else "sdpa" if cuda else "math"
+        work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, graphs, kernel)
         self.plan = _plan(target, draft, work, offload, gpu_memory, device_free)
         pool = torch.cuda.graph_pool_handle() if graphs else None  # one pool for every GraphRunner
         if self.plan.resident == self.plan.n_layers:

@@ -99,13 +99,17 @@ class Work:
     gamma2: int = 6
     prefill_chunk: int = 512
     cuda_graphs: bool = True  # graphs of the draft and middle levels (CUDA only)
-    flash: bool = True  # flash-attn kernel: no score matrix; else SDPA, whose math kernel materialises scores
+    # The attention kernel, for its scratch memory: "flash" (flash-attn: nothing beyond the cache's mask);
+    # "sdpa" (PyTorch SDPA on CUDA, memory-efficient backend: the bool mask, folded per query-head group,
+    # becomes an additive mask of the compute dtype; measured on an H100, benchmarks/gpu/*sdpa_probe*);
+    # "math" (SDPA on the CPU: counted as materialising float32 scores, an upper bound).
+    attention: str = "flash"
 
     @classmethod
     def of(cls, spec, capacity: int, prompt: int, prefill_chunk: int = 512, cuda_graphs: bool = True,
-           flash: bool = True) -> "Work":
+           attention: str = "flash") -> "Work":
         return cls(capacity, prompt, spec.method, spec.budget, spec.chunk_size, spec.draft_budget, spec.sinks,
-                   spec.gamma1, spec.gamma2, prefill_chunk, cuda_graphs, flash)
+                   spec.gamma1, spec.gamma2, prefill_chunk, cuda_graphs, attention)
 
     @property
     def lookahead(self) -> int:  # config.Speculation.max_lookahead
@@ -216,14 +220,17 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
 
 def _activations(s: Shape, w: Work, rows: int, keys: int) -> int:
     """One layer's forward of `rows` tokens against `keys` keys: hidden-size tensors (input, norm, residual,
-    attention output), q/k/v, the MLP's gate, up and product, the visibility mask, and the float32
-    scores when no flash kernel runs (SDPA's math kernel materialises them)."""
+    attention output), q/k/v, the MLP's gate, up and product, the visibility mask, and the attention
+    kernel's own scratch (Work.attention)."""
     e = s.dtype_bytes
     hidden = 4 * rows * s.hidden * e
     qkv = rows * (s.heads + 2 * s.kv_heads) * s.head_dim * e
     mlp = 3 * rows * s.intermediate * e
-    attention = rows * keys + (0 if w.flash else s.heads * rows * keys * 4)
-    return hidden + qkv + mlp + attention
+    group = s.heads // s.kv_heads
+    scratch = {"flash": 0,
+               "sdpa": group * rows * keys * (e + (group > 1)),  # additive mask (+ the folded bool copy)
+               "math": s.heads * rows * keys * 4}[w.attention]
+    return hidden + qkv + mlp + rows * keys + scratch
 
 
 def layout(shape: Shape, work: Work, resident: int, draft: Shape | None = None, context: int = CONTEXT_BYTES,
@@ -232,7 +239,7 @@ def layout(shape: Shape, work: Work, resident: int, draft: Shape | None = None, 
     layer = kv_layer_bytes(shape.kv_heads, shape.head_dim, work.capacity, shape.dtype_bytes)
     return Plan(shape.layers, resident, layer, items(shape, work, resident, draft, context), budget,
                 (shape.layers - resident) * layer,
-                {"context_tokens": work.capacity, "attention": "flash-attn" if work.flash else "sdpa"})
+                {"context_tokens": work.capacity, "attention": work.attention})
 
 
 def plan(shape: Shape, work: Work, offload: str, budget: int | None, host_free: int, draft: Shape | None = None,

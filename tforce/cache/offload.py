@@ -168,16 +168,16 @@ class OffloadedCache(FullCache):
         return self._gathered(self.host_k[h], idx, 0), self._gathered(self.host_v[h], idx, 1)
 
     def _gathered(self, x: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
-        """gather_heads, on CUDA into a page-locked buffer so that the rows cross by DMA: gathered into
-        ordinary memory they went through a pageable bounce ("Memcpy HtoD (Pageable -> Device)" in every
-        rebuild of a profile on an H100). The buffer is reused: the caller copies it out synchronously."""
-        if self.copy_stream is None:
-            return gather_heads(x, idx)
+        """gather_heads into a reused host buffer, page-locked on CUDA so that the rows cross by DMA:
+        gathered into fresh ordinary memory they went through a pageable bounce ("Memcpy HtoD (Pageable
+        -> Device)" in every rebuild of a profile on an H100). The caller copies the rows out before the
+        next call (retrieval._fill does, synchronously)."""
         B, _, H, D = x.shape
         n = idx.shape[0]
         buf = self._gather_bufs[which]
         if buf is None or buf.shape[1] < n:
-            buf = self._gather_bufs[which] = host_tensor((B, n, H, D), x.dtype, self.stage_k.device)
+            pin = self.stage_k.device if self.copy_stream is not None else None
+            buf = self._gather_bufs[which] = host_tensor((B, n, H, D), x.dtype, pin)
         out = buf[:, :n]
         torch.gather(x, 1, idx[None, :, :, None].expand(B, n, H, D), out=out)
         return out

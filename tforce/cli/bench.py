@@ -48,11 +48,16 @@ def bench(
                                                       "float16 | bfloat16"),
     offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP),
+    peers: Optional[str] = typer.Option(None, "--peers",
+                                        help="hf: also time transformers' own generate on the same weights and "
+                                             "prompt: plain, assisted by the draft, prompt lookup, offloaded "
+                                             "cache (CUDA); greedy tokens checked against ar's."),
     as_json: bool = flag("--json", "Print one JSON object."),
 ) -> None:
     """Time every method on one prompt: ms/token, speed-up over ar, acceptance, H2D GB/s, memory."""
     def body():
         from .. import bench as b
+        from ..peers import parse_peers
 
         if (model is None) == (synthetic is None):
             raise UsageError("give one of --model or --synthetic ARCH")
@@ -61,18 +66,22 @@ def bench(
         if dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         names = b.parse_methods(methods)
+        peer_names = parse_peers(peers)
         _threads(threads)
         engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget)
         for m in names:
             Speculation(method=b.split_method(m)[0], **engine).validate()
         Sampling(temperature=temperature, top_p=top_p, seed=seed).validate()
         cfg = b.BenchConfig(methods=names, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
-                            top_p=top_p, seed=seed, engine=engine, **_placement_options(offload, gpu_memory))
+                            top_p=top_p, seed=seed, engine=engine, peers=peer_names,
+                            **_placement_options(offload, gpu_memory))
         text = None if prompt_file is None else _read_prompt(prompt_file, None)
         world, dev = _parallel(tp, gpus, device)
         if world > 1 and synthetic is not None:
             raise UsageError("--gpus/--tp > 1 needs --model (a checkpoint folder the ranks load); "
                              "--synthetic models are built in one process")
+        if world > 1 and peer_names:
+            raise UsageError("--peers runs transformers in one process: drop --gpus/--tp")
         _gpu_memory_note(gpu_memory, dev)
         record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text, world)
         if as_json:
@@ -125,6 +134,8 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         draft_name = draft if draft is not None else _default_draft(model)
         if uses_draft and draft_name is None:
             raise UsageError("the methods need a draft model: pass --draft, or drop triforce, naive and streaming")
+        # loaded also as hf-assisted's assistant when there is one
+        uses_draft = draft_name is not None and (uses_draft or "hf-assisted" in cfg.peers)
         torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
         if world > 1:  # the ranks load the weights: here only the config and tokenizer
             path, config, tokenizer = _tp_target(model, world)
@@ -174,7 +185,35 @@ def _bench_rows(r: dict) -> list[list[str]]:
                      f(run["tokens_per_verification"], ".2f"), f(run["prefill_s"], ".2f"), _rebuilds(run), h2d,
                      f(run["floor_ms_per_verification"], ".1f"), f(run["gpu_mem_gib"], ".1f"),
                      f(run["pinned_gib"], ".2f"), f"{pl['resident_layers']}/{pl['offloaded_layers']}"])
+    for peer in r.get("peers", []):
+        ms = "not run" if peer["skipped"] else f(peer["ms_per_token"], ".1f")
+        cells = {0: f"{peer['method']} (peer)", 1: ms, 2: f(peer["speedup_vs_ar"], ".2f", "x"),
+                 5: f(peer["tokens_per_verification"], ".2f"), 6: f(peer["prefill_s"], ".2f"),
+                 10: f(peer["gpu_mem_gib"], ".1f")}
+        rows.append([cells.get(i, "-") for i in range(len(COLUMNS))])
     return rows
+
+
+def _peer_notes(r: dict) -> list[str]:
+    """Lines under the table: what the peers are, and per peer its tokens against ar's or why it did not run."""
+    peers = r.get("peers", [])
+    if not peers:
+        return []
+    lines = [f"peers: {peers[0]['peer']} generate on the same weights and token ids ({peers[0]['attention']} "
+             f"attention, EOS ignored); ms/token = (gen_len-token run - 1-token run) / (gen_len - 1)"]
+    for p in peers:
+        if p["skipped"]:
+            lines.append(f"  {p['method']}: not run: {p['skipped']}")
+        elif p["vs_ar"] is not None:
+            lines.append(f"  {p['method']}: tokens vs ar: {p['vs_ar']}")
+    if r["temperature"] != 0:
+        lines.append("  sampled (temperature > 0): tokens are not compared with ar's")
+    elif not any(run["method"] == "ar" for run in r["runs"]):
+        lines.append("  no ar in --methods: tokens are not compared")
+    elif r["dtype"] != "float32" and any(p["vs_ar"] not in (None, "match") for p in peers):
+        lines.append(f"  {r['dtype']}: rounding differs between implementations, so greedy tokens may part "
+                     f"after a near tie (README: Exactness)")
+    return lines
 
 
 def _column_groups(widths: list[int], width: int) -> list[list[int]]:
@@ -218,3 +257,5 @@ def _print_bench(r: dict, console=None) -> None:
         for row in rows:
             t.add_row(*(row[i] for i in group))
         console.print(t)
+    for line in _peer_notes(r):
+        console.print(line, highlight=False, markup=False)

@@ -104,8 +104,8 @@ def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, de
         gpu_free = torch.cuda.mem_get_info()[0] + CONTEXT_BYTES  # the context already holds its share
         gpu_free = gpu_free if gpu_memory is None else min(gpu_free, gpu_memory)
     plan = info_plan(target_config, tokens, dtype_bytes, gpu_free, host_free, offload, budget,
-                     draft_config=draft_config, context_bytes=CONTEXT_BYTES if cuda else 0, flash=False,
-                     method=method)
+                     draft_config=draft_config, context_bytes=CONTEXT_BYTES if cuda else 0,
+                     attention="sdpa" if cuda else "math", method=method)
     if "error" in plan:
         raise TforceError(plan["error"])
     if not cuda:

@@ -45,7 +45,8 @@ def _arch(config, context: int, dtype: str) -> dict:
 def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, offload: str,
                gpu_memory: Optional[int], world: int) -> dict:
     """The plan for GPU 0 as it is (its memory, capped by --gpu-memory; the CUDA context measured), or on
-    paper for a GPU of --gpu-memory bytes (the context a named constant; flash-attn assumed)."""
+    paper for a GPU of --gpu-memory bytes (the context a named constant; flash-attn assumed). Without
+    flash-attn on a CUDA machine, SDPA's memory-efficient backend (placement.Work.attention)."""
     import torch
 
     from .. import placement
@@ -54,18 +55,18 @@ def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, of
 
     cuda = torch.cuda.is_available()
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    gpu_budget, context_bytes, flash = gpu_memory, placement.CONTEXT_BYTES, True
+    gpu_budget, context_bytes, attention = gpu_memory, placement.CONTEXT_BYTES, "flash"
     if cuda:
         free, total = torch.cuda.mem_get_info(0)
         context_bytes = total - free - torch.cuda.memory_reserved(0)
         gpu_budget = total if gpu_memory is None else min(total, gpu_memory)
-        flash = flash_attn_func is not None and dtype != "float32"
+        attention = "flash" if flash_attn_func is not None and dtype != "float32" else "sdpa"
     elif gpu_memory is None:
-        context_bytes = 0  # no device: the plan for the CPU
+        context_bytes, attention = 0, "math"  # no device: the plan for the CPU
     h2d, dev = (h2d_peak_gbps("cuda:0"), device_bandwidth_gbps("cuda:0")) if cuda else (None, None)
     return {"h2d_gbps": h2d, "device_gbps": dev, "offload": offload, "context_measured": cuda,
             **info_plan(config, context, elem, gpu_budget, host_free, offload, budget, h2d, dev, world,
-                        context_bytes=context_bytes, flash=flash)}
+                        context_bytes=context_bytes, attention=attention)}
 
 
 def _gib(n: int) -> str:

@@ -63,8 +63,10 @@ class Conversation:
         """Tokens the next question and its answer may still take."""
         return self.session.total - len(self.history)
 
-    def ask(self, question_ids, max_new_tokens: int = 256, on_token=None, on_prefill=None, on_round=None) -> Result:
-        """Answer after the document (and, with keep_history, the conversation so far); stats add ttft_s
+    def ask(self, question_ids, max_new_tokens: int = 256, on_token=None, on_prefill=None, on_round=None,
+            seed: int | None = None) -> Result:
+        """Answer after the document (and, with keep_history, the conversation so far), sampling with `seed`
+        (default: the conversation's; every answer is drawn from it alone); stats add ttft_s
         (from the call to the first token), prompt_tokens and prefilled_tokens (what was fed beyond the
         caches' reuse)."""
         prompt = self.history + list(question_ids)
@@ -90,7 +92,7 @@ class Conversation:
         _sync_device(device)
         t1 = time.perf_counter()
         forwards = session.full.forwards
-        out = decode(session, len(prompt), max_new, generator(self.target, self.seed), self.eos, tokens_out, on_round)
+        out = decode(session, len(prompt), max_new, generator(self.target, self.seed if seed is None else seed), self.eos, tokens_out, on_round)
         _sync_device(device)
         t2 = time.perf_counter()
         if self.keep_history:

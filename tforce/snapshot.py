@@ -4,7 +4,7 @@ prefills only the rest.
 A snapshot is a folder:
   manifest.json           format, tforce version, identity (the target's config hash and weights
                           fingerprint, the tokenizer files' hash, the cache dtype), the prefix's token ids,
-                          the streaming caches' lengths, and the sha256 of every other file
+                          the streaming caches' lengths, the sha256 of every other file and its own
   full-LLL.safetensors    layer LLL of the full cache: "k", "v" (1, P, H_kv, D), rotated as stored, and "q"
                           (H_q, D), the last prefix token's rotated query (what a retrieval rebuild scores with)
   draft.safetensors       the small draft's StreamingCache ("k", "v" rows), when the method had one;
@@ -148,6 +148,7 @@ def save(path, session, ident: dict) -> None:
                     "tokenizer_sha256": ident["tokenizer_sha256"], "dtype": str(full.k.dtype).replace("torch.", ""),
                     "layers": len(full.queries), "tokens": session.seq[:P].tolist(), "queries": P > 0,
                     "streaming": streaming, "files": files}
+        manifest["manifest_sha256"] = _manifest_sha(manifest)
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f)
             f.flush()
@@ -183,10 +184,18 @@ def read_manifest(path) -> dict:
         raise TforceError(f"--load-kv {path}: not a readable tforce KV snapshot ({type(e).__name__})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise TforceError(f"--load-kv {path}: not a tforce KV snapshot")
+    if manifest.get("manifest_sha256") != _manifest_sha(manifest):
+        raise TforceError(f"--load-kv {path}: {MANIFEST} is damaged (checksum mismatch): make the snapshot again")
     if manifest.get("version") != VERSION:
         raise UsageError(f"--load-kv {path}: snapshot format {manifest.get('version')} (tforce "
                          f"{manifest.get('tforce')}); this tforce reads format {VERSION}: make it again")
     return manifest
+
+
+def _manifest_sha(manifest: dict) -> str:
+    """The manifest's own checksum, over its other fields."""
+    rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return _sha(json.dumps(rest, sort_keys=True).encode())
 
 
 def _read(path: Path, manifest: dict, name: str) -> dict:

@@ -113,7 +113,7 @@ def _question_source(questions: Optional[str], document_on_stdin: bool):
         return (q.strip() for q in _decode_text(data, f"questions file {questions}").splitlines() if q.strip())
     if document_on_stdin:
         try:  # the terminal becomes stdin, so that readline edits the questions
-            fd = os.open("/dev/tty", os.O_RDWR)
+            fd = _open_terminal()
         except OSError:
             raise UsageError("the document came on stdin, so the questions cannot: give them with --questions "
                              "FILE (or run from a terminal)") from None
@@ -121,6 +121,10 @@ def _question_source(questions: Optional[str], document_on_stdin: bool):
         os.close(fd)
         sys.stdin = open(0, closefd=False, encoding="utf-8", errors="replace")
     return _terminal_questions() if sys.stdin.isatty() else (q.strip() for q in sys.stdin if q.strip())
+
+
+def _open_terminal() -> int:
+    return os.open("/dev/tty", os.O_RDWR)
 
 
 def _terminal_questions():
@@ -210,7 +214,8 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
     elif not out.endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()
-    _say(_turn_line(len(result.tokens), s))
+    if not as_json:
+        _say(_turn_line(len(result.tokens), s))
 
 
 def _turn_line(n: int, s: dict) -> str:

@@ -277,6 +277,7 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
             progress.close()
         _end_line(stream.printed)
         raise
+    _kv_notes(options, result.stats, len(ids) - 1)
     if as_json:
         stats = dict(result.stats)  # the KV bytes on the run's device: not "gpu" on a CPU run
         stats["kv_device_bytes"] = stats.pop("kv_gpu_bytes")
@@ -286,7 +287,6 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
         sys.stdout.flush()
         return
     _end_line(out)
-    _kv_notes(options, result.stats, len(ids) - 1)
     if progress:
         progress.finish(result.stats)
     else:

@@ -104,7 +104,7 @@ def test_chat_saves_and_loads_the_document(models, tmp_path):
     first = _records(_chat(models, str(models / "doc.txt"), "--json", "--save-kv", snap, input=QUESTIONS[0]))
     r = _chat(models, "--json", "--load-kv", snap, input=QUESTIONS[0])  # no BOOK: the snapshot's document
     assert _records(r)[0]["tokens"] == first[0]["tokens"]
-    assert "reused" in r.stderr
+    assert "loaded from" in r.stderr
 
 
 def test_run_saves_and_loads_a_snapshot(models, tmp_path):

@@ -277,6 +277,8 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
             progress.close()
         _end_line(stream.printed)
         raise
+    if not as_json:
+        _end_line(out)
     _kv_notes(options, result.stats, len(ids) - 1)
     if as_json:
         stats = dict(result.stats)  # the KV bytes on the run's device: not "gpu" on a CPU run
@@ -286,7 +288,6 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
         return
-    _end_line(out)
     if progress:
         progress.finish(result.stats)
     else:

@@ -74,14 +74,14 @@ def test_prompt_leaving_the_prefix_reuses_the_common_part(tiny, saved):
     assert loaded.tokens == tforce.generate(tiny["gqa"], prompt, **kw).tokens
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method,offload", [(m, "off") for m in METHODS] + [("triforce", "on")])
 @pytest.mark.parametrize("keep_history", [False, True])
-def test_conversation_answers_are_the_fresh_greedy_answers(tiny, method, keep_history):
+def test_conversation_answers_are_the_fresh_greedy_answers(tiny, method, offload, keep_history):
     """Each answer equals generate() over the same prompt (the document, [earlier turns,] the question),
     whatever came before: a one-token question, longer ones, the caches rolled back past the streaming
-    caches' reach."""
+    caches' reach; the full cache on the device or in host memory."""
     doc = ids(45)
-    kw = dict(draft=tiny["draft"], method=method, **CONV)
+    kw = dict(draft=tiny["draft"], method=method, offload=offload, **CONV)
     conv = Conversation(tiny["gqa"], doc, room=200, keep_history=keep_history, **kw)
     history = list(doc)
     for n, seed in ((1, 3), (9, 4), (3, 5)):

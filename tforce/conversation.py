@@ -35,7 +35,7 @@ class Conversation:
         doc = torch.as_tensor(list(document_ids), dtype=torch.long)
         context = self.target.config.max_position_embeddings
         room = context - len(doc) if room is None else min(room, context - len(doc))
-        check_prompt(self.target, len(doc) + 1, 0)
+        check_prompt(self.target, len(doc), 0)
         if room < 2:
             raise UsageError(f"the document is {len(doc)} tokens; the model's context ({context}) leaves no room "
                              f"for a question")

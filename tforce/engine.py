@@ -180,7 +180,7 @@ class Session:
         device = next(self.target.parameters()).device
         _sync_device(device)  # time the rebuild alone, not the work queued before it
         t0 = time.perf_counter()
-        queries = self._queries(L) if L else []
+        queries = self.last_queries(L) if L else []
         self.retrieval.rebuild(full, queries)
         _sync_device(device)
         self.rebuild_times += (time.perf_counter() - t0,)
@@ -188,7 +188,7 @@ class Session:
         if self.middle_level is not None:
             self.middle_level.stats.recent = []
 
-    def _queries(self, L: int) -> list[torch.Tensor]:
+    def last_queries(self, L: int) -> list[torch.Tensor]:
         """Per layer, the rotated query (H_q, D) of the last committed token, from the full cache's last
         forward; a snapshot's saved ones after loading; else that token is fed again to compute them."""
         full = self.full.cache

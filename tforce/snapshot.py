@@ -129,7 +129,7 @@ def save(path, session, ident: dict) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent))
     try:
         files = {}
-        queries = session._queries(P) if P else None
+        queries = session.last_queries(P) if P else None
         for layer in range(len(full.queries)):
             t = {"k": full.layer_keys(layer)[:, :P], "v": full.layer_values(layer)[:, :P]}
             if queries is not None:
@@ -244,7 +244,7 @@ def load(path, session, prompt: torch.Tensor, upto: int, ident: dict) -> int:
     queries = []
     for layer in range(manifest["layers"]):
         t = _read(p, manifest, f"full-{layer:03d}.safetensors")
-        full.write_layer(layer, t["k"][:, :c].to(device), t["v"][:, :c].to(device))
+        full.write_layer(layer, t["k"][:, :c], t["v"][:, :c])  # copied where the layer lives
         if "q" in t:
             queries.append(t["q"].to(device))
     full.commit_written(c)

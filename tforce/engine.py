@@ -124,8 +124,8 @@ class Session:
         n = len(prompt)
         m = n - 1 if upto is None else upto
         self.seq[:n] = prompt
-        kept = self.full.matching(self.seq, m + 1)
-        if isinstance(self.full.cache, OffloadedCache) and self.full.cache.length == 0 and m > 0:
+        kept = self.full.sync(self.seq, m + 1)
+        if isinstance(self.full.cache, OffloadedCache) and kept == 0 and m > 0:
             # PCIe traffic linear in the prompt
             chunk_rule = self.retrieval is not None and self.retrieval.select is None
             observe = (lambda i, k: self.retrieval.observe(self.full.cache, i, k)) if chunk_rule else None

@@ -165,14 +165,17 @@ def test_refuses_another_dtype(tiny, tiny_dir, snap):
         _load(tiny, snap, tforce.load_model(str(tiny_dir / "gqa"), dtype="bfloat16"))
 
 
-def test_refuses_another_tokenizer(tiny, tiny_dir, snap, tmp_path):
+def test_refuses_another_tokenizer(tiny, tiny_dir, tmp_path):
+    """Both models freshly loaded: the weights are the same, only the tokenizer files differ."""
     other = tmp_path / "gqa-other-tokenizer"
     shutil.copytree(tiny_dir / "gqa", other)
     config = json.loads((other / "tokenizer_config.json").read_text())
     config["model_max_length"] = 12345
     (other / "tokenizer_config.json").write_text(json.dumps(config))
+    tforce.generate(tforce.load_model(str(tiny_dir / "gqa")), ids(20), method="ar", save_kv=tmp_path / "s", **GREEDY)
     with pytest.raises(UsageError, match="another tokenizer"):
-        _load(tiny, snap, tforce.load_model(str(other)))
+        tforce.generate(tforce.load_model(str(other)), ids(20), method="ar", load_kv=tmp_path / "s", **GREEDY)
+    tforce.generate(tforce.load_model(str(tiny_dir / "gqa")), ids(20), method="ar", load_kv=tmp_path / "s", **GREEDY)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "manifest"])

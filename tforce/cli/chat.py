@@ -180,9 +180,9 @@ def _chat(text: Optional[str], questions, setup, room: int, keep_history: bool, 
     finally:
         if progress:
             progress.close()
-    how = f"{conv.kv_reused} loaded from {load_kv}, {len(doc) - conv.kv_reused} prefilled" if load_kv is not None \
-        else "prefilled"
-    _say(f"tforce: document: {len(doc)} tokens {how} in {conv.prefill_s:.2f} s"
+    how = f" ({conv.kv_reused} loaded from {load_kv}, {len(doc) - conv.kv_reused} prefilled)" \
+        if load_kv is not None else " prefilled"
+    _say(f"tforce: document: {len(doc)} tokens{how} in {conv.prefill_s:.2f} s"
          + (f"; snapshot written to {save_kv}" if save_kv is not None else "")
          + ("" if as_json or not sys.stdin.isatty() else "; ask a question (Ctrl-D ends)"))
     for question in questions:

@@ -117,7 +117,10 @@ def test_run_saves_and_loads_a_snapshot(models, tmp_path):
     assert saved.exit_code == loaded.exit_code == fresh.exit_code == 0, loaded.output
     assert json.loads(loaded.stdout)["tokens"] == json.loads(fresh.stdout)["tokens"]
     assert json.loads(loaded.stdout)["stats"]["kv_reused"] == json.loads(saved.stdout)["prompt_tokens"] - 1
-    assert "written to" in saved.stderr and "reused" in loaded.stderr
+    assert "written to" in saved.stderr and "reused" in loaded.stderr and "leaves" not in loaded.stderr
+    other = CliRunner().invoke(app, base[:-2] + ["--json", "-p", "Something else", "--load-kv", snap],
+                               input="A different document.")
+    assert other.exit_code == 0 and "leaves the snapshot's" in other.stderr, other.stderr
 
 
 def test_snapshot_refusals_are_one_line(models, tmp_path):

@@ -128,7 +128,7 @@ def test_loaded_snapshot_sampling_matches_target_distribution(small_vocab, tmp_p
     samples = []
     for _ in range(SAMPLES):
         session = Session(target, draft, len(PROMPT), N_TOKENS + 8, spec, SAMPLING)
-        assert snapshot.load(tmp_path / "s", session, torch.tensor(PROMPT), len(PROMPT) - 1, ident) == 14
+        assert snapshot.load(tmp_path / "s", session, torch.tensor(PROMPT), len(PROMPT) - 1, ident) == (14, 14)
         session.prefill(torch.tensor(PROMPT))
         got = []
         while len(got) < N_TOKENS:

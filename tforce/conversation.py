@@ -50,7 +50,7 @@ class Conversation:
         t0 = time.perf_counter()
         self.kv_reused = 0
         if load_kv is not None:
-            self.kv_reused = snapshot.load(load_kv, self.session, doc, len(doc), ident)
+            self.kv_reused = snapshot.load(load_kv, self.session, doc, len(doc), ident)[0]
         self.session.prefill(doc, on_prefill, upto=len(doc))
         self.session.mark()
         _sync_device(device)

@@ -329,8 +329,9 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     (rowwise.py), so greedy output equals `ar`'s in any dtype; it costs weight reads per verification.
     KV snapshots (snapshot.py): load_kv, a snapshot folder: its caches are loaded and only the part of the
     prompt after its prefix is prefilled (a prompt that leaves the prefix keeps the common part;
-    stats["kv_reused"] says how many tokens were reused); save_kv, a folder: the caches after prefill (the
-    prompt but its last token) are written there. A snapshot loads only into the same model, tokenizer and dtype."""
+    stats["kv_reused"] says how many of the snapshot's stats["kv_snapshot_tokens"] were reused); save_kv, a
+    folder: the caches after prefill (the prompt but its last token) are written there. A snapshot loads only
+    into the same model, tokenizer and dtype."""
     from . import snapshot
 
     identity = snapshot.identity(target, draft) if load_kv is not None or save_kv is not None else None
@@ -350,7 +351,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     t0 = time.perf_counter()
     kv = {}
     if load_kv is not None:
-        kv["kv_reused"] = snapshot.load(load_kv, session, prompt, len(prompt) - 1, identity)
+        kv["kv_reused"], kv["kv_snapshot_tokens"] = snapshot.load(load_kv, session, prompt, len(prompt) - 1, identity)
         _sync_device(device)
         kv["load_kv_s"] = time.perf_counter() - t0
     session.prefill(prompt, on_prefill)

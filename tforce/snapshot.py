@@ -231,9 +231,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def load(path, session, prompt: torch.Tensor, upto: int, ident: dict) -> int:
+def load(path, session, prompt: torch.Tensor, upto: int, ident: dict) -> tuple[int, int]:
     """Fill a fresh session's caches from the snapshot at `path`, as far as its prefix matches prompt[:upto];
-    returns that many tokens. session.prefill(prompt) then feeds only the rest."""
+    returns (that many tokens, the prefix's length). session.prefill(prompt) then feeds only the rest."""
     p = Path(path).expanduser()
     manifest = read_manifest(p)
     full = session.full.cache
@@ -265,4 +265,4 @@ def load(path, session, prompt: torch.Tensor, upto: int, ident: dict) -> int:
         if node.cache.fits(state):
             node.cache.restore(state)
             node.adopt(ids, info["length"])
-    return c
+    return c, len(prefix)

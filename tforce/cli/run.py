@@ -300,7 +300,8 @@ def _kv_notes(options: dict, stats: dict, cached: int) -> None:
         reused = stats["kv_reused"]
         _say(f"tforce: KV snapshot {options['load_kv']}: reused {reused} of {cached} prompt tokens "
              f"(loaded in {stats['load_kv_s']:.2f} s, then prefilled {cached - reused})"
-             + ("" if reused == cached else f"; the prompt leaves the snapshot's prefix at token {reused}"))
+             + ("" if reused in (cached, stats["kv_snapshot_tokens"])
+               else f"; the prompt leaves the snapshot's {stats['kv_snapshot_tokens']}-token prefix at token {reused}"))
     if options.get("save_kv") is not None:
         _say(f"tforce: KV snapshot of {cached} prompt tokens written to {options['save_kv']} "
              f"in {stats['save_kv_s']:.2f} s")

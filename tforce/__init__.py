@@ -1,7 +1,8 @@
 """tforce: lossless hierarchical speculative decoding (TriForce) for long-context Llama models."""
+from .conversation import Conversation
 from .engine import Result, generate
 from .errors import TforceError, UsageError
 from .weights import LoadedModel, load_model
 
-__all__ = ["generate", "load_model", "LoadedModel", "Result", "TforceError", "UsageError"]
+__all__ = ["generate", "Conversation", "load_model", "LoadedModel", "Result", "TforceError", "UsageError"]
 __version__ = "0.1.0"

@@ -162,7 +162,8 @@ def _chat(text: Optional[str], questions, setup, room: int, keep_history: bool, 
     room = min(room, context - len(doc))
     draft_config = _read_config(setup.draft, "draft model")[1] if setup.draft else None
     _check_memory(config, draft_config, len(doc) + room, _dtype_bytes(setup.dtype, setup.device), setup.device,
-                  setup.options["offload"], setup.options["gpu_memory"], setup.options["budget"])
+                  setup.options["offload"], setup.options["gpu_memory"], setup.options["budget"],
+                  setup.options["method"])
     target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
                       tokenizer=False)
     small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,

@@ -46,7 +46,8 @@ import torch
 class CacheView:
     k: torch.Tensor  # (B, S, H_kv, D), rotated
     v: torch.Tensor  # (B, S, H_kv, D)
-    mask: torch.Tensor | None  # bool (1 or H_kv, T, S), True = visible; None = all visible
+    # bool (1 or H_kv, T, S), or (B, 1, T, S) with one per row; True = visible; None = all visible
+    mask: torch.Tensor | None
     # True when the mask is exactly "the T queries are the last T keys, causally" (bottom-right
     # aligned): then flash-attn's causal kernel computes the same thing without a mask.
     causal: bool = False

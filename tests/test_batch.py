@@ -1,0 +1,126 @@
+"""generate_batch: every row of a batch is what `generate` gives for that prompt alone (greedy token for
+token, with rows of different lengths and rows that finish early), and sampled rows follow the exact
+target distribution (chi-square, as tests/test_exactness.py does for one prompt)."""
+import functools
+
+import pytest
+import torch
+
+import tforce
+import tforce.batch
+from tforce.batch import generate_batch
+from tforce.speculative import verify_rows
+
+from test_exactness import PROMPT, SAMPLING, SAMPLES, N_TOKENS, check, exact_joint, small_vocab  # noqa: F401
+
+LENGTHS = (1, 13, 37, 5)  # a one-token prompt, lengths not a multiple of the prefill chunk
+SMALL = dict(draft_budget=12, sinks=2, gamma2=4, prefill_chunk=8)  # the draft's window really drops tokens
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 259, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("target", ["gqa", "llama3"])
+@pytest.mark.parametrize("method", ["ar", "naive"])
+def test_greedy_rows_equal_single_prompts(tiny, target, method):
+    prompts = prompts_of(LENGTHS)
+    kw = dict(max_new_tokens=30, temperature=0, ignore_eos=True)
+    rows = generate_batch(tiny[target], prompts, draft=tiny["draft"], method=method, **SMALL, **kw)
+    assert len(rows) == len(prompts)
+    for prompt, row in zip(prompts, rows):
+        alone = tforce.generate(tiny[target], prompt, method="ar", **kw)
+        assert row.tokens == alone.tokens
+        assert len(row.tokens) == 30
+
+
+def test_naive_rows_accept_what_they_would_alone(tiny):
+    """The draft is the target itself with a 12-token StreamingLLM window: greedy, each row's drafts are
+    then fixed, so its acceptance and verification count must be exactly those of the prompt alone
+    (the batched streaming cache's views and the per-row acceptance, checked together)."""
+    prompts = prompts_of(LENGTHS, seed=1)
+    kw = dict(draft=tiny["gqa"], method="naive", max_new_tokens=30, temperature=0, ignore_eos=True, **SMALL)
+    rows = generate_batch(tiny["gqa"], prompts, **kw)
+    accepted = []
+    for prompt, row in zip(prompts, rows):
+        alone = tforce.generate(tiny["gqa"], prompt, **kw)
+        assert row.tokens == alone.tokens
+        assert row.stats["acceptance"] == alone.stats["acceptance"]
+        assert row.stats["verifications"] == alone.stats["verifications"]
+        accepted.append(row.stats["acceptance"]["draft"])
+    assert len(set(accepted)) > 1 and 0 < max(accepted) < 1  # rows really accept different counts
+
+
+@pytest.mark.parametrize("method", ["ar", "naive"])
+def test_a_row_that_stops_at_eos_leaves_the_others_unchanged(tiny, method):
+    prompts = prompts_of(LENGTHS, seed=2)
+    model = tiny["gqa"].model
+    first = tforce.generate(model, prompts[1], method="ar", max_new_tokens=8, temperature=0, ignore_eos=True)
+    old = model.config.eos_token_id
+    model.config.eos_token_id = first.tokens[3]
+    try:
+        kw = dict(draft=tiny["draft"], method=method, max_new_tokens=20, temperature=0, **SMALL)
+        rows = generate_batch(model, prompts, **kw)
+        alone = [tforce.generate(model, p, **kw).tokens for p in prompts]
+    finally:
+        model.config.eos_token_id = old
+    assert [r.tokens for r in rows] == alone
+    assert len(rows[1].tokens) <= 4 < 20 == max(len(t) for t in alone)  # one finished early, others went on
+
+
+def test_rows_with_different_budgets_finish_at_their_own(tiny):
+    """A row whose prompt nearly fills the context gets fewer new tokens (as alone), then leaves."""
+    context = tiny["gqa"].model.config.max_position_embeddings
+    prompts = prompts_of((context - 3, 7))
+    rows = generate_batch(tiny["gqa"], prompts, method="ar", max_new_tokens=10, temperature=0, ignore_eos=True)
+    assert [len(r.tokens) for r in rows] == [3, 10]
+    alone = tforce.generate(tiny["gqa"], prompts[1], method="ar", max_new_tokens=10, temperature=0, ignore_eos=True)
+    assert rows[1].tokens == alone.tokens
+
+
+def test_refusals(tiny):
+    with pytest.raises(tforce.UsageError, match="batches run --method ar|naive so far"):
+        generate_batch(tiny["gqa"], [[5, 6]], draft=tiny["draft"], method="triforce")
+    with pytest.raises(tforce.UsageError, match="prompt 2 of the batch is empty"):
+        generate_batch(tiny["gqa"], [[5, 6], []])
+    with pytest.raises(tforce.UsageError, match="needs a draft"):
+        generate_batch(tiny["gqa"], [[5, 6]], method="naive")
+
+
+# ---- sampling: each row's tokens follow its own exact distribution ---------------------------------
+
+ROWS = [PROMPT, PROMPT[:9], PROMPT[:2]]
+
+
+def draw_rows(target, draft, method, seed):
+    """SAMPLES batches of N_TOKENS tokens per row -> per row, the list of sampled tuples."""
+    kw = dict(temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, top_k=SAMPLING.top_k,
+              draft_budget=16, sinks=2, gamma2=3, ignore_eos=True, max_new_tokens=N_TOKENS)
+    samples, drafted, accepted = [[] for _ in ROWS], 0, 0
+    for i in range(SAMPLES):
+        for r, res in enumerate(generate_batch(target, ROWS, draft=draft, method=method, seed=seed * SAMPLES + i,
+                                               **kw)):
+            samples[r].append(tuple(res.tokens))
+            if method == "naive":
+                drafted += res.stats["verifications"]
+                accepted += res.stats["acceptance"]["draft"] * res.stats["verifications"]
+    return samples, (accepted / drafted if drafted else None)
+
+
+@pytest.mark.parametrize("method", ["ar", "naive"])
+def test_sampled_rows_match_their_target_distributions(small_vocab, method):
+    target, draft = small_vocab
+    samples, acc = draw_rows(target, draft, method, seed=1)
+    for prompt, got in zip(ROWS, samples):
+        pvals = check(got, exact_joint(target, prompt, N_TOKENS))
+        assert min(pvals) > 1e-3, (len(prompt), pvals)
+    if method == "naive":  # drafts both accepted and rejected, or the test means little
+        assert 0.1 < acc < 0.95, acc
+
+
+def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
+    monkeypatch.setattr(tforce.batch, "verify_rows", functools.partial(verify_rows, residual=lambda p, q: p))
+    target, draft = small_vocab
+    samples, _ = draw_rows(target, draft, "naive", seed=1)
+    assert min(min(check(got, exact_joint(target, prompt, N_TOKENS))) for prompt, got in zip(ROWS, samples)) < 1e-6

@@ -15,6 +15,7 @@ from ..errors import UsageError
 from .app import app
 from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory, _decode_text,
                      _device, _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
+from .batch_run import check_options, read_batch, run_batch
 from .live import Progress, TextStream, _summary_line
 
 
@@ -109,6 +110,9 @@ def run(
     as_json: bool = flag("--json", "Print one JSON object instead of streaming text."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda)."),
+    batch: Optional[str] = typer.Option(None, "--batch", help="JSON-lines file of prompts ('-' = stdin), one "
+                                        "{\"prompt\": ..., \"file\": ..., \"id\": ...} a line, run as one batch; "
+                                        "one JSON line out per prompt (--method ar or naive)."),
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
     def body():
@@ -126,6 +130,9 @@ def run(
         placement_options = _placement_options(offload, gpu_memory)
         _threads(threads)
         world, dev = _parallel(tp, gpus, device)
+        if batch is not None:
+            check_options(method, world, offload,
+                          prompt_file_arg is not None or prompt_file is not None or prompt is not None)
         target_name = model
         if model is None:
             target_name, demo_draft = demo_pair()
@@ -136,6 +143,14 @@ def run(
         draft_name = draft if draft is not None else _default_draft(target_name)
         if spec.uses_draft and draft_name is None:
             raise UsageError(f"method {method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
+        if batch is not None:
+            items = read_batch(batch)
+            run_batch(items, target_name, draft_name if spec.uses_draft else None, dev,
+                      None if dtype == "auto" else dtype,
+                      dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           top_k=top_k, seed=seed, ignore_eos=ignore_eos, gamma2=gamma2, draft_budget=draft_budget,
+                           sinks=sinks, budget=budget, **placement_options), _dtype_bytes(None if dtype == "auto" else dtype, dev))
+            return
         # the prompt before any notice, so that a bad prompt is the only line
         text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
                             demo_prompt() if model is None else None)

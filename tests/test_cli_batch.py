@@ -1,0 +1,67 @@
+"""`tforce run --batch FILE.jsonl` through Typer's CliRunner: one JSON line per prompt in the file's order,
+each the target's greedy continuation of that prompt alone; every bad line is one error naming it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tforce.cli import app
+
+from test_cli import DOC, FAST, _expected, _one_error_line, _run, models  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return CliRunner()
+
+
+def _write(tmp_path, *lines: str):
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("method", ["ar", "naive"])
+def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method):
+    batch = _write(tmp_path, json.dumps({"prompt": "It was", "id": "short"}), "",
+                   json.dumps({"file": str(models / "doc.txt"), "prompt": "Who?"}),
+                   json.dumps({"prompt": DOC, "id": 7}))
+    r = _run(runner, models, "--batch", batch, "--method", method, *FAST)
+    assert r.exit_code == 0, r.output
+    out = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [o["id"] for o in out] == ["short", 3, 7]  # the line number when no id is given
+    for o, text in zip(out, ["It was", DOC + "\n\nWho?", DOC]):
+        assert o["tokens"] == _expected(models, text)
+        assert o["method"] == method and o["stats"]["batch_size"] == 3
+    assert "batch of 3 prompts" in r.stderr
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("not json", "line 2: not JSON"),
+    ("[1, 2]", "line 2: expected an object"),
+    ('{"text": "x"}', "line 2: unknown key(s) text"),
+    ('{"id": "x"}', 'line 2: give "prompt"'),
+    ('{"prompt": 3}', 'line 2: "prompt" must be a string'),
+    ('{"prompt": "  "}', "line 2: the prompt is empty"),
+    ('{"file": "/no/such/file"}', "line 2: cannot read /no/such/file"),
+    ('{"prompt": "b", "id": "a"}', "line 2: id 'a' appears twice"),
+    ('{"prompt": "b", "id": [1]}', 'line 2: "id" must be a string or an integer'),
+])
+def test_a_bad_line_is_one_error_naming_it(runner, models, tmp_path, line, needle):
+    batch = _write(tmp_path, '{"prompt": "ok", "id": "a"}', line)
+    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", *FAST), 2, needle)
+
+
+def test_batch_refusals(runner, models, tmp_path):
+    batch = _write(tmp_path, '{"prompt": "ok"}')
+    _one_error_line(_run(runner, models, "--batch", batch, *FAST), 2, "--batch runs --method ar|naive so far")
+    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "-p", "x", *FAST), 2,
+                    "no PROMPT_FILE or --prompt")
+    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--offload", "on", *FAST), 2,
+                    "no --offload on")
+    _one_error_line(_run(runner, models, "--batch", str(tmp_path / "none.jsonl"), "--method", "ar", *FAST), 2,
+                    "cannot read batch file")
+    empty = _write(tmp_path, "", "  ")
+    _one_error_line(_run(runner, models, "--batch", empty, "--method", "ar", *FAST), 2, "holds no prompts")

@@ -88,6 +88,17 @@ def test_refusals(tiny):
         generate_batch(tiny["gqa"], [[5, 6]], method="naive")
 
 
+def test_a_batch_that_does_not_fit_is_refused_before_allocating(tiny):
+    """Planned with B rows: room for one row's KV cache is not room for eight."""
+    prompts = prompts_of((300,) * 8)
+    model = tiny["gqa"].model
+    one = tforce.batch.placement.Work(capacity=300 + 40 + 1, prompt=299, method="ar", attention="math")
+    room = tforce.engine._plan(model, None, one, "off", None, 2**40).peak - tforce.engine.model_shape(model).weights
+    tforce.generate_batch(model, prompts[:1], method="ar", max_new_tokens=30, device_free=room)
+    with pytest.raises(tforce.TforceError, match="not enough GPU memory"):
+        tforce.generate_batch(model, prompts, method="ar", max_new_tokens=30, device_free=room)
+
+
 # ---- sampling: each row's tokens follow its own exact distribution ---------------------------------
 
 ROWS = [PROMPT, PROMPT[:9], PROMPT[:2]]

@@ -14,9 +14,10 @@ import time
 
 import torch
 
+from . import placement
 from .cache.batched import RowsCache, RowsStreamingCache
 from .config import Sampling, Speculation
-from .engine import Result, _check_pair, _eos_ids, _module, _sync_device
+from .engine import Result, _check_pair, _eos_ids, _module, _plan, _sync_device
 from .errors import UsageError
 from .rope import Rotary
 from .sampling import sample, to_probs
@@ -84,11 +85,14 @@ class _Rows:
 def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_tokens: int = 256,
                    temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
                    ignore_eos: bool = False, gamma2: int = 6, draft_budget: int = 256, sinks: int = 16,
-                   prefill_chunk: int = 512) -> list[Result]:
+                   prefill_chunk: int = 512, gpu_memory: int | None = None,
+                   device_free: int | None = None) -> list[Result]:
     """One Result per prompt (a list of token-id lists, any lengths), in order; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
     Each Result's stats: the batch's prefill_s and decode_s, batch_size, batch_tokens_per_s (all rows'
-    tokens over decode_s), the row's verifications and draft acceptance."""
+    tokens over decode_s), the row's verifications and draft acceptance. The batch is planned before
+    anything is allocated (placement.py with B rows, every cache on the device) and refused if it does
+    not fit; gpu_memory and device_free as in `generate`."""
     spec = Speculation(method=method, gamma2=gamma2, draft_budget=draft_budget, sinks=sinks)
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     spec.validate()
@@ -117,6 +121,9 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     gen.manual_seed(seed if seed is not None else torch.seed())
 
     B, total = len(prompts), max(len(p) + m for p, m in zip(prompts, max_new))
+    work = placement.Work.of(spec, total + spec.max_lookahead + 1, max(map(len, prompts)) - 1, prefill_chunk,
+                             False, "sdpa" if device.type == "cuda" else "math", rows=B)
+    _plan(target, draft, work, "off", gpu_memory, device_free)  # raises when the batch does not fit
     full = _full_node(target, B, total, spec.max_lookahead, sampling, prefill_chunk)
     small = _draft_node(draft, B, total, spec, sampling, prefill_chunk) if method == "naive" else None
     rows = _Rows(prompts, max_new)

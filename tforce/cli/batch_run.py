@@ -97,11 +97,10 @@ def run_batch(items: list[tuple[object, str]], model: str, draft: Optional[str],
         if len(ids) >= context:
             raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
     longest = max(len(ids) + min(options["max_new_tokens"], context - len(ids)) for ids in prompts)
-    # The batch's KV cache is B rows of the longest row's capacity, all on the device (no offloading yet):
-    # planned as one sequence of that many tokens.
+    # B rows of the longest row's capacity, all on the device (the batch does not offload yet)
     draft_config = _read_config(draft, "draft model")[1] if draft else None
-    _check_memory(config, draft_config, len(prompts) * longest, dtype_bytes, device, "off",
-                  options["gpu_memory"], options["budget"], options["method"])
+    _check_memory(config, draft_config, longest, dtype_bytes, device, "off", options["gpu_memory"],
+                  options["budget"], options["method"], rows=len(prompts))
     target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
     keys = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "gamma2", "draft_budget",

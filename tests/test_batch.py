@@ -8,8 +8,11 @@ import torch
 
 import tforce
 import tforce.batch
+from tforce import placement
 from tforce.batch import generate_batch
+from tforce.engine import _plan, model_shape
 from tforce.speculative import verify_rows
+from tforce.synthetic import make_checkpoint
 
 from test_exactness import PROMPT, SAMPLING, SAMPLES, N_TOKENS, check, exact_joint, small_vocab  # noqa: F401
 
@@ -69,6 +72,45 @@ def test_a_row_that_stops_at_eos_leaves_the_others_unchanged(tiny, method):
     assert len(rows[1].tokens) <= 4 < 20 == max(len(t) for t in alone)  # one finished early, others went on
 
 
+@pytest.mark.parametrize("method", ["ar", "naive"])
+def test_offloaded_rows_equal_single_prompts(tiny, method):
+    """Every layer of the batch's KV in host memory (cache/rows_offload.py), streamed per step for all
+    rows, one row leaving early at EOS (the host rows are compacted): every row is still its prompt
+    alone, bit for bit on the CPU."""
+    prompts = prompts_of(LENGTHS, seed=3)
+    model = tiny["gqa"].model
+    first = tforce.generate(model, prompts[0], method="ar", max_new_tokens=8, temperature=0, ignore_eos=True)
+    old = model.config.eos_token_id
+    model.config.eos_token_id = first.tokens[2]
+    try:
+        kw = dict(max_new_tokens=20, temperature=0)
+        rows = generate_batch(model, prompts, draft=tiny["draft"], method=method, offload="on", **SMALL, **kw)
+        alone = [tforce.generate(model, p, method="ar", **kw).tokens for p in prompts]
+    finally:
+        model.config.eos_token_id = old
+    assert [r.tokens for r in rows] == alone
+    assert len(alone[0]) <= 3 < max(len(t) for t in alone)  # row 0 left first; the others went on
+
+
+def test_partly_offloaded_rows_equal_single_prompts(tmp_path, monkeypatch):
+    """A 6-layer target with room on the 'device' (device_free) for 3 layers of the batch's KV: 3 resident,
+    3 streamed (with 2 layers, offloading one never saves memory: the staging buffers hold two)."""
+    make_checkpoint(tmp_path / "six", seed=5, num_hidden_layers=6)
+    model = tforce.load_model(str(tmp_path / "six")).model
+    prompts = prompts_of(LENGTHS, seed=4)
+    kw = dict(max_new_tokens=20, temperature=0, ignore_eos=True)
+    work = placement.Work(capacity=37 + 20 + 10 + 1, prompt=36, method="ar", attention="math", rows=4,
+                          cuda_graphs=False)
+    shape = model_shape(model)
+    room = placement.layout(shape, work, 3, None, 0).peak - shape.weights
+    plans = []
+    monkeypatch.setattr(tforce.batch, "_plan", lambda *a: plans.append(_plan(*a)) or plans[-1])
+    rows = generate_batch(model, prompts, method="ar", device_free=room, **kw)
+    assert (plans[0].resident, plans[0].offloaded) == (3, 3)
+    for prompt, row in zip(prompts, rows):
+        assert row.tokens == tforce.generate(model, prompt, method="ar", **kw).tokens
+
+
 def test_rows_with_different_budgets_finish_at_their_own(tiny):
     """A row whose prompt nearly fills the context gets fewer new tokens (as alone), then leaves."""
     context = tiny["gqa"].model.config.max_position_embeddings
@@ -92,8 +134,8 @@ def test_a_batch_that_does_not_fit_is_refused_before_allocating(tiny):
     """Planned with B rows: room for one row's KV cache is not room for eight."""
     prompts = prompts_of((300,) * 8)
     model = tiny["gqa"].model
-    one = tforce.batch.placement.Work(capacity=300 + 40 + 1, prompt=299, method="ar", attention="math")
-    room = tforce.engine._plan(model, None, one, "off", None, 2**40).peak - tforce.engine.model_shape(model).weights
+    one = placement.Work(capacity=300 + 40 + 1, prompt=299, method="ar", attention="math")
+    room = _plan(model, None, one, "off", None, 2**40).peak - model_shape(model).weights
     tforce.generate_batch(model, prompts[:1], method="ar", max_new_tokens=30, device_free=room)
     with pytest.raises(tforce.TforceError, match="not enough GPU memory"):
         tforce.generate_batch(model, prompts, method="ar", max_new_tokens=30, device_free=room)

@@ -23,18 +23,19 @@ def _write(tmp_path, *lines: str):
     return str(path)
 
 
-@pytest.mark.parametrize("method", ["ar", "naive"])
-def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method):
+@pytest.mark.parametrize("method, offload", [("ar", "auto"), ("naive", "auto"), ("ar", "on")])
+def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method, offload):
     batch = _write(tmp_path, json.dumps({"prompt": "It was", "id": "short"}), "",
                    json.dumps({"file": str(models / "doc.txt"), "prompt": "Who?"}),
                    json.dumps({"prompt": DOC, "id": 7}))
-    r = _run(runner, models, "--batch", batch, "--method", method, *FAST)
+    r = _run(runner, models, "--batch", batch, "--method", method, "--offload", offload, *FAST)
     assert r.exit_code == 0, r.output
     out = [json.loads(line) for line in r.stdout.strip().splitlines()]
     assert [o["id"] for o in out] == ["short", 3, 7]  # the line number when no id is given
     for o, text in zip(out, ["It was", DOC + "\n\nWho?", DOC]):
         assert o["tokens"] == _expected(models, text)
         assert o["method"] == method and o["stats"]["batch_size"] == 3
+        assert o["stats"]["kv_offloaded_layers"] == (2 if offload == "on" else 0)
     assert "batch of 3 prompts" in r.stderr
 
 
@@ -59,8 +60,6 @@ def test_batch_refusals(runner, models, tmp_path):
     _one_error_line(_run(runner, models, "--batch", batch, *FAST), 2, "--batch runs --method ar|naive so far")
     _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "-p", "x", *FAST), 2,
                     "no PROMPT_FILE or --prompt")
-    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--offload", "on", *FAST), 2,
-                    "no --offload on")
     _one_error_line(_run(runner, models, "--batch", str(tmp_path / "none.jsonl"), "--method", "ar", *FAST), 2,
                     "cannot read batch file")
     empty = _write(tmp_path, "", "  ")

@@ -5,8 +5,9 @@ each row keeps its own length in the caches (cache/batched.py, the rule in cache
 own number of drafted tokens, and leaves the batch when it reaches EOS or its token budget (its cache
 rows are compacted away, so it costs no further work). Methods so far: `ar` (plain decoding) and
 `naive` (a small draft with a StreamingLLM cache drafts gamma2 tokens per row; the target with its full
-cache verifies every row's drafts in one forward). The full cache stays on the model's device (no
-offloading), and the memory planner does not count batches yet.
+cache verifies every row's drafts in one forward). The full cache may be offloaded in part
+(cache/rows_offload.py); the prefill then runs token-major (each chunk streams the offloaded prefixes
+again: PCIe traffic quadratic in the prompt; the single-prompt path's layer-major prefill is not batched).
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import torch
 
 from . import placement
 from .cache.batched import RowsCache, RowsStreamingCache
+from .cache.rows_offload import RowsOffloadedCache
 from .config import Sampling, Speculation
-from .engine import Result, _check_pair, _eos_ids, _module, _plan, _sync_device
+from .engine import Result, _check_pair, _eos_ids, _module, _placement, _plan, _sync_device
 from .errors import UsageError
 from .rope import Rotary
 from .sampling import sample, to_probs
@@ -85,14 +87,15 @@ class _Rows:
 def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_tokens: int = 256,
                    temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
                    ignore_eos: bool = False, gamma2: int = 6, draft_budget: int = 256, sinks: int = 16,
-                   prefill_chunk: int = 512, gpu_memory: int | None = None,
+                   prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
                    device_free: int | None = None) -> list[Result]:
     """One Result per prompt (a list of token-id lists, any lengths), in order; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
     Each Result's stats: the batch's prefill_s and decode_s, batch_size, batch_tokens_per_s (all rows'
-    tokens over decode_s), the row's verifications and draft acceptance. The batch is planned before
-    anything is allocated (placement.py with B rows, every cache on the device) and refused if it does
-    not fit; gpu_memory and device_free as in `generate`."""
+    tokens over decode_s), the row's verifications and draft acceptance, the full cache's placement
+    (kv_*). The batch is planned before anything is allocated (placement.py with B rows) and refused if
+    it does not fit; offload, gpu_memory and device_free as in `generate` (offloaded layers stream once
+    per step for all rows)."""
     spec = Speculation(method=method, gamma2=gamma2, draft_budget=draft_budget, sinks=sinks)
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     spec.validate()
@@ -123,8 +126,8 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     B, total = len(prompts), max(len(p) + m for p, m in zip(prompts, max_new))
     work = placement.Work.of(spec, total + spec.max_lookahead + 1, max(map(len, prompts)) - 1, prefill_chunk,
                              False, "sdpa" if device.type == "cuda" else "math", rows=B)
-    _plan(target, draft, work, "off", gpu_memory, device_free)  # raises when the batch does not fit
-    full = _full_node(target, B, total, spec.max_lookahead, sampling, prefill_chunk)
+    plan = _plan(target, draft, work, offload, gpu_memory, device_free)  # raises when the batch does not fit
+    full = _full_node(target, B, total, spec.max_lookahead, plan.resident, sampling, prefill_chunk)
     small = _draft_node(draft, B, total, spec, sampling, prefill_chunk) if method == "naive" else None
     rows = _Rows(prompts, max_new)
     t0 = time.perf_counter()
@@ -146,13 +149,18 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
             _keep(rows, [i for i, d in enumerate(done) if not d], full, small)
     _sync_device(device)
     t2 = time.perf_counter()
-    return [Result(rows.out[r], _stats(rows, r, t1 - t0, t2 - t1, method)) for r in range(B)]
+    return [Result(rows.out[r], {**_stats(rows, r, t1 - t0, t2 - t1), **_placement(plan)}) for r in range(B)]
 
 
-def _full_node(target, B: int, total: int, lookahead: int, sampling: Sampling, prefill_chunk: int) -> RowsNode:
+def _full_node(target, B: int, total: int, lookahead: int, resident: int, sampling: Sampling,
+               prefill_chunk: int) -> RowsNode:
     cfg, p = target.config, next(target.parameters())
-    cache = RowsCache(cfg.num_hidden_layers, B, target.n_kv_heads, target.head_dim, total + lookahead + 1,
-                      Rotary(cfg, max_len=total, device=p.device), dtype=p.dtype, device=p.device)
+    dims = (cfg.num_hidden_layers, B, target.n_kv_heads, target.head_dim, total + lookahead + 1,
+            Rotary(cfg, max_len=total, device=p.device))
+    if resident == cfg.num_hidden_layers:
+        cache = RowsCache(*dims, dtype=p.dtype, device=p.device)
+    else:
+        cache = RowsOffloadedCache(*dims, resident=resident, dtype=p.dtype, device=p.device)
     return RowsNode(target, cache, sampling, prefill_chunk)
 
 
@@ -213,7 +221,7 @@ def _naive_round(full: RowsNode, small: RowsNode, rows: _Rows, gamma: int, gen) 
     return out
 
 
-def _stats(rows: _Rows, r: int, prefill_s: float, decode_s: float, method: str) -> dict:
+def _stats(rows: _Rows, r: int, prefill_s: float, decode_s: float) -> dict:
     n_all = sum(len(o) for o in rows.out)
     return {
         "prefill_s": prefill_s,

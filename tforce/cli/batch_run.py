@@ -70,14 +70,12 @@ def _document(path: Optional[str], where: str) -> str:
     return _decode_text(data, f"{path} ({where})")
 
 
-def check_options(method: str, world: int, offload: str, prompt_given: bool) -> None:
+def check_options(method: str, world: int, prompt_given: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
     if method not in BATCH_METHODS:
         raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} so far")
     if world > 1:
         raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
-    if offload == "on":
-        raise UsageError("--batch keeps the KV cache on the device so far (no --offload on)")
     if prompt_given:
         raise UsageError("--batch takes its prompts from the batch file: no PROMPT_FILE or --prompt")
 
@@ -97,14 +95,14 @@ def run_batch(items: list[tuple[object, str]], model: str, draft: Optional[str],
         if len(ids) >= context:
             raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
     longest = max(len(ids) + min(options["max_new_tokens"], context - len(ids)) for ids in prompts)
-    # B rows of the longest row's capacity, all on the device (the batch does not offload yet)
+    # B rows of the longest row's capacity
     draft_config = _read_config(draft, "draft model")[1] if draft else None
-    _check_memory(config, draft_config, longest, dtype_bytes, device, "off", options["gpu_memory"],
+    _check_memory(config, draft_config, longest, dtype_bytes, device, options["offload"], options["gpu_memory"],
                   options["budget"], options["method"], rows=len(prompts))
     target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
     keys = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "gamma2", "draft_budget",
-            "sinks")
+            "sinks", "offload", "gpu_memory")
     results = generate_batch(target.model, prompts, draft=small.model if small else None,
                              method=options["method"], **{k: options[k] for k in keys})
     for (key, _), ids, result in zip(items, prompts, results):

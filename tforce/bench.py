@@ -346,8 +346,8 @@ def info_plan(config, context: int, dtype_bytes: int, gpu_budget: int | None, ho
               context_bytes: int = placement.CONTEXT_BYTES, attention: str = "flash",
               method: str = "triforce", rows: int = 1) -> dict:
     """The memory plan of one rank (of `world`) for `rows` prompts of `context` tokens decoded together
-    (`method` with default options; a draft, where the method uses one, replicated), and the s/step floor of plain
-    (autoregressive) offloaded decoding it implies: every token streams the offloaded KV over H2D and
+    (`method` with default options; a draft, where the method uses one, replicated), and the s/step floor
+    of plain (autoregressive) offloaded decoding it implies: every step streams the offloaded KV over H2D and
     reads the weights and the resident KV from device memory. gpu_budget: device bytes for everything, the CUDA context (context_bytes)
     included. Unmeasured parts are None."""
     shape = placement.Shape.of(config, dtype_bytes, world)

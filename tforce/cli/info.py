@@ -209,7 +209,8 @@ def _plan_rows(t, p: dict) -> None:
     t.add_row("  decode peak", _gib(p["decode_peak_bytes"]))
     t.add_row("  budget", budget)
     t.add_row("pinned host memory", f"{_gib(p['host_pinned_bytes'])}{ranks}")
-    t.add_row("floor, plain offloaded decoding",
+    step = f" (a step: one token of each of {p['rows']} rows)" if p["rows"] > 1 else ""
+    t.add_row(f"floor, plain offloaded decoding{step}",
               f"{secs(p['floor_s_per_token'])} = KV over H2D {secs(p['floor_h2d_s_per_token'])} "
               f"+ weights and resident KV from device memory {secs(p['floor_device_s_per_token'])}")
 

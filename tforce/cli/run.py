@@ -148,7 +148,8 @@ def run(
                       None if dtype == "auto" else dtype,
                       dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            top_k=top_k, seed=seed, ignore_eos=ignore_eos, gamma2=gamma2, draft_budget=draft_budget,
-                           sinks=sinks, budget=budget, **placement_options), _dtype_bytes(None if dtype == "auto" else dtype, dev))
+                           sinks=sinks, budget=budget, **placement_options),
+                      _dtype_bytes(None if dtype == "auto" else dtype, dev))
             return
         # the prompt before any notice, so that a bad prompt is the only line
         text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,

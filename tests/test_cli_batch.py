@@ -64,3 +64,23 @@ def test_batch_refusals(runner, models, tmp_path):
                     "cannot read batch file")
     empty = _write(tmp_path, "", "  ")
     _one_error_line(_run(runner, models, "--batch", empty, "--method", "ar", *FAST), 2, "holds no prompts")
+
+
+def test_bench_batch_against_one_at_a_time(runner):
+    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "3", "--prompt-len", "40", "--gen-len", "8",
+                            "--temperature", "0", "--draft-budget", "24", "--json"])
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert obj["batch"] == 3 and obj["synthetic"] and [run["method"] for run in obj["runs"]] == ["ar", "naive"]
+    for run in obj["runs"]:
+        assert run["rows_equal_alone"] is True and run["tokens"] == 3 * 8
+        assert run["batch_tokens_per_s"] > 0 and run["one_at_a_time_tokens_per_s"] > 0
+    text = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--prompt-len", "20", "--gen-len", "4",
+                               "--methods", "ar"], env={"COLUMNS": "200"})
+    assert text.exit_code == 0 and "tforce bench --batch 2" in text.stdout and "one at a time" in text.stdout
+
+
+def test_bench_batch_refusals(runner):
+    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--methods", "ar,triforce"])
+    _one_error_line(r, 2, "--batch runs --method ar|naive so far")
+    _one_error_line(runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "0"]), 2, "--batch must be >= 1")

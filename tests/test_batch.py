@@ -27,8 +27,9 @@ def prompts_of(lengths, seed=0):
 
 @pytest.mark.parametrize("target", ["gqa", "llama3"])
 @pytest.mark.parametrize("method", ["ar", "naive"])
-def test_greedy_rows_equal_single_prompts(tiny, target, method):
-    prompts = prompts_of(LENGTHS)
+@pytest.mark.parametrize("lengths", [LENGTHS, (9, 9, 9)])  # (9, 9, 9): ar's rows stay of one length
+def test_greedy_rows_equal_single_prompts(tiny, target, method, lengths):
+    prompts = prompts_of(lengths)
     kw = dict(max_new_tokens=30, temperature=0, ignore_eos=True)
     rows = generate_batch(tiny[target], prompts, draft=tiny["draft"], method=method, **SMALL, **kw)
     assert len(rows) == len(prompts)

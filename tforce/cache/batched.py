@@ -79,14 +79,23 @@ class RowsCache(_Rows):
         self._rows_idx = torch.arange(self.rows, device=device)[:, None].expand(-1, n)  # (B, T)
         self._slots = pos
         self._S = int(lengths.max()) + n
+        # Rows of one length (a batch of one, prompts of one length decoding in step) write one block;
+        # one new token each then sees every slot of the view: no mask, as FullCache's one-token forward.
+        self._uniform = int(lengths.min()) if int(lengths.min()) == self._S - n else None
         # slot s visible to row b's query t iff s <= lengths[b] + t: hides each row's unused tail
-        self._mask = (torch.arange(self._S, device=device) <= pos[:, :, None])[:, None]  # (B, 1, T, S)
+        self._mask = None if self._uniform is not None and n == 1 else \
+            (torch.arange(self._S, device=device) <= pos[:, :, None])[:, None]  # (B, 1, T, S)
 
     def update(self, layer, q, k, v):
         q = self.rotary.rotate(q, self._cos, self._sin)
-        self.k[layer][self._rows_idx, self._slots] = self.rotary.rotate(k, self._cos, self._sin)
-        self.v[layer][self._rows_idx, self._slots] = v
-        B, S = self.rows, self._S
+        k = self.rotary.rotate(k, self._cos, self._sin)
+        B, S, L = self.rows, self._S, self._uniform
+        if L is None:
+            self.k[layer][self._rows_idx, self._slots] = k
+            self.v[layer][self._rows_idx, self._slots] = v
+        else:
+            self.k[layer, :B, L:S] = k
+            self.v[layer, :B, L:S] = v
         return q, CacheView(self.k[layer, :B, :S], self.v[layer, :B, :S], self._mask)
 
 

@@ -27,13 +27,13 @@ def _write(tmp_path, *lines: str):
 def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method, offload):
     batch = _write(tmp_path, json.dumps({"prompt": "It was", "id": "short"}), "",
                    json.dumps({"file": str(models / "doc.txt"), "prompt": "Who?"}),
-                   json.dumps({"prompt": DOC, "id": 7}))
+                   json.dumps({"prompt": DOC, "id": 7, "max_new_tokens": 5}))
     r = _run(runner, models, "--batch", batch, "--method", method, "--offload", offload, *FAST)
     assert r.exit_code == 0, r.output
     out = [json.loads(line) for line in r.stdout.strip().splitlines()]
     assert [o["id"] for o in out] == ["short", 3, 7]  # the line number when no id is given
-    for o, text in zip(out, ["It was", DOC + "\n\nWho?", DOC]):
-        assert o["tokens"] == _expected(models, text)
+    for o, text, n in zip(out, ["It was", DOC + "\n\nWho?", DOC], [12, 12, 5]):
+        assert o["tokens"] == _expected(models, text, n)
         assert o["method"] == method and o["stats"]["batch_size"] == 3
         assert o["stats"]["kv_offloaded_layers"] == (2 if offload == "on" else 0)
     assert "batch of 3 prompts" in r.stderr
@@ -43,6 +43,7 @@ def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method, o
     ("not json", "line 2: not JSON"),
     ("[1, 2]", "line 2: expected an object"),
     ('{"text": "x"}', "line 2: unknown key(s) text"),
+    ('{"prompt": "b", "max_new_tokens": -1}', 'line 2: "max_new_tokens" must be an integer >= 0'),
     ('{"id": "x"}', 'line 2: give "prompt"'),
     ('{"prompt": 3}', 'line 2: "prompt" must be a string'),
     ('{"prompt": "  "}', "line 2: the prompt is empty"),

@@ -84,12 +84,13 @@ class _Rows:
         return stop is not None or len(self.out[r]) >= self.max_new[r]
 
 
-def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_tokens: int = 256,
+def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_tokens: int | list[int] = 256,
                    temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
                    ignore_eos: bool = False, gamma2: int = 6, draft_budget: int = 256, sinks: int = 16,
                    prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
                    device_free: int | None = None) -> list[Result]:
-    """One Result per prompt (a list of token-id lists, any lengths), in order; every row is exactly what
+    """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
+    for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
     Each Result's stats: the batch's prefill_s and decode_s, batch_size, batch_tokens_per_s (all rows'
     tokens over decode_s), the row's verifications and draft acceptance, the full cache's placement
@@ -113,9 +114,12 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
             raise UsageError(f"prompt {i + 1} of the batch is empty")
         if len(p) >= context:
             raise UsageError(f"prompt {i + 1} of the batch is {len(p)} tokens; the model's context is {context}")
-    if max_new_tokens < 0:
-        raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    max_new = [min(max_new_tokens, context - len(p)) for p in prompts]
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budgets) != len(prompts):
+        raise UsageError(f"max_new_tokens: {len(budgets)} budgets for {len(prompts)} prompts")
+    if min(budgets) < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {min(budgets)}")
+    max_new = [min(m, context - len(p)) for p, m in zip(prompts, budgets)]
     if (target.config.rope_parameters or {}).get("rope_type") == "dynamic":
         # its frequencies depend on each row's final length (rope.py): one rotation per row, not done
         raise UsageError("batches do not support dynamic NTK RoPE yet")

@@ -2,7 +2,8 @@
 
 Each non-blank line of FILE ('-' = stdin) is one JSON object: {"prompt": TEXT} or {"file": PATH} (a
 document, read as `tforce run PATH` reads it) or both (the document, then the prompt, joined by a blank
-line, as `tforce run PATH --prompt TEXT`), with an optional "id" (default: the line number). The whole
+line, as `tforce run PATH --prompt TEXT`), with an optional "id" (default: the line number) and
+"max_new_tokens" (default: --max-new-tokens). The whole
 file is checked before any model is loaded; a bad line is one error naming its line. Results go to
 stdout in the file's order, one JSON object a line; nothing is written anywhere else.
 """
@@ -17,11 +18,11 @@ from ..batch import BATCH_METHODS
 from ..errors import UsageError
 from .common import _as_role, _check_memory, _decode_text, _say
 
-KEYS = {"prompt", "file", "id"}
+KEYS = {"prompt", "file", "id", "max_new_tokens"}
 
 
-def read_batch(source: str) -> list[tuple[object, str]]:
-    """(id, text) per prompt of a JSON-lines file, every line checked."""
+def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
+    """(id, text, max_new_tokens or None) per prompt of a JSON-lines file, every line checked."""
     try:
         data = sys.stdin.buffer.read() if source == "-" else Path(source).expanduser().read_bytes()
     except OSError as e:
@@ -39,7 +40,7 @@ def read_batch(source: str) -> list[tuple[object, str]]:
             raise UsageError(f'{where}: expected an object like {{"prompt": "...", "id": "..."}}')
         if set(obj) - KEYS:
             raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(set(obj) - KEYS))}; "
-                             f"a line takes prompt, file and id")
+                             f"a line takes prompt, file, id and max_new_tokens")
         if "prompt" not in obj and "file" not in obj:
             raise UsageError(f'{where}: give "prompt" (text) or "file" (a document path)')
         for key in ("prompt", "file"):
@@ -53,8 +54,11 @@ def read_batch(source: str) -> list[tuple[object, str]]:
             raise UsageError(f'{where}: "id" must be a string or an integer')
         if key in ids:
             raise UsageError(f"{where}: id {key!r} appears twice")
+        budget = obj.get("max_new_tokens")
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise UsageError(f'{where}: "max_new_tokens" must be an integer >= 0')
         ids.add(key)
-        items.append((key, text))
+        items.append((key, text, budget))
     if not items:
         raise UsageError(f"batch file {source} holds no prompts")
     return items
@@ -80,7 +84,7 @@ def check_options(method: str, world: int, prompt_given: bool) -> None:
         raise UsageError("--batch takes its prompts from the batch file: no PROMPT_FILE or --prompt")
 
 
-def run_batch(items: list[tuple[object, str]], model: str, draft: Optional[str], device: str, dtype: Optional[str],
+def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft: Optional[str], device: str, dtype: Optional[str],
               options: dict, dtype_bytes: int) -> None:
     from ..batch import generate_batch
     from ..weights import load_model
@@ -89,23 +93,24 @@ def run_batch(items: list[tuple[object, str]], model: str, draft: Optional[str],
     path, config, tok = _tp_target(model, 1)
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
-    prompts = [list(tok.encode(text)) for _, text in items]
+    prompts = [list(tok.encode(text)) for _, text, _ in items]
+    budgets = [options["max_new_tokens"] if n is None else n for _, _, n in items]
     context = config.max_position_embeddings
-    for (key, _), ids in zip(items, prompts):
+    for (key, _, _), ids in zip(items, prompts):
         if len(ids) >= context:
             raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
-    longest = max(len(ids) + min(options["max_new_tokens"], context - len(ids)) for ids in prompts)
+    longest = max(len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets))
     # B rows of the longest row's capacity
     draft_config = _read_config(draft, "draft model")[1] if draft else None
     _check_memory(config, draft_config, longest, dtype_bytes, device, options["offload"], options["gpu_memory"],
                   options["budget"], options["method"], rows=len(prompts))
     target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
-    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "gamma2", "draft_budget",
-            "sinks", "offload", "gpu_memory")
-    results = generate_batch(target.model, prompts, draft=small.model if small else None,
-                             method=options["method"], **{k: options[k] for k in keys})
-    for (key, _), ids, result in zip(items, prompts, results):
+    keys = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "gamma2", "draft_budget", "sinks", "offload",
+            "gpu_memory")
+    results = generate_batch(target.model, prompts, draft=small.model if small else None, method=options["method"],
+                             max_new_tokens=budgets, **{k: options[k] for k in keys})
+    for (key, _, _), ids, result in zip(items, prompts, results):
         record = {"id": key, "text": tok.decode(result.tokens, skip_special_tokens=True), "tokens": result.tokens,
                   "prompt_tokens": len(ids), "method": options["method"], "device": device, "stats": result.stats}
         sys.stdout.write(json.dumps(record) + "\n")

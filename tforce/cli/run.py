@@ -111,7 +111,8 @@ def run(
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda)."),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSON-lines file of prompts ('-' = stdin), one "
-                                        "{\"prompt\": ..., \"file\": ..., \"id\": ...} a line, run as one batch; "
+                                        "{\"prompt\" and/or \"file\", \"id\", \"max_new_tokens\"} a line, run as "
+                                        "one batch; "
                                         "one JSON line out per prompt (--method ar or naive)."),
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""

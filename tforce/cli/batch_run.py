@@ -84,11 +84,11 @@ def check_options(method: str, world: int, prompt_given: bool) -> None:
         raise UsageError("--batch takes its prompts from the batch file: no PROMPT_FILE or --prompt")
 
 
-def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft: Optional[str], device: str, dtype: Optional[str],
-              options: dict, dtype_bytes: int) -> None:
+def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft: Optional[str], device: str,
+              dtype: Optional[str], options: dict) -> None:
     from ..batch import generate_batch
     from ..weights import load_model
-    from .run import _read_config, _tp_target
+    from .run import _dtype_bytes, _read_config, _tp_target
 
     path, config, tok = _tp_target(model, 1)
     if tok is None:
@@ -102,7 +102,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft:
     longest = max(len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets))
     # B rows of the longest row's capacity
     draft_config = _read_config(draft, "draft model")[1] if draft else None
-    _check_memory(config, draft_config, longest, dtype_bytes, device, options["offload"], options["gpu_memory"],
+    _check_memory(config, draft_config, longest, _dtype_bytes(dtype, device), device, options["offload"], options["gpu_memory"],
                   options["budget"], options["method"], rows=len(prompts))
     target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None

@@ -144,14 +144,11 @@ def run(
         if spec.uses_draft and draft_name is None:
             raise UsageError(f"method {method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
         if batch is not None:
-            items = read_batch(batch)
-            run_batch(items, target_name, draft_name if spec.uses_draft else None, dev,
-                      None if dtype == "auto" else dtype,
-                      dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           top_k=top_k, seed=seed, ignore_eos=ignore_eos, gamma2=gamma2, draft_budget=draft_budget,
-                           sinks=sinks, budget=budget, **placement_options),
-                      _dtype_bytes(None if dtype == "auto" else dtype, dev))
-            return
+            return run_batch(read_batch(batch), target_name, draft_name if spec.uses_draft else None, dev,
+                             None if dtype == "auto" else dtype, dict(
+                                 method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                 top_k=top_k, seed=seed, ignore_eos=ignore_eos, gamma2=gamma2, sinks=sinks,
+                                 draft_budget=draft_budget, budget=budget, **placement_options))
         # the prompt before any notice, so that a bad prompt is the only line
         text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
                             demo_prompt() if model is None else None)

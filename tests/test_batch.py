@@ -197,3 +197,24 @@ def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
     target, draft = small_vocab
     samples, _ = draw_rows(target, draft, "naive", seed=1)
     assert min(pvalues(target, samples)) < 1e-6
+
+
+def test_one_host_transfer_per_step_for_all_rows(tiny, monkeypatch):
+    """ar: one device -> host transfer per step carrying every live row's token, never one per row;
+    naive: one per drafted token (all rows) and one per verification (all rows' counts and next tokens)."""
+    calls = []
+
+    def host(t):
+        calls.append(t.numel())
+        return t.tolist()
+
+    monkeypatch.setattr(tforce.batch, "host", host)
+    monkeypatch.setattr(tforce.speculative, "host", host)
+    prompts = prompts_of((5, 9, 3))
+    generate_batch(tiny["gqa"], prompts, method="ar", max_new_tokens=[10, 10, 4], temperature=0, ignore_eos=True)
+    assert calls == [3] * 4 + [2] * 6  # the third row left after its 4 tokens
+    calls.clear()
+    rows = generate_batch(tiny["gqa"], prompts, draft=tiny["draft"], method="naive", max_new_tokens=10, temperature=0,
+                          ignore_eos=True, **dict(SMALL, gamma2=3))
+    rounds = max(r.stats["verifications"] for r in rows)
+    assert len(calls) == rounds * (3 + 1) and set(calls[:4]) == {3, 6}  # first round: 3 drafts, 1 verdict

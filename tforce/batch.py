@@ -49,7 +49,7 @@ class RowsNode:
         if not last:
             return None
         pick = torch.tensor(counts)[:, None] - last + torch.arange(last)  # (B, last)
-        pick = pick.to(logits.device)
+        pick = to_device(pick, logits.device)
         chosen = logits.gather(1, pick[..., None].expand(-1, -1, logits.shape[-1]))
         return to_probs(chosen.reshape(-1, logits.shape[-1]), self.sampling).view(len(rows), last, -1)
 

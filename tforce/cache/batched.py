@@ -4,7 +4,8 @@ cache/base.py: left-aligned rows, per-row `lengths`, padding only at a row's end
 RowsCache is FullCache for B rows (the verifier's cache and plain decoding's); RowsStreamingCache is
 StreamingCache for B rows (the small draft's). Both keep `lengths` on the host as a (B,) long tensor:
 the decode loop knows every row's count already (it decides acceptance on the host), so no device ->
-host copy is needed to size a view. Only the first `rows` rows are live; keep(rows) compacts.
+host copy is needed to size a view; per-row positions and slots reach the device through
+sync.to_device (no sync). Only the first `rows` rows are live; keep(rows) compacts.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from ..errors import TforceError
 from ..rope import Rotary
+from ..sync import to_device
 from .base import CacheView
 
 
@@ -47,7 +49,7 @@ class _Rows:
         after this). One layer at a time, so the copy needs one layer's rows of scratch memory."""
         idx = torch.tensor(rows, dtype=torch.long)
         if rows != list(range(len(rows))):
-            dev = idx.to(self.k.device)
+            dev = to_device(idx, self.k.device)
             for layer in range(self.k.shape[0]):
                 self.k[layer, :len(rows)] = self.k[layer, dev]
                 self.v[layer, :len(rows)] = self.v[layer, dev]
@@ -74,7 +76,7 @@ class RowsCache(_Rows):
             raise TforceError(f"KV cache full: {int(lengths.max())} + {n} tokens > capacity {self.capacity}")
         self.pending = n
         device = self.k.device
-        pos = lengths.to(device)[:, None] + torch.arange(n, device=device)  # (B, T) per-row positions
+        pos = to_device(lengths, device)[:, None] + torch.arange(n, device=device)  # (B, T) per-row positions
         self._cos, self._sin = _rotation(self.rotary, pos, self.k.dtype)
         self._rows_idx = torch.arange(self.rows, device=device)[:, None].expand(-1, n)  # (B, T)
         self._slots = pos
@@ -152,13 +154,14 @@ class RowsStreamingCache(_Rows):
         S = max(len(r) for r in views)
         sizes = torch.tensor([len(r) for r in views])
         device = self.k.device
-        self._view_slots = torch.tensor([r + [0] * (S - len(r)) for r in views], device=device)  # (B, S)
-        self._new_slots = torch.tensor(news, device=device)  # (B, T)
+        self._view_slots = to_device(torch.tensor([r + [0] * (S - len(r)) for r in views]), device)  # (B, S)
+        self._new_slots = to_device(torch.tensor(news), device)  # (B, T)
         self._rows_view = torch.arange(self.rows, device=device)[:, None]
         self._cos, self._sin = self.rotary.cos_sin(torch.arange(S, device=device), self.k.dtype)  # by view slot
         qpos = (sizes - n)[:, None] + torch.arange(n)  # (B, T): each new token's slot in its row's view
-        self._qcos, self._qsin = _rotation(self.rotary, qpos.to(device), self.k.dtype)
-        self._mask = (torch.arange(S) <= qpos[:, :, None])[:, None].to(device)  # (B, 1, T, S)
+        qpos = to_device(qpos, device)
+        self._qcos, self._qsin = _rotation(self.rotary, qpos, self.k.dtype)
+        self._mask = (torch.arange(S, device=device) <= qpos[:, :, None])[:, None]  # (B, 1, T, S)
 
     def update(self, layer, q, k, v):
         self.k[layer][self._rows_view, self._new_slots] = k

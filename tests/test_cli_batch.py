@@ -63,6 +63,8 @@ def test_batch_refusals(runner, models, tmp_path):
                     "no PROMPT_FILE or --prompt")
     _one_error_line(_run(runner, models, "--batch", str(tmp_path / "none.jsonl"), "--method", "ar", *FAST), 2,
                     "cannot read batch file")
+    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--deterministic", *FAST), 2,
+                    "no --deterministic")
     empty = _write(tmp_path, "", "  ")
     _one_error_line(_run(runner, models, "--batch", empty, "--method", "ar", *FAST), 2, "holds no prompts")
 
@@ -85,3 +87,10 @@ def test_bench_batch_refusals(runner):
     r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--methods", "ar,triforce"])
     _one_error_line(r, 2, "--batch runs --method ar|naive so far")
     _one_error_line(runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "0"]), 2, "--batch must be >= 1")
+
+
+def test_batch_from_stdin(runner, models):
+    r = _run(runner, models, "--batch", "-", "--method", "ar", *FAST, input='{"prompt": "It was", "id": "x"}\n')
+    assert r.exit_code == 0, r.output
+    [line] = r.stdout.strip().splitlines()
+    assert json.loads(line)["id"] == "x" and json.loads(line)["tokens"] == _expected(models, "It was")

@@ -74,12 +74,14 @@ def _document(path: Optional[str], where: str) -> str:
     return _decode_text(data, f"{path} ({where})")
 
 
-def check_options(method: str, world: int, prompt_given: bool) -> None:
+def check_options(method: str, world: int, prompt_given: bool, deterministic: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
     if method not in BATCH_METHODS:
         raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} so far")
     if world > 1:
         raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
+    if deterministic:
+        raise UsageError("--batch does not verify row by row yet (no --deterministic)")
     if prompt_given:
         raise UsageError("--batch takes its prompts from the batch file: no PROMPT_FILE or --prompt")
 

@@ -132,7 +132,8 @@ def run(
         _threads(threads)
         world, dev = _parallel(tp, gpus, device)
         if batch is not None:
-            check_options(method, world, prompt_file_arg is not None or prompt_file is not None or prompt is not None)
+            check_options(method, world, prompt_file_arg is not None or prompt_file is not None or prompt is not None,
+                          deterministic)
         target_name = model
         if model is None:
             target_name, demo_draft = demo_pair()

@@ -60,7 +60,7 @@ class RowsNode:
             self.feed([p[:-1][start:start + self.prefill_chunk] for p in prompts], None)
 
 
-class _Rows:
+class _RowState:
     """The host-side state of the live rows: index into the caller's list, tokens so far, budget."""
 
     def __init__(self, prompts, max_new: list[int]):
@@ -133,7 +133,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     plan = _plan(target, draft, work, offload, gpu_memory, device_free)  # raises when the batch does not fit
     full = _full_node(target, B, total, spec.max_lookahead, plan.resident, sampling, prefill_chunk)
     small = _draft_node(draft, B, total, spec, sampling, prefill_chunk) if method == "naive" else None
-    rows = _Rows(prompts, max_new)
+    rows = _RowState(prompts, max_new)
     t0 = time.perf_counter()
     for node in (full, small):
         if node is not None:
@@ -179,7 +179,7 @@ def _draft_node(draft, B: int, total: int, spec: Speculation, sampling: Sampling
     return RowsNode(draft, cache, sampling, chunk)
 
 
-def _keep(rows: _Rows, live: list[int], *nodes) -> None:
+def _keep(rows: _RowState, live: list[int], *nodes) -> None:
     """Only the live rows stay, in the caches and in the host state."""
     rows.ids = [rows.ids[i] for i in live]
     for node in nodes:
@@ -187,7 +187,7 @@ def _keep(rows: _Rows, live: list[int], *nodes) -> None:
             node.cache.keep(live)
 
 
-def _ar_step(full: RowsNode, rows: _Rows, gen) -> list[list[int]]:
+def _ar_step(full: RowsNode, rows: _RowState, gen) -> list[list[int]]:
     """Plain decoding: every row feeds its last token and samples the next (one host sync)."""
     p = full.feed([[rows.seq[r][-1]] for r in rows.ids], last=1)  # (B, 1, V)
     tokens = host(sample(p[:, 0], gen))
@@ -196,7 +196,7 @@ def _ar_step(full: RowsNode, rows: _Rows, gen) -> list[list[int]]:
     return [[t] for t in tokens]
 
 
-def _naive_round(full: RowsNode, small: RowsNode, rows: _Rows, gamma: int, gen) -> list[list[int]]:
+def _naive_round(full: RowsNode, small: RowsNode, rows: _RowState, gamma: int, gen) -> list[list[int]]:
     """The draft proposes gamma tokens per row; the full cache verifies all rows in one forward; row b
     accepts its own count. Before the round each row's full cache holds its sequence but the last token,
     its draft cache some prefix of it (what earlier rounds fed and their verdicts kept)."""
@@ -225,7 +225,7 @@ def _naive_round(full: RowsNode, small: RowsNode, rows: _Rows, gamma: int, gen) 
     return out
 
 
-def _stats(rows: _Rows, r: int, prefill_s: float, decode_s: float) -> dict:
+def _stats(rows: _RowState, r: int, prefill_s: float, decode_s: float) -> dict:
     n_all = sum(len(o) for o in rows.out)
     return {
         "prefill_s": prefill_s,

@@ -65,6 +65,9 @@ def test_batch_refusals(runner, models, tmp_path):
                     "cannot read batch file")
     _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--deterministic", *FAST), 2,
                     "no --deterministic")
+    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--save-kv", str(tmp_path / "kv"),
+                         *FAST), 2, "no --save-kv or --load-kv")
+    assert not (tmp_path / "kv").exists()
     empty = _write(tmp_path, "", "  ")
     _one_error_line(_run(runner, models, "--batch", empty, "--method", "ar", *FAST), 2, "holds no prompts")
 

@@ -3,6 +3,8 @@ decoding, so greedy speculative output equals greedy `ar` in bfloat16 too; witho
 logits are not one-token decoding's (what the README says about exactness in low precision rests on this)."""
 from __future__ import annotations
 
+import copy
+
 from pathlib import Path
 
 import pytest
@@ -29,29 +31,26 @@ def _cache(model, kind, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["full", "offloaded"])
 def test_rowwise_logits_are_one_token_logits_bit_for_bit(tiny, dtype, kind):
-    model = tiny["gqa"].model.to(dtype)
-    try:
-        ids = torch.randint(3, 259, (1, 27), generator=torch.Generator().manual_seed(1))
-        one, rows = _cache(model, kind, dtype), _cache(model, kind, dtype)
-        one.begin(20)  # plain decoding's prefill
-        model(ids[:, :20], one, last_n=0)
-        one.commit(20)
-        rows.begin(20)  # the runner's prefill (no logits) must be that same plain forward
-        RowwiseRunner(model, rows)(ids[:, :20], last_n=0)
-        rows.commit(20)
-        expected = []
-        for t in range(20, 27):  # plain decoding: seven one-token forwards
-            one.begin(1)
-            expected.append(model(ids[:, t:t + 1], one, last_n=1))
-            one.commit(1)
-        rows.begin(7)  # verification: one forward over seven tokens, computed row by row
-        got = RowwiseRunner(model, rows)(ids[:, 20:27], last_n=7)
-        rows.commit(7)
-        assert torch.equal(got, torch.cat(expected, dim=1))
-        for layer in range(model.config.num_hidden_layers):  # and the cache holds the same K/V
-            assert torch.equal(rows.layer_keys(layer)[:, :27], one.layer_keys(layer)[:, :27])
-    finally:
-        model.float()
+    model = copy.deepcopy(tiny["gqa"].model).to(dtype)  # a copy: the session fixture stays float32
+    ids = torch.randint(3, 259, (1, 27), generator=torch.Generator().manual_seed(1))
+    one, rows = _cache(model, kind, dtype), _cache(model, kind, dtype)
+    one.begin(20)  # plain decoding's prefill
+    model(ids[:, :20], one, last_n=0)
+    one.commit(20)
+    rows.begin(20)  # the runner's prefill (no logits) must be that same plain forward
+    RowwiseRunner(model, rows)(ids[:, :20], last_n=0)
+    rows.commit(20)
+    expected = []
+    for t in range(20, 27):  # plain decoding: seven one-token forwards
+        one.begin(1)
+        expected.append(model(ids[:, t:t + 1], one, last_n=1))
+        one.commit(1)
+    rows.begin(7)  # verification: one forward over seven tokens, computed row by row
+    got = RowwiseRunner(model, rows)(ids[:, 20:27], last_n=7)
+    rows.commit(7)
+    assert torch.equal(got, torch.cat(expected, dim=1))
+    for layer in range(model.config.num_hidden_layers):  # and the cache holds the same K/V
+        assert torch.equal(rows.layer_keys(layer)[:, :27], one.layer_keys(layer)[:, :27])
 
 
 @pytest.fixture(scope="module")
@@ -72,24 +71,21 @@ def test_a_plain_batched_verification_is_not_one_token_decoding(tiny, dtype):
     """The problem, shown where it lives: a forward over 7 tokens rounds differently from 7 forwards over
     1 (measured here: ~2e-6 in float32, ~1.5e-2 in bfloat16 on a tiny model), so without row-wise
     verification greedy output equals `ar`'s only where no near-tie falls inside that difference."""
-    model = tiny["gqa"].model.to(dtype)
-    try:
-        ids = torch.randint(3, 259, (1, 27), generator=torch.Generator().manual_seed(1))
-        one, batched = _cache(model, "full", dtype), _cache(model, "full", dtype)
-        for cache in (one, batched):
-            cache.begin(20)
-            model(ids[:, :20], cache, last_n=0)
-            cache.commit(20)
-        expected = []
-        for t in range(20, 27):
-            one.begin(1)
-            expected.append(model(ids[:, t:t + 1], one, last_n=1))
-            one.commit(1)
-        batched.begin(7)
-        got = model(ids[:, 20:27], batched, last_n=7)
-        assert not torch.equal(got, torch.cat(expected, dim=1))
-    finally:
-        model.float()
+    model = copy.deepcopy(tiny["gqa"].model).to(dtype)  # a copy: the session fixture stays float32
+    ids = torch.randint(3, 259, (1, 27), generator=torch.Generator().manual_seed(1))
+    one, batched = _cache(model, "full", dtype), _cache(model, "full", dtype)
+    for cache in (one, batched):
+        cache.begin(20)
+        model(ids[:, :20], cache, last_n=0)
+        cache.commit(20)
+    expected = []
+    for t in range(20, 27):
+        one.begin(1)
+        expected.append(model(ids[:, t:t + 1], one, last_n=1))
+        one.commit(1)
+    batched.begin(7)
+    got = model(ids[:, 20:27], batched, last_n=7)
+    assert not torch.equal(got, torch.cat(expected, dim=1))
 
 
 @pytest.mark.parametrize("method", ["triforce", "retrieval", "naive", "streaming"])

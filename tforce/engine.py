@@ -21,7 +21,7 @@ from .config import Sampling, Speculation
 from .errors import UsageError
 from .graphs import GraphRunner
 from .prefill import prefill_layer_major
-from .levels import Drafter, Node, SpecLevel
+from .levels import Drafter, LevelStats, Node, SpecLevel
 from .rope import Rotary
 from .rowwise import RowwiseRunner
 
@@ -119,29 +119,36 @@ class Session:
         top = SpecLevel(mid, self.full, s.gamma2)
         return top, mid, top
 
-    def prefill(self, prompt: torch.Tensor, progress=None) -> None:
-        """Every node takes the prompt but its last token, which the first round feeds."""
+    def prefill(self, prompt: torch.Tensor, progress=None, upto: int | None = None) -> int:
+        """Every node takes the prompt but its last token, which the first round feeds (with upto: takes
+        prompt[:upto], e.g. a document that questions will follow). What the caches already hold of it (a
+        conversation's document, a loaded snapshot) is kept and only the rest is fed; returns how many
+        tokens the full cache kept."""
         n = len(prompt)
+        m = n - 1 if upto is None else upto
         self.seq[:n] = prompt
-        if isinstance(self.full.cache, OffloadedCache) and n > 1:  # PCIe traffic linear in the prompt
+        kept = self.full.sync(self.seq, m + 1)
+        if isinstance(self.full.cache, OffloadedCache) and kept == 0 and m > 0:
+            # PCIe traffic linear in the prompt
             chunk_rule = self.retrieval is not None and self.retrieval.select is None
             observe = (lambda i, k: self.retrieval.observe(self.full.cache, i, k)) if chunk_rule else None
-            prefill_layer_major(self.target, self.seq[:n - 1], self.full.cache, self.full.prefill_chunk, progress,
+            prefill_layer_major(self.target, self.seq[:m], self.full.cache, self.full.prefill_chunk, progress,
                                 observe)
-            self.full.adopt(self.seq, n - 1)
+            self.full.adopt(self.seq, m)
         else:
-            self.full.prefill(self.seq, n - 1, progress)
+            self.full.prefill(self.seq, m, progress)
         if self.middle is not None:
             if self.retrieval is not None:
                 prepare = getattr(self.retrieval.select, "prepare", None)  # H2O: a pass over the prompt
                 if prepare is not None:
-                    prepare(self.target, self.seq[:n - 1])
+                    prepare(self.target, self.seq[:m])
                 self._rebuild()
             else:
-                self.middle.prefill(self.seq, n - 1)
+                self._catch_up(self.middle, m)
         if self.small is not None:
-            self.small.prefill(self.seq, n - 1)
+            self._catch_up(self.small, m)
         self._capture_graphs()
+        return kept
 
     def _capture_graphs(self) -> None:
         """Right after prefill, outside the timed decode: the graphs of the draft and middle levels'
@@ -161,6 +168,32 @@ class Session:
                 for n_tokens, last_n in node_shapes:
                     node.runner.capture(n_tokens, last_n)
 
+    # Returning to a prefix (a document's end): the full cache truncates, the retrieval cache is rebuilt,
+    # and a streaming cache, which rolls back only max_rollback tokens, restores the state marked there.
+    marks: dict = {}  # node name -> (StreamingCache.state(), the tokens it holds)
+    loaded_queries: tuple | None = None  # (length, per layer (H_q, D)): the last prefix token's, from a snapshot
+
+    def mark(self) -> None:
+        """Remember the streaming caches' states at what they hold now, for later prompts that extend it."""
+        self.marks = {node.name: (node.cache.state(), node.tokens[:node.cache.length].clone())
+                      for node in (self.middle, self.small) if node is not None and node.cache is not self.retrieval}
+
+    def _catch_up(self, node: Node, m: int) -> None:
+        """Feed a streaming node seq[:m]: rolled back within reach, else from the marked state if seq extends
+        it, else from the start."""
+        if not node.cache.reachable(node.matching(self.seq, m + 1)):
+            state, tokens = self.marks.get(node.name, (None, self.seq[:0]))
+            usable = state is not None and len(tokens) <= m and torch.equal(tokens, self.seq[:len(tokens)])
+            node.cache.restore(state if usable else None)
+            node.adopt(self.seq, node.cache.length)
+        node.prefill(self.seq, m)
+
+    def reset_stats(self) -> None:
+        """Acceptance and rebuild times count from here (a conversation's next question)."""
+        for level in {self.draft_level, self.middle_level} - {None}:
+            level.stats = LevelStats()
+        self.rebuild_times = ()
+
     rebuild_times: tuple[float, ...] = ()  # seconds of each retrieval rebuild, the prefill's first
 
     def _rebuild(self) -> None:
@@ -169,13 +202,25 @@ class Session:
         device = next(self.target.parameters()).device
         _sync_device(device)  # time the rebuild alone, not the work queued before it
         t0 = time.perf_counter()
-        queries = [full.query_at(i, L - 1) for i in range(len(full.queries))] if L else []
+        queries = self.last_queries(L) if L else []
         self.retrieval.rebuild(full, queries)
         _sync_device(device)
         self.rebuild_times += (time.perf_counter() - t0,)
         self.middle.adopt(self.seq, L)
         if self.middle_level is not None:
             self.middle_level.stats.recent = []
+
+    def last_queries(self, L: int) -> list[torch.Tensor]:
+        """Per layer, the rotated query (H_q, D) of the last committed token, from the full cache's last
+        forward; a snapshot's saved ones after loading; else that token is fed again to compute them."""
+        full = self.full.cache
+        pos = full.query_pos
+        if not (len(pos) and int(pos[0]) <= L - 1 < int(pos[0]) + len(pos)):
+            if self.loaded_queries is not None and self.loaded_queries[0] == L:
+                return self.loaded_queries[1]
+            full.truncate(L - 1)
+            self.full.prefill(self.seq, L)
+        return [full.query_at(i, L - 1) for i in range(len(full.queries))]
 
     def _maybe_rebuild(self, n: int) -> None:
         """Before a round over seq[:n]: rebuild when new tokens crowd the budget, every `rebuild_every`
@@ -248,13 +293,50 @@ def _check_pair(target, draft, spec: Speculation) -> None:
                          f"{target.config.vocab_size} tokens): the draft must share the target's tokenizer")
 
 
+def open_session(target, draft, prompt_len: int, max_new: int, *, method: str = "triforce", temperature: float = 0.6,
+                 top_p: float = 0.9, top_k: int = 0, seed: int | None = None, budget: int = 4096, chunk_size: int = 8,
+                 gamma1: int = 2, gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
+                 rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
+                 gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
+                 deterministic: bool = False) -> Session:
+    """The checked configuration's Session for prompt_len + max_new tokens (options: generate's)."""
+    spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
+                       draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                       rebuild_below=rebuild_below, policy=policy)
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    spec.validate()
+    sampling.validate()
+    _check_pair(target, draft, spec)
+    return Session(target, draft, prompt_len, max_new, spec, sampling, prefill_chunk, offload, gpu_memory,
+                   cuda_graphs, device_free, deterministic)
+
+
+def check_prompt(target, n: int, max_new_tokens: int) -> int:
+    """Refuses an empty prompt or one that fills the context; returns how many new tokens fit after it."""
+    context = target.config.max_position_embeddings
+    if n == 0:
+        raise UsageError("the prompt is empty")
+    if n >= context:
+        raise UsageError(f"the prompt is {n} tokens; the model's context is {context}")
+    if max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    return min(max_new_tokens, context - n)
+
+
+def generator(target, seed: int | None) -> torch.Generator:
+    gen = torch.Generator(device=next(target.parameters()).device)
+    gen.manual_seed(seed if seed is not None else torch.seed())
+    return gen
+
+
 def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_new_tokens: int = 256,
              temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
              ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
              gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
              rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
              gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
-             deterministic: bool = False, on_token=None, on_prefill=None, on_round=None, on_plan=None) -> Result:
+             deterministic: bool = False, load_kv=None, save_kv=None, on_token=None, on_prefill=None,
+             on_round=None, on_plan=None) -> Result:
     """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
     or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
     on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each
@@ -267,40 +349,56 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     runs the offloaded cache's code path on the CPU (for tests). policy: which tokens the middle
     (retrieval) cache holds: retrieval | topk | streaming | h2o (cache/policies.py). deterministic: the
     full-cache level computes every drafted position's logits exactly as one-token decoding does
-    (rowwise.py), so greedy output equals `ar`'s in any dtype; it costs weight reads per verification."""
-    spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
-                       draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
-                       rebuild_below=rebuild_below, policy=policy)
-    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    spec.validate()
-    sampling.validate()
-    target, draft = _module(target), (_module(draft) if draft is not None else None)
-    _check_pair(target, draft, spec)
-    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
-    context = target.config.max_position_embeddings
-    if len(prompt) == 0:
-        raise UsageError("the prompt is empty")
-    if len(prompt) >= context:
-        raise UsageError(f"the prompt is {len(prompt)} tokens; the model's context is {context}")
-    if max_new_tokens < 0:
-        raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    max_new = min(max_new_tokens, context - len(prompt))
-    device = next(target.parameters()).device
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else torch.seed())
+    (rowwise.py), so greedy output equals `ar`'s in any dtype; it costs weight reads per verification.
+    KV snapshots (snapshot.py): load_kv, a snapshot folder: its caches are loaded and only the part of the
+    prompt after its prefix is prefilled (a prompt that leaves the prefix keeps the common part;
+    stats["kv_reused"] says how many of the snapshot's stats["kv_snapshot_tokens"] were reused); save_kv, a
+    folder: the caches after prefill (the prompt but its last token) are written there. A snapshot loads only
+    into the same model, tokenizer and dtype."""
+    from . import snapshot
 
-    session = Session(target, draft, len(prompt), max_new, spec, sampling, prefill_chunk, offload, gpu_memory,
-                      cuda_graphs, device_free, deterministic)
+    identity = snapshot.identity(target, draft) if load_kv is not None or save_kv is not None else None
+    target, draft = _module(target), (_module(draft) if draft is not None else None)
+    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+    max_new = check_prompt(target, len(prompt), max_new_tokens)
+    session = open_session(target, draft, len(prompt), max_new, method=method, temperature=temperature,
+                           top_p=top_p, top_k=top_k, seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1,
+                           gamma2=gamma2, draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                           rebuild_below=rebuild_below, policy=policy, prefill_chunk=prefill_chunk, offload=offload,
+                           gpu_memory=gpu_memory, cuda_graphs=cuda_graphs, device_free=device_free,
+                           deterministic=deterministic)
     if on_plan:
         on_plan(_placement(session.plan))
+    if save_kv is not None:
+        snapshot.check_target(save_kv)  # before the work, not after
+    gen = generator(target, seed)
+    device = next(target.parameters()).device
     t0 = time.perf_counter()
+    kv = {}
+    if load_kv is not None:
+        kv["kv_reused"], kv["kv_snapshot_tokens"] = snapshot.load(load_kv, session, prompt, len(prompt) - 1, identity)
+        _sync_device(device)
+        kv["load_kv_s"] = time.perf_counter() - t0
     session.prefill(prompt, on_prefill)
     _sync_device(device)
     t1 = time.perf_counter()
-    out: list[int] = []
+    if save_kv is not None:
+        snapshot.save(save_kv, session, identity)
+        kv["save_kv_s"] = time.perf_counter() - t1
     eos = set() if ignore_eos else _eos_ids(target.config)
-    n = len(prompt)
     full_forwards = session.full.forwards
+    t2 = time.perf_counter()
+    out = decode(session, len(prompt), max_new, gen, eos, on_token, on_round)
+    _sync_device(device)
+    t3 = time.perf_counter()
+    stats = _stats(session, len(out), t1 - t0, t3 - t2, session.full.forwards - full_forwards)
+    return Result(out, {**stats, **kv})
+
+
+def decode(session: Session, n: int, max_new: int, gen: torch.Generator, eos: set[int], on_token=None,
+           on_round=None) -> list[int]:
+    """Rounds after seq[:n] until max_new tokens or an EOS (kept); callbacks as generate's."""
+    out: list[int] = []
     while len(out) < max_new:
         tokens = session.round(n, gen)[: max_new - len(out)]
         stop = next((i for i, t in enumerate(tokens) if t in eos), None)
@@ -314,9 +412,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
             on_round(tokens, _acceptance(session))
         if stop is not None:
             break
-    _sync_device(device)
-    t2 = time.perf_counter()
-    return Result(out, _stats(session, len(out), t1 - t0, t2 - t1, session.full.forwards - full_forwards))
+    return out
 
 
 def _acceptance(session: Session) -> dict:

@@ -45,11 +45,15 @@ class Node:
         self.device = next(model.parameters()).device
         self.forwards = 0
 
-    def sync(self, seq: torch.Tensor, n: int) -> int:
-        """Roll back to the matching prefix of seq[:n] and return where feeding must start (<= n - 1)."""
+    def matching(self, seq: torch.Tensor, n: int) -> int:
+        """How many of the tokens the cache holds match seq[:n - 1] (the prefix sync would keep)."""
         m = min(self.cache.length, n - 1)
         diff = (self.tokens[:m] != seq[:m]).nonzero()
-        keep = int(diff[0]) if len(diff) else m
+        return int(diff[0]) if len(diff) else m
+
+    def sync(self, seq: torch.Tensor, n: int) -> int:
+        """Roll back to the matching prefix of seq[:n] and return where feeding must start (<= n - 1)."""
+        keep = self.matching(seq, n)
         if keep < self.cache.length:
             self.cache.truncate(keep)
         return keep

@@ -101,3 +101,34 @@ class StreamingCache(StaticInputs):
         if self.sinks <= max(min(self.sinks, length), length - self.window) < self.offset:
             raise TforceError("streaming cache rolled back further than it keeps (max_rollback too small)")
         self.length = length
+
+    # Saved states: the cache rolls back only max_rollback tokens, so a conversation that returns to a
+    # document's end (or a KV snapshot) restores the state taken there instead.
+
+    def reachable(self, length: int) -> bool:
+        """Whether truncate(length) can roll back to that length."""
+        return length <= self.length and not (
+            self.sinks <= max(min(self.sinks, length), length - self.window) < self.offset)
+
+    def state(self) -> dict:
+        """A copy in host memory of what the cache holds: its rows, length and offset."""
+        rows = self._row(self.length)
+        return {"k": self.k[:, :, :rows].to("cpu", copy=True), "v": self.v[:, :, :rows].to("cpu", copy=True),
+                "length": self.length, "offset": self.offset}
+
+    def fits(self, state: dict) -> bool:
+        """Whether a state (of this cache's geometry, e.g. from a snapshot) can be restored here."""
+        k = state["k"]
+        return (k.shape[:2] == self.k.shape[:2] and k.shape[3:] == self.k.shape[3:] and k.dtype == self.k.dtype
+                and k.shape[2] <= self.capacity and int(state["offset"]) >= self.sinks)
+
+    def restore(self, state: dict | None) -> None:
+        """Hold exactly what state() copied (None: nothing, as when built)."""
+        self.pending = 0
+        if state is None:
+            self.length, self.offset = 0, self.sinks
+            return
+        rows = state["k"].shape[2]
+        self.k[:, :, :rows] = state["k"].to(self.k.device)
+        self.v[:, :, :rows] = state["v"].to(self.v.device)
+        self.length, self.offset = int(state["length"]), int(state["offset"])

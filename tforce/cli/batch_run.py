@@ -74,7 +74,7 @@ def _document(path: Optional[str], where: str) -> str:
     return _decode_text(data, f"{path} ({where})")
 
 
-def check_options(method: str, world: int, prompt_given: bool, deterministic: bool) -> None:
+def check_options(method: str, world: int, prompt_given: bool, deterministic: bool, snapshots: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
     if method not in BATCH_METHODS:
         raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} so far")
@@ -82,6 +82,8 @@ def check_options(method: str, world: int, prompt_given: bool, deterministic: bo
         raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
     if deterministic:
         raise UsageError("--batch does not verify row by row yet (no --deterministic)")
+    if snapshots:
+        raise UsageError("--batch takes no KV snapshots yet (no --save-kv or --load-kv)")
     if prompt_given:
         raise UsageError("--batch takes its prompts from the batch file: no PROMPT_FILE or --prompt")
 
@@ -104,8 +106,8 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft:
     longest = max(len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets))
     # B rows of the longest row's capacity
     draft_config = _read_config(draft, "draft model")[1] if draft else None
-    _check_memory(config, draft_config, longest, _dtype_bytes(dtype, device), device, options["offload"], options["gpu_memory"],
-                  options["budget"], options["method"], rows=len(prompts))
+    _check_memory(config, draft_config, longest, _dtype_bytes(dtype, device), device, options["offload"],
+                  options["gpu_memory"], options["budget"], options["method"], rows=len(prompts))
     target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
     keys = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "gamma2", "draft_budget", "sinks", "offload",

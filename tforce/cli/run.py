@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -13,9 +14,11 @@ from ..config import Sampling, Speculation
 from ..demo import demo_pair, demo_prompt
 from ..errors import UsageError
 from .app import app
-from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory, _decode_text,
-                     _device, _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
+from . import options as o
 from .batch_run import check_options, read_batch, run_batch
+from .common import (DTYPES, _as_role, _check_memory, _decode_text, _device, _gpu_memory_note, _guarded,
+                     _placement_options, _say, _threads, flag)
+from .options import ENGINE
 from .live import Progress, TextStream, _summary_line
 
 
@@ -73,97 +76,114 @@ def _default_draft(model: str) -> Optional[str]:
     return None
 
 
+@dataclass
+class Setup:
+    """A generation command's options, checked, with the models resolved (no weights read yet)."""
+
+    target: str
+    draft: Optional[str]  # None when the method needs none
+    device: str
+    dtype: Optional[str]  # None: the device's default
+    world: int
+    options: dict  # generate's keyword arguments
+    demo: Optional[str]  # the demo's draft when no --model was given (for the notice)
+
+
+def _configure(p: dict) -> Setup:
+    """Checks the shared options (options.py) of `run` and `chat`, given as their parameters by name."""
+    spec = Speculation(**{k: p[k] for k in ("method", "gamma1", "gamma2", "budget", "chunk_size", "draft_budget",
+                                            "sinks", "rebuild_every", "rebuild_below", "policy")})
+    spec.validate()
+    Sampling(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"], seed=p["seed"]).validate()
+    if p["max_new_tokens"] < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {p['max_new_tokens']}")
+    if p["dtype"] not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {p['dtype']!r}")
+    placement_options = _placement_options(p["offload"], p["gpu_memory"])
+    _threads(p["threads"])
+    world, dev = _parallel(p["tp"], p["gpus"], p["device"])
+    if world > 1 and (p["save_kv"] is not None or p["load_kv"] is not None):
+        raise UsageError("KV snapshots (--save-kv, --load-kv) are not supported with tensor parallelism yet")
+    model, draft, demo_draft = p["model"], p["draft"], None
+    target_name = model
+    if model is None:
+        target_name, demo_draft = demo_pair()
+    else:  # the target first: a missing target folder is not a missing draft
+        _check_local(model, "target model")
+    if draft is not None and spec.uses_draft:
+        _check_local(draft, "draft model")
+    draft_name = draft if draft is not None else _default_draft(target_name)
+    if spec.uses_draft and draft_name is None:
+        raise UsageError(f"method {spec.method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
+    options = {k: p[k] for k in ENGINE}
+    return Setup(target_name, draft_name if spec.uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
+                 world, {**options, **placement_options}, demo_draft)
+
+
+def _demo_notice(setup: Setup, draft: Optional[str]) -> None:
+    if setup.demo is not None:
+        _say(f"tforce: no --model given: using the trained demo pair {setup.target} (draft: {draft or setup.demo}; "
+             "small models trained by scripts/train_demo.py, see models/README.md)")
+
+
 @app.command()
 def run(
     prompt_file_arg: Optional[str] = typer.Argument(None, metavar="[PROMPT_FILE]",
                                                     help="Document to read ('-' = stdin)."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f", help="Document to read ('-' = stdin)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text placed after the document."),
-    model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="Target: a folder, hub id or short name (default: the demo pair)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Small draft model (default: the registry's)."),
-    method: str = typer.Option("triforce", "--method", help="triforce | ar | retrieval | streaming | naive"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate."),
-    temperature: float = typer.Option(0.6, "--temperature", "-t", help="0 = greedy."),
-    top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling, in (0, 1]."),
-    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed."),
-    ignore_eos: bool = flag("--ignore-eos", "Keep going past end-of-sequence."),
-    budget: int = typer.Option(4096, "--budget", help="Retrieval (or streaming) cache of the middle level."),
-    chunk_size: int = typer.Option(8, "--chunk-size", help="Retrieval chunk size."),
-    gamma1: int = typer.Option(2, "--gamma1", help="Draft tokens per middle-level verification."),
-    gamma2: int = typer.Option(6, "--gamma2", help="Tokens per full-cache verification."),
-    draft_budget: int = typer.Option(256, "--draft-budget", help="StreamingLLM cache of the small draft."),
-    sinks: int = typer.Option(16, "--sinks", help="Attention-sink tokens of streaming caches."),
-    rebuild_every: int = typer.Option(128, "--rebuild-every", help="Rebuild the retrieval cache every N tokens."),
-    rebuild_below: float = typer.Option(0.3, "--rebuild-below", help="... or when acceptance falls below this."),
-    policy: str = typer.Option("retrieval", "--policy",
-                               help="Middle cache's selection: retrieval, shared, topk, streaming, h2o."),
-    deterministic: bool = flag("--deterministic", "Verify row by row, each logit bit for bit what one-token "
-                                                   "decoding computes: greedy output equals --method ar's in any "
-                                                   "dtype (costs weight reads per verification)."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
-    threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
-    dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
-    offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
-    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP),
+    model: Optional[str] = o.MODEL,
+    draft: Optional[str] = o.DRAFT,
+    method: str = o.METHOD,
+    max_new_tokens: int = o.MAX_NEW_TOKENS,
+    temperature: float = o.TEMPERATURE,
+    top_p: float = o.TOP_P,
+    top_k: int = o.TOP_K,
+    seed: Optional[int] = o.SEED,
+    ignore_eos: bool = o.IGNORE_EOS,
+    budget: int = o.BUDGET,
+    chunk_size: int = o.CHUNK_SIZE,
+    gamma1: int = o.GAMMA1,
+    gamma2: int = o.GAMMA2,
+    draft_budget: int = o.DRAFT_BUDGET,
+    sinks: int = o.SINKS,
+    rebuild_every: int = o.REBUILD_EVERY,
+    rebuild_below: float = o.REBUILD_BELOW,
+    policy: str = o.POLICY,
+    deterministic: bool = o.DETERMINISTIC,
+    device: str = o.DEVICE,
+    threads: int = o.THREADS,
+    dtype: str = o.DTYPE,
+    offload: str = o.OFFLOAD,
+    gpu_memory: Optional[str] = o.GPU_MEMORY,
+    save_kv: Optional[str] = o.SAVE_KV,
+    load_kv: Optional[str] = o.LOAD_KV,
     as_json: bool = flag("--json", "Print one JSON object instead of streaming text."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda)."),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSON-lines file of prompts ('-' = stdin), one "
                                         "{\"prompt\" and/or \"file\", \"id\", \"max_new_tokens\"} a line, run as "
-                                        "one batch; "
-                                        "one JSON line out per prompt (--method ar or naive)."),
+                                        "one batch; one JSON line out per prompt (--method ar or naive)."),
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
+    params = dict(locals())
+
     def body():
         if prompt_file_arg is not None and prompt_file is not None and prompt_file_arg != prompt_file:
             raise UsageError("give the prompt file once: as an argument or with --prompt-file")
-        spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
-                           draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
-                           rebuild_below=rebuild_below, policy=policy)
-        spec.validate()
-        Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed).validate()
-        if max_new_tokens < 0:
-            raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-        if dtype not in DTYPES:
-            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        placement_options = _placement_options(offload, gpu_memory)
-        _threads(threads)
-        world, dev = _parallel(tp, gpus, device)
         if batch is not None:
-            check_options(method, world, prompt_file_arg is not None or prompt_file is not None or prompt is not None,
-                          deterministic)
-        target_name = model
-        if model is None:
-            target_name, demo_draft = demo_pair()
-        else:  # the target first: a missing target folder is not a missing draft
-            _check_local(model, "target model")
-        if draft is not None and spec.uses_draft:
-            _check_local(draft, "draft model")
-        draft_name = draft if draft is not None else _default_draft(target_name)
-        if spec.uses_draft and draft_name is None:
-            raise UsageError(f"method {method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
+            given = (prompt_file_arg, prompt_file, prompt)
+            check_options(method, gpus or tp, given != (None,) * 3, deterministic, (save_kv, load_kv) != (None, None))
+        setup = _configure(params)
         if batch is not None:
-            return run_batch(read_batch(batch), target_name, draft_name if spec.uses_draft else None, dev,
-                             None if dtype == "auto" else dtype, dict(
-                                 method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 top_k=top_k, seed=seed, ignore_eos=ignore_eos, gamma2=gamma2, sinks=sinks,
-                                 draft_budget=draft_budget, budget=budget, **placement_options))
+            return run_batch(read_batch(batch), setup.target, setup.draft, setup.device, setup.dtype, setup.options)
         # the prompt before any notice, so that a bad prompt is the only line
         text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
                             demo_prompt() if model is None else None)
-        _gpu_memory_note(gpu_memory, dev)
-        if model is None:
-            _say(f"tforce: no --model given: using the trained demo pair {target_name} (draft: {draft or demo_draft}; "
-                 "small models trained by scripts/train_demo.py, see models/README.md)")
-        _run(text, target_name, draft_name if spec.uses_draft else None, dev, None if dtype == "auto" else dtype,
-             as_json, dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           top_k=top_k, seed=seed, ignore_eos=ignore_eos, budget=budget, chunk_size=chunk_size,
-                           gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget, sinks=sinks,
-                           rebuild_every=rebuild_every, rebuild_below=rebuild_below, policy=policy,
-                           deterministic=deterministic, **placement_options),
-             world)
+        _gpu_memory_note(gpu_memory, setup.device)
+        _demo_notice(setup, draft)
+        _run(text, setup.target, setup.draft, setup.device, setup.dtype, as_json,
+             dict(setup.options, save_kv=save_kv, load_kv=load_kv), setup.world)
 
     _guarded(body)
 
@@ -255,27 +275,43 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
         if world > 1:
             from ..parallel import generate_tp
 
+            engine = {k: v for k, v in options.items() if k not in ("save_kv", "load_kv")}
             result = generate_tp(str(path), str(resolve(draft)) if draft else None, ids, world, device, dtype,
-                                 **callbacks, **options)
+                                 **callbacks, **engine)
         else:
-            result = generate(target.model, ids, draft=small.model if small else None, **callbacks, **options)
+            result = generate(target, ids, draft=small, **callbacks, **options)
         out = stream.finish()
     except BaseException:  # end the live view and keep the text written so far (Ctrl-C, errors)
         if progress:
             progress.close()
         _end_line(stream.printed)
         raise
+    if not as_json:
+        _end_line(out)
+    _kv_notes(options, result.stats, len(ids) - 1)
     if as_json:
         record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
                   "device": device, "stats": result.stats}
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
         return
-    _end_line(out)
     if progress:
         progress.finish(result.stats)
     else:
         _say(_summary_line(len(result.tokens), len(ids), options["method"], result.stats))
+
+
+def _kv_notes(options: dict, stats: dict, cached: int) -> None:
+    """What a snapshot saved or reused, on stderr (`cached`: the tokens the caches hold after prefill)."""
+    if options.get("load_kv") is not None:
+        reused = stats["kv_reused"]
+        _say(f"tforce: KV snapshot {options['load_kv']}: reused {reused} of {cached} prompt tokens "
+             f"(loaded in {stats['load_kv_s']:.2f} s, then prefilled {cached - reused})"
+             + ("" if reused in (cached, stats["kv_snapshot_tokens"])
+               else f"; the prompt leaves the snapshot's {stats['kv_snapshot_tokens']}-token prefix at token {reused}"))
+    if options.get("save_kv") is not None:
+        _say(f"tforce: KV snapshot of {cached} prompt tokens written to {options['save_kv']} "
+             f"in {stats['save_kv_s']:.2f} s")
 
 
 def _end_line(text: str) -> None:

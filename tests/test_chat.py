@@ -1,0 +1,173 @@
+"""`tforce chat` and the snapshot options of `tforce run`, through Typer's CliRunner (and once under a
+pseudo-terminal, as a person types): answers are the target's greedy continuations of the document and
+the question, questions come from stdin, a file or the terminal, and errors are one line."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import tforce
+from tforce.cli import app, chat
+from tforce.synthetic import make_checkpoint
+
+from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = ["Who wrote this?", "What age was it?"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    make_checkpoint(root / "tiny-target", seed=0, **TARGET)
+    make_checkpoint(root / "tiny-draft", seed=1, **DRAFT)
+    (root / "doc.txt").write_text(DOC)
+    return root
+
+
+@pytest.fixture(scope="module")
+def target(models):
+    return tforce.load_model(str(models / "tiny-target"))
+
+
+def _chat(models, *args, input=None):
+    base = ["chat", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST]
+    return CliRunner().invoke(app, base + list(args), input=input)
+
+
+def _answer(target, ids: list[int]) -> list[int]:
+    return tforce.generate(target.model, ids, method="ar", max_new_tokens=12, temperature=0).tokens
+
+
+def _question(target, q: str) -> list[int]:
+    return target.tokenizer.encode("\n\n" + q, add_special_tokens=False)
+
+
+def _records(result) -> list[dict]:
+    assert result.exit_code == 0, (result.output, result.exception)
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_each_answer_follows_the_document_alone(models, target):
+    r = _chat(models, str(models / "doc.txt"), "--json", input="\n".join(QUESTIONS) + "\n\n")
+    records = _records(r)
+    doc = target.tokenizer.encode(DOC)
+    assert [x["question"] for x in records] == QUESTIONS
+    for x in records:
+        assert x["tokens"] == _answer(target, doc + _question(target, x["question"]))
+        assert x["stats"]["prefilled_tokens"] < len(_question(target, x["question"]))
+    assert r.stderr.count("time to first token") == 0  # --json: the statistics are in the records
+
+
+def test_keep_history_follows_the_conversation(models, target):
+    records = _records(_chat(models, str(models / "doc.txt"), "--json", "--keep-history",
+                             input="\n".join(QUESTIONS) + "\n"))
+    history = target.tokenizer.encode(DOC)
+    for x in records:
+        history += _question(target, x["question"])
+        assert x["tokens"] == _answer(target, history)
+        history += x["tokens"]
+
+
+def test_text_answers_and_time_to_first_token(models, target):
+    r = _chat(models, str(models / "doc.txt"), input=QUESTIONS[0] + "\n")
+    assert r.exit_code == 0, r.output
+    doc = target.tokenizer.encode(DOC)
+    text = target.tokenizer.decode(_answer(target, doc + _question(target, QUESTIONS[0])), skip_special_tokens=True)
+    assert r.stdout == text + ("" if text.endswith("\n") else "\n")
+    assert "tforce: document: " in r.stderr and "time to first token" in r.stderr
+
+
+def test_document_on_stdin_takes_questions_from_a_file_or_refuses(models, target, tmp_path, monkeypatch):
+    def no_terminal():
+        raise OSError("no tty")
+
+    monkeypatch.setattr(chat, "_open_terminal", no_terminal)
+    _one_error_line(_chat(models, input=DOC), 2, "--questions FILE")
+    _one_error_line(_chat(models, "-", "--questions", "-", input=DOC), 2, "--questions FILE")
+    (tmp_path / "q.txt").write_text(QUESTIONS[1] + "\n")
+    records = _records(_chat(models, "--questions", str(tmp_path / "q.txt"), "--json", input=DOC))
+    doc = target.tokenizer.encode(DOC)
+    assert records[0]["tokens"] == _answer(target, doc + _question(target, QUESTIONS[1]))
+
+
+def test_chat_saves_and_loads_the_document(models, tmp_path):
+    snap = str(tmp_path / "doc.kv")
+    first = _records(_chat(models, str(models / "doc.txt"), "--json", "--save-kv", snap, input=QUESTIONS[0]))
+    r = _chat(models, "--json", "--load-kv", snap, input=QUESTIONS[0])  # no BOOK: the snapshot's document
+    assert _records(r)[0]["tokens"] == first[0]["tokens"]
+    assert "loaded from" in r.stderr
+
+
+def test_run_saves_and_loads_a_snapshot(models, tmp_path):
+    base = ["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST,
+            str(models / "doc.txt"), "--json"]
+    snap = str(tmp_path / "run.kv")
+    saved = CliRunner().invoke(app, base + ["--save-kv", snap])
+    loaded = CliRunner().invoke(app, base + ["--load-kv", snap, "-p", "And then?"])
+    fresh = CliRunner().invoke(app, base + ["-p", "And then?"])
+    assert saved.exit_code == loaded.exit_code == fresh.exit_code == 0, loaded.output
+    assert json.loads(loaded.stdout)["tokens"] == json.loads(fresh.stdout)["tokens"]
+    assert json.loads(loaded.stdout)["stats"]["kv_reused"] == json.loads(saved.stdout)["prompt_tokens"] - 1
+    assert "written to" in saved.stderr and "reused" in loaded.stderr and "leaves" not in loaded.stderr
+    other = CliRunner().invoke(app, base[:-2] + ["--json", "-p", "Something else", "--load-kv", snap],
+                               input="A different document.")
+    assert other.exit_code == 0 and "leaves the snapshot's" in other.stderr, other.stderr
+
+
+def test_snapshot_refusals_are_one_line(models, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "a.txt").write_text("x")
+    _one_error_line(_chat(models, str(models / "doc.txt"), "--save-kv", str(mine), input="q\n"), 2, "refusing")
+    _one_error_line(_chat(models, "--load-kv", str(tmp_path / "none"), input="q\n"), 2, "no such snapshot")
+    base = ["run", "-m", str(models / "tiny-target"), "--method", "ar", str(models / "doc.txt")]
+    _one_error_line(CliRunner().invoke(app, base + ["--tp", "2", "--device", "cpu", "--save-kv", str(mine)]), 2,
+                    "tensor parallelism")
+    _one_error_line(_chat(models, str(models / "doc.txt"), "--room", "1", input="q\n"), 2, "--room")
+
+
+def test_questions_typed_at_a_terminal(models, target):
+    """Under a pseudo-terminal: a `> ` prompt, the answer, Ctrl-D ends the chat with exit 0."""
+    import pty
+
+    master, slave = pty.openpty()
+    env = dict(os.environ, TERM="xterm-256color", PYTHONPATH=str(ROOT))
+    env.pop("TFORCE_DEBUG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "tforce", "chat", str(models / "doc.txt"), "-m",
+                             str(models / "tiny-target"), "--method", "ar", "--threads", "1", *FAST],
+                            cwd=ROOT, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    seen = b""
+
+    def read_until(needle: bytes, count: int = 1, timeout: float = 120) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while seen.count(needle) < count and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(master, 65536)
+                except OSError:
+                    return
+
+    read_until(b"> ")
+    os.write(master, (QUESTIONS[0] + "\n").encode())
+    read_until(b"time to first token")
+    read_until(b"> ", count=2)  # readline waits for the next question: Ctrl-D there ends the chat
+    time.sleep(0.5)
+    os.write(master, b"\x04")
+    read_until(b"never", timeout=10)  # drain the terminal while the process exits
+    assert proc.wait(timeout=60) == 0
+    os.close(master)
+    doc = target.tokenizer.encode(DOC)
+    text = target.tokenizer.decode(_answer(target, doc + _question(target, QUESTIONS[0])), skip_special_tokens=True)
+    shown = seen.decode(errors="replace").replace("\r\n", "\n")
+    assert text.split("\n")[0][:20] in shown

@@ -1,0 +1,227 @@
+"""`tforce chat`: a document prefilled once, then questions about it, each answer streamed to stdout.
+
+Where things come from:
+- the document: BOOK ('-' = stdin); without BOOK, a snapshot's prefix (--load-kv), else text piped on
+  stdin, else (no --model either) the demo's excerpt;
+- the questions, one per line (blank lines skipped): --questions FILE ('-' = stdin); else stdin, unless
+  the document came on stdin: then the terminal (/dev/tty), and without one a usage error. When the
+  questions come from a terminal, they are read with a line editor (Python's readline: arrows, in-session
+  history) after a `> ` prompt.
+Each question is tokenized on its own after a blank line ("\\n\\n" + question) and appended to the
+document's tokens; the answer is the target's exact continuation (tforce/conversation.py). Answers go to
+stdout, each ended by a newline (--json: one object per question per line); the live status, the prompt
+and each answer's time to first token go to stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+import typer
+
+from ..demo import EXCERPT
+from ..errors import UsageError
+from . import options as o
+from .app import app
+from .common import _as_role, _check_memory, _decode_text, _gpu_memory_note, _guarded, _say, flag
+from .live import Progress, TextStream
+from .run import (_configure, _demo_notice, _dtype_bytes, _end_line, _read_config, _read_prompt, _shared_with_stderr,
+                  _tp_target)
+
+SEPARATOR = "\n\n"  # between the document (or the previous answer) and a question
+
+
+@app.command()
+def chat(
+    book: Optional[str] = typer.Argument(None, metavar="[BOOK]", help="Document to read ('-' = stdin)."),
+    questions: Optional[str] = typer.Option(None, "--questions", "-q", metavar="FILE",
+                                            help="Questions, one per line ('-' = stdin; default: stdin, or the "
+                                                 "terminal when the document comes on stdin)."),
+    keep_history: bool = flag("--keep-history", "Each question follows the earlier questions and answers "
+                                                "(default: each follows the document alone)."),
+    room: int = typer.Option(4096, "--room", help="Tokens after the document for a question and its answer "
+                                                  "(with --keep-history, the whole conversation)."),
+    model: Optional[str] = o.MODEL,
+    draft: Optional[str] = o.DRAFT,
+    method: str = o.METHOD,
+    max_new_tokens: int = o.MAX_NEW_TOKENS,
+    temperature: float = o.TEMPERATURE,
+    top_p: float = o.TOP_P,
+    top_k: int = o.TOP_K,
+    seed: Optional[int] = o.SEED,
+    ignore_eos: bool = o.IGNORE_EOS,
+    budget: int = o.BUDGET,
+    chunk_size: int = o.CHUNK_SIZE,
+    gamma1: int = o.GAMMA1,
+    gamma2: int = o.GAMMA2,
+    draft_budget: int = o.DRAFT_BUDGET,
+    sinks: int = o.SINKS,
+    rebuild_every: int = o.REBUILD_EVERY,
+    rebuild_below: float = o.REBUILD_BELOW,
+    policy: str = o.POLICY,
+    deterministic: bool = o.DETERMINISTIC,
+    device: str = o.DEVICE,
+    threads: int = o.THREADS,
+    dtype: str = o.DTYPE,
+    offload: str = o.OFFLOAD,
+    gpu_memory: Optional[str] = o.GPU_MEMORY,
+    save_kv: Optional[str] = o.SAVE_KV,
+    load_kv: Optional[str] = o.LOAD_KV,
+    as_json: bool = flag("--json", "One JSON object per question (question, answer, tokens, stats) per line."),
+) -> None:
+    """Ask questions about a document, which is prefilled once (or loaded from a KV snapshot)."""
+    params = dict(locals(), tp=1, gpus=None)
+
+    def body():
+        if room < 2:
+            raise UsageError(f"--room must be >= 2, got {room}")
+        setup = _configure(params)
+        text, from_stdin = _document(book, load_kv, model is None)
+        lines = _question_source(questions, from_stdin)
+        _gpu_memory_note(gpu_memory, setup.device)
+        _demo_notice(setup, draft)
+        _chat(text, lines, setup, room, keep_history, as_json, save_kv, load_kv)
+
+    _guarded(body)
+
+
+def _document(book: Optional[str], load_kv: Optional[str], demo: bool) -> tuple[Optional[str], bool]:
+    """(the document's text, or None for the snapshot's prefix; whether it was read from stdin)."""
+    if book is not None:
+        return _read_prompt(book, None), book == "-"
+    if load_kv is not None:
+        return None, False
+    if not sys.stdin.isatty():
+        return _read_prompt(None, None), True
+    if not demo:
+        raise UsageError("no document: give BOOK (a file, '-' for stdin), pipe it on stdin, or --load-kv DIR")
+    _say("tforce: no document given: using the demo's excerpt (Great Expectations, chapter 1)")
+    return EXCERPT.read_text(encoding="utf-8").strip(), False
+
+
+def _question_source(questions: Optional[str], document_on_stdin: bool):
+    """An iterator of questions (stripped, non-empty) and, while reading a terminal, a `> ` prompt."""
+    if questions == "-" and document_on_stdin:
+        raise UsageError("the document came on stdin: give the questions in a file (--questions FILE)")
+    if questions is not None and questions != "-":
+        try:
+            data = open(os.path.expanduser(questions), "rb").read()
+        except OSError as e:
+            raise UsageError(f"cannot read questions file {questions}: {e.strerror or e}") from e
+        return (q.strip() for q in _decode_text(data, f"questions file {questions}").splitlines() if q.strip())
+    if document_on_stdin:
+        try:  # the terminal becomes stdin, so that readline edits the questions
+            fd = _open_terminal()
+        except OSError:
+            raise UsageError("the document came on stdin, so the questions cannot: give them with --questions "
+                             "FILE (or run from a terminal)") from None
+        os.dup2(fd, 0)
+        os.close(fd)
+        sys.stdin = open(0, closefd=False, encoding="utf-8", errors="replace")
+    return _terminal_questions() if sys.stdin.isatty() else (q.strip() for q in sys.stdin if q.strip())
+
+
+def _open_terminal() -> int:
+    return os.open("/dev/tty", os.O_RDWR)
+
+
+def _terminal_questions():
+    import readline  # noqa: F401  (input() then edits the line and keeps an in-session history)
+
+    while True:
+        try:
+            if sys.stdout.isatty():
+                line = input("> ")
+            else:  # the prompt is not data: never on a redirected stdout
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+                line = input()
+        except EOFError:
+            sys.stderr.write("\n")
+            return
+        if line.strip():
+            yield line.strip()
+
+
+def _chat(text: Optional[str], questions, setup, room: int, keep_history: bool, as_json: bool,
+          save_kv: Optional[str], load_kv: Optional[str]) -> None:
+    from ..conversation import Conversation
+    from ..snapshot import read_manifest
+    from ..weights import load_model
+
+    path, config, tok = _tp_target(setup.target, 1)
+    if tok is None:
+        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
+    doc = list(tok.encode(text)) if text is not None else read_manifest(load_kv)["tokens"]
+    context = config.max_position_embeddings
+    if len(doc) + 2 > context:
+        raise UsageError(f"the document is {len(doc)} tokens; the model's context ({context}) leaves no room "
+                         "for a question")
+    room = min(room, context - len(doc))
+    draft_config = _read_config(setup.draft, "draft model")[1] if setup.draft else None
+    _check_memory(config, draft_config, len(doc) + room, _dtype_bytes(setup.dtype, setup.device), setup.device,
+                  setup.options["offload"], setup.options["gpu_memory"], setup.options["budget"],
+                  setup.options["method"])
+    target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
+                      tokenizer=False)
+    small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,
+                     tokenizer=False) if setup.draft else None
+    options = dict(setup.options)
+    max_new = options.pop("max_new_tokens")
+    ignore_eos = options.pop("ignore_eos")
+    method = options["method"]
+    live = sys.stderr.isatty() and not as_json
+    progress = Progress(0, method, TextStream(tok, sys.stdout, enabled=False), shared=False) if live else None
+    try:
+        conv = Conversation(target, doc, draft=small, room=room, keep_history=keep_history, ignore_eos=ignore_eos,
+                            load_kv=load_kv, save_kv=save_kv, on_prefill=progress.on_prefill if progress else None,
+                            **options)
+    finally:
+        if progress:
+            progress.close()
+    how = f" ({conv.kv_reused} loaded from {load_kv}, {len(doc) - conv.kv_reused} prefilled)" \
+        if load_kv is not None else " prefilled"
+    _say(f"tforce: document: {len(doc)} tokens{how} in {conv.prefill_s:.2f} s"
+         + (f"; snapshot written to {save_kv}" if save_kv is not None else "")
+         + ("" if as_json or not sys.stdin.isatty() else "; ask a question (Ctrl-D ends)"))
+    for question in questions:
+        ids = tok.encode(SEPARATOR + question, add_special_tokens=False)
+        if len(ids) + 1 > conv.room_left:
+            raise UsageError(f"the conversation has outgrown its room ({room} tokens after the document): "
+                             "pass a larger --room" + (" or drop --keep-history" if keep_history else ""))
+        _answer(conv, question, ids, tok, max_new, method, as_json)
+
+
+def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str, as_json: bool) -> None:
+    stream = TextStream(tok, sys.stdout, enabled=not as_json)
+    progress = Progress(max_new, method, stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
+        if sys.stderr.isatty() and not as_json else None
+    try:
+        result = conv.ask(ids, max_new, on_token=stream.add, on_prefill=progress.on_prefill if progress else None,
+                          on_round=progress.on_round if progress else None)
+        out = stream.finish()
+    except BaseException:
+        if progress:
+            progress.close()
+        _end_line(stream.printed)
+        raise
+    if progress:
+        progress.close()
+    s = result.stats
+    if as_json:
+        record = {"question": question, "answer": out, "tokens": result.tokens, "stats": s}
+        sys.stdout.write(json.dumps(record) + "\n")
+    elif not out.endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    if not as_json:
+        _say(_turn_line(len(result.tokens), s))
+
+
+def _turn_line(n: int, s: dict) -> str:
+    acc = ", ".join(f"{k} {v:.1%}" for k, v in s["acceptance"].items() if v is not None)
+    rate = f"{s['tokens_per_s']:.1f} tokens/s" if s["tokens_per_s"] else "n/a tokens/s"
+    return (f"tforce: time to first token {s['ttft_s']:.2f} s (prefilled {s['prefilled_tokens']} of "
+            f"{s['prompt_tokens']} prompt tokens); {n} tokens, {rate}" + (f"; acceptance: {acc}" if acc else ""))

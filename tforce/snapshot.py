@@ -1,0 +1,268 @@
+"""KV snapshots: a prefilled prefix's caches on disk, so that a later run whose prompt extends the prefix
+prefills only the rest.
+
+A snapshot is a folder:
+  manifest.json           format, tforce version, identity (the target's config hash and weights
+                          fingerprint, the tokenizer files' hash, the cache dtype), the prefix's token ids,
+                          the streaming caches' lengths, the sha256 of every other file and its own
+  full-LLL.safetensors    layer LLL of the full cache: "k", "v" (1, P, H_kv, D), rotated as stored, and "q"
+                          (H_q, D), the last prefix token's rotated query (what a retrieval rebuild scores with)
+  draft.safetensors       the small draft's StreamingCache ("k", "v" rows), when the method had one;
+  streaming.safetensors   likewise the middle level's StreamingCache of --method streaming
+What is not saved is rebuilt: the retrieval cache from the full cache (its chunk statistics are summed
+again from the keys at the first rebuild, one read of each layer's keys); a streaming cache the snapshot
+lacks or cannot restore (another method's, another draft, other --sinks or budgets) by prefilling it over
+the prefix.
+
+Writing streams one layer at a time (never the whole cache in an extra copy) into a temporary sibling
+folder that is renamed into place once complete: a killed run leaves no snapshot, never a partial one. An
+existing snapshot at the path is replaced; anything else there is refused. Reading checks the manifest
+against the running model first (a one-line refusal on any mismatch), then each file's checksum as it is
+read, before its tensors are used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .errors import TforceError, UsageError
+
+FORMAT = "tforce-kv"
+VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt")
+
+
+# ---------------------------------------------------------------------------------------------- identity
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _config_sha(config) -> str:
+    """The architecture's hash: config.json's fields, less bookkeeping (names, versions, dtype)."""
+    d = {k: v for k, v in config.to_dict().items()
+         if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype", "use_cache",
+                                                 "architectures")}
+    return _sha(json.dumps(d, sort_keys=True, default=str).encode())
+
+
+def _weights_fingerprint(module) -> str:
+    """A hash of each parameter's name, shape and first and last 64 values: two checkpoints of one
+    architecture (a retrained model) differ here."""
+    h = hashlib.sha256()
+    for name, p in sorted(module.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(torch.cat([flat[:64], flat[-64:]]).float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _tokenizer_sha(path) -> str | None:
+    """The hash of a model folder's tokenizer files; None when unknown (a bare module, no files)."""
+    if path is None:
+        return None
+    files = [Path(path) / f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _model_id(m) -> dict:
+    module = m if isinstance(m, torch.nn.Module) else m.model
+    path = getattr(m, "path", None)
+    return {"name": str(path) if path is not None else type(module).__name__,
+            "config_sha256": _config_sha(module.config), "weights": _weights_fingerprint(module)}
+
+
+def identity(target, draft=None) -> dict:
+    """What a snapshot must match: target (a tforce.LoadedModel or a bare model), draft, tokenizer."""
+    return {"target": _model_id(target), "draft": _model_id(draft) if draft is not None else None,
+            "tokenizer_sha256": _tokenizer_sha(getattr(target, "path", None))}
+
+
+# ------------------------------------------------------------------------------------------------- write
+
+def is_snapshot(path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def check_target(path) -> None:
+    """Refuse to write over anything but a snapshot or an empty folder."""
+    p = Path(path)
+    if p.exists() and not is_snapshot(p) and not (p.is_dir() and not any(p.iterdir())):
+        raise UsageError(f"--save-kv {path}: exists and is not a tforce KV snapshot; refusing to overwrite it")
+
+
+def _write(folder: Path, name: str, tensors: dict) -> str:
+    data = st_save({k: t.detach().contiguous().cpu() for k, t in tensors.items()})
+    with open(folder / name, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return _sha(data)
+
+
+def _streaming_nodes(session):
+    return [n for n in (session.middle, session.small) if n is not None and n.cache is not session.retrieval]
+
+
+def save(path, session, ident: dict) -> None:
+    """Write the caches' prefix (what the full cache holds) to `path`, atomically."""
+    check_target(path)
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    full = session.full.cache
+    P = full.length
+    tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent))
+    try:
+        files = {}
+        queries = session.last_queries(P) if P else None
+        for layer in range(len(full.queries)):
+            t = {"k": full.layer_keys(layer)[:, :P], "v": full.layer_values(layer)[:, :P]}
+            if queries is not None:
+                t["q"] = queries[layer]
+            name = f"full-{layer:03d}.safetensors"
+            files[name] = _write(tmp, name, t)
+        streaming = {}
+        for node in _streaming_nodes(session):
+            state, c = node.cache.state(), node.cache
+            name = f"{node.name}.safetensors"
+            files[name] = _write(tmp, name, {"k": state["k"], "v": state["v"]})
+            model = ident["draft"] if node.name == "draft" else ident["target"]
+            streaming[node.name] = {"length": state["length"], "offset": state["offset"], "sinks": c.sinks,
+                                    "window": c.window, "model": model}
+        manifest = {"format": FORMAT, "version": VERSION, "tforce": _version(), "target": ident["target"],
+                    "tokenizer_sha256": ident["tokenizer_sha256"], "dtype": str(full.k.dtype).replace("torch.", ""),
+                    "layers": len(full.queries), "tokens": session.seq[:P].tolist(), "queries": P > 0,
+                    "streaming": streaming, "files": files}
+        manifest["manifest_sha256"] = _manifest_sha(manifest)
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f)
+            f.flush()
+            os.fsync(f.fileno())
+        old = None
+        if p.exists():
+            old = p.with_name(f".{p.name}.old-{os.getpid()}")
+            os.rename(p, old)
+        os.rename(tmp, p)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+# -------------------------------------------------------------------------------------------------- read
+
+def read_manifest(path) -> dict:
+    """The manifest of a snapshot folder, its format checked."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise UsageError(f"--load-kv {path}: no such snapshot folder")
+    try:
+        manifest = json.loads((p / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise TforceError(f"--load-kv {path}: not a readable tforce KV snapshot ({type(e).__name__})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise TforceError(f"--load-kv {path}: not a tforce KV snapshot")
+    if manifest.get("manifest_sha256") != _manifest_sha(manifest):
+        raise TforceError(f"--load-kv {path}: {MANIFEST} is damaged (checksum mismatch): make the snapshot again")
+    if manifest.get("version") != VERSION:
+        raise UsageError(f"--load-kv {path}: snapshot format {manifest.get('version')} (tforce "
+                         f"{manifest.get('tforce')}); this tforce reads format {VERSION}: make it again")
+    return manifest
+
+
+def _manifest_sha(manifest: dict) -> str:
+    """The manifest's own checksum, over its other fields."""
+    rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return _sha(json.dumps(rest, sort_keys=True).encode())
+
+
+def _read(path: Path, manifest: dict, name: str) -> dict:
+    """A file's tensors, after its checksum matched the manifest's."""
+    try:
+        data = (path / name).read_bytes()
+    except OSError as e:
+        raise TforceError(f"--load-kv {path}: cannot read {name}: {e.strerror or e}") from e
+    if _sha(data) != manifest["files"].get(name):
+        raise TforceError(f"--load-kv {path}: {name} is damaged (checksum mismatch): make the snapshot again")
+    return st_load(data)
+
+
+def check(path, manifest: dict, ident: dict, dtype: torch.dtype) -> None:
+    """Refuse a snapshot of another model, tokenizer or dtype, in one line."""
+    saved, now = manifest["target"], ident["target"]
+    if saved["config_sha256"] != now["config_sha256"]:
+        raise UsageError(f"--load-kv {path}: made with another model ({saved['name']}; its config differs)")
+    want = str(dtype).replace("torch.", "")
+    if manifest["dtype"] != want:
+        raise UsageError(f"--load-kv {path}: its cache is {manifest['dtype']}, this run's is {want} "
+                         f"(pass --dtype {manifest['dtype']})")
+    if saved["weights"] != now["weights"]:
+        raise UsageError(f"--load-kv {path}: made with another model ({saved['name']}; same config, other weights)")
+    a, b = manifest["tokenizer_sha256"], ident["tokenizer_sha256"]
+    if a is not None and b is not None and a != b:
+        raise UsageError(f"--load-kv {path}: made with another tokenizer")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    diff = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
+    return int(diff[0]) if len(diff) else n
+
+
+def load(path, session, prompt: torch.Tensor, upto: int, ident: dict) -> tuple[int, int]:
+    """Fill a fresh session's caches from the snapshot at `path`, as far as its prefix matches prompt[:upto];
+    returns (that many tokens, the prefix's length). session.prefill(prompt) then feeds only the rest."""
+    p = Path(path).expanduser()
+    manifest = read_manifest(p)
+    full = session.full.cache
+    check(path, manifest, ident, full.k.dtype)
+    prefix = manifest["tokens"]
+    c = common_prefix(prefix, prompt[:upto].tolist())
+    device = full.k.device
+    queries = []
+    for layer in range(manifest["layers"]):
+        t = _read(p, manifest, f"full-{layer:03d}.safetensors")
+        full.write_layer(layer, t["k"][:, :c], t["v"][:, :c])  # copied where the layer lives
+        if "q" in t:
+            queries.append(t["q"].to(device))
+    full.commit_written(c)
+    session.full.adopt(prompt, c)
+    if c == len(prefix) and manifest["queries"]:
+        session.loaded_queries = (c, queries)
+    ids = torch.tensor(prefix, dtype=torch.long)
+    for node in _streaming_nodes(session):
+        info = manifest["streaming"].get(node.name)
+        model = ident["draft"] if node.name == "draft" else ident["target"]
+        same = info is not None and model is not None and all(
+            info["model"][k] == model[k] for k in ("config_sha256", "weights"))
+        if (not same or info["sinks"] != node.cache.sinks
+                or info["window"] != node.cache.window or info["length"] > len(node.tokens)):
+            continue  # session.prefill feeds it from the start
+        t = _read(p, manifest, f"{node.name}.safetensors")
+        state = {"k": t["k"], "v": t["v"], "length": info["length"], "offset": info["offset"]}
+        if node.cache.fits(state):
+            node.cache.restore(state)
+            node.adopt(ids, info["length"])
+    return c, len(prefix)

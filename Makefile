@@ -48,8 +48,8 @@ demo-trained:
 	$(BIN)/tforce run --method ar $(DEMO_OPTS) </dev/null; echo
 	@echo "--- tforce run --method triforce ---" >&2
 	$(BIN)/tforce run --method triforce $(DEMO_OPTS) $(MIDDLE) </dev/null; echo
-	@echo "--- tforce bench: ar vs triforce on this machine (same excerpt, cut to 860 tokens) ---" >&2
-	$(BIN)/tforce bench -m $(TRAINED) --prompt-file $(EXCERPT) --prompt-len 860 --gen-len 64 \
+	@echo "--- tforce bench: ar vs triforce on this machine (same excerpt, 3,300 tokens of it) ---" >&2
+	$(BIN)/tforce bench -m $(TRAINED) --prompt-file $(EXCERPT) --prompt-len 3300 --gen-len 64 \
 		--methods ar,triforce --temperature 0 $(MIDDLE) --threads 1
 
 demo-random: $(MODELS)/tiny-target/config.json $(MODELS)/tiny-draft/config.json

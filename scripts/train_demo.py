@@ -52,6 +52,22 @@ class Arch:
 
 
 @dataclass(frozen=True)
+class Long:
+    """Context extension of the trained target, as long-context models are extended in practice: RoPE
+    rescaled (transformers' rope_parameters, e.g. YaRN; tforce.rope reads the same) from the base's
+    training length to `seq_len`, then a short phase on `seq_len`-token sequences, a fraction
+    `passkey_frac` of them packed passkey episodes (lengths log-uniform from `min_episode`), the rest book
+    text."""
+    seq_len: int
+    batch: int
+    lr: float
+    share: float              # fraction of the target's budget when training from scratch (--extend: all)
+    rope_type: str = "yarn"
+    passkey_frac: float = 0.6
+    min_episode: int = 256
+
+
+@dataclass(frozen=True)
 class Setup:
     vocab: int
     target: Arch
@@ -71,6 +87,7 @@ class Setup:
     # form; with the episodes only a minority of phase 1's tokens, a CPU budget never got there.
     passkey_phase: float = 0.0
     passkey_shape: tuple = (512, 4)
+    long: Long | None = None  # the context-extension phase of the target, after phases 1 and 2
 
 
 CONFIGS = {
@@ -79,18 +96,21 @@ CONFIGS = {
                   draft=Arch(32, 1, 2, 1, 86, 64, 2, 2e-3, tie=True),
                   minutes=0.05, draft_share=0.3, passkey_frac=0.5, answer_weight=4.0, eval_tokens=256,
                   passkey_lengths=(64, 96), passkey_prompts=2, tokenizer_chars=300_000, steps=3,
-                  passkey_phase=0.4, passkey_shape=(96, 2)),
+                  passkey_phase=0.4, passkey_shape=(96, 2),
+                  long=Long(seq_len=256, batch=1, lr=1e-3, share=0.3, min_episode=64)),
     "cpu": Setup(vocab=4096,
                  target=Arch(256, 4, 4, 2, 512, 1024, 2, 2e-3, rope_theta=10000.0),
                  draft=Arch(96, 2, 2, 1, 256, 256, 8, 3e-3, tie=True),
                  minutes=11.0, draft_share=0.18, passkey_frac=0.5, answer_weight=12.0, eval_tokens=8192,
-                 passkey_lengths=(256, 512, 1024), tokenizer_chars=12_000_000, train_chars=10_000_000,
-                 passkey_phase=0.5, passkey_shape=(512, 4)),
+                 passkey_lengths=(256, 512, 1024, 2048, 4096), tokenizer_chars=12_000_000,
+                 train_chars=10_000_000, passkey_phase=0.5, passkey_shape=(512, 4),
+                 long=Long(seq_len=4096, batch=1, lr=3e-4, share=0.4)),
     "gpu": Setup(vocab=8192,
                  target=Arch(512, 8, 8, 4, 1376, 8192, 8, 1e-3, rope_theta=500000.0),
                  draft=Arch(128, 2, 4, 2, 344, 512, 64, 3e-3, tie=True),
                  minutes=8.0, draft_share=0.15, passkey_frac=0.4, answer_weight=12.0, eval_tokens=32768,
-                 passkey_lengths=(1024, 2048, 4096, 8192), passkey_phase=0.3, passkey_shape=(2048, 16)),
+                 passkey_lengths=(1024, 4096, 8192, 16384, 32768), passkey_phase=0.3, passkey_shape=(2048, 16),
+                 long=Long(seq_len=32768, batch=2, lr=5e-4, share=0.3, min_episode=1024)),
 }
 
 
@@ -133,8 +153,9 @@ class Stream:
     """Random training windows from the tokenized books; the target's carry passkey examples."""
 
     def __init__(self, tok, books: dict[str, str], ids: dict[str, torch.Tensor], rng: random.Random,
-                 passkey_frac: float = 0.0):
+                 passkey_frac: float = 0.0, min_episode: int = 48):
         self.tok, self.books, self.ids, self.rng, self.passkey_frac = tok, books, ids, rng, passkey_frac
+        self.min_episode = min_episode
         self.names = list(ids)
         self.weights = [len(ids[n]) for n in self.names]
 
@@ -147,8 +168,9 @@ class Stream:
     def passkey(self, max_len: int) -> tuple[list[int], int, int]:
         """(ids, answer_start, answer_end): needle prompt + answer + eos, of random length <= max_len.
 
-        Lengths are log-uniform from 48 tokens: mostly short episodes (many answers per step), some long."""
-        lo = min(48, max_len // 2)
+        Lengths are log-uniform from `min_episode` tokens: mostly short episodes (many answers per step),
+        some long."""
+        lo = min(self.min_episode, max_len // 2)
         length = int(math.exp(self.rng.uniform(math.log(lo), math.log(max(lo, max_len - 8)))))
         name = self.rng.choices(self.names, self.weights)[0]
         text = self.books[name]
@@ -194,6 +216,21 @@ def build(arch: Arch, vocab: int, tok, max_pos: int):
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=None, attn_implementation="sdpa")
     return LlamaForCausalLM(cfg)
+
+
+def extend_context(model, long: Long):
+    """The model with RoPE rescaled from its max_position_embeddings to long.seq_len (same weights)."""
+    from transformers import LlamaForCausalLM
+
+    cfg = model.config
+    base = cfg.max_position_embeddings
+    theta = (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
+    cfg.rope_parameters = {"rope_type": long.rope_type, "factor": long.seq_len / base, "rope_theta": theta,
+                           "original_max_position_embeddings": base}
+    cfg.max_position_embeddings = long.seq_len
+    new = LlamaForCausalLM(cfg)
+    new.load_state_dict(model.state_dict())  # the rotary frequencies are buffers outside the state dict
+    return new.to(next(model.parameters()).dtype)
 
 
 def lr_at(step: int, total: int, peak: float) -> float:
@@ -282,22 +319,28 @@ def perplexity(model, ids: dict[str, torch.Tensor], seq_len: int, n_tokens: int,
 
 
 @torch.no_grad()
-def passkey_accuracy(model, tok, books: dict[str, str], lengths, n: int, seed: int, device: str) -> dict:
-    """Greedy exact match of the key after needle prompts built from the held-out books."""
-    rng, names, out = random.Random(seed), list(books), {}
+def passkey_accuracy(model, tok, books: dict[str, str], lengths, n: int, seed: int, device: str,
+                     bins: int = 5) -> tuple[dict, dict]:
+    """Greedy exact match of the key after needle prompts built from the held-out books: accuracy by
+    prompt length, and by length and depth (`bins` equal depth ranges; prompt i sits at (i + 0.5) / n)."""
+    rng, names, out, by_depth = random.Random(seed), list(books), {}, {}
+    bins = min(bins, n)
     for length in lengths:
-        hits = 0
+        hits = [[] for _ in range(bins)]
         for i in range(n):
             text = books[names[i % len(names)]]
             at = rng.randrange(0, len(text) - length * 8)
             key = random_key(rng, 5)
-            prompt, answer = needle_prompt(tok, text[at:at + length * 8], length, (i + 0.5) / n, key, seed=i)
+            depth = (i + 0.5) / n
+            prompt, answer = needle_prompt(tok, text[at:at + length * 8], length, depth, key, seed=i)
             ids = torch.tensor([prompt], device=device)
             got = model.generate(ids, max_new_tokens=len(answer), do_sample=False,
                                  attention_mask=torch.ones_like(ids), pad_token_id=tok.eos_token_id)
-            hits += got[0, len(prompt):].tolist() == answer
-        out[str(length)] = hits / n
-    return out
+            hits[int(depth * bins)].append(got[0, len(prompt):].tolist() == answer)
+        out[str(length)] = sum(map(sum, hits)) / n
+        by_depth[str(length)] = {f"{b / bins:.1f}-{(b + 1) / bins:.1f}": round(sum(h) / len(h), 3)
+                                 for b, h in enumerate(hits)}
+    return out, by_depth
 
 
 # ---------------------------------------------------------------- main
@@ -312,27 +355,59 @@ def save(model, tok, path: Path) -> None:
 def card_markdown(card: dict) -> str:
     t, d = card["target"], card["draft"]
     pk = ", ".join(f"{k}: {v:.0%}" for k, v in t["passkey_accuracy"].items())
-    p2 = t.get("passkey_train")
+    p2, lt, base = t.get("passkey_train"), t.get("long_train"), card.get("base")
     phase2 = (f" {p2['steps']} steps ({p2['tokens']:,} tokens, {p2['wall_s']:.0f} s, final loss "
               f"{p2['final_loss']:.3f}) on {p2['seq_len']}-token sequences made only of packed passkey episodes "
               f"(peak learning rate {p2['peak_lr']:g}): the phase that forms the copying circuit;" if p2
               else " nothing else;")
+    origin = (f"Trained from scratch by `{base['command']}` (seed {base['seed']}) on {base['device']}, in "
+              f"{base['wall_s'] / 60:.1f} minutes in all; then the target's context extended by `{card['command']}` "
+              f"(seed {card['seed']}) on {card['device']}, in {card['wall_s'] / 60:.1f} minutes in all" if base else
+              f"Trained from scratch by `{card['command']}` (seed {card['seed']}) on {card['device']}, in "
+              f"{card['wall_s'] / 60:.1f} minutes in all")
+    long = ""
+    if lt:
+        r = lt["rope"]
+        long = f"""
+**Long-context phase** (as long-context models are extended in practice): the target's RoPE rescaled
+with {r['rope_type']} (`rope_parameters` {json.dumps(r)} in its config.json, which
+transformers and `tforce.rope` both read), from {r['original_max_position_embeddings']} to
+{t['max_position_embeddings']} positions, then {lt['steps']} steps ({lt['tokens']:,} tokens, {lt['wall_s']:.0f} s,
+{lt['tokens_per_s']:,} tokens/s, final loss {lt['final_loss']:.3f}, peak learning rate {lt['peak_lr']:g}) on
+{lt['seq_len']}-token sequences x {lt['batch']}: a fraction {lt['passkey_frac']} of them packed passkey episodes
+(lengths log-uniform from {lt['min_episode']} tokens), the rest book text. The draft is not trained
+again: its StreamingLLM cache keeps its positions within its window; its max_position_embeddings says
+the target's context.
+"""
+    ppl_rows = ""
+    if "perplexity_before_long" in t:
+        ppl_rows = (f"\n| held-out perplexity, {lt['rope']['original_max_position_embeddings']}-token windows: "
+                    f"before / after the long phase | {t['perplexity_before_long']['all']} / "
+                    f"{t['perplexity_at_base_len']['all']} | |")
+    steps = f"{t['train']['steps']} ({t['train']['tokens']:,})"
+    steps += f" + passkey phase {p2['steps']} ({p2['tokens']:,})" if p2 else ""
+    steps += f" + long phase {lt['steps']} ({lt['tokens']:,})" if lt else ""
+    wall = t['train']['wall_s'] + (p2['wall_s'] if p2 else 0) + (lt['wall_s'] if lt else 0)
+    depths = next(iter(t.get("passkey_by_depth", {}).values()), {})
+    by_depth = "" if not depths else (
+        "\n| prompt tokens | " + " | ".join(f"depth {k}" for k in depths) + " | all |\n|" + " --- |" * (len(depths) + 2)
+        + "".join(f"\n| {n} | " + " | ".join(f"{v:.0%}" for v in row.values()) + f" | {t['passkey_accuracy'][n]:.0%} |"
+                  for n, row in t["passkey_by_depth"].items()) + "\n")
     return f"""# tforce demo pair ({card['config']} config)
 
-Trained from scratch by `{card['command']}` (seed {card['seed']}) on {card['device']}, in
-{card['wall_s'] / 60:.1f} minutes in all. Small models: the text they write is locally fluent, period-novel
+{origin}. Small models: the text they write is locally fluent, period-novel
 English without much sense; what they show is real text and real acceptance rates for `tforce run`.
 
 **Data.** Tokenizer and both models: the {len(card['data']['train_books'])} public-domain novels in
 `../shared/data/books/train/` (Project Gutenberg headers and licences removed;
 {card['data']['train_tokens']:,} tokens). **Held out entirely** (never seen by the tokenizer or the models):
-{', '.join(card['data']['held_out_books'])} (`../shared/data/books/*.txt`). The target trains in two
+{', '.join(card['data']['held_out_books'])} (`../shared/data/books/*.txt`). The {'base ' if lt else ''}target trains in two
 phases: first a fraction {card['passkey_frac']} of its sequences are packed passkey examples from
 `tforce.needle` ("The pass key is KEY. Remember it." at a random depth of a novel excerpt, then "What is
 the pass key? The pass key is KEY"; episode lengths log-uniform from 48 tokens; answer tokens weigh
 {card['answer_weight']:g}x in the loss), the rest plain book text; then{phase2} evaluation uses the same phrasing on
 the held-out books. The training loss reported is the plain mean over all tokens.
-
+{long}
 **Tokenizer.** Byte-level BPE, {card['vocab']} ids, digits one per token; `<s>` (bos, prepended),
 `</s>` (eos), `<unk>`.
 
@@ -340,20 +415,21 @@ the held-out books. The training loss reported is the plain mean over all tokens
 | --- | --- | --- |
 | parameters | {t['params'] / 1e6:.2f} M | {d['params'] / 1e6:.2f} M |
 | shape | {t['arch']['layers']} layers, hidden {t['arch']['hidden']}, {t['arch']['heads']} heads / {t['arch']['kv_heads']} KV heads, rope_theta {t['arch']['rope_theta']:g} | {d['arch']['layers']} layers, hidden {d['arch']['hidden']}, {d['arch']['heads']} heads / {d['arch']['kv_heads']} KV heads, tied embeddings |
-| training sequences | {t['train']['seq_len']} tokens x {t['train']['batch']} | {d['train']['seq_len']} tokens x {d['train']['batch']} |
-| steps (tokens) | {t['train']['steps']} ({t['train']['tokens']:,}){f" + passkey phase {p2['steps']} ({p2['tokens']:,})" if p2 else ""} | {d['train']['steps']} ({d['train']['tokens']:,}) |
-| training wall time | {t['train']['wall_s'] + (p2['wall_s'] if p2 else 0):.0f} s ({t['train']['tokens_per_s']:,} tokens/s) | {d['train']['wall_s']:.0f} s ({d['train']['tokens_per_s']:,} tokens/s) |
+| training sequences | {t['train']['seq_len']} tokens x {t['train']['batch']}{f"; long phase {lt['seq_len']} x {lt['batch']}" if lt else ""} | {d['train']['seq_len']} tokens x {d['train']['batch']} |
+| steps (tokens) | {steps} | {d['train']['steps']} ({d['train']['tokens']:,}) |
+| training wall time | {wall:.0f} s ({t['train']['tokens_per_s']:,} tokens/s in phase 1) | {d['train']['wall_s']:.0f} s ({d['train']['tokens_per_s']:,} tokens/s) |
 | final training loss (nats/token; target: phase 1) | {t['train']['final_loss']:.3f} | {d['train']['final_loss']:.3f} |
-| held-out perplexity (geometric mean over books) | {t['perplexity']['all']} | {d['perplexity']['all']} |
+| held-out perplexity (geometric mean over books; windows of the training length: target {t['max_position_embeddings']}, draft {d['train']['seq_len']}) | {t['perplexity']['all']} | {d['perplexity']['all']} |{ppl_rows}
 | max_position_embeddings | {t['max_position_embeddings']} | {d['max_position_embeddings']} |
 
-Held-out perplexity per book (first {card['eval_tokens']:,} tokens of each, windows of the model's
-training length): target {json.dumps({k: v for k, v in t['perplexity'].items() if k != 'all'})}; draft
+Held-out perplexity per book (first {card['eval_tokens']:,} tokens of each, windows as in the table):
+target {json.dumps({k: v for k, v in t['perplexity'].items() if k != 'all'})}; draft
 {json.dumps({k: v for k, v in d['perplexity'].items() if k != 'all'})}.
 
 **Passkey accuracy of the target** (greedy, exact match of the 5-digit key, {card['passkey_prompts']}
-prompts per length from the held-out books, depths spread over 0..1), by prompt length in tokens: {pk}.
-
+prompts per length from the held-out books, prompt i at depth (i + 0.5) / {card['passkey_prompts']}), by prompt length in
+tokens: {pk}.
+{by_depth}
 Weights are stored in float16 (`model.safetensors`). All numbers come from `card.json`, written by the
 training script itself.
 """
@@ -366,6 +442,9 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, help="training budget for both models (default: per config)")
     ap.add_argument("--steps", type=int, help="target steps (fixed; the draft gets a proportional count)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--extend", metavar="DIR", help="continue the pair in DIR (demo-target/, demo-draft/, card.json, "
+                    "e.g. models): keep its tokenizer and draft, train only the target's long-context phase on "
+                    "the whole --minutes budget")
     ap.add_argument("--books", default=str(BOOKS), help="folder with the held-out books and train/")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=2)
@@ -386,7 +465,18 @@ def main(argv=None) -> int:
     if not train_books or not held_books:
         raise SystemExit(f"train_demo: no books under {books}/train and {books}")
     log(f"{len(train_books)} training books, {len(held_books)} held out: {', '.join(held_books)}")
-    tok = train_tokenizer(list(train_books.values()), setup.vocab, setup.tokenizer_chars)
+    base = Path(args.extend) if args.extend else None
+    if base:  # the pair to continue: its tokenizer, both models, and its card
+        from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+        if not (base / "demo-target" / "config.json").is_file() or not (base / "card.json").is_file():
+            raise SystemExit(f"train_demo: --extend {base} holds no demo-target/ and card.json")
+        tok = PreTrainedTokenizerFast.from_pretrained(str(base / "demo-target"))
+        target, draft = (LlamaForCausalLM.from_pretrained(str(base / f"demo-{n}"), dtype=torch.float32)
+                         for n in ("target", "draft"))
+        base_card = json.loads((base / "card.json").read_text())
+    else:
+        tok = train_tokenizer(list(train_books.values()), setup.vocab, setup.tokenizer_chars)
     vocab = len(tok)
     enc = lambda texts: {n: torch.tensor(e.ids, dtype=torch.int32)  # noqa: E731
                          for n, e in zip(texts, tok.backend_tokenizer.encode_batch(
@@ -402,39 +492,72 @@ def main(argv=None) -> int:
     log(f"tokenizer: {vocab} ids; {n_train:,} training tokens ({time.perf_counter() - t_start:.0f} s)")
 
     budget = setup.minutes * 60
-    target_max_pos = setup.target.seq_len
-    target = build(setup.target, vocab, tok, target_max_pos)
-    draft = build(setup.draft, vocab, tok, target_max_pos)  # usable at the target's length via StreamingLLM
+    long = setup.long
+    context = long.seq_len if long else setup.target.seq_len  # the pair's max_position_embeddings
     rng = random.Random(args.seed)
-    t_steps = setup.steps
-    d_steps = t_steps
-    rec = {}
-    for name, model, arch, share, steps, pk in (("target", target, setup.target, 1 - setup.draft_share, t_steps,
-                                                setup.passkey_frac),
-                                               ("draft", draft, setup.draft, setup.draft_share, d_steps, 0.0)):
-        stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), pk)
-        n_params = sum(p.numel() for p in model.parameters())
-        log(f"{name}: {n_params / 1e6:.2f} M parameters")
-        phase2 = setup.passkey_phase if name == "target" else 0.0
-        tr = train(name, model, stream, arch, budget * share * (1 - phase2), steps, setup.answer_weight,
-                   args.device)
-        rec[name] = {"params": n_params, "arch": asdict(arch), "train": tr,
-                     "max_position_embeddings": target_max_pos}
-        if phase2:
-            seq_len, batch = setup.passkey_shape
-            stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), 1.0)
-            rec[name]["passkey_train"] = train(
-                f"{name} (passkey phase)", model, stream, replace(arch, seq_len=seq_len, batch=batch, lr=arch.lr / 2),
-                budget * share * phase2, None if steps is None else max(1, round(steps * phase2)),
-                setup.answer_weight, args.device)
+    t_share = 1 - setup.draft_share
+    long_share = 0.0 if long is None else 1.0 if base else long.share
+    if base:
+        rec = {n: {k: v for k, v in base_card[n].items() if k not in ("perplexity", "passkey_accuracy")}
+               for n in ("target", "draft")}
+        rec["draft"]["perplexity"] = base_card["draft"]["perplexity"]  # the draft is not trained again
+        draft.config.max_position_embeddings = context  # its StreamingLLM cache keeps its positions small
+        base_len = target.config.max_position_embeddings
+        if long is None or base_len >= long.seq_len:
+            raise SystemExit(f"train_demo: the pair in {base} already has a context of {base_len} tokens; "
+                             f"--config {args.config} extends to {long.seq_len if long else base_len}")
+    else:
+        target = build(setup.target, vocab, tok, setup.target.seq_len)
+        draft = build(setup.draft, vocab, tok, context)  # usable at the target's length via StreamingLLM
+        base_len = setup.target.seq_len
+        t_steps = setup.steps
+        rec = {}
+        for name, model, arch, share, pk in (("target", target, setup.target, t_share * (1 - long_share),
+                                              setup.passkey_frac),
+                                             ("draft", draft, setup.draft, setup.draft_share, 0.0)):
+            stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), pk)
+            n_params = sum(p.numel() for p in model.parameters())
+            log(f"{name}: {n_params / 1e6:.2f} M parameters")
+            phase2 = setup.passkey_phase if name == "target" else 0.0
+            tr = train(name, model, stream, arch, budget * share * (1 - phase2), t_steps, setup.answer_weight,
+                       args.device)
+            rec[name] = {"params": n_params, "arch": asdict(arch), "train": tr}
+            if phase2:
+                seq_len, batch = setup.passkey_shape
+                stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), 1.0)
+                rec[name]["passkey_train"] = train(
+                    f"{name} (passkey phase)", model, stream,
+                    replace(arch, seq_len=seq_len, batch=batch, lr=arch.lr / 2), budget * share * phase2,
+                    None if t_steps is None else max(1, round(t_steps * phase2)), setup.answer_weight, args.device)
+        rec["draft"]["perplexity"] = perplexity(draft, held_ids, setup.draft.seq_len, setup.eval_tokens, args.device)
+    if long:
+        rec["target"]["perplexity_before_long"] = perplexity(target, held_ids, base_len, setup.eval_tokens,
+                                                             args.device)
+        log(f"target: held-out perplexity before the long phase {rec['target']['perplexity_before_long']}")
+        target = extend_context(target, long)
+        log(f"target: RoPE {target.config.rope_parameters}, max_position_embeddings {context}")
+        stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), long.passkey_frac,
+                        long.min_episode)
+        arch = replace(setup.target, seq_len=long.seq_len, batch=long.batch, lr=long.lr)
+        rec["target"]["long_train"] = dict(
+            train("target (long phase)", target, stream, arch, budget * (t_share if not base else 1) * long_share,
+                  None if setup.steps is None else max(1, round(setup.steps * long_share)), setup.answer_weight,
+                  args.device),
+            passkey_frac=long.passkey_frac, min_episode=long.min_episode, rope=target.config.rope_parameters)
+    for name, model in (("target", target), ("draft", draft)):
+        rec[name]["max_position_embeddings"] = context
     t_eval = time.perf_counter()
-    for name, model, arch in (("target", target, setup.target), ("draft", draft, setup.draft)):
-        rec[name]["perplexity"] = perplexity(model, held_ids, arch.seq_len, setup.eval_tokens, args.device)
+    rec["target"]["perplexity"] = perplexity(target, held_ids, context, setup.eval_tokens, args.device)
+    if long:  # the same windows as before the extension, for comparison
+        rec["target"]["perplexity_at_base_len"] = perplexity(target, held_ids, base_len, setup.eval_tokens,
+                                                             args.device)
+    for name in ("target", "draft"):
         log(f"{name}: held-out perplexity {rec[name]['perplexity']}")
-    lengths = [n for n in setup.passkey_lengths if n <= target_max_pos]
-    rec["target"]["passkey_accuracy"] = passkey_accuracy(target, tok, held_books, lengths, setup.passkey_prompts,
-                                                         args.seed + 1, args.device)
-    log(f"target: passkey accuracy {rec['target']['passkey_accuracy']} (eval {time.perf_counter() - t_eval:.0f} s)")
+    lengths = [n for n in setup.passkey_lengths if n <= context]
+    acc, by_depth = passkey_accuracy(target, tok, held_books, lengths, setup.passkey_prompts, args.seed + 1,
+                                     args.device)
+    rec["target"]["passkey_accuracy"], rec["target"]["passkey_by_depth"] = acc, by_depth
+    log(f"target: passkey accuracy {acc}, by depth {by_depth} (eval {time.perf_counter() - t_eval:.0f} s)")
 
     for name, model in (("target", target), ("draft", draft)):
         save(model.cpu(), tok, out / f"demo-{name}")
@@ -445,6 +568,7 @@ def main(argv=None) -> int:
             "vocab": vocab, "passkey_frac": setup.passkey_frac, "answer_weight": setup.answer_weight,
             "passkey_phase": setup.passkey_phase,
             "eval_tokens": setup.eval_tokens, "passkey_prompts": setup.passkey_prompts,
+            "base": None if not base else {k: base_card[k] for k in ("command", "seed", "device", "wall_s")},
             "data": {"train_books": sorted(train_books), "held_out_books": sorted(held_books),
                      "train_tokens": n_train},
             "target": rec["target"], "draft": rec["draft"],

@@ -148,9 +148,9 @@ def test_no_model_uses_the_demo_pair_and_excerpt(runner, tmp_path):
     no prompt either: the embedded excerpt + question, also said on stderr."""
     from tforce.demo import demo_prompt
 
-    long_ctx = dict(TARGET, max_position_embeddings=4096)
+    long_ctx = dict(TARGET, max_position_embeddings=16384)  # its tokenizer: ~1 id per character of the excerpt
     make_checkpoint(tmp_path / "demo-target", seed=0, **long_ctx)
-    make_checkpoint(tmp_path / "demo-draft", seed=1, **dict(DRAFT, max_position_embeddings=4096))
+    make_checkpoint(tmp_path / "demo-draft", seed=1, **dict(DRAFT, max_position_embeddings=16384))
     env = {"TFORCE_DEMO_MODELS": str(tmp_path)}
     r = runner.invoke(app, ["run", *FAST, "-n", "4", "--json"], input="", env=env)
     assert r.exit_code == 0, r.output

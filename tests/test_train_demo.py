@@ -1,4 +1,5 @@
-"""scripts/train_demo.py runs end to end in --config tiny and writes loadable checkpoints and the card."""
+"""scripts/train_demo.py runs end to end in --config tiny and writes loadable checkpoints and the card;
+its long-context phase rescales the target's RoPE, from scratch or continuing a pair (--extend)."""
 import importlib.util
 import json
 import sys
@@ -20,13 +21,20 @@ def _script():
     return mod
 
 
-@pytest.mark.skipif(not (_script().BOOKS / "train").is_dir(), reason="no ../shared/data/books/train")
-def test_tiny_end_to_end(tmp_path):
+needs_books = pytest.mark.skipif(not (_script().BOOKS / "train").is_dir(), reason="no ../shared/data/books/train")
+
+
+def _run(mod, *args):
     threads = torch.get_num_threads()
     try:
-        assert _script().main(["--config", "tiny", "--out", str(tmp_path), "--threads", "1"]) == 0
+        return mod.main(["--config", "tiny", "--threads", "1", *args])
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_books
+def test_tiny_end_to_end(tmp_path):
+    assert _run(_script(), "--out", str(tmp_path)) == 0
     card = json.loads((tmp_path / "card.json").read_text())
     assert len(card["data"]["held_out_books"]) >= 1
     assert not set(card["data"]["held_out_books"]) & set(card["data"]["train_books"])
@@ -40,8 +48,49 @@ def test_tiny_end_to_end(tmp_path):
         with safe_open(str(st), "pt") as f:
             assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())
     assert set(card["target"]["passkey_accuracy"]) == {"64", "96"}
+    assert set(card["target"]["passkey_by_depth"]["96"]) == {"0.0-0.5", "0.5-1.0"}
+    # the long phase: RoPE rescaled 128 -> 256 (YaRN), one step at 256 tokens; both configs say 256
+    long = card["target"]["long_train"]
+    assert long["steps"] == 1 and long["seq_len"] == 256
+    assert long["rope"] == {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": 128}
+    target = tforce.load_model(str(tmp_path / "demo-target"))
+    assert target.config.rope_parameters["rope_type"] == "yarn" and target.config.max_position_embeddings == 256
+    assert loaded.config.max_position_embeddings == 256  # the draft
+    assert card["target"]["perplexity_before_long"]["all"] > 1 and card["target"]["perplexity_at_base_len"]["all"] > 1
     assert card["target"]["passkey_train"]["steps"] == 1 and card["target"]["passkey_train"]["seq_len"] == 96
     assert "passkey_train" not in card["draft"]
     ids = loaded.tokenizer.encode("Hello there")
     assert ids[0] == loaded.tokenizer.bos_token_id
     assert "# tforce demo pair" in (tmp_path / "README.md").read_text()
+
+
+@needs_books
+def test_extend_continues_a_pair(tmp_path):
+    """--extend DIR: DIR's tokenizer and draft weights are kept, the target gains the long phase only;
+    a pair whose context is already the config's is refused."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    mod = _script()
+    mod.CONFIGS["tiny"] = replace(mod.CONFIGS["tiny"], long=None)  # a short-context base pair
+    assert _run(mod, "--out", str(tmp_path / "base")) == 0
+    mod = _script()
+    assert _run(mod, "--extend", str(tmp_path / "base"), "--out", str(tmp_path / "long")) == 0
+    base, card = json.loads((tmp_path / "base" / "card.json").read_text()), json.loads(
+        (tmp_path / "long" / "card.json").read_text())
+    assert base["target"]["max_position_embeddings"] == 128 and "long_train" not in base["target"]
+    assert card["base"]["command"] == base["command"] and "--extend" in card["command"]  # --steps 3: all long
+    assert card["target"]["train"] == base["target"]["train"]  # phase 1 comes from the base's card
+    assert card["target"]["long_train"]["steps"] == 3 and card["target"]["max_position_embeddings"] == 256
+    assert card["draft"]["max_position_embeddings"] == 256 and card["draft"]["perplexity"] == base["draft"]["perplexity"]
+    for f in ("model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "long" / "demo-draft" / f).read_bytes() == (tmp_path / "base" / "demo-draft" / f).read_bytes()
+    assert (tmp_path / "long" / "demo-target" / "tokenizer.json").read_bytes() == (
+        tmp_path / "base" / "demo-target" / "tokenizer.json").read_bytes()
+    new, old = (load_file(str(tmp_path / d / "demo-target" / "model.safetensors")) for d in ("long", "base"))
+    assert set(new) == set(old) and any(not torch.equal(new[k], old[k]) for k in new)  # trained further
+    assert "Long-context phase" in (tmp_path / "long" / "README.md").read_text()
+    with pytest.raises(SystemExit, match="already has a context of 256"):
+        _run(mod, "--extend", str(tmp_path / "long"), "--out", str(tmp_path / "again"))

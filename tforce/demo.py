@@ -2,7 +2,8 @@
 
 The pair lives in the repository's models/ (written by scripts/train_demo.py; see models/README.md);
 TFORCE_DEMO_MODELS names another folder holding demo-target/ and demo-draft/. The excerpt is the opening
-of Great Expectations, chapter 1 (public domain; a book held out from the demo pair's training).
+of Great Expectations, chapter 1 and the start of chapter 2 (public domain; a book held out from the demo
+pair's training): about 3,400 tokens of the demo tokenizer, within the demo target's 4,096-token context.
 """
 from __future__ import annotations
 

@@ -223,3 +223,26 @@ def test_info_plans_one_rank_of_two_and_refuses_13b_on_one():
 def test_info_sizes_the_cache_for_the_models_own_context(tiny_dir):
     obj, _ = _info(["-m", str(sorted(tiny_dir.iterdir())[0])])
     assert obj["model"]["kv_context"] == obj["model"]["context"] == obj["plan"]["context"] != 131072
+
+
+def test_a_batch_is_planned_with_every_per_row_item_times_its_rows():
+    shape = placement.Shape.of(make_config("llama2-7b"), 2)
+    one = placement.Work(capacity=32768, prompt=32767, method="naive")
+    four = placement.Work(capacity=32768, prompt=32767, method="naive", rows=4)
+    draft = placement.Shape.of(make_config("tiny"), 2)
+    a, b = placement.layout(shape, one, 20, draft), placement.layout(shape, four, 20, draft)
+    for name in ("full KV, resident layers", "staging buffers (2 layers)", "draft StreamingLLM cache",
+                 "logits and probabilities"):
+        assert b.item(name) == 4 * a.item(name) > 0, name
+    assert b.item("target weights") == a.item("target weights") and b.host_bytes == 4 * a.host_bytes
+
+
+def test_info_plans_a_batch():
+    args = ["--synthetic", "llama2-7b", "--gpu-memory", "80GiB", "--context", "32768"]
+    one, _ = _info(args)
+    four, text = _info(args + ["--batch", "4"])
+    if torch.cuda.is_available():
+        pytest.skip("plans the local GPU")
+    assert four["plan"]["kv_bytes"] == 4 * one["plan"]["kv_bytes"] and four["plan"]["rows"] == 4
+    assert four["plan"]["resident_layers"] < one["plan"]["resident_layers"] == 32
+    assert "4 x 32768 tokens" in text

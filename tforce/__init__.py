@@ -1,8 +1,10 @@
 """tforce: lossless hierarchical speculative decoding (TriForce) for long-context Llama models."""
+from .batch import generate_batch
 from .conversation import Conversation
 from .engine import Result, generate
 from .errors import TforceError, UsageError
 from .weights import LoadedModel, load_model
 
-__all__ = ["generate", "Conversation", "load_model", "LoadedModel", "Result", "TforceError", "UsageError"]
+__all__ = ["generate", "generate_batch", "Conversation", "load_model", "LoadedModel", "Result", "TforceError",
+           "UsageError"]
 __version__ = "0.1.0"

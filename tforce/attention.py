@@ -41,23 +41,30 @@ def _unfold(out: torch.Tensor, T: int) -> torch.Tensor:
     return out.view(B, n_kv, -1, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, -1, D)
 
 
+def _batch_mask(m: torch.Tensor) -> torch.Tensor:
+    """A view's mask as (B_m, H_m, T, S): (H_m, T, S) is the same for every row (B_m = 1); a batched
+    cache's (B, 1, T, S) has one per row (cache/base.py, rows of different lengths)."""
+    return m if m.dim() == 4 else m[None]
+
+
 def _folded_mask(view: CacheView, group: int) -> torch.Tensor | None:
-    """view.mask (H_m, T, S), H_m in {1, H_kv} -> (1, H_m, group * T, S) for the folded queries: every
-    query head of a group has its KV head's mask. Its size is that of the scores, never of K/V."""
+    """view.mask, H_m in {1, H_kv} -> (B_m, H_m, group * T, S) for the folded queries: every query
+    head of a group has its KV head's mask. Its size is that of the scores, never of K/V."""
     if view.mask is None:
         return None
-    m = view.mask
-    return m[:, None].expand(m.shape[0], group, *m.shape[1:]).reshape(m.shape[0], -1, m.shape[-1])[None]
+    m = _batch_mask(view.mask)
+    B, H, T, S = m.shape
+    return m[:, :, None].expand(B, H, group, T, S).reshape(B, H, group * T, S)
 
 
 def _sdpa_mask(view: CacheView, n_heads: int) -> torch.Tensor | None:
-    """view.mask (H_m, T, S) with H_m in {1, H_kv} -> (1, 1 or H_q, T, S), one mask per query head."""
+    """view.mask, H_m in {1, H_kv} -> (B_m, 1 or H_q, T, S), one mask per query head."""
     if view.mask is None:
         return None
-    m = view.mask
-    if m.shape[0] > 1:  # one mask per KV head: repeat for the query heads of its group
-        m = m.repeat_interleave(n_heads // m.shape[0], dim=0)
-    return m[None]
+    m = _batch_mask(view.mask)
+    if m.shape[1] > 1:  # one mask per KV head: repeat for the query heads of its group
+        m = m.repeat_interleave(n_heads // m.shape[1], dim=1)
+    return m
 
 
 def flash_usable(q: torch.Tensor, view: CacheView) -> bool:

@@ -104,12 +104,13 @@ class Work:
     # becomes an additive mask of the compute dtype; measured on an H100, benchmarks/gpu/*sdpa_probe*);
     # "math" (SDPA on the CPU: counted as materialising float32 scores, an upper bound).
     attention: str = "flash"
+    rows: int = 1  # sequences decoded together (batch.py): every cache and activation is per row
 
     @classmethod
     def of(cls, spec, capacity: int, prompt: int, prefill_chunk: int = 512, cuda_graphs: bool = True,
-           attention: str = "flash") -> "Work":
+           attention: str = "flash", rows: int = 1) -> "Work":
         return cls(capacity, prompt, spec.method, spec.budget, spec.chunk_size, spec.draft_budget, spec.sinks,
-                   spec.gamma1, spec.gamma2, prefill_chunk, cuda_graphs, attention)
+                   spec.gamma1, spec.gamma2, prefill_chunk, cuda_graphs, attention, rows)
 
     @property
     def lookahead(self) -> int:  # config.Speculation.max_lookahead
@@ -131,7 +132,7 @@ class Item:
 class Plan:
     n_layers: int
     resident: int  # layers whose KV stays on the device
-    layer_bytes: int  # K + V of one layer at full capacity
+    layer_bytes: int  # K + V of one layer at full capacity, all rows
     items: tuple[Item, ...] = ()
     budget: int | None = None  # device bytes allowed (None: no device)
     host_bytes: int = 0  # pinned host memory for the offloaded layers, exactly as allocated
@@ -179,8 +180,8 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
           context: int = CONTEXT_BYTES) -> tuple[Item, ...]:
     """Every device allocation of one rank with `resident` layers of the full cache on the device."""
     s, w, e = shape, work, shape.dtype_bytes
-    n, kv, d = s.layers, s.kv_heads, s.head_dim
-    layer = kv_layer_bytes(kv, d, w.capacity, e)
+    n, kv, d, b = s.layers, s.kv_heads, s.head_dim, work.rows
+    layer = b * kv_layer_bytes(kv, d, w.capacity, e)
     offloaded = resident < n
     out = [Item("CUDA context", context, "both"),
            Item("target weights", s.weights, "both")]
@@ -190,29 +191,29 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
             Item("staging buffers (2 layers)", 2 * layer if offloaded else 0, "both")]
     if w.method in ("triforce", "retrieval"):
         chunks = n_chunks(w.capacity, w.chunk_size)
-        out += [Item("retrieval cache and key positions", n * (kv_layer_bytes(kv, d, w.budget, e) + kv * w.budget * 8),
-                     "both"),
+        out += [Item("retrieval cache and key positions",
+                     b * n * (kv_layer_bytes(kv, d, w.budget, e) + kv * w.budget * 8), "both"),
                 # Resident layers keep theirs on the device; an offloaded layer is scored in one scratch.
                 Item("retrieval chunk statistics",
-                     (resident + offloaded) * chunk_stat_bytes(w.capacity, w.chunk_size, kv, d), "both"),
+                     b * (resident + offloaded) * chunk_stat_bytes(w.capacity, w.chunk_size, kv, d), "both"),
                 # One layer at a time: budget rows of K and V gathered, their positions, float32 scores.
                 Item("rebuild scratch", kv_layer_bytes(kv, d, w.budget, e) + 2 * kv * w.budget * 8 + kv * chunks * 4,
                      "decode")]
     elif w.method == "streaming":
         cap = streaming_capacity(w.budget, w.sinks, w.lookahead, w.prefill_chunk + w.lookahead)
-        out.append(Item("middle StreamingLLM cache", n * kv_layer_bytes(kv, d, cap, e), "both"))
+        out.append(Item("middle StreamingLLM cache", b * n * kv_layer_bytes(kv, d, cap, e), "both"))
     if w.uses_draft and draft is not None:
         cap = streaming_capacity(w.draft_budget, w.sinks, w.lookahead, min(w.prefill_chunk, w.draft_budget) + w.lookahead)
-        out.append(Item("draft StreamingLLM cache", draft.layers * kv_layer_bytes(draft.kv_heads, draft.head_dim, cap,
-                                                                                   draft.dtype_bytes), "both"))
+        out.append(Item("draft StreamingLLM cache", b * draft.layers * kv_layer_bytes(draft.kv_heads, draft.head_dim,
+                                                                                       cap, draft.dtype_bytes), "both"))
     # Rotated queries of the last forward, kept per layer for rebuilds (FullCache.queries).
     out.append(Item("stored queries", n * w.prefill_chunk * s.heads * d * e, "both"))
     layer_major = offloaded and w.prompt > 1  # engine.Session.prefill
     out += [Item("prefill hidden states", w.prompt * s.hidden * e if layer_major else 0, "prefill"),
             Item("prefill K/V scratch (a staging slot)", 0, "prefill"),
-            Item("prefill chunk activations", _activations(s, w, w.prefill_chunk, w.prompt), "prefill"),
-            Item("decode activations", _activations(s, w, w.gamma2 + 1, w.capacity), "decode"),
-            Item("logits and probabilities", LOGIT_COPIES * (w.gamma2 + 1) * s.vocab * 4, "decode")]
+            Item("prefill chunk activations", _activations(s, w, b * w.prefill_chunk, w.prompt), "prefill"),
+            Item("decode activations", _activations(s, w, b * (w.gamma2 + 1), w.capacity), "decode"),
+            Item("logits and probabilities", LOGIT_COPIES * b * (w.gamma2 + 1) * s.vocab * 4, "decode")]
     if w.cuda_graphs and context and w.method != "ar":
         out.append(Item("CUDA graph pools (estimate)", GRAPH_POOL_BYTES, "decode"))
     return tuple(out)
@@ -236,7 +237,7 @@ def _activations(s: Shape, w: Work, rows: int, keys: int) -> int:
 def layout(shape: Shape, work: Work, resident: int, draft: Shape | None = None, context: int = CONTEXT_BYTES,
            budget: int | None = None) -> Plan:
     """The plan with `resident` layers of KV on the device, unchecked."""
-    layer = kv_layer_bytes(shape.kv_heads, shape.head_dim, work.capacity, shape.dtype_bytes)
+    layer = work.rows * kv_layer_bytes(shape.kv_heads, shape.head_dim, work.capacity, shape.dtype_bytes)
     return Plan(shape.layers, resident, layer, items(shape, work, resident, draft, context), budget,
                 (shape.layers - resident) * layer,
                 {"context_tokens": work.capacity, "attention": work.attention})

@@ -45,3 +45,21 @@ def verify(proposal: Proposal, p: torch.Tensor, gen: torch.Generator, residual=e
     nxt = sample(candidates.index_select(0, n.view(1)), gen)  # (1,); indexing by a tensor, not an int
     n_acc, token = host(torch.cat([n.view(1), nxt]))
     return Verdict(n_acc, token)
+
+
+def verify_rows(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator,
+                residual=exact_residual) -> tuple[list[int], list[int]]:
+    """`verify` for B rows at once, each row deciding its own acceptance: tokens (B, k) drafted from
+    q (B, k, V); p (B, k + 1, V) the verifier's. Returns (accepted count per row, next token per row),
+    fetched in one host sync."""
+    B, k = tokens.shape
+    rows = torch.arange(B, device=p.device)
+    cols = torch.arange(k, device=p.device).expand(B, k)
+    u = torch.rand(B, k, generator=gen, device=p.device)
+    x = tokens[..., None]
+    accepted = u * q.gather(2, x)[..., 0] < p[:, :k].gather(2, x)[..., 0]  # (B, k)
+    n = torch.where(accepted, k, cols).min(1).values if k else torch.zeros(B, dtype=torch.long, device=p.device)
+    candidates = torch.cat([residual(p[:, :k], q), p[:, k:k + 1]], dim=1)  # (B, k + 1, V)
+    nxt = sample(candidates[rows, n], gen)  # (B,)
+    n_acc, token = host(torch.stack([n, nxt]))
+    return n_acc, token

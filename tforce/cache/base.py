@@ -2,7 +2,20 @@
 
 Layout (the only one in tforce): keys and values are stored per layer as (B, S, H_kv, D), batch first,
 then sequence slots, then KV heads, then head dimension; the layout flash-attn's kvcache API takes.
-Fresh projections arrive as (B, T, H, D). B is 1 today.
+Fresh projections arrive as (B, T, H, D). The single-prompt caches (full, offload, retrieval,
+streaming) hold B = 1; the batched caches (cache/batched.py) hold one row per prompt.
+
+Rows of different lengths (cache/batched.py). Each row is left-aligned: row b's token at sequence
+position s sits in slot s (the streaming cache: in slot s for a sink, else sinks + s - offset[b]),
+so a row never holds padding tokens before its text. `lengths` (B,) counts each row's committed
+tokens. A forward feeds T tokens to every row at once, row b's at positions [lengths[b],
+lengths[b] + T); a row with fewer real tokens to feed is padded at its END and commits only its real
+count (commit(counts), counts (B,)), so its padding lands beyond its length, is never visible to a
+real token (they come first) and is overwritten by the row's next forward before any query can see it.
+The view is the slots [0, max(lengths) + T) of every row, with a mask (B, 1, T, S) that hides each
+row's unused tail: slot s is visible to row b's query t iff s <= lengths[b] + t (the visibility rule
+below, per row). RoPE positions are per row (lengths[b] + t). Rows that finish are compacted away
+(keep(rows)): the remaining rows move to the front, so a finished row costs no further work.
 
 Protocol. A forward of T new tokens is `cache.begin(T)`, then per layer
 `q, view = cache.update(layer, q, k, v)`, then `cache.commit(n)` to keep the first n of the T tokens.
@@ -33,7 +46,8 @@ import torch
 class CacheView:
     k: torch.Tensor  # (B, S, H_kv, D), rotated
     v: torch.Tensor  # (B, S, H_kv, D)
-    mask: torch.Tensor | None  # bool (1 or H_kv, T, S), True = visible; None = all visible
+    # bool (1 or H_kv, T, S), or (B, 1, T, S) with one per row; True = visible; None = all visible
+    mask: torch.Tensor | None
     # True when the mask is exactly "the T queries are the last T keys, causally" (bottom-right
     # aligned): then flash-attn's causal kernel computes the same thing without a mask.
     causal: bool = False

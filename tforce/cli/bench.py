@@ -28,9 +28,11 @@ def bench(
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
     prompt_len: int = typer.Option(122880, "--prompt-len", help="Prompt tokens."),
     gen_len: int = typer.Option(256, "--gen-len", help="Tokens generated per method (EOS ignored)."),
-    methods: str = typer.Option("ar,triforce,naive,retrieval,streaming", "--methods",
-                                help="Comma-separated; ar runs first and is the speed-up baseline; a method ending in "
-                                     "+det (e.g. triforce+det) verifies row by row (run --deterministic)."),
+    methods: Optional[str] = typer.Option(None, "--methods",
+                                          help="Comma-separated (default: ar,triforce,naive,retrieval,streaming; with "
+                                               "--batch: ar,naive); ar runs first and is the speed-up baseline; a "
+                                               "method ending in +det (e.g. triforce+det) verifies row by row (run "
+                                               "--deterministic)."),
     temperature: float = typer.Option(0.6, "--temperature", "-t", help="0 = greedy."),
     top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling, in (0, 1]."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f",
@@ -52,6 +54,8 @@ def bench(
                                         help="hf: also time transformers' own generate on the same weights and "
                                              "prompt: plain, assisted by the draft, prompt lookup, offloaded "
                                              "cache (CUDA); greedy tokens checked against ar's."),
+    batch: Optional[int] = typer.Option(None, "--batch", help="N prompts of --prompt-len tokens as one batch "
+                                                               "against the same N one at a time (ar, naive)."),
     as_json: bool = flag("--json", "Print one JSON object."),
 ) -> None:
     """Time every method on one prompt: ms/token, speed-up over ar, acceptance, H2D GB/s, memory."""
@@ -65,7 +69,14 @@ def bench(
             raise UsageError(f"--prompt-len and --gen-len must be >= 1, got {prompt_len} and {gen_len}")
         if dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        names = b.parse_methods(methods)
+        default = "ar,naive" if batch is not None else "ar,triforce,naive,retrieval,streaming"
+        names = b.parse_methods(methods or default)
+        if batch is not None:
+            from ..bench_batch import check_methods
+
+            if batch < 1:
+                raise UsageError(f"--batch must be >= 1, got {batch}")
+            check_methods(names)
         peer_names = parse_peers(peers)
         _threads(threads)
         engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget)
@@ -82,11 +93,18 @@ def bench(
                              "--synthetic models are built in one process")
         if world > 1 and peer_names:
             raise UsageError("--peers runs transformers in one process: drop --gpus/--tp")
+        if batch is not None and (world > 1 or peer_names):
+            raise UsageError("--batch runs in one process, without --peers, so far")
         _gpu_memory_note(gpu_memory, dev)
-        record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text, world)
+        record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text, world, batch)
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
+            return
+        if batch is not None:
+            from ..bench_batch import print_batch
+
+            print_batch(record)
             return
         _print_bench(record)
 
@@ -99,17 +117,17 @@ def _check_room(cfg, context: int) -> None:
                          f"({context} tokens)")
 
 
-def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str) -> None:
+def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str, rows: int = 1) -> None:
     """Every method's run must fit, weights and caches, before anything is built (tforce info's plan)."""
     from ..bench import split_method
 
     for method in dict.fromkeys(split_method(m)[0] for m in cfg.methods):
         _check_memory(target_cfg, draft_cfg, cfg.prompt_len + cfg.gen_len, torch_dtype.itemsize, device,
-                      cfg.offload, cfg.gpu_memory, cfg.engine["budget"], method)
+                      cfg.offload, cfg.gpu_memory, cfg.engine["budget"], method, rows)
 
 
 def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Optional[str], device: str,
-           dtype: str, text: Optional[str], world: int = 1) -> dict:
+           dtype: str, text: Optional[str], world: int = 1, batch: Optional[int] = None) -> dict:
     import torch
 
     from ..synthetic import ARCHITECTURES, make_config
@@ -123,7 +141,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         _check_room(cfg, ARCHITECTURES[synthetic]["max_position_embeddings"])
         target_cfg = make_config(synthetic)
         draft_cfg = make_config(synthetic, **b.DRAFT_SHAPES.get(synthetic, b.LLAMA_68M)) if uses_draft else None
-        _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device)
+        _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device, batch or 1)
         _say(f"tforce: bench: building a random-weight {synthetic} target and draft on {device} (SYNTHETIC)")
         models = b.Models.local(*b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed))
         config, tokenizer, name = models.target.config, None, f"synthetic:{synthetic}"
@@ -147,7 +165,8 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
             _check_room(cfg, target_cfg.max_position_embeddings)
             draft_cfg = _read_config(draft_name, "draft model")[1] if uses_draft else None
             _check_bench_memory(cfg, target_cfg, draft_cfg,
-                                torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32), device)
+                                torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32), device,
+                                batch or 1)
             loaded = _as_role("target model", load_model, model, device=device, dtype=torch_dtype)
             small = _as_role("draft model", load_model, draft_name, device=device, dtype=torch_dtype,
                              tokenizer=False).model if uses_draft else None
@@ -155,6 +174,12 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         name = model
     context = config.max_position_embeddings
     _check_room(cfg, context)
+    if batch is not None:
+        from ..bench_batch import batch_prompts, bench_batch
+
+        prompts = batch_prompts(batch, cfg.prompt_len, config.vocab_size, tokenizer, text, cfg.seed)
+        return bench_batch(models, prompts, cfg, synthetic is not None, name,
+                           progress=lambda line: _say(f"tforce: bench: {line}"))
     ids = b.prompt_ids(cfg.prompt_len, config.vocab_size, tokenizer, text, cfg.seed)
     return b.bench(models, ids, cfg, synthetic is not None, name,
                    progress=lambda line: _say(f"tforce: bench: {line}"))

@@ -83,12 +83,12 @@ def _host_available() -> int:
 
 
 def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, device: str, offload: str,
-                  gpu_memory: Optional[int], budget: int, method: str) -> None:
+                  gpu_memory: Optional[int], budget: int, method: str, rows: int = 1) -> None:
     """Refuse, before any weights are built or read, a run of `method` that cannot fit in memory, planned
     as `tforce info` plans it (tforce.bench.info_plan, itemised in placement.py: a retrieval cache only for
     triforce and retrieval, a draft only for the methods that use one): on the CPU every item lives in host
     memory; on CUDA the device items must fit its free memory (or --gpu-memory) and the offloaded KV layers
-    the available host memory."""
+    the available host memory. rows: sequences of `tokens` tokens decoded together (a batch)."""
     from ..bench import info_plan
     from ..placement import CONTEXT_BYTES, GiB
 
@@ -105,14 +105,15 @@ def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, de
         gpu_free = gpu_free if gpu_memory is None else min(gpu_free, gpu_memory)
     plan = info_plan(target_config, tokens, dtype_bytes, gpu_free, host_free, offload, budget,
                      draft_config=draft_config, context_bytes=CONTEXT_BYTES if cuda else 0,
-                     attention="sdpa" if cuda else "math", method=method)
+                     attention="sdpa" if cuda else "math", method=method, rows=rows)
     if "error" in plan:
         raise TforceError(plan["error"])
     if not cuda:
         need = plan["peak_bytes"] + plan["host_kv_bytes"]
         if need > host_free:
+            batch = f"{rows} x {tokens}" if rows > 1 else f"{tokens}"
             raise TforceError(f"not enough memory: {gib(need)} needed (target weights {gib(plan['weights_bytes'])}, "
-                              f"KV cache for {tokens} tokens {gib(plan['kv_bytes'])}, the rest in `tforce info`'s "
+                              f"KV cache for {batch} tokens {gib(plan['kv_bytes'])}, the rest in `tforce info`'s "
                               f"plan), {gib(host_free)} available")
     elif not plan["host_fits"]:
         raise TforceError(f"not enough host memory for the offloaded KV cache: {gib(plan['host_kv_bytes'])} "

@@ -43,7 +43,7 @@ def _arch(config, context: int, dtype: str) -> dict:
 
 
 def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, offload: str,
-               gpu_memory: Optional[int], world: int) -> dict:
+               gpu_memory: Optional[int], world: int, rows: int = 1) -> dict:
     """The plan for GPU 0 as it is (its memory, capped by --gpu-memory; the CUDA context measured), or on
     paper for a GPU of --gpu-memory bytes (the context a named constant; flash-attn assumed). Without
     flash-attn on a CUDA machine, SDPA's memory-efficient backend (placement.Work.attention)."""
@@ -66,7 +66,7 @@ def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, of
     h2d, dev = (h2d_peak_gbps("cuda:0"), device_bandwidth_gbps("cuda:0")) if cuda else (None, None)
     return {"h2d_gbps": h2d, "device_gbps": dev, "offload": offload, "context_measured": cuda,
             **info_plan(config, context, elem, gpu_budget, host_free, offload, budget, h2d, dev, world,
-                        context_bytes=context_bytes, attention=attention)}
+                        context_bytes=context_bytes, attention=attention, rows=rows)}
 
 
 def _gib(n: int) -> str:
@@ -87,6 +87,7 @@ def info(
     budget: int = typer.Option(4096, "--budget", help="Retrieval cache size (resident beside the full cache)."),
     ranks: int = typer.Option(1, "--gpus", help="Plan one rank of the target split over N GPUs (tensor "
                                                "parallelism: half the KV heads each for 2)."),
+    batch: int = typer.Option(1, "--batch", help="Plan this many sequences of --context tokens decoded together."),
     as_json: bool = flag("--json", "Print one JSON object."),
 ) -> None:
     """Versions, devices, host memory, measured H2D bandwidth and (with --model or --synthetic) the model's
@@ -104,6 +105,8 @@ def info(
             raise UsageError(f"--context must be positive, got {context}")
         if ranks < 1:
             raise UsageError(f"--gpus must be >= 1, got {ranks}")
+        if batch < 1:
+            raise UsageError(f"--batch must be >= 1, got {batch}")
         if dtype not in DTYPES[1:]:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES[1:])}, got {dtype!r}")
         if model is not None and synthetic is not None:
@@ -141,7 +144,7 @@ def info(
 
             check_tp(config, ranks)
             record["plan"] = _info_plan(config, record["model"]["kv_context"], dtype, budget, mem.available,
-                                        world=ranks, **placement_options)
+                                        world=ranks, rows=batch, **placement_options)
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
             return
@@ -196,7 +199,8 @@ def _plan_rows(t, p: dict) -> None:
         t.add_row("placement plan", f"does not fit: {p['error']}")
         return
     host = "" if p["host_fits"] else f"  (host memory too small: {_gib(p['host_available_bytes'])} available)"
-    t.add_row("placement plan", f"{p['describe']} of {_gib(p['kv_bytes'])} KV for {p['context']} tokens{host}")
+    tokens = f"{p['rows']} x {p['context']}" if p["rows"] > 1 else f"{p['context']}"
+    t.add_row("placement plan", f"{p['describe']} of {_gib(p['kv_bytes'])} KV for {tokens} tokens{host}")
     context = "measured" if p["context_measured"] else "estimate"
     t.add_row("memory plan", f"device bytes{ranks}; attention {p['attention']}, CUDA context {context}")
     for item in p["items"]:
@@ -205,7 +209,8 @@ def _plan_rows(t, p: dict) -> None:
     t.add_row("  decode peak", _gib(p["decode_peak_bytes"]))
     t.add_row("  budget", budget)
     t.add_row("pinned host memory", f"{_gib(p['host_pinned_bytes'])}{ranks}")
-    t.add_row("floor, plain offloaded decoding",
+    step = f" (a step: one token of each of {p['rows']} rows)" if p["rows"] > 1 else ""
+    t.add_row(f"floor, plain offloaded decoding{step}",
               f"{secs(p['floor_s_per_token'])} = KV over H2D {secs(p['floor_h2d_s_per_token'])} "
               f"+ weights and resident KV from device memory {secs(p['floor_device_s_per_token'])}")
 

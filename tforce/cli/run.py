@@ -15,6 +15,7 @@ from ..demo import demo_pair, demo_prompt
 from ..errors import UsageError
 from .app import app
 from . import options as o
+from .batch_run import check_options, read_batch, run_batch
 from .common import (DTYPES, _as_role, _check_memory, _decode_text, _device, _gpu_memory_note, _guarded,
                      _placement_options, _say, _threads, flag)
 from .options import ENGINE
@@ -160,6 +161,9 @@ def run(
     as_json: bool = flag("--json", "Print one JSON object instead of streaming text."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda)."),
+    batch: Optional[str] = typer.Option(None, "--batch", help="JSON-lines file of prompts ('-' = stdin), one "
+                                        "{\"prompt\" and/or \"file\", \"id\", \"max_new_tokens\"} a line, run as "
+                                        "one batch; one JSON line out per prompt (--method ar or naive)."),
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
     params = dict(locals())
@@ -167,7 +171,12 @@ def run(
     def body():
         if prompt_file_arg is not None and prompt_file is not None and prompt_file_arg != prompt_file:
             raise UsageError("give the prompt file once: as an argument or with --prompt-file")
+        if batch is not None:
+            given = (prompt_file_arg, prompt_file, prompt)
+            check_options(method, gpus or tp, given != (None,) * 3, deterministic, (save_kv, load_kv) != (None, None))
         setup = _configure(params)
+        if batch is not None:
+            return run_batch(read_batch(batch), setup.target, setup.draft, setup.device, setup.dtype, setup.options)
         # the prompt before any notice, so that a bad prompt is the only line
         text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
                             demo_prompt() if model is None else None)

@@ -1,0 +1,220 @@
+"""generate_batch: every row of a batch is what `generate` gives for that prompt alone (greedy token for
+token, with rows of different lengths and rows that finish early), and sampled rows follow the exact
+target distribution (chi-square, as tests/test_exactness.py does for one prompt)."""
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import tforce
+import tforce.batch
+from tforce import placement
+from tforce.batch import generate_batch
+from tforce.engine import _plan, model_shape
+from tforce.speculative import verify_rows
+from tforce.synthetic import make_checkpoint
+
+from stats_util import chi2_pvalue
+from test_exactness import PROMPT, SAMPLING, SAMPLES, N_TOKENS, V, check, exact_joint, small_vocab  # noqa: F401
+
+LENGTHS = (1, 13, 37, 5)  # a one-token prompt, lengths not a multiple of the prefill chunk
+SMALL = dict(draft_budget=12, sinks=2, gamma2=4, prefill_chunk=8)  # the draft's window really drops tokens
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 259, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("target", ["gqa", "llama3"])
+@pytest.mark.parametrize("method", ["ar", "naive"])
+@pytest.mark.parametrize("lengths", [LENGTHS, (9, 9, 9)])  # (9, 9, 9): ar's rows stay of one length
+def test_greedy_rows_equal_single_prompts(tiny, target, method, lengths):
+    prompts = prompts_of(lengths)
+    kw = dict(max_new_tokens=30, temperature=0, ignore_eos=True)
+    rows = generate_batch(tiny[target], prompts, draft=tiny["draft"], method=method, **SMALL, **kw)
+    assert len(rows) == len(prompts)
+    for prompt, row in zip(prompts, rows):
+        alone = tforce.generate(tiny[target], prompt, method="ar", **kw)
+        assert row.tokens == alone.tokens
+        assert len(row.tokens) == 30
+
+
+def test_naive_rows_accept_what_they_would_alone(tiny):
+    """The draft is the target itself with a 12-token StreamingLLM window: greedy, each row's drafts are
+    then fixed, so its acceptance and verification count must be exactly those of the prompt alone
+    (the batched streaming cache's views and the per-row acceptance, checked together)."""
+    prompts = prompts_of(LENGTHS, seed=1)
+    kw = dict(draft=tiny["gqa"], method="naive", max_new_tokens=30, temperature=0, ignore_eos=True, **SMALL)
+    rows = generate_batch(tiny["gqa"], prompts, **kw)
+    accepted = []
+    for prompt, row in zip(prompts, rows):
+        alone = tforce.generate(tiny["gqa"], prompt, **kw)
+        assert row.tokens == alone.tokens
+        assert row.stats["acceptance"] == alone.stats["acceptance"]
+        assert row.stats["verifications"] == alone.stats["verifications"]
+        accepted.append(row.stats["acceptance"]["draft"])
+    assert len(set(accepted)) > 1 and 0 < max(accepted) < 1  # rows really accept different counts
+
+
+@pytest.mark.parametrize("method", ["ar", "naive"])
+def test_a_row_that_stops_at_eos_leaves_the_others_unchanged(tiny, method):
+    prompts = prompts_of(LENGTHS, seed=2)
+    model = tiny["gqa"].model
+    first = tforce.generate(model, prompts[1], method="ar", max_new_tokens=8, temperature=0, ignore_eos=True)
+    old = model.config.eos_token_id
+    model.config.eos_token_id = first.tokens[3]
+    try:
+        kw = dict(draft=tiny["draft"], method=method, max_new_tokens=20, temperature=0, **SMALL)
+        rows = generate_batch(model, prompts, **kw)
+        alone = [tforce.generate(model, p, **kw).tokens for p in prompts]
+    finally:
+        model.config.eos_token_id = old
+    assert [r.tokens for r in rows] == alone
+    assert len(rows[1].tokens) <= 4 < 20 == max(len(t) for t in alone)  # one finished early, others went on
+
+
+@pytest.mark.parametrize("method", ["ar", "naive"])
+def test_offloaded_rows_equal_single_prompts(tiny, method):
+    """Every layer of the batch's KV in host memory (cache/rows_offload.py), streamed per step for all
+    rows, one row leaving early at EOS (the host rows are compacted): every row is still its prompt
+    alone, bit for bit on the CPU."""
+    prompts = prompts_of(LENGTHS, seed=3)
+    model = tiny["gqa"].model
+    first = tforce.generate(model, prompts[0], method="ar", max_new_tokens=8, temperature=0, ignore_eos=True)
+    old = model.config.eos_token_id
+    model.config.eos_token_id = first.tokens[2]
+    try:
+        kw = dict(max_new_tokens=20, temperature=0)
+        rows = generate_batch(model, prompts, draft=tiny["draft"], method=method, offload="on", **SMALL, **kw)
+        alone = [tforce.generate(model, p, method="ar", **kw).tokens for p in prompts]
+    finally:
+        model.config.eos_token_id = old
+    assert [r.tokens for r in rows] == alone
+    assert len(alone[0]) <= 3 < max(len(t) for t in alone)  # row 0 left first; the others went on
+
+
+def test_partly_offloaded_rows_equal_single_prompts(tmp_path, monkeypatch):
+    """A 6-layer target with room on the 'device' (device_free) for 3 layers of the batch's KV: 3 resident,
+    3 streamed (with 2 layers, offloading one never saves memory: the staging buffers hold two)."""
+    make_checkpoint(tmp_path / "six", seed=5, num_hidden_layers=6)
+    model = tforce.load_model(str(tmp_path / "six")).model
+    prompts = prompts_of(LENGTHS, seed=4)
+    kw = dict(max_new_tokens=20, temperature=0, ignore_eos=True)
+    work = placement.Work(capacity=37 + 20 + 10 + 1, prompt=36, method="ar", attention="math", rows=4,
+                          cuda_graphs=False)
+    shape = model_shape(model)
+    room = placement.layout(shape, work, 3, None, 0).peak - shape.weights
+    plans = []
+    monkeypatch.setattr(tforce.batch, "_plan", lambda *a: plans.append(_plan(*a)) or plans[-1])
+    rows = generate_batch(model, prompts, method="ar", device_free=room, **kw)
+    assert (plans[0].resident, plans[0].offloaded) == (3, 3)
+    for prompt, row in zip(prompts, rows):
+        assert row.tokens == tforce.generate(model, prompt, method="ar", **kw).tokens
+
+
+def test_rows_with_different_budgets_finish_at_their_own(tiny):
+    """A row whose prompt nearly fills the context gets fewer new tokens (as alone), then leaves."""
+    context = tiny["gqa"].model.config.max_position_embeddings
+    prompts = prompts_of((context - 3, 7))
+    rows = generate_batch(tiny["gqa"], prompts, method="ar", max_new_tokens=10, temperature=0, ignore_eos=True)
+    assert [len(r.tokens) for r in rows] == [3, 10]
+    alone = tforce.generate(tiny["gqa"], prompts[1], method="ar", max_new_tokens=10, temperature=0, ignore_eos=True)
+    assert rows[1].tokens == alone.tokens
+
+
+def test_refusals(tiny):
+    with pytest.raises(tforce.UsageError, match="batches run --method ar|naive so far"):
+        generate_batch(tiny["gqa"], [[5, 6]], draft=tiny["draft"], method="triforce")
+    with pytest.raises(tforce.UsageError, match="prompt 2 of the batch is empty"):
+        generate_batch(tiny["gqa"], [[5, 6], []])
+    with pytest.raises(tforce.UsageError, match="needs a draft"):
+        generate_batch(tiny["gqa"], [[5, 6]], method="naive")
+    with pytest.raises(tforce.UsageError, match="2 budgets for 1 prompts"):
+        generate_batch(tiny["gqa"], [[5, 6]], max_new_tokens=[3, 4])
+
+
+def test_a_batch_that_does_not_fit_is_refused_before_allocating(tiny):
+    """Planned with B rows: room for one row's KV cache is not room for eight."""
+    prompts = prompts_of((300,) * 8)
+    model = tiny["gqa"].model
+    one = placement.Work(capacity=300 + 40 + 1, prompt=299, method="ar", attention="math")
+    room = _plan(model, None, one, "off", None, 2**40).peak - model_shape(model).weights
+    tforce.generate_batch(model, prompts[:1], method="ar", max_new_tokens=30, device_free=room)
+    with pytest.raises(tforce.TforceError, match="not enough GPU memory"):
+        tforce.generate_batch(model, prompts, method="ar", max_new_tokens=30, device_free=room)
+
+
+# ---- sampling: each row's tokens follow its own exact distribution ---------------------------------
+
+ROWS = [PROMPT, PROMPT[:9], PROMPT[:2]]
+BUDGETS = [N_TOKENS, 1, N_TOKENS]  # the middle row leaves the batch after its first token
+
+
+def draw_rows(target, draft, method, seed):
+    """SAMPLES batches (rows of BUDGETS tokens each) -> per row, the list of sampled tuples."""
+    kw = dict(temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, top_k=SAMPLING.top_k,
+              draft_budget=16, sinks=2, gamma2=3, ignore_eos=True, max_new_tokens=BUDGETS)
+    samples, drafted, accepted = [[] for _ in ROWS], 0, 0
+    for i in range(SAMPLES):
+        for r, res in enumerate(generate_batch(target, ROWS, draft=draft, method=method, seed=seed * SAMPLES + i,
+                                               **kw)):
+            samples[r].append(tuple(res.tokens))
+            if method == "naive":
+                drafted += res.stats["verifications"]
+                accepted += res.stats["acceptance"]["draft"] * res.stats["verifications"]
+    return samples, (accepted / drafted if drafted else None)
+
+
+def pvalues(target, samples) -> list[float]:
+    """Per row: check()'s p-values, or for a one-token row that token's against its exact distribution."""
+    out = []
+    for prompt, got, n in zip(ROWS, samples, BUDGETS):
+        assert {len(s) for s in got} == {n}
+        joint = exact_joint(target, prompt, N_TOKENS)
+        if n == N_TOKENS:
+            out += check(got, joint)
+        else:
+            first = np.zeros(V)
+            for seq, p in joint.items():
+                first[seq[0]] += p
+            out.append(chi2_pvalue(np.bincount([s[0] for s in got], minlength=V), first))
+    return out
+
+
+@pytest.mark.parametrize("method", ["ar", "naive"])
+def test_sampled_rows_match_their_target_distributions(small_vocab, method):
+    target, draft = small_vocab
+    samples, acc = draw_rows(target, draft, method, seed=1)
+    assert min(pvalues(target, samples)) > 1e-3
+    if method == "naive":  # drafts both accepted and rejected, or the test means little
+        assert 0.1 < acc < 0.95, acc
+
+
+def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
+    monkeypatch.setattr(tforce.batch, "verify_rows", functools.partial(verify_rows, residual=lambda p, q: p))
+    target, draft = small_vocab
+    samples, _ = draw_rows(target, draft, "naive", seed=1)
+    assert min(pvalues(target, samples)) < 1e-6
+
+
+def test_one_host_transfer_per_step_for_all_rows(tiny, monkeypatch):
+    """ar: one device -> host transfer per step carrying every live row's token, never one per row;
+    naive: one per drafted token (all rows) and one per verification (all rows' counts and next tokens)."""
+    calls = []
+
+    def host(t):
+        calls.append(t.numel())
+        return t.tolist()
+
+    monkeypatch.setattr(tforce.batch, "host", host)
+    monkeypatch.setattr(tforce.speculative, "host", host)
+    prompts = prompts_of((5, 9, 3))
+    generate_batch(tiny["gqa"], prompts, method="ar", max_new_tokens=[10, 10, 4], temperature=0, ignore_eos=True)
+    assert calls == [3] * 4 + [2] * 6  # the third row left after its 4 tokens
+    calls.clear()
+    rows = generate_batch(tiny["gqa"], prompts, draft=tiny["draft"], method="naive", max_new_tokens=10, temperature=0,
+                          ignore_eos=True, **dict(SMALL, gamma2=3))
+    rounds = max(r.stats["verifications"] for r in rows)
+    assert len(calls) == rounds * (3 + 1) and set(calls[:4]) == {3, 6}  # first round: 3 drafts, 1 verdict

@@ -1,0 +1,99 @@
+"""`tforce run --batch FILE.jsonl` through Typer's CliRunner: one JSON line per prompt in the file's order,
+each the target's greedy continuation of that prompt alone; every bad line is one error naming it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tforce.cli import app
+
+from test_cli import DOC, FAST, _expected, _one_error_line, _run, models  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return CliRunner()
+
+
+def _write(tmp_path, *lines: str):
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("method, offload", [("ar", "auto"), ("naive", "auto"), ("ar", "on")])
+def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method, offload):
+    batch = _write(tmp_path, json.dumps({"prompt": "It was", "id": "short"}), "",
+                   json.dumps({"file": str(models / "doc.txt"), "prompt": "Who?"}),
+                   json.dumps({"prompt": DOC, "id": 7, "max_new_tokens": 5}))
+    r = _run(runner, models, "--batch", batch, "--method", method, "--offload", offload, *FAST)
+    assert r.exit_code == 0, r.output
+    out = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [o["id"] for o in out] == ["short", 3, 7]  # the line number when no id is given
+    for o, text, n in zip(out, ["It was", DOC + "\n\nWho?", DOC], [12, 12, 5]):
+        assert o["tokens"] == _expected(models, text, n)
+        assert o["method"] == method and o["stats"]["batch_size"] == 3
+        assert o["stats"]["kv_offloaded_layers"] == (2 if offload == "on" else 0)
+    assert "batch of 3 prompts" in r.stderr
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("not json", "line 2: not JSON"),
+    ("[1, 2]", "line 2: expected an object"),
+    ('{"text": "x"}', "line 2: unknown key(s) text"),
+    ('{"prompt": "b", "max_new_tokens": -1}', 'line 2: "max_new_tokens" must be an integer >= 0'),
+    ('{"id": "x"}', 'line 2: give "prompt"'),
+    ('{"prompt": 3}', 'line 2: "prompt" must be a string'),
+    ('{"prompt": "  "}', "line 2: the prompt is empty"),
+    ('{"file": "/no/such/file"}', "line 2: cannot read /no/such/file"),
+    ('{"prompt": "b", "id": "a"}', "line 2: id 'a' appears twice"),
+    ('{"prompt": "b", "id": [1]}', 'line 2: "id" must be a string or an integer'),
+])
+def test_a_bad_line_is_one_error_naming_it(runner, models, tmp_path, line, needle):
+    batch = _write(tmp_path, '{"prompt": "ok", "id": "a"}', line)
+    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", *FAST), 2, needle)
+
+
+def test_batch_refusals(runner, models, tmp_path):
+    batch = _write(tmp_path, '{"prompt": "ok"}')
+    _one_error_line(_run(runner, models, "--batch", batch, *FAST), 2, "--batch runs --method ar|naive so far")
+    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "-p", "x", *FAST), 2,
+                    "no PROMPT_FILE or --prompt")
+    _one_error_line(_run(runner, models, "--batch", str(tmp_path / "none.jsonl"), "--method", "ar", *FAST), 2,
+                    "cannot read batch file")
+    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--deterministic", *FAST), 2,
+                    "no --deterministic")
+    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--save-kv", str(tmp_path / "kv"),
+                         *FAST), 2, "no --save-kv or --load-kv")
+    assert not (tmp_path / "kv").exists()
+    empty = _write(tmp_path, "", "  ")
+    _one_error_line(_run(runner, models, "--batch", empty, "--method", "ar", *FAST), 2, "holds no prompts")
+
+
+def test_bench_batch_against_one_at_a_time(runner):
+    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "3", "--prompt-len", "40", "--gen-len", "8",
+                            "--temperature", "0", "--draft-budget", "24", "--json"])
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert obj["batch"] == 3 and obj["synthetic"] and [run["method"] for run in obj["runs"]] == ["ar", "naive"]
+    for run in obj["runs"]:
+        assert run["rows_equal_alone"] is True and run["tokens"] == 3 * 8
+        assert run["batch_tokens_per_s"] > 0 and run["one_at_a_time_tokens_per_s"] > 0
+    text = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--prompt-len", "20", "--gen-len", "4",
+                               "--methods", "ar"], env={"COLUMNS": "200"})
+    assert text.exit_code == 0 and "tforce bench --batch 2" in text.stdout and "one at a time" in text.stdout
+
+
+def test_bench_batch_refusals(runner):
+    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--methods", "ar,triforce"])
+    _one_error_line(r, 2, "--batch runs --method ar|naive so far")
+    _one_error_line(runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "0"]), 2, "--batch must be >= 1")
+
+
+def test_batch_from_stdin(runner, models):
+    r = _run(runner, models, "--batch", "-", "--method", "ar", *FAST, input='{"prompt": "It was", "id": "x"}\n')
+    assert r.exit_code == 0, r.output
+    [line] = r.stdout.strip().splitlines()
+    assert json.loads(line)["id"] == "x" and json.loads(line)["tokens"] == _expected(models, "It was")

@@ -1,0 +1,101 @@
+"""`tforce bench --batch N`: N prompts as one batch (batch.generate_batch) against the same N prompts one
+at a time (engine.generate), per method, on the same models, placement and options.
+
+The prompts: N of --prompt-len tokens each, different texts (bench.prompt_ids with seeds seed, seed + 1,
+...; a --prompt-file is cut at N different offsets). Decode seconds only (prefill is reported apart);
+tokens/s counts every row's tokens. Greedy (temperature 0), the record also says whether every row
+equals its prompt alone, token for token.
+"""
+from __future__ import annotations
+
+import time
+
+from .batch import BATCH_METHODS, generate_batch
+from .bench import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, prompt_ids
+from .errors import UsageError
+
+BATCH_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "offload", "gpu_memory", "gamma2",
+              "draft_budget")
+
+
+def check_methods(methods: tuple[str, ...]) -> None:
+    for m in methods:
+        if m not in BATCH_METHODS:
+            raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} so far: "
+                             f"give --methods {','.join(BATCH_METHODS)}")
+
+
+def batch_prompts(n_rows: int, length: int, vocab: int, tokenizer, text, seed: int) -> list[list[int]]:
+    if text is None:
+        return [prompt_ids(length, vocab, None, None, seed + i) for i in range(n_rows)]
+    ids = prompt_ids(length * (n_rows + 1), vocab, tokenizer, text, seed)
+    return [ids[i * length // 2: i * length // 2 + length] for i in range(n_rows)]
+
+
+def _batch_options(cfg: BenchConfig, max_new: int) -> dict:
+    return {k: v for k, v in _options(cfg, max_new).items() if k in BATCH_KEYS}
+
+
+def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchConfig) -> dict:
+    draft = models.draft if method == "naive" else None
+    rows = generate_batch(models.target, prompts, draft=draft, method=method, **_batch_options(cfg, cfg.gen_len))
+    alone = [models.generate(p, method, **_options(cfg, cfg.gen_len)) for p in prompts]
+    n = sum(len(r.tokens) for r in rows)
+    batch_s, alone_s = rows[0].stats["decode_s"], sum(r.stats["decode_s"] for r in alone)
+    return {
+        "method": method,
+        "rows": len(prompts),
+        "tokens": n,
+        "batch_tokens_per_s": n / batch_s if batch_s > 0 else None,
+        "one_at_a_time_tokens_per_s": sum(len(r.tokens) for r in alone) / alone_s if alone_s > 0 else None,
+        "speedup_vs_one_at_a_time": alone_s / batch_s if batch_s > 0 else None,
+        "batch_prefill_s": rows[0].stats["prefill_s"],
+        "one_at_a_time_prefill_s": sum(r.stats["prefill_s"] for r in alone),
+        "acceptance": [r.stats["acceptance"]["draft"] for r in rows],
+        "rows_equal_alone": [r.tokens for r in rows] == [r.tokens for r in alone] if cfg.temperature == 0
+        else None,
+        "kv_offloaded_layers": rows[0].stats["kv_offloaded_layers"],
+    }
+
+
+def bench_batch(models: Models, prompts: list[list[int]], cfg: BenchConfig, synthetic: bool, model_name: str,
+                progress=None) -> dict:
+    """The one JSON object `tforce bench --batch N --json` prints."""
+    if progress:
+        progress(f"warm-up: every method on {len(prompts)} prompts of {WARMUP_TOKENS} tokens (not timed)")
+    t0 = time.perf_counter()
+    for method in cfg.methods:
+        generate_batch(models.target, [p[:WARMUP_TOKENS] for p in prompts],
+                       draft=models.draft if method == "naive" else None, method=method,
+                       **_batch_options(cfg, 4))
+    warmup_s = time.perf_counter() - t0
+    runs = []
+    for method in cfg.methods:
+        if progress:
+            progress(f"{method}: {len(prompts)} prompts of {len(prompts[0])} tokens, {cfg.gen_len} new tokens each, "
+                     "as one batch and one at a time")
+        runs.append(run_batch(models, prompts, method, cfg))
+    return {"device": device_name(models.device), "synthetic": synthetic, "model": model_name,
+            "dtype": str(models.dtype).removeprefix("torch."), "batch": len(prompts),
+            "prompt_tokens": len(prompts[0]), "gen_len": cfg.gen_len, "temperature": cfg.temperature,
+            "offload": cfg.offload, "warmup_s": warmup_s, "runs": runs}
+
+
+def print_batch(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(x, fmt, suffix=""):
+        return "-" if x is None else format(x, fmt) + suffix
+
+    t = Table(title=f"tforce bench --batch {r['batch']}: {r['model']} on {r['device']}, {r['batch']} x "
+                    f"{r['prompt_tokens']} prompt + {r['gen_len']} tokens, {r['dtype']}, temperature "
+                    f"{r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"] else ""),
+              caption=f"decode tokens/s of all rows; warm-up {r['warmup_s']:.1f} s (not in the runs)")
+    for c in ("method", "batch\ntokens/s", "one at a time\ntokens/s", "speed-up", "rows equal\nalone"):
+        t.add_column(c, justify="left" if c == "method" else "right")
+    for run in r["runs"]:
+        eq = "-" if run["rows_equal_alone"] is None else ("yes" if run["rows_equal_alone"] else "NO")
+        t.add_row(run["method"], f(run["batch_tokens_per_s"], ".1f"), f(run["one_at_a_time_tokens_per_s"], ".1f"),
+                  f(run["speedup_vs_one_at_a_time"], ".2f", "x"), eq)
+    Console().print(t)

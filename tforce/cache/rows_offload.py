@@ -1,0 +1,98 @@
+"""RowsOffloadedCache: RowsCache (cache/batched.py) whose first `resident` layers live on the device and
+the rest in host memory (one (B, S, H_kv, D) tensor per layer, pinned on CUDA), streamed back layer by
+layer at every forward for all rows at once: the weights and each offloaded layer cross once per step
+for the whole batch.
+
+Per forward, for offloaded layer i, as OffloadedCache (cache/offload.py) does for one row: each live row's
+committed K/V [0, lengths[b]) are copied host -> device into one of two staging buffers on a copy stream
+while the previous layer computes (one copy per row: exactly its bytes, never another row's unused tail);
+the new tokens' K/V are written into the staging buffer and only those rows go back device -> host.
+On the CPU code path the same steps run as plain copies, so the results are bit-identical to RowsCache.
+Untested on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..rope import Rotary
+from .base import CacheView
+from .batched import RowsCache
+from .offload import host_tensor
+
+
+class RowsOffloadedCache(RowsCache):
+    def __init__(self, n_layers: int, n_rows: int, n_kv: int, head_dim: int, capacity: int, rotary: Rotary,
+                 resident: int, dtype=torch.float32, device="cpu"):
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+        super().__init__(resident, n_rows, n_kv, head_dim, capacity, rotary, dtype, device)  # resident layers
+        self.resident, self.n_layers = resident, n_layers
+        shape, pin = (n_rows, capacity, n_kv, head_dim), device if cuda else None
+        self.host_k = [host_tensor(shape, dtype, pin) for _ in range(n_layers - resident)]
+        self.host_v = [host_tensor(shape, dtype, pin) for _ in range(n_layers - resident)]
+        self.stage_k = torch.zeros((2, *shape), dtype=dtype, device=device)
+        self.stage_v = torch.zeros((2, *shape), dtype=dtype, device=device)
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        self._ready = [None, None]  # events: staging buffer j holds its layer's prefixes
+
+    def _slot(self, layer: int) -> int:
+        return (layer - self.resident) % 2
+
+    def _prefetch(self, layer: int) -> None:
+        """Start copying offloaded `layer`'s committed K/V, row by row, into its staging buffer."""
+        if layer >= self.n_layers:
+            return
+        j, h = self._slot(layer), layer - self.resident
+        spans = [(b, int(self.lengths[b])) for b in range(self.rows)]
+        if self.copy_stream is None:
+            for b, L in spans:
+                self.stage_k[j, b, :L] = self.host_k[h][b, :L]
+                self.stage_v[j, b, :L] = self.host_v[h][b, :L]
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.stage_k.device))
+        with torch.cuda.stream(self.copy_stream):
+            for b, L in spans:
+                self.stage_k[j, b, :L].copy_(self.host_k[h][b, :L], non_blocking=True)
+                self.stage_v[j, b, :L].copy_(self.host_v[h][b, :L], non_blocking=True)
+            self._ready[j] = torch.cuda.Event()
+            self._ready[j].record(self.copy_stream)
+
+    def begin(self, n: int) -> None:
+        super().begin(n)
+        self._prefetch(self.resident)
+
+    def update(self, layer, q, k, v):
+        if layer < self.resident:
+            return super().update(layer, q, k, v)
+        j, h = self._slot(layer), layer - self.resident
+        if self._ready[j] is not None:
+            torch.cuda.current_stream(self.stage_k.device).wait_event(self._ready[j])
+        self._prefetch(layer + 1)  # overlaps with this layer's compute
+        q = self.rotary.rotate(q, self._cos, self._sin)
+        self.stage_k[j][self._rows_idx, self._slots] = self.rotary.rotate(k, self._cos, self._sin)
+        self.stage_v[j][self._rows_idx, self._slots] = v
+        self._write_back(j, h)
+        B, S = self.rows, self._S
+        return q, CacheView(self.stage_k[j, :B, :S], self.stage_v[j, :B, :S], self._mask)
+
+    def _write_back(self, j: int, h: int) -> None:
+        """Only the new tokens' rows go back to host memory, row by row."""
+        n = self.pending
+        spans = [(b, int(self.lengths[b])) for b in range(self.rows)]
+        if self.copy_stream is None:
+            for b, L in spans:
+                self.host_k[h][b, L:L + n] = self.stage_k[j, b, L:L + n]
+                self.host_v[h][b, L:L + n] = self.stage_v[j, b, L:L + n]
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.stage_k.device))
+        with torch.cuda.stream(self.copy_stream):
+            for b, L in spans:
+                self.host_k[h][b, L:L + n].copy_(self.stage_k[j, b, L:L + n], non_blocking=True)
+                self.host_v[h][b, L:L + n].copy_(self.stage_v[j, b, L:L + n], non_blocking=True)
+
+    def _moved(self, idx: torch.Tensor) -> None:
+        """keep(): the host layers' rows follow, once no copy still reads or writes them."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        for x in self.host_k + self.host_v:
+            x[:len(idx)] = x[idx]

@@ -1,0 +1,127 @@
+"""`tforce run --batch FILE.jsonl`: several prompts through one decode loop, one JSON line out per prompt.
+
+Each non-blank line of FILE ('-' = stdin) is one JSON object: {"prompt": TEXT} or {"file": PATH} (a
+document, read as `tforce run PATH` reads it) or both (the document, then the prompt, joined by a blank
+line, as `tforce run PATH --prompt TEXT`), with an optional "id" (default: the line number) and
+"max_new_tokens" (default: --max-new-tokens). The whole
+file is checked before any model is loaded; a bad line is one error naming its line. Results go to
+stdout in the file's order, one JSON object a line; nothing is written anywhere else.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from ..batch import BATCH_METHODS
+from ..errors import UsageError
+from .common import _as_role, _check_memory, _decode_text, _say
+
+KEYS = {"prompt", "file", "id", "max_new_tokens"}
+
+
+def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
+    """(id, text, max_new_tokens or None) per prompt of a JSON-lines file, every line checked."""
+    try:
+        data = sys.stdin.buffer.read() if source == "-" else Path(source).expanduser().read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read batch file {source}: {e.strerror or e}") from e
+    items, ids = [], set()
+    for n, line in enumerate(_decode_text(data, f"batch file {source}").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"batch file {source}, line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not JSON ({e.msg})") from e
+        if not isinstance(obj, dict):
+            raise UsageError(f'{where}: expected an object like {{"prompt": "...", "id": "..."}}')
+        if set(obj) - KEYS:
+            raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(set(obj) - KEYS))}; "
+                             f"a line takes prompt, file, id and max_new_tokens")
+        if "prompt" not in obj and "file" not in obj:
+            raise UsageError(f'{where}: give "prompt" (text) or "file" (a document path)')
+        for key in ("prompt", "file"):
+            if key in obj and not isinstance(obj[key], str):
+                raise UsageError(f'{where}: "{key}" must be a string')
+        text = "\n\n".join(p for p in (_document(obj.get("file"), where), obj.get("prompt", "")) if p.strip())
+        if not text:
+            raise UsageError(f"{where}: the prompt is empty")
+        key = obj.get("id", n)
+        if not isinstance(key, (str, int)) or isinstance(key, bool):
+            raise UsageError(f'{where}: "id" must be a string or an integer')
+        if key in ids:
+            raise UsageError(f"{where}: id {key!r} appears twice")
+        budget = obj.get("max_new_tokens")
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise UsageError(f'{where}: "max_new_tokens" must be an integer >= 0')
+        ids.add(key)
+        items.append((key, text, budget))
+    if not items:
+        raise UsageError(f"batch file {source} holds no prompts")
+    return items
+
+
+def _document(path: Optional[str], where: str) -> str:
+    if path is None:
+        return ""
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as e:
+        raise UsageError(f"{where}: cannot read {path}: {e.strerror or e}") from e
+    return _decode_text(data, f"{path} ({where})")
+
+
+def check_options(method: str, world: int, prompt_given: bool, deterministic: bool, snapshots: bool) -> None:
+    """What --batch cannot be combined with, refused before anything is read."""
+    if method not in BATCH_METHODS:
+        raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} so far")
+    if world > 1:
+        raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
+    if deterministic:
+        raise UsageError("--batch does not verify row by row yet (no --deterministic)")
+    if snapshots:
+        raise UsageError("--batch takes no KV snapshots yet (no --save-kv or --load-kv)")
+    if prompt_given:
+        raise UsageError("--batch takes its prompts from the batch file: no PROMPT_FILE or --prompt")
+
+
+def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft: Optional[str], device: str,
+              dtype: Optional[str], options: dict) -> None:
+    from ..batch import generate_batch
+    from ..weights import load_model
+    from .run import _dtype_bytes, _read_config, _tp_target
+
+    path, config, tok = _tp_target(model, 1)
+    if tok is None:
+        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
+    prompts = [list(tok.encode(text)) for _, text, _ in items]
+    budgets = [options["max_new_tokens"] if n is None else n for _, _, n in items]
+    context = config.max_position_embeddings
+    for (key, _, _), ids in zip(items, prompts):
+        if len(ids) >= context:
+            raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
+    longest = max(len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets))
+    # B rows of the longest row's capacity
+    draft_config = _read_config(draft, "draft model")[1] if draft else None
+    _check_memory(config, draft_config, longest, _dtype_bytes(dtype, device), device, options["offload"],
+                  options["gpu_memory"], options["budget"], options["method"], rows=len(prompts))
+    target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
+    small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
+    keys = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "gamma2", "draft_budget", "sinks", "offload",
+            "gpu_memory")
+    results = generate_batch(target.model, prompts, draft=small.model if small else None, method=options["method"],
+                             max_new_tokens=budgets, **{k: options[k] for k in keys})
+    for (key, _, _), ids, result in zip(items, prompts, results):
+        record = {"id": key, "text": tok.decode(result.tokens, skip_special_tokens=True), "tokens": result.tokens,
+                  "prompt_tokens": len(ids), "method": options["method"], "device": device, "stats": result.stats}
+        sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+    stats = results[0].stats
+    n = sum(len(r.tokens) for r in results)
+    rate = stats["batch_tokens_per_s"]
+    _say(f"tforce: {options['method']}: batch of {len(results)} prompts: {n} tokens; prefill "
+         f"{stats['prefill_s']:.2f} s; decode {stats['decode_s']:.2f} s "
+         f"({'n/a' if rate is None else format(rate, '.1f')} tokens/s for the batch)")

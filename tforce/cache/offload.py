@@ -37,6 +37,25 @@ def host_tensor(shape: tuple, dtype: torch.dtype, pin_for: torch.device | None =
     return t
 
 
+def copy_on(stream: "torch.cuda.Stream | None", pairs, record: bool = False) -> "torch.cuda.Event | None":
+    """Copy each (dst, src) pair: plainly without a stream (the CPU code path); else on `stream`, after the
+    compute stream's work so far (whatever last used dst), non-blocking, and with record=True return an
+    event recorded after the copies, for the compute stream to wait on."""
+    if stream is None:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return None
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+    if not record:
+        return None
+    done = torch.cuda.Event()
+    done.record(stream)
+    return done
+
+
 def _unregister(ptr: int, device: torch.device) -> None:
     torch.cuda.synchronize(device)  # no copy may still read or write the pages
     torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -77,17 +96,9 @@ class OffloadedCache(FullCache):
         if layer >= self.n_layers:
             return
         j, h, L = self._slot(layer), layer - self.resident, self.length
-        if self.copy_stream is None:
-            self.stage_k[j, :, :L] = self.host_k[h][:, :L]
-            self.stage_v[j, :, :L] = self.host_v[h][:, :L]
-            return
-        # Wait for the compute stream's work so far (the layer that last used this buffer).
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.stage_k.device))
-        with torch.cuda.stream(self.copy_stream):
-            self.stage_k[j, :, :L].copy_(self.host_k[h][:, :L], non_blocking=True)
-            self.stage_v[j, :, :L].copy_(self.host_v[h][:, :L], non_blocking=True)
-            self._ready[j] = torch.cuda.Event()
-            self._ready[j].record(self.copy_stream)
+        # After the compute stream's work so far: the layer that last used this buffer.
+        self._ready[j] = copy_on(self.copy_stream, [(self.stage_k[j, :, :L], self.host_k[h][:, :L]),
+                                                    (self.stage_v[j, :, :L], self.host_v[h][:, :L])], record=True)
 
     def begin(self, n: int) -> None:
         super().begin(n)
@@ -109,14 +120,8 @@ class OffloadedCache(FullCache):
 
     def _write_back(self, j: int, h: int, L: int, n: int) -> None:
         """Only the new tokens' rows go back to host memory."""
-        if self.copy_stream is None:
-            self.host_k[h][:, L:L + n] = self.stage_k[j, :, L:L + n]
-            self.host_v[h][:, L:L + n] = self.stage_v[j, :, L:L + n]
-            return
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.stage_k.device))
-        with torch.cuda.stream(self.copy_stream):
-            self.host_k[h][:, L:L + n].copy_(self.stage_k[j, :, L:L + n], non_blocking=True)
-            self.host_v[h][:, L:L + n].copy_(self.stage_v[j, :, L:L + n], non_blocking=True)
+        copy_on(self.copy_stream, [(self.host_k[h][:, L:L + n], self.stage_k[j, :, L:L + n]),
+                                   (self.host_v[h][:, L:L + n], self.stage_v[j, :, L:L + n])])
 
     def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer-major prefill hands over one layer: an offloaded one goes to host memory once."""

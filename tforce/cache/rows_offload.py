@@ -17,7 +17,7 @@ import torch
 from ..rope import Rotary
 from .base import CacheView
 from .batched import RowsCache
-from .offload import host_tensor
+from .offload import copy_on, host_tensor
 
 
 class RowsOffloadedCache(RowsCache):
@@ -43,19 +43,11 @@ class RowsOffloadedCache(RowsCache):
         if layer >= self.n_layers:
             return
         j, h = self._slot(layer), layer - self.resident
-        spans = [(b, int(self.lengths[b])) for b in range(self.rows)]
-        if self.copy_stream is None:
-            for b, L in spans:
-                self.stage_k[j, b, :L] = self.host_k[h][b, :L]
-                self.stage_v[j, b, :L] = self.host_v[h][b, :L]
-            return
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.stage_k.device))
-        with torch.cuda.stream(self.copy_stream):
-            for b, L in spans:
-                self.stage_k[j, b, :L].copy_(self.host_k[h][b, :L], non_blocking=True)
-                self.stage_v[j, b, :L].copy_(self.host_v[h][b, :L], non_blocking=True)
-            self._ready[j] = torch.cuda.Event()
-            self._ready[j].record(self.copy_stream)
+        pairs = []
+        for b in range(self.rows):
+            L = int(self.lengths[b])
+            pairs += [(self.stage_k[j, b, :L], self.host_k[h][b, :L]), (self.stage_v[j, b, :L], self.host_v[h][b, :L])]
+        self._ready[j] = copy_on(self.copy_stream, pairs, record=True)
 
     def begin(self, n: int) -> None:
         super().begin(n)
@@ -78,17 +70,12 @@ class RowsOffloadedCache(RowsCache):
     def _write_back(self, j: int, h: int) -> None:
         """Only the new tokens' rows go back to host memory, row by row."""
         n = self.pending
-        spans = [(b, int(self.lengths[b])) for b in range(self.rows)]
-        if self.copy_stream is None:
-            for b, L in spans:
-                self.host_k[h][b, L:L + n] = self.stage_k[j, b, L:L + n]
-                self.host_v[h][b, L:L + n] = self.stage_v[j, b, L:L + n]
-            return
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.stage_k.device))
-        with torch.cuda.stream(self.copy_stream):
-            for b, L in spans:
-                self.host_k[h][b, L:L + n].copy_(self.stage_k[j, b, L:L + n], non_blocking=True)
-                self.host_v[h][b, L:L + n].copy_(self.stage_v[j, b, L:L + n], non_blocking=True)
+        pairs = []
+        for b in range(self.rows):
+            L = int(self.lengths[b])
+            pairs += [(self.host_k[h][b, L:L + n], self.stage_k[j, b, L:L + n]),
+                      (self.host_v[h][b, L:L + n], self.stage_v[j, b, L:L + n])]
+        copy_on(self.copy_stream, pairs)
 
     def _moved(self, idx: torch.Tensor) -> None:
         """keep(): the host layers' rows follow, once no copy still reads or writes them."""

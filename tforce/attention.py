@@ -9,6 +9,7 @@ Layouts are the ones fixed in cache/base.py: q (B, T, H_q, D), view.k / view.v (
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -81,15 +82,13 @@ def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Te
     # its math backend, which repeats K/V per query head and upcasts them to float32 (gigabytes per layer
     # at 128K tokens); folded, the heads match and the memory-efficient backend takes the mask.
     T, n_kv = q.shape[1], view.k.shape[2]
-    args = (_fold(q, n_kv),  # (B, H_kv, group * T, D)
+    with sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else nullcontext():
+        out = F.scaled_dot_product_attention(
+            _fold(q, n_kv),  # (B, H_kv, group * T, D)
             view.k.transpose(1, 2),  # (B, H_kv, S, D)
-            view.v.transpose(1, 2))
-    mask = _folded_mask(view, q.shape[2] // n_kv)
-    if q.is_cuda:
-        with sdpa_kernel(_CUDA_BACKENDS):
-            out = F.scaled_dot_product_attention(*args, attn_mask=mask)
-    else:
-        out = F.scaled_dot_product_attention(*args, attn_mask=mask)
+            view.v.transpose(1, 2),
+            attn_mask=_folded_mask(view, q.shape[2] // n_kv),
+        )
     return _unfold(out, T)
 
 

@@ -360,8 +360,15 @@ def card_markdown(card: dict) -> str:
               f"{p2['final_loss']:.3f}) on {p2['seq_len']}-token sequences made only of packed passkey episodes "
               f"(peak learning rate {p2['peak_lr']:g}): the phase that forms the copying circuit;" if p2
               else " nothing else;")
-    origin = (f"Trained from scratch by `{base['command']}` (seed {base['seed']}) on {base['device']}, in "
-              f"{base['wall_s'] / 60:.1f} minutes in all; then the target's context extended by `{card['command']}` "
+    first = base.get("base") if base else None  # a continued long phase: the pair's first two runs
+    origin = (f"Trained from scratch by `{first['command']}` (seed {first['seed']}) on {first['device']}, in "
+              f"{first['wall_s'] / 60:.1f} minutes in all; the target's context extended by `{base['command']}` "
+              f"(seed {base['seed']}) on {base['device']}, in {base['wall_s'] / 60:.1f} minutes in all; then its long "
+              f"phase continued by `{card['command']}` on {card['device']}, in {card['wall_s'] / 60:.1f} minutes in all"
+              if first else
+              f"Trained from scratch by `{base['command']}` (seed {base['seed']}) on {base['device']}, in "
+              f"{base['wall_s'] / 60:.1f} minutes in all; then the target's "
+              f"{'long phase continued' if t.get('long_train_more') else 'context extended'} by `{card['command']}` "
               f"(seed {card['seed']}) on {card['device']}, in {card['wall_s'] / 60:.1f} minutes in all" if base else
               f"Trained from scratch by `{card['command']}` (seed {card['seed']}) on {card['device']}, in "
               f"{card['wall_s'] / 60:.1f} minutes in all")
@@ -379,6 +386,16 @@ transformers and `tforce.rope` both read), from {r['original_max_position_embedd
 again: its StreamingLLM cache keeps its positions within its window; its max_position_embeddings says
 the target's context.
 """
+    lm = t.get("long_train_more")
+    if lm:
+        before = ", ".join(f"{k}: {v:.0%}" for k, v in t["passkey_before_more"].items())
+        long += f"""
+**Long phase, continued**: {lm['steps']} more steps ({lm['tokens']:,} tokens, {lm['wall_s']:.0f} s,
+{lm['tokens_per_s']:,} tokens/s, final loss {lm['final_loss']:.3f}, peak learning rate {lm['peak_lr']:g}) on
+{lm['seq_len']}-token sequences x {lm['batch']}, a fraction {lm['passkey_frac']} of them packed passkey episodes of
+lengths log-uniform from {lm['min_episode']} tokens (long-range retrieval, where the first phase's short episodes
+left the key lost). Before it: held-out perplexity {t['perplexity_before_more']['all']}, pass key {before}.
+"""
     ppl_rows = ""
     if "perplexity_before_long" in t:
         ppl_rows = (f"\n| held-out perplexity, {lt['rope']['original_max_position_embeddings']}-token windows: "
@@ -387,7 +404,8 @@ the target's context.
     steps = f"{t['train']['steps']} ({t['train']['tokens']:,})"
     steps += f" + passkey phase {p2['steps']} ({p2['tokens']:,})" if p2 else ""
     steps += f" + long phase {lt['steps']} ({lt['tokens']:,})" if lt else ""
-    wall = t['train']['wall_s'] + (p2['wall_s'] if p2 else 0) + (lt['wall_s'] if lt else 0)
+    steps += f" + {lm['steps']} ({lm['tokens']:,})" if lm else ""
+    wall = t['train']['wall_s'] + (p2['wall_s'] if p2 else 0) + (lt['wall_s'] if lt else 0) + (lm['wall_s'] if lm else 0)
     depths = next(iter(t.get("passkey_by_depth", {}).values()), {})
     by_depth = "" if not depths else (
         "\n| prompt tokens | " + " | ".join(f"depth {k}" for k in depths) + " | all |\n|" + " --- |" * (len(depths) + 2)
@@ -448,6 +466,8 @@ def main(argv=None) -> int:
     ap.add_argument("--books", default=str(BOOKS), help="folder with the held-out books and train/")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--min-episode", type=int, help="long phase: shortest passkey episode (default: per config)")
+    ap.add_argument("--passkey-frac", type=float, help="long phase: fraction of passkey sequences (default: per config)")
     args = ap.parse_args(argv)
     setup = CONFIGS[args.config]
     if args.minutes is not None:
@@ -503,10 +523,12 @@ def main(argv=None) -> int:
         rec["draft"]["perplexity"] = base_card["draft"]["perplexity"]  # the draft is not trained again
         draft.config.max_position_embeddings = context  # its StreamingLLM cache keeps its positions small
         base_len = target.config.max_position_embeddings
-        if long is None or base_len >= long.seq_len:
+        if long is None or base_len > long.seq_len:
             raise SystemExit(f"train_demo: the pair in {base} already has a context of {base_len} tokens; "
                              f"--config {args.config} extends to {long.seq_len if long else base_len}")
+        more = base_len == long.seq_len  # already extended: continue its long phase at the same RoPE
     else:
+        more = False
         target = build(setup.target, vocab, tok, setup.target.seq_len)
         draft = build(setup.draft, vocab, tok, context)  # usable at the target's length via StreamingLLM
         base_len = setup.target.seq_len
@@ -530,7 +552,22 @@ def main(argv=None) -> int:
                     replace(arch, seq_len=seq_len, batch=batch, lr=arch.lr / 2), budget * share * phase2,
                     None if t_steps is None else max(1, round(t_steps * phase2)), setup.answer_weight, args.device)
         rec["draft"]["perplexity"] = perplexity(draft, held_ids, setup.draft.seq_len, setup.eval_tokens, args.device)
-    if long:
+    if long and (args.min_episode or args.passkey_frac is not None):
+        long = replace(long, min_episode=args.min_episode or long.min_episode,
+                       passkey_frac=long.passkey_frac if args.passkey_frac is None else args.passkey_frac)
+    if more:  # a second long phase: the first one's record stays, this one's is added beside it
+        rec["target"]["perplexity_before_more"] = perplexity(target, held_ids, context, setup.eval_tokens,
+                                                             args.device)
+        rec["target"]["passkey_before_more"] = base_card["target"]["passkey_accuracy"]
+        log(f"target: held-out perplexity before the second long phase {rec['target']['perplexity_before_more']}")
+        stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), long.passkey_frac,
+                        long.min_episode)
+        arch = replace(setup.target, seq_len=long.seq_len, batch=long.batch, lr=long.lr)
+        rec["target"]["long_train_more"] = dict(
+            train("target (long phase, continued)", target, stream, arch, budget, setup.steps, setup.answer_weight,
+                  args.device),
+            passkey_frac=long.passkey_frac, min_episode=long.min_episode, rope=target.config.rope_parameters)
+    elif long:
         rec["target"]["perplexity_before_long"] = perplexity(target, held_ids, base_len, setup.eval_tokens,
                                                              args.device)
         log(f"target: held-out perplexity before the long phase {rec['target']['perplexity_before_long']}")
@@ -548,7 +585,7 @@ def main(argv=None) -> int:
         rec[name]["max_position_embeddings"] = context
     t_eval = time.perf_counter()
     rec["target"]["perplexity"] = perplexity(target, held_ids, context, setup.eval_tokens, args.device)
-    if long:  # the same windows as before the extension, for comparison
+    if long and not more:  # the same windows as before the extension, for comparison
         rec["target"]["perplexity_at_base_len"] = perplexity(target, held_ids, base_len, setup.eval_tokens,
                                                              args.device)
     for name in ("target", "draft"):
@@ -568,7 +605,7 @@ def main(argv=None) -> int:
             "vocab": vocab, "passkey_frac": setup.passkey_frac, "answer_weight": setup.answer_weight,
             "passkey_phase": setup.passkey_phase,
             "eval_tokens": setup.eval_tokens, "passkey_prompts": setup.passkey_prompts,
-            "base": None if not base else {k: base_card[k] for k in ("command", "seed", "device", "wall_s")},
+            "base": None if not base else {k: base_card.get(k) for k in ("command", "seed", "device", "wall_s", "base")},
             "data": {"train_books": sorted(train_books), "held_out_books": sorted(held_books),
                      "train_tokens": n_train},
             "target": rec["target"], "draft": rec["draft"],

@@ -92,5 +92,23 @@ def test_extend_continues_a_pair(tmp_path):
     new, old = (load_file(str(tmp_path / d / "demo-target" / "model.safetensors")) for d in ("long", "base"))
     assert set(new) == set(old) and any(not torch.equal(new[k], old[k]) for k in new)  # trained further
     assert "Long-context phase" in (tmp_path / "long" / "README.md").read_text()
+
+    # --extend on a pair already at the config's context: its long phase continues (same RoPE), both
+    # phases on the card, the episode options honoured
+    assert _run(mod, "--extend", str(tmp_path / "long"), "--out", str(tmp_path / "more"), "--min-episode", "100",
+                "--passkey-frac", "0.9") == 0
+    more = json.loads((tmp_path / "more" / "card.json").read_text())
+    assert more["target"]["long_train"] == card["target"]["long_train"]
+    lm = more["target"]["long_train_more"]
+    assert lm["steps"] == 3 and lm["min_episode"] == 100 and lm["passkey_frac"] == 0.9
+    assert lm["rope"] == card["target"]["long_train"]["rope"] and more["target"]["max_position_embeddings"] == 256
+    assert more["target"]["passkey_before_more"] == card["target"]["passkey_accuracy"]
+    assert more["base"]["base"]["command"] == base["command"]  # the whole history
+    readme = (tmp_path / "more" / "README.md").read_text()
+    assert "Long phase, continued" in readme and base["command"] in readme
+    longer, shorter = (load_file(str(tmp_path / d / "demo-target" / "model.safetensors")) for d in ("more", "long"))
+    assert any(not torch.equal(longer[k], shorter[k]) for k in longer)
+
+    mod.CONFIGS["tiny"] = replace(mod.CONFIGS["tiny"], long=replace(mod.CONFIGS["tiny"].long, seq_len=192))
     with pytest.raises(SystemExit, match="already has a context of 256"):
         _run(mod, "--extend", str(tmp_path / "long"), "--out", str(tmp_path / "again"))

@@ -9,6 +9,7 @@ import torch
 
 import tforce
 import tforce.batch
+import tforce.batch_levels
 from tforce import placement
 from tforce.batch import generate_batch
 from tforce.engine import _plan, model_shape
@@ -125,8 +126,8 @@ def test_rows_with_different_budgets_finish_at_their_own(tiny):
 
 
 def test_refusals(tiny):
-    with pytest.raises(tforce.UsageError, match="batches run --method ar|naive so far"):
-        generate_batch(tiny["gqa"], [[5, 6]], draft=tiny["draft"], method="triforce")
+    with pytest.raises(tforce.UsageError, match="batches run --policy retrieval|shared so far, not 'topk'"):
+        generate_batch(tiny["gqa"], [[5, 6]], draft=tiny["draft"], method="triforce", policy="topk")
     with pytest.raises(tforce.UsageError, match="prompt 2 of the batch is empty"):
         generate_batch(tiny["gqa"], [[5, 6], []])
     with pytest.raises(tforce.UsageError, match="needs a draft"):
@@ -193,7 +194,7 @@ def test_sampled_rows_match_their_target_distributions(small_vocab, method):
 
 
 def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
-    monkeypatch.setattr(tforce.batch, "verify_rows", functools.partial(verify_rows, residual=lambda p, q: p))
+    monkeypatch.setattr(tforce.batch_levels, "verify_rows", functools.partial(verify_rows, residual=lambda p, q: p))
     target, draft = small_vocab
     samples, _ = draw_rows(target, draft, "naive", seed=1)
     assert min(pvalues(target, samples)) < 1e-6
@@ -208,7 +209,7 @@ def test_one_host_transfer_per_step_for_all_rows(tiny, monkeypatch):
         calls.append(t.numel())
         return t.tolist()
 
-    monkeypatch.setattr(tforce.batch, "host", host)
+    monkeypatch.setattr(tforce.batch_levels, "host", host)
     monkeypatch.setattr(tforce.speculative, "host", host)
     prompts = prompts_of((5, 9, 3))
     generate_batch(tiny["gqa"], prompts, method="ar", max_new_tokens=[10, 10, 4], temperature=0, ignore_eos=True)

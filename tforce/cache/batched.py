@@ -75,7 +75,7 @@ class RowsCache(_Rows):
         self.capacity, self.rotary, self.n_layers = capacity, rotary, n_layers
         self._init_rows(n_rows)
         self._fresh: dict[int, torch.Tensor] = {}  # layer -> this forward's rotated queries (B, T, H_q, D)
-        # per row: (first position, per layer (T_b, H_q, D) views of its real queries) or None
+        # per row: (first position, per layer (T_b, H_q, D) its real queries) or None
         self.row_queries: list[tuple[int, list[torch.Tensor]] | None] = [None] * n_rows
 
     def commit(self, counts) -> None:
@@ -84,7 +84,8 @@ class RowsCache(_Rows):
         super().commit(counts)
         for b, n in enumerate(counts.tolist()):
             if n and self._fresh:
-                self.row_queries[b] = (starts[b], [self._fresh[i][b, :n] for i in sorted(self._fresh)])
+                # copies: a view would keep the whole batch's forward alive for this row alone
+                self.row_queries[b] = (starts[b], [self._fresh[i][b, :n].clone() for i in sorted(self._fresh)])
         self._fresh = {}
 
     def query_at(self, b: int, position: int) -> list[torch.Tensor] | None:

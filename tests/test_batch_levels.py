@@ -100,3 +100,33 @@ def test_a_node_rolls_each_row_back_to_its_longest_matching_prefix(tiny):
     got, want = n.probs(seqs, last=2), node().probs(seqs, last=2)
     assert n.cache.lengths.tolist() == [21, 12] and n.record == seqs
     torch.testing.assert_close(got, want)
+
+
+def test_rebuilds_refeed_a_token_whose_query_is_not_at_hand(tiny, monkeypatch):
+    """Every forward of more than one token forgets its queries (the prefill's chunks, the verifications):
+    each rebuild then feeds the row's last committed token again for its query, and every row still
+    selects, accepts and rebuilds exactly as alone."""
+    from tforce.cache.batched import RowsCache
+
+    commit = RowsCache.commit
+    refed = []
+
+    def forgetful(self, counts):
+        commit(self, counts)
+        counts = torch.as_tensor(counts).expand(self.rows)
+        if int(counts.max()) > 1:
+            self.row_queries[:self.rows] = [None] * self.rows
+        else:
+            refed.append(self.rows)
+
+    monkeypatch.setattr(RowsCache, "commit", forgetful)
+    prompts = prompts_of(LENGTHS, seed=1)
+    kw = dict(draft=tiny["draft"], method="retrieval", temperature=0, ignore_eos=True, **SMALL)
+    rows = generate_batch(tiny["gqa"], prompts, max_new_tokens=BUDGETS, **kw)
+    assert refed  # the one-token re-feeds happened
+    monkeypatch.setattr(RowsCache, "commit", commit)
+    for prompt, n, row in zip(prompts, BUDGETS, rows):
+        one = tforce.generate(tiny["gqa"], prompt, max_new_tokens=n, **kw)
+        assert row.tokens == one.tokens
+        for key in ("acceptance", "rebuilds"):
+            assert row.stats[key] == one.stats[key], key

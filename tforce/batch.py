@@ -1,13 +1,17 @@
 """generate_batch: several prompts through one decode loop, each row exact on its own.
 
 Every forward feeds all live rows at once (the weights are read once per step for the whole batch);
-each row keeps its own length in the caches (cache/batched.py, the rule in cache/base.py), accepts its
-own number of drafted tokens, and leaves the batch when it reaches EOS or its token budget (its cache
-rows are compacted away, so it costs no further work). Methods so far: `ar` (plain decoding) and
-`naive` (a small draft with a StreamingLLM cache drafts gamma2 tokens per row; the target with its full
-cache verifies every row's drafts in one forward). The full cache may be offloaded in part
-(cache/rows_offload.py); the prefill then runs token-major (each chunk streams the offloaded prefixes
-again: PCIe traffic quadratic in the prompt; the single-prompt path's layer-major prefill is not batched).
+each row keeps its own length in the caches (cache/batched.py, cache/rows_retrieval.py, the rule in
+cache/base.py), accepts its own number of drafted tokens, and leaves the batch when it reaches EOS or
+its token budget (its cache rows are compacted away, so it costs no further work). Every method of
+`generate`, composed as engine.Session composes it, from the batched levels of batch_levels.py: `ar`,
+`naive`, `retrieval` (the target with a per-row retrieval cache drafts gamma2 tokens per row),
+`streaming` and `triforce` (the small draft, then the target with a per-row StreamingLLM or retrieval
+cache verifying gamma1 tokens per row, until every row has gamma2 middle-level tokens, then the full
+cache). Retrieval rebuilds are per row, with the single path's rules (_Batch._maybe_rebuild). The full
+cache may be offloaded in part (cache/rows_offload.py); the prefill then runs token-major (each chunk
+streams the offloaded prefixes again: PCIe traffic quadratic in the prompt; the single-prompt path's
+layer-major prefill is not batched).
 """
 from __future__ import annotations
 

@@ -130,3 +130,24 @@ def test_rebuilds_refeed_a_token_whose_query_is_not_at_hand(tiny, monkeypatch):
         assert row.tokens == one.tokens
         for key in ("acceptance", "rebuilds"):
             assert row.stats[key] == one.stats[key], key
+
+
+def test_triforce_host_transfers_carry_every_row(tiny, monkeypatch):
+    """Each device -> host transfer carries all live rows at once: a drafted token per row (n numbers) or a
+    verdict per row (n counts and n next tokens), never one row's alone."""
+    import tforce.batch_levels
+    import tforce.speculative
+
+    calls = []
+
+    def host(t):
+        calls.append(t.numel())
+        return t.tolist()
+
+    monkeypatch.setattr(tforce.batch_levels, "host", host)
+    monkeypatch.setattr(tforce.speculative, "host", host)
+    rows = generate_batch(tiny["gqa"], prompts_of((5, 40, 3)), draft=tiny["draft"], method="triforce",
+                          max_new_tokens=12, temperature=0, ignore_eos=True, **SMALL)
+    assert calls[:3] == [3, 3, 6]  # the first middle round: gamma1 = 2 drafted tokens, then one verdict
+    assert set(calls) <= {1, 2, 3, 4, 6}  # n or 2n numbers for the n rows still live
+    assert len(rows) == 3 and min(r.stats["verifications"] for r in rows) > 1

@@ -68,9 +68,9 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     Each Result's stats: the batch's prefill_s and decode_s, batch_size, batch_tokens_per_s (all rows'
     tokens over decode_s), the row's verifications, acceptance {"draft", "retrieval"} as `generate`
     names them and retrieval rebuilds during decoding (rebuilds), the full cache's placement (kv_*).
-    Options as `generate`'s; policy: retrieval or shared only. The batch is planned before anything is allocated (placement.py with B rows) and refused if
-    it does not fit; offload, gpu_memory and device_free as in `generate` (offloaded layers stream once
-    per step for all rows)."""
+    Options as `generate`'s; policy: retrieval or shared only. The batch is planned before anything is
+    allocated (placement.py with B rows) and refused if it does not fit; offload, gpu_memory and
+    device_free as in `generate` (offloaded layers stream once per step for all rows)."""
     spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                        draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                        rebuild_below=rebuild_below, policy=policy)

@@ -9,6 +9,7 @@ import torch
 
 import tforce
 import tforce.batch
+import tforce.batch_levels
 from tforce import placement
 from tforce.batch import generate_batch
 from tforce.engine import _plan, model_shape
@@ -125,8 +126,8 @@ def test_rows_with_different_budgets_finish_at_their_own(tiny):
 
 
 def test_refusals(tiny):
-    with pytest.raises(tforce.UsageError, match="batches run --method ar|naive so far"):
-        generate_batch(tiny["gqa"], [[5, 6]], draft=tiny["draft"], method="triforce")
+    with pytest.raises(tforce.UsageError, match="batches run --policy retrieval|shared so far, not 'topk'"):
+        generate_batch(tiny["gqa"], [[5, 6]], draft=tiny["draft"], method="triforce", policy="topk")
     with pytest.raises(tforce.UsageError, match="prompt 2 of the batch is empty"):
         generate_batch(tiny["gqa"], [[5, 6], []])
     with pytest.raises(tforce.UsageError, match="needs a draft"):
@@ -154,16 +155,17 @@ BUDGETS = [N_TOKENS, 1, N_TOKENS]  # the middle row leaves the batch after its f
 
 def draw_rows(target, draft, method, seed):
     """SAMPLES batches (rows of BUDGETS tokens each) -> per row, the list of sampled tuples."""
-    kw = dict(temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, top_k=SAMPLING.top_k,
-              draft_budget=16, sinks=2, gamma2=3, ignore_eos=True, max_new_tokens=BUDGETS)
+    kw = dict(temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, top_k=SAMPLING.top_k, draft_budget=16,
+              sinks=2, gamma2=3, budget=16, chunk_size=4, gamma1=2, ignore_eos=True, max_new_tokens=BUDGETS)
+    level = {"naive": "draft", "triforce": "retrieval"}.get(method)  # the acceptance of the full cache's drafts
     samples, drafted, accepted = [[] for _ in ROWS], 0, 0
     for i in range(SAMPLES):
         for r, res in enumerate(generate_batch(target, ROWS, draft=draft, method=method, seed=seed * SAMPLES + i,
                                                **kw)):
             samples[r].append(tuple(res.tokens))
-            if method == "naive":
+            if level:
                 drafted += res.stats["verifications"]
-                accepted += res.stats["acceptance"]["draft"] * res.stats["verifications"]
+                accepted += res.stats["acceptance"][level] * res.stats["verifications"]
     return samples, (accepted / drafted if drafted else None)
 
 
@@ -183,17 +185,18 @@ def pvalues(target, samples) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("method", ["ar", "naive"])
+@pytest.mark.parametrize("method", ["ar", "naive", "triforce"])
 def test_sampled_rows_match_their_target_distributions(small_vocab, method):
+    """triforce: the 23-token row's middle cache holds 16 of its tokens, rebuilt before every round."""
     target, draft = small_vocab
     samples, acc = draw_rows(target, draft, method, seed=1)
     assert min(pvalues(target, samples)) > 1e-3
-    if method == "naive":  # drafts both accepted and rejected, or the test means little
+    if method != "ar":  # drafts both accepted and rejected, or the test means little
         assert 0.1 < acc < 0.95, acc
 
 
 def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
-    monkeypatch.setattr(tforce.batch, "verify_rows", functools.partial(verify_rows, residual=lambda p, q: p))
+    monkeypatch.setattr(tforce.batch_levels, "verify_rows", functools.partial(verify_rows, residual=lambda p, q: p))
     target, draft = small_vocab
     samples, _ = draw_rows(target, draft, "naive", seed=1)
     assert min(pvalues(target, samples)) < 1e-6
@@ -208,7 +211,7 @@ def test_one_host_transfer_per_step_for_all_rows(tiny, monkeypatch):
         calls.append(t.numel())
         return t.tolist()
 
-    monkeypatch.setattr(tforce.batch, "host", host)
+    monkeypatch.setattr(tforce.batch_levels, "host", host)
     monkeypatch.setattr(tforce.speculative, "host", host)
     prompts = prompts_of((5, 9, 3))
     generate_batch(tiny["gqa"], prompts, method="ar", max_new_tokens=[10, 10, 4], temperature=0, ignore_eos=True)

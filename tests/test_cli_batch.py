@@ -23,7 +23,8 @@ def _write(tmp_path, *lines: str):
     return str(path)
 
 
-@pytest.mark.parametrize("method, offload", [("ar", "auto"), ("naive", "auto"), ("ar", "on")])
+@pytest.mark.parametrize("method, offload", [("ar", "auto"), ("naive", "auto"), ("ar", "on"), ("triforce", "auto"),
+                                            ("triforce", "on"), ("retrieval", "auto"), ("streaming", "auto")])
 def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method, offload):
     batch = _write(tmp_path, json.dumps({"prompt": "It was", "id": "short"}), "",
                    json.dumps({"file": str(models / "doc.txt"), "prompt": "Who?"}),
@@ -58,7 +59,8 @@ def test_a_bad_line_is_one_error_naming_it(runner, models, tmp_path, line, needl
 
 def test_batch_refusals(runner, models, tmp_path):
     batch = _write(tmp_path, '{"prompt": "ok"}')
-    _one_error_line(_run(runner, models, "--batch", batch, *FAST), 2, "--batch runs --method ar|naive so far")
+    _one_error_line(_run(runner, models, "--batch", batch, "--policy", "topk", *FAST), 2,
+                    "batches run --policy retrieval|shared so far, not 'topk'")
     _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "-p", "x", *FAST), 2,
                     "no PROMPT_FILE or --prompt")
     _one_error_line(_run(runner, models, "--batch", str(tmp_path / "none.jsonl"), "--method", "ar", *FAST), 2,
@@ -74,21 +76,24 @@ def test_batch_refusals(runner, models, tmp_path):
 
 def test_bench_batch_against_one_at_a_time(runner):
     r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "3", "--prompt-len", "40", "--gen-len", "8",
-                            "--temperature", "0", "--draft-budget", "24", "--json"])
+                            "--temperature", "0", "--draft-budget", "24", "--budget", "32", "--chunk-size", "4",
+                            "--json"])
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
-    assert obj["batch"] == 3 and obj["synthetic"] and [run["method"] for run in obj["runs"]] == ["ar", "naive"]
+    assert obj["batch"] == 3 and obj["synthetic"]
+    assert [run["method"] for run in obj["runs"]] == ["ar", "triforce", "naive"]  # the default methods
     for run in obj["runs"]:
         assert run["rows_equal_alone"] is True and run["tokens"] == 3 * 8
         assert run["batch_tokens_per_s"] > 0 and run["one_at_a_time_tokens_per_s"] > 0
     text = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--prompt-len", "20", "--gen-len", "4",
-                               "--methods", "ar"], env={"COLUMNS": "200"})
+                               "--methods", "ar,triforce"], env={"COLUMNS": "200"})
     assert text.exit_code == 0 and "tforce bench --batch 2" in text.stdout and "one at a time" in text.stdout
+    assert "triforce" in text.stdout
 
 
 def test_bench_batch_refusals(runner):
-    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--methods", "ar,triforce"])
-    _one_error_line(r, 2, "--batch runs --method ar|naive so far")
+    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--methods", "ar,triforce+det"])
+    _one_error_line(r, 2, "--batch runs --method ar|triforce|naive|retrieval|streaming")
     _one_error_line(runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "0"]), 2, "--batch must be >= 1")
 
 

@@ -237,6 +237,19 @@ def test_a_batch_is_planned_with_every_per_row_item_times_its_rows():
     assert b.item("target weights") == a.item("target weights") and b.host_bytes == 4 * a.host_bytes
 
 
+@pytest.mark.parametrize("method, items", [
+    ("triforce", ("retrieval cache and key positions", "retrieval chunk statistics", "stored queries",
+                  "draft StreamingLLM cache")),
+    ("streaming", ("middle StreamingLLM cache", "stored queries"))])
+def test_a_batch_counts_the_middle_caches_and_queries_of_every_row(method, items):
+    """batch.py keeps a retrieval (or streaming) cache, chunk statistics and stored queries per row."""
+    shape, draft = placement.Shape.of(make_config("llama2-7b"), 2), placement.Shape.of(make_config("tiny"), 2)
+    one = placement.layout(shape, placement.Work(capacity=32768, prompt=32767, method=method), 20, draft)
+    four = placement.layout(shape, placement.Work(capacity=32768, prompt=32767, method=method, rows=4), 20, draft)
+    for name in items:
+        assert four.item(name) == 4 * one.item(name) > 0, name
+
+
 def test_info_plans_a_batch():
     args = ["--synthetic", "llama2-7b", "--gpu-memory", "80GiB", "--context", "32768"]
     one, _ = _info(args)

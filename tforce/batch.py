@@ -1,13 +1,17 @@
 """generate_batch: several prompts through one decode loop, each row exact on its own.
 
 Every forward feeds all live rows at once (the weights are read once per step for the whole batch);
-each row keeps its own length in the caches (cache/batched.py, the rule in cache/base.py), accepts its
-own number of drafted tokens, and leaves the batch when it reaches EOS or its token budget (its cache
-rows are compacted away, so it costs no further work). Methods so far: `ar` (plain decoding) and
-`naive` (a small draft with a StreamingLLM cache drafts gamma2 tokens per row; the target with its full
-cache verifies every row's drafts in one forward). The full cache may be offloaded in part
-(cache/rows_offload.py); the prefill then runs token-major (each chunk streams the offloaded prefixes
-again: PCIe traffic quadratic in the prompt; the single-prompt path's layer-major prefill is not batched).
+each row keeps its own length in the caches (cache/batched.py, cache/rows_retrieval.py, the rule in
+cache/base.py), accepts its own number of drafted tokens, and leaves the batch when it reaches EOS or
+its token budget (its cache rows are compacted away, so it costs no further work). Every method of
+`generate`, composed as engine.Session composes it, from the batched levels of batch_levels.py: `ar`,
+`naive`, `retrieval` (the target with a per-row retrieval cache drafts gamma2 tokens per row),
+`streaming` and `triforce` (the small draft, then the target with a per-row StreamingLLM or retrieval
+cache verifying gamma1 tokens per row, until every row has gamma2 middle-level tokens, then the full
+cache). Retrieval rebuilds are per row, with the single path's rules (_Batch._maybe_rebuild). The full
+cache may be offloaded in part (cache/rows_offload.py); the prefill then runs token-major (each chunk
+streams the offloaded prefixes again: PCIe traffic quadratic in the prompt; the single-prompt path's
+layer-major prefill is not batched).
 """
 from __future__ import annotations
 
@@ -16,48 +20,16 @@ import time
 import torch
 
 from . import placement
+from .batch_levels import RowsDrafter, RowsNode, RowsSpecLevel
 from .cache.batched import RowsCache, RowsStreamingCache
 from .cache.rows_offload import RowsOffloadedCache
+from .cache.rows_retrieval import RowsRetrievalCache
 from .config import Sampling, Speculation
 from .engine import Result, _check_pair, _eos_ids, _module, _placement, _plan, _sync_device
 from .errors import UsageError
 from .rope import Rotary
-from .sampling import sample, to_probs
-from .speculative import verify_rows
-from .sync import host, to_device
 
-BATCH_METHODS = ("ar", "naive")
-
-
-class RowsNode:
-    """One network with one batched cache: feeds each live row its own tokens in one forward."""
-
-    def __init__(self, model, cache, sampling: Sampling, prefill_chunk: int):
-        self.model, self.cache, self.sampling, self.prefill_chunk = model, cache, sampling, prefill_chunk
-        self.device = next(model.parameters()).device
-
-    def feed(self, rows: list[list[int]], last: int | None) -> torch.Tensor | None:
-        """Row b's tokens rows[b] after what its cache holds, padded at the end to the longest (the
-        padding is never committed); probs (B, last, V) after each row's last `last` real tokens
-        (every row must feed at least `last`), or None for last=None (prefill: no logits)."""
-        counts = [len(r) for r in rows]
-        T = max(counts)
-        ids = torch.tensor([r + [0] * (T - len(r)) for r in rows], dtype=torch.long)  # (B, T)
-        self.cache.begin(T)
-        logits = self.model(to_device(ids, self.device), self.cache, last_n=None if last else 0)  # (B, T, V)
-        self.cache.commit(torch.tensor(counts))
-        if not last:
-            return None
-        pick = torch.tensor(counts)[:, None] - last + torch.arange(last)  # (B, last)
-        pick = to_device(pick, logits.device)
-        chosen = logits.gather(1, pick[..., None].expand(-1, -1, logits.shape[-1]))
-        return to_probs(chosen.reshape(-1, logits.shape[-1]), self.sampling).view(len(rows), last, -1)
-
-    def prefill(self, prompts: list[list[int]]) -> None:
-        """Each row's prompt but its last token, in chunks of prefill_chunk tokens per row."""
-        longest = max(len(p) for p in prompts)
-        for start in range(0, longest - 1, self.prefill_chunk):
-            self.feed([p[:-1][start:start + self.prefill_chunk] for p in prompts], None)
+BATCH_METHODS = ("ar", "triforce", "naive", "retrieval", "streaming")
 
 
 class _RowState:
@@ -68,9 +40,8 @@ class _RowState:
         self.seq = [list(p) for p in prompts]
         self.out = [[] for _ in prompts]
         self.max_new = max_new
-        self.verified = [0] * len(prompts)
-        self.drafted = [0] * len(prompts)
-        self.accepted = [0] * len(prompts)
+        self.verified = [0] * len(prompts)  # full-cache forwards that decided the row's tokens
+        self.rebuilds = [0] * len(prompts)  # retrieval rebuilds during decoding
 
     def add(self, i: int, tokens: list[int], eos: set[int]) -> bool:
         """Row i's new tokens, cut at its budget and at EOS; True when the row is done."""
@@ -86,23 +57,30 @@ class _RowState:
 
 def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_tokens: int | list[int] = 256,
                    temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
-                   ignore_eos: bool = False, gamma2: int = 6, draft_budget: int = 256, sinks: int = 16,
-                   prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
+                   ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
+                   gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
+                   rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512,
+                   offload: str = "auto", gpu_memory: int | None = None,
                    device_free: int | None = None) -> list[Result]:
     """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
     for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
     Each Result's stats: the batch's prefill_s and decode_s, batch_size, batch_tokens_per_s (all rows'
-    tokens over decode_s), the row's verifications and draft acceptance, the full cache's placement
-    (kv_*). The batch is planned before anything is allocated (placement.py with B rows) and refused if
-    it does not fit; offload, gpu_memory and device_free as in `generate` (offloaded layers stream once
-    per step for all rows)."""
-    spec = Speculation(method=method, gamma2=gamma2, draft_budget=draft_budget, sinks=sinks)
+    tokens over decode_s), the row's verifications, acceptance {"draft", "retrieval"} as `generate`
+    names them and retrieval rebuilds during decoding (rebuilds), the full cache's placement (kv_*).
+    Options as `generate`'s; policy: retrieval or shared only. The batch is planned before anything is
+    allocated (placement.py with B rows) and refused if it does not fit; offload, gpu_memory and
+    device_free as in `generate` (offloaded layers stream once per step for all rows)."""
+    spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
+                       draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                       rebuild_below=rebuild_below, policy=policy)
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     spec.validate()
     sampling.validate()
     if method not in BATCH_METHODS:
         raise UsageError(f"batches run --method {'|'.join(BATCH_METHODS)} so far, not {method!r}")
+    if method in ("triforce", "retrieval") and policy not in ("retrieval", "shared"):
+        raise UsageError(f"batches run --policy retrieval|shared so far, not {policy!r}")
     target, draft = _module(target), (_module(draft) if draft is not None else None)
     _check_pair(target, draft, spec)
     prompts = [list(map(int, p)) for p in prompts]
@@ -131,108 +109,155 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     work = placement.Work.of(spec, total + spec.max_lookahead + 1, max(map(len, prompts)) - 1, prefill_chunk,
                              False, "sdpa" if device.type == "cuda" else "math", rows=B)
     plan = _plan(target, draft, work, offload, gpu_memory, device_free)  # raises when the batch does not fit
-    full = _full_node(target, B, total, spec.max_lookahead, plan.resident, sampling, prefill_chunk)
-    small = _draft_node(draft, B, total, spec, sampling, prefill_chunk) if method == "naive" else None
     rows = _RowState(prompts, max_new)
+    batch = _Batch(target, draft, spec, sampling, rows, total, plan.resident, prefill_chunk)
     t0 = time.perf_counter()
-    for node in (full, small):
-        if node is not None:
-            node.prefill(prompts)
+    batch.prefill(prompts)
     _sync_device(device)
     t1 = time.perf_counter()
     eos = set() if ignore_eos else _eos_ids(target.config)
-    live = [i for i in range(B) if max_new[i] > 0]
-    _keep(rows, live, full, small)
+    batch.keep([i for i in range(B) if max_new[i] > 0])
     while rows.ids:
-        if method == "ar":
-            news = _ar_step(full, rows, gen)
-        else:
-            news = _naive_round(full, small, rows, spec.gamma2, gen)
+        news = batch.round(gen)
         done = [rows.add(i, tokens, eos) for i, tokens in enumerate(news)]
         if any(done):
-            _keep(rows, [i for i, d in enumerate(done) if not d], full, small)
+            batch.keep([i for i, d in enumerate(done) if not d])
     _sync_device(device)
     t2 = time.perf_counter()
-    return [Result(rows.out[r], {**_stats(rows, r, t1 - t0, t2 - t1), **_placement(plan)}) for r in range(B)]
+    return [Result(rows.out[r], {**batch.stats(r, t1 - t0, t2 - t1), **_placement(plan)}) for r in range(B)]
 
 
-def _full_node(target, B: int, total: int, lookahead: int, resident: int, sampling: Sampling,
-               prefill_chunk: int) -> RowsNode:
-    cfg, p = target.config, next(target.parameters())
-    dims = (cfg.num_hidden_layers, B, target.n_kv_heads, target.head_dim, total + lookahead + 1,
-            Rotary(cfg, max_len=total, device=p.device))
-    if resident == cfg.num_hidden_layers:
-        cache = RowsCache(*dims, dtype=p.dtype, device=p.device)
-    else:
-        cache = RowsOffloadedCache(*dims, resident=resident, dtype=p.dtype, device=p.device)
-    return RowsNode(target, cache, sampling, prefill_chunk)
+class _Batch:
+    """The nodes and levels of one batch, composed as engine.Session composes them for one prompt, and the
+    per-row retrieval rebuilds (Session._maybe_rebuild's rules, per row)."""
 
+    def __init__(self, target, draft, spec: Speculation, sampling: Sampling, rows: _RowState, total: int,
+                 resident: int, prefill_chunk: int):
+        self.spec, self.rows, self.target = spec, rows, target
+        B, cfg, p = len(rows.seq), target.config, next(target.parameters())
+        capacity = total + spec.max_lookahead + 1
+        rotary = Rotary(cfg, max_len=total, device=p.device)
+        dims = (cfg.num_hidden_layers, B, target.n_kv_heads, target.head_dim)
+        if resident == cfg.num_hidden_layers:
+            full = RowsCache(*dims, capacity, rotary, dtype=p.dtype, device=p.device)
+        else:
+            full = RowsOffloadedCache(*dims, capacity, rotary, resident=resident, dtype=p.dtype, device=p.device)
+        self.full = RowsNode("full", target, full, sampling, prefill_chunk)
+        self.middle = self.small = self.retrieval = None
+        if spec.method in ("triforce", "retrieval"):
+            self.retrieval = RowsRetrievalCache(*dims, spec.budget, spec.chunk_size, rotary, dtype=p.dtype,
+                                                device=p.device, shared=spec.policy == "shared")
+            self.middle = RowsNode("retrieval", target, self.retrieval, sampling, prefill_chunk)
+        elif spec.method == "streaming":
+            cache = RowsStreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
+                                       max_rollback=spec.max_lookahead, max_new=prefill_chunk + spec.max_lookahead,
+                                       dtype=p.dtype, device=p.device)
+            self.middle = RowsNode("streaming", target, cache, sampling, prefill_chunk)
+        if spec.uses_draft:
+            dcfg, dp = draft.config, next(draft.parameters())
+            chunk = min(prefill_chunk, spec.draft_budget)
+            cache = RowsStreamingCache(dcfg.num_hidden_layers, B, draft.n_kv_heads, draft.head_dim,
+                                       budget=spec.draft_budget, sinks=spec.sinks,
+                                       rotary=Rotary(dcfg, max_len=total, device=dp.device),
+                                       max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
+                                       dtype=dp.dtype, device=dp.device)
+            self.small = RowsNode("draft", draft, cache, sampling, chunk)
+        self.top, self.draft_level, self.middle_level = self._compose(B)
 
-def _draft_node(draft, B: int, total: int, spec: Speculation, sampling: Sampling, prefill_chunk: int) -> RowsNode:
-    cfg, p = draft.config, next(draft.parameters())
-    chunk = min(prefill_chunk, spec.draft_budget)
-    cache = RowsStreamingCache(cfg.num_hidden_layers, B, draft.n_kv_heads, draft.head_dim,
-                               budget=spec.draft_budget, sinks=spec.sinks,
-                               rotary=Rotary(cfg, max_len=total, device=p.device),
-                               max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
-                               dtype=p.dtype, device=p.device)
-    return RowsNode(draft, cache, sampling, chunk)
+    def _compose(self, B: int):
+        """(top level, level verifying the small draft, level verifying the middle level), as Session's."""
+        s, ids = self.spec, self.rows.ids
+        if s.method == "ar":
+            return RowsDrafter(self.full), None, None
+        if s.method == "naive":
+            top = RowsSpecLevel(RowsDrafter(self.small), self.full, s.gamma2, ids, B)
+            return top, top, None
+        if s.method == "retrieval":
+            top = RowsSpecLevel(RowsDrafter(self.middle), self.full, s.gamma2, ids, B)
+            return top, None, top
+        mid = RowsSpecLevel(RowsDrafter(self.small), self.middle, s.gamma1, ids, B)
+        top = RowsSpecLevel(mid, self.full, s.gamma2, ids, B)
+        return top, mid, top
 
+    def nodes(self) -> list[RowsNode]:
+        return [n for n in (self.full, self.middle, self.small) if n is not None]
 
-def _keep(rows: _RowState, live: list[int], *nodes) -> None:
-    """Only the live rows stay, in the caches and in the host state."""
-    rows.ids = [rows.ids[i] for i in live]
-    for node in nodes:
-        if node is not None:
-            node.cache.keep(live)
+    def _seqs(self) -> list[list[int]]:
+        return [self.rows.seq[r] for r in self.rows.ids]
 
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """Every node takes each row's prompt but its last token; the retrieval cache is built from the
+        full cache (every row rebuilt from its last prompt token but one)."""
+        heads = [p[:-1] for p in prompts]
+        self.full.hold(heads)
+        if self.retrieval is not None:
+            self._rebuild(list(range(len(prompts))))
+        elif self.middle is not None:
+            self.middle.hold(heads)
+        if self.small is not None:
+            self.small.hold(heads)
 
-def _ar_step(full: RowsNode, rows: _RowState, gen) -> list[list[int]]:
-    """Plain decoding: every row feeds its last token and samples the next (one host sync)."""
-    p = full.feed([[rows.seq[r][-1]] for r in rows.ids], last=1)  # (B, 1, V)
-    tokens = host(sample(p[:, 0], gen))
-    for i in range(len(tokens)):
-        rows.verified[rows.ids[i]] += 1
-    return [[t] for t in tokens]
+    def _rebuild(self, live: list[int]) -> None:
+        """Rebuild the listed live rows from what the full cache holds (re-feeding a row's last token when
+        its query is not at hand)."""
+        full, seqs = self.full.cache, self._seqs()
+        lengths = [self.full.held(i) for i in live]
+        missing = tuple(i for i, L in zip(live, lengths) if L and full.query_at(i, L - 1) is None)
+        if missing:
+            self.full.hold([s[:self.full.held(i)] for i, s in enumerate(seqs)], refeed=missing)
+        queries = [full.query_at(i, L - 1) if L else [] for i, L in zip(live, lengths)]
+        self.retrieval.rebuild(full, live, queries)
+        for i, L in zip(live, lengths):
+            self.middle.adopt(i, seqs[i][:L])
+            if self.middle_level is not None:
+                self.middle_level.stats.recent[self.rows.ids[i]] = []
 
+    def _maybe_rebuild(self) -> None:
+        """Before a round, per row: rebuild when new tokens crowd the budget (the round's lookahead and
+        another lookahead for padding up to another row's count: cache/rows_retrieval.py), every
+        `rebuild_every` tokens, or when the row's rolling acceptance of the middle level falls under
+        `rebuild_below`."""
+        if self.retrieval is None:
+            return
+        s = self.spec
+        self.full.sync(self._seqs())  # drop each row's rejected tail: rebuild from committed tokens
+        new = [self.full.held(i) - int(self.retrieval.base[i]) for i in range(len(self.rows.ids))]
+        stats = self.middle_level.stats
+        stale = [i for i, r in enumerate(self.rows.ids)
+                 if new[i] + 2 * s.max_lookahead + 1 > s.budget - s.chunk_size or new[i] >= s.rebuild_every
+                 or stats.low(r, s.rebuild_below)]
+        if stale:
+            self._rebuild(stale)
+            for i in stale:
+                self.rows.rebuilds[self.rows.ids[i]] += 1
 
-def _naive_round(full: RowsNode, small: RowsNode, rows: _RowState, gamma: int, gen) -> list[list[int]]:
-    """The draft proposes gamma tokens per row; the full cache verifies all rows in one forward; row b
-    accepts its own count. Before the round each row's full cache holds its sequence but the last token,
-    its draft cache some prefix of it (what earlier rounds fed and their verdicts kept)."""
-    seqs = [rows.seq[r] for r in rows.ids]
-    held = small.cache.lengths[:len(seqs)]
-    small.cache.truncate(torch.minimum(held, torch.tensor([len(s) - 1 for s in seqs])))
-    feed = [s[int(h):] for s, h in zip(seqs, small.cache.lengths)]  # 1 token, or 2 after an all-accepted round
-    drafts, qs = [], []
-    for step in range(gamma):
-        q = small.feed(feed, last=1)[:, 0]  # (B, V)
-        x = host(sample(q, gen))  # a host sync per drafted token, as the single-row Drafter
-        drafts.append(x)
-        qs.append(q)
-        feed = [[t] for t in x]
-    tokens = torch.tensor(drafts).T  # (B, gamma)
-    p = full.feed([[s[-1]] + list(d) for s, d in zip(seqs, tokens.tolist())], last=gamma + 1)  # (B, gamma + 1, V)
-    q = torch.stack(qs, dim=1).to(p.device)  # (B, gamma, V)
-    n_acc, nxt = verify_rows(to_device(tokens, p.device), q, p, gen)
-    full.cache.truncate(torch.tensor([len(s) + a for s, a in zip(seqs, n_acc)]))  # accepted drafts stay
-    out = []
-    for i, r in enumerate(rows.ids):
-        rows.verified[r] += 1
-        rows.drafted[r] += gamma
-        rows.accepted[r] += n_acc[i]
-        out.append(tokens[i, :n_acc[i]].tolist() + [nxt[i]])
-    return out
+    def round(self, gen) -> list[list[int]]:
+        """Every live row's new tokens of one round of the top level."""
+        self._maybe_rebuild()
+        live = len(self.rows.ids)
+        tokens, _ = self.top.round(self._seqs(), gen, [True] * live)
+        for r in self.rows.ids:
+            self.rows.verified[r] += 1
+        return tokens
 
+    def keep(self, live: list[int]) -> None:
+        """Only the live rows stay, in the caches and in the host state."""
+        self.rows.ids[:] = [self.rows.ids[i] for i in live]
+        for node in self.nodes():
+            node.keep(live)
 
-def _stats(rows: _RowState, r: int, prefill_s: float, decode_s: float) -> dict:
-    n_all = sum(len(o) for o in rows.out)
-    return {
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "batch_size": len(rows.out),
-        "batch_tokens_per_s": n_all / decode_s if n_all and decode_s > 0 else None,
-        "verifications": rows.verified[r],
-        "acceptance": {"draft": rows.accepted[r] / rows.drafted[r] if rows.drafted[r] else None,
-                       "retrieval": None},
-    }
+    def stats(self, r: int, prefill_s: float, decode_s: float) -> dict:
+        n_all = sum(len(o) for o in self.rows.out)
+
+        def acc(level):
+            return None if level is None else level.stats.acceptance(r)
+
+        return {
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "batch_size": len(self.rows.out),
+            "batch_tokens_per_s": n_all / decode_s if n_all and decode_s > 0 else None,
+            "verifications": self.rows.verified[r],
+            "acceptance": {"draft": acc(self.draft_level), "retrieval": acc(self.middle_level)},
+            "rebuilds": self.rows.rebuilds[r] if self.retrieval is not None else None,
+        }

@@ -14,15 +14,15 @@ from .batch import BATCH_METHODS, generate_batch
 from .bench import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, prompt_ids
 from .errors import UsageError
 
-BATCH_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "offload", "gpu_memory", "gamma2",
-              "draft_budget")
+BATCH_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "offload", "gpu_memory", "budget",
+              "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy")
+DRAFTED = ("triforce", "naive", "streaming")  # the methods with a small draft (config.Speculation.uses_draft)
 
 
 def check_methods(methods: tuple[str, ...]) -> None:
     for m in methods:
         if m not in BATCH_METHODS:
-            raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} so far: "
-                             f"give --methods {','.join(BATCH_METHODS)}")
+            raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} (no row-by-row +det), not {m!r}")
 
 
 def batch_prompts(n_rows: int, length: int, vocab: int, tokenizer, text, seed: int) -> list[list[int]]:
@@ -37,7 +37,7 @@ def _batch_options(cfg: BenchConfig, max_new: int) -> dict:
 
 
 def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchConfig) -> dict:
-    draft = models.draft if method == "naive" else None
+    draft = models.draft if method in DRAFTED else None
     rows = generate_batch(models.target, prompts, draft=draft, method=method, **_batch_options(cfg, cfg.gen_len))
     alone = [models.generate(p, method, **_options(cfg, cfg.gen_len)) for p in prompts]
     n = sum(len(r.tokens) for r in rows)
@@ -51,7 +51,8 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
         "speedup_vs_one_at_a_time": alone_s / batch_s if batch_s > 0 else None,
         "batch_prefill_s": rows[0].stats["prefill_s"],
         "one_at_a_time_prefill_s": sum(r.stats["prefill_s"] for r in alone),
-        "acceptance": [r.stats["acceptance"]["draft"] for r in rows],
+        "acceptance": [r.stats["acceptance"] for r in rows],  # per row {"draft", "retrieval"}
+        "rebuilds": [r.stats["rebuilds"] for r in rows],
         "rows_equal_alone": [r.tokens for r in rows] == [r.tokens for r in alone] if cfg.temperature == 0
         else None,
         "kv_offloaded_layers": rows[0].stats["kv_offloaded_layers"],
@@ -66,7 +67,7 @@ def bench_batch(models: Models, prompts: list[list[int]], cfg: BenchConfig, synt
     t0 = time.perf_counter()
     for method in cfg.methods:
         generate_batch(models.target, [p[:WARMUP_TOKENS] for p in prompts],
-                       draft=models.draft if method == "naive" else None, method=method,
+                       draft=models.draft if method in DRAFTED else None, method=method,
                        **_batch_options(cfg, 4))
     warmup_s = time.perf_counter() - t0
     runs = []

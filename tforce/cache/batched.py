@@ -15,6 +15,7 @@ from ..errors import TforceError
 from ..rope import Rotary
 from ..sync import to_device
 from .base import CacheView
+from .full import gather_heads
 
 
 def _rotation(rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):
@@ -62,13 +63,56 @@ class _Rows:
 
 
 class RowsCache(_Rows):
+    """FullCache for B rows. Like FullCache it keeps the rotated queries of the forwards (for retrieval
+    rebuilds, cache/rows_retrieval.py): per row, those of the last forward that fed the row real tokens
+    (a forward that feeds a row only padding leaves its queries as they were)."""
+
     def __init__(self, n_layers: int, n_rows: int, n_kv: int, head_dim: int, capacity: int, rotary: Rotary,
                  dtype=torch.float32, device="cpu"):
         shape = (n_layers, n_rows, capacity, n_kv, head_dim)  # per layer (B, S, H_kv, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity, self.rotary = capacity, rotary
+        self.capacity, self.rotary, self.n_layers = capacity, rotary, n_layers
         self._init_rows(n_rows)
+        self._fresh: dict[int, torch.Tensor] = {}  # layer -> this forward's rotated queries (B, T, H_q, D)
+        # per row: (first position, per layer (T_b, H_q, D) its real queries) or None
+        self.row_queries: list[tuple[int, list[torch.Tensor]] | None] = [None] * n_rows
+
+    def commit(self, counts) -> None:
+        counts = torch.as_tensor(counts, dtype=torch.long).expand(self.rows)
+        starts = self.lengths[:self.rows].tolist()
+        super().commit(counts)
+        for b, n in enumerate(counts.tolist()):
+            if n and self._fresh:
+                # copies: a view would keep the whole batch's forward alive for this row alone
+                self.row_queries[b] = (starts[b], [self._fresh[i][b, :n].clone() for i in sorted(self._fresh)])
+        self._fresh = {}
+
+    def query_at(self, b: int, position: int) -> list[torch.Tensor] | None:
+        """Row b's rotated queries (per layer (H_q, D)) at a sequence position, if a kept forward computed
+        them; else None (the caller feeds that token again)."""
+        held = self.row_queries[b]
+        if held is None or not held[0] <= position < held[0] + len(held[1][0]):
+            return None
+        return [q[position - held[0]] for q in held[1]]
+
+    def keep(self, rows: list[int]) -> None:
+        self.row_queries = [self.row_queries[i] for i in rows] + [None] * (len(self.row_queries) - len(rows))
+        super().keep(rows)
+
+    # Reads of one row for retrieval rebuilds (cache/rows_retrieval.py): rows of tokens, never whole layers.
+
+    def kv_home(self, layer: int) -> torch.device:
+        return self.k.device
+
+    def read_row_keys(self, layer: int, b: int, start: int, end: int) -> torch.Tensor:
+        """Row b's keys (1, end - start, H_kv, D) of positions [start, end), on the layer's home device."""
+        return self.k[layer, b:b + 1, start:end]
+
+    def gather_row(self, layer: int, b: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx (n, H_kv) positions -> row b's K, V (1, n, H_kv, D), each KV head's rows at its positions."""
+        idx = idx.to(self.k.device)
+        return gather_heads(self.k[layer, b:b + 1], idx), gather_heads(self.v[layer, b:b + 1], idx)
 
     def begin(self, n: int) -> None:
         lengths = self.lengths[:self.rows]
@@ -91,6 +135,7 @@ class RowsCache(_Rows):
     def update(self, layer, q, k, v):
         q = self.rotary.rotate(q, self._cos, self._sin)
         k = self.rotary.rotate(k, self._cos, self._sin)
+        self._fresh[layer] = q
         B, S, L = self.rows, self._S, self._uniform
         if L is None:
             self.k[layer][self._rows_idx, self._slots] = k

@@ -61,6 +61,31 @@ def shared_votes(scores: list[torch.Tensor], head_dim: int) -> torch.Tensor:
     return total.expand(scores[0].shape[0], -1)
 
 
+def chunk_positions(stats: ChunkStats, full, queries: list[torch.Tensor], L: int, budget: int, shared: bool,
+                    device) -> list[torch.Tensor]:
+    """The chunk rule over the first L committed tokens of `full` (anything with kv_home / read_keys, e.g.
+    one row of a batched cache): per layer (H_kv, K * chunk) positions, per layer or shared; queries per
+    layer (H_q, D). Reads only the rows the statistics do not cover yet; scores on `device`."""
+    c = stats.chunk
+    stats.truncate(L)
+    scores = []
+    for layer, query in enumerate(queries):
+        stats.update(layer, full, L)
+        scores.append(chunk_scores(stats.means(layer, full, L, device), query.to(device)))
+    if shared and L > budget and scores:
+        scores = [shared_votes(scores, queries[0].shape[-1])] * len(scores)
+    # budget >= context keeps every chunk, the last one maybe partial (budget // c could drop one).
+    n_keep = -(-L // c) if L <= budget else budget // c
+    positions = []
+    for s in scores:
+        chunks = select_chunks(s, n_keep)  # (H_kv, K)
+        pos = (chunks[:, :, None] * c + torch.arange(c, device=device)).flatten(1)  # (H_kv, K*c)
+        if L <= budget:  # all chunks: drop the partial chunk's padding so the L tokens fit
+            pos = pos[pos < L].view(pos.shape[0], L)
+        positions.append(pos)
+    return positions
+
+
 class RetrievalCache(StaticInputs):
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, budget: int, chunk_size: int,
                  rotary: Rotary, dtype=torch.float32, device="cpu", select=None, shared: bool = False):
@@ -109,26 +134,8 @@ class RetrievalCache(StaticInputs):
         self.length = self.base = L
 
     def _chunk_positions(self, full: FullCache, queries: list[torch.Tensor], L: int) -> list[torch.Tensor]:
-        """Per layer (H_kv, K * chunk) positions of the chunk rule (per layer, or shared)."""
-        c, device = self.chunk_size, self.key_pos.device
-        stats = self.stats_for(full)
-        stats.truncate(L)
-        scores = []
-        for layer, query in enumerate(queries):
-            stats.update(layer, full, L)
-            scores.append(chunk_scores(stats.means(layer, full, L, device), query.to(device)))
-        if self.shared and L > self.budget and scores:
-            scores = [shared_votes(scores, self.k.shape[-1])] * len(scores)
-        # budget >= context keeps every chunk, the last one maybe partial (budget // c could drop one).
-        n_keep = -(-L // c) if L <= self.budget else self.budget // c
-        positions = []
-        for s in scores:
-            chunks = select_chunks(s, n_keep)  # (H_kv, K)
-            pos = (chunks[:, :, None] * c + torch.arange(c, device=device)).flatten(1)  # (H_kv, K*c)
-            if L <= self.budget:  # all chunks: drop the partial chunk's padding so the L tokens fit
-                pos = pos[pos < L].view(pos.shape[0], L)
-            positions.append(pos)
-        return positions
+        return chunk_positions(self.stats_for(full), full, queries, L, self.budget, self.shared,
+                               self.key_pos.device)
 
     def _select(self, full: FullCache, layer: int, query: torch.Tensor, L: int) -> torch.Tensor:
         keys = full.layer_keys(layer)  # the whole layer, wherever it lives

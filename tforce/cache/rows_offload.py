@@ -17,6 +17,7 @@ import torch
 from ..rope import Rotary
 from .base import CacheView
 from .batched import RowsCache
+from .full import gather_heads
 from .offload import copy_on, host_tensor
 
 
@@ -61,6 +62,7 @@ class RowsOffloadedCache(RowsCache):
             torch.cuda.current_stream(self.stage_k.device).wait_event(self._ready[j])
         self._prefetch(layer + 1)  # overlaps with this layer's compute
         q = self.rotary.rotate(q, self._cos, self._sin)
+        self._fresh[layer] = q
         self.stage_k[j][self._rows_idx, self._slots] = self.rotary.rotate(k, self._cos, self._sin)
         self.stage_v[j][self._rows_idx, self._slots] = v
         self._write_back(j, h)
@@ -76,6 +78,30 @@ class RowsOffloadedCache(RowsCache):
             pairs += [(self.host_k[h][b, L:L + n], self.stage_k[j, b, L:L + n]),
                       (self.host_v[h][b, L:L + n], self.stage_v[j, b, L:L + n])]
         copy_on(self.copy_stream, pairs)
+
+    # Rebuild reads of an offloaded layer come from host memory (only the selected rows cross to the
+    # device), counted in host_rows_read (token rows of one row and layer, K and V together).
+    host_rows_read = 0
+
+    def kv_home(self, layer: int) -> torch.device:
+        return super().kv_home(layer) if layer < self.resident else self.host_k[layer - self.resident].device
+
+    def read_row_keys(self, layer: int, b: int, start: int, end: int) -> torch.Tensor:
+        if layer < self.resident:
+            return super().read_row_keys(layer, b, start, end)
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()  # write-backs of the last forward
+        self.host_rows_read += end - start
+        return self.host_k[layer - self.resident][b:b + 1, start:end]
+
+    def gather_row(self, layer: int, b: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer < self.resident:
+            return super().gather_row(layer, b, idx)
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        h, idx = layer - self.resident, idx.cpu()
+        self.host_rows_read += idx.shape[0]
+        return gather_heads(self.host_k[h][b:b + 1], idx), gather_heads(self.host_v[h][b:b + 1], idx)
 
     def _moved(self, idx: torch.Tensor) -> None:
         """keep(): the host layers' rows follow, once no copy still reads or writes them."""

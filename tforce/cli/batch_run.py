@@ -77,7 +77,7 @@ def _document(path: Optional[str], where: str) -> str:
 def check_options(method: str, world: int, prompt_given: bool, deterministic: bool, snapshots: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
     if method not in BATCH_METHODS:
-        raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} so far")
+        raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)}, not {method!r}")
     if world > 1:
         raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
     if deterministic:
@@ -110,8 +110,8 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft:
                   options["gpu_memory"], options["budget"], options["method"], rows=len(prompts))
     target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
-    keys = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "gamma2", "draft_budget", "sinks", "offload",
-            "gpu_memory")
+    keys = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",
+            "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory")
     results = generate_batch(target.model, prompts, draft=small.model if small else None, method=options["method"],
                              max_new_tokens=budgets, **{k: options[k] for k in keys})
     for (key, _, _), ids, result in zip(items, prompts, results):

@@ -30,7 +30,7 @@ def bench(
     gen_len: int = typer.Option(256, "--gen-len", help="Tokens generated per method (EOS ignored)."),
     methods: Optional[str] = typer.Option(None, "--methods",
                                           help="Comma-separated (default: ar,triforce,naive,retrieval,streaming; with "
-                                               "--batch: ar,naive); ar runs first and is the speed-up baseline; a "
+                                               "--batch: ar,triforce,naive); ar runs first and is the speed-up baseline; a "
                                                "method ending in +det (e.g. triforce+det) verifies row by row (run "
                                                "--deterministic)."),
     temperature: float = typer.Option(0.6, "--temperature", "-t", help="0 = greedy."),
@@ -55,7 +55,7 @@ def bench(
                                              "prompt: plain, assisted by the draft, prompt lookup, offloaded "
                                              "cache (CUDA); greedy tokens checked against ar's."),
     batch: Optional[int] = typer.Option(None, "--batch", help="N prompts of --prompt-len tokens as one batch "
-                                                               "against the same N one at a time (ar, naive)."),
+                                                               "against the same N one at a time."),
     as_json: bool = flag("--json", "Print one JSON object."),
 ) -> None:
     """Time every method on one prompt: ms/token, speed-up over ar, acceptance, H2D GB/s, memory."""
@@ -69,7 +69,7 @@ def bench(
             raise UsageError(f"--prompt-len and --gen-len must be >= 1, got {prompt_len} and {gen_len}")
         if dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        default = "ar,naive" if batch is not None else "ar,triforce,naive,retrieval,streaming"
+        default = "ar,triforce,naive" if batch is not None else "ar,triforce,naive,retrieval,streaming"
         names = b.parse_methods(methods or default)
         if batch is not None:
             from ..bench_batch import check_methods

@@ -1,0 +1,153 @@
+"""generate_batch with triforce, retrieval and streaming (batch_levels.py, cache/rows_retrieval.py): every
+greedy row is plain decoding of its prompt alone, with rows of different lengths, rows that finish early
+and at EOS, budgets that really drop tokens and per-row rebuilds that really happen."""
+import pytest
+import torch
+
+import tforce
+from tforce.batch import generate_batch
+from tforce.batch_levels import RowsNode
+
+from test_batch import prompts_of
+
+LENGTHS = (1, 13, 70, 45)  # a one-token prompt; two rows longer than the middle budget
+BUDGETS = [30, 25, 30, 12]  # rows finish at different rounds
+SMALL = dict(budget=32, chunk_size=4, gamma1=2, gamma2=3, draft_budget=12, sinks=2, prefill_chunk=8,
+             rebuild_every=10)
+METHODS = ["triforce", "retrieval", "streaming"]
+
+
+def alone(model, prompt, n, **kw):
+    return tforce.generate(model, prompt, method="ar", max_new_tokens=n, temperature=0, **kw).tokens
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("target", ["gqa", "llama3"])
+def test_greedy_rows_equal_plain_decoding(tiny, target, method):
+    prompts = prompts_of(LENGTHS)
+    rows = generate_batch(tiny[target], prompts, draft=tiny["draft"], method=method, max_new_tokens=BUDGETS,
+                          temperature=0, ignore_eos=True, **SMALL)
+    for prompt, n, row in zip(prompts, BUDGETS, rows):
+        assert row.tokens == alone(tiny[target], prompt, n, ignore_eos=True)
+    middle = [r.stats["acceptance"]["retrieval"] for r in rows]
+    assert any(0 < a < 1 for a in middle), middle  # the middle level's drafts were both kept and rejected
+    if method != "streaming":
+        assert min(r.stats["rebuilds"] for r in rows[1:]) > 0  # every row with tokens to go was rebuilt
+    if method != "retrieval":
+        assert all(r.stats["acceptance"]["draft"] is not None for r in rows)
+
+
+@pytest.mark.parametrize("method", ["triforce", "retrieval"])
+def test_rows_accept_and_rebuild_what_they_would_alone(tiny, method):
+    """With rebuild_every below the crowded threshold, a row's rebuilds come at the same tokens as alone:
+    greedy, its drafts are then fixed, so its acceptance at both levels, rebuilds and verifications equal
+    the single-prompt path's (per-row chunk selection, catch-up and acceptance, checked together)."""
+    prompts = prompts_of(LENGTHS, seed=1)
+    kw = dict(draft=tiny["draft"], method=method, temperature=0, ignore_eos=True, **SMALL)
+    rows = generate_batch(tiny["gqa"], prompts, max_new_tokens=BUDGETS, **kw)
+    for prompt, n, row in zip(prompts, BUDGETS, rows):
+        one = tforce.generate(tiny["gqa"], prompt, max_new_tokens=n, **kw)
+        assert row.tokens == one.tokens
+        for key in ("acceptance", "rebuilds", "verifications"):
+            assert row.stats[key] == one.stats[key], key
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_row_that_stops_at_eos_leaves_the_others_unchanged(tiny, method):
+    prompts = prompts_of(LENGTHS, seed=2)
+    model = tiny["gqa"].model
+    first = alone(model, prompts[2], 8, ignore_eos=True)
+    old = model.config.eos_token_id
+    model.config.eos_token_id = first[3]
+    try:
+        rows = generate_batch(model, prompts, draft=tiny["draft"], method=method, max_new_tokens=20,
+                              temperature=0, **SMALL)
+        want = [alone(model, p, 20) for p in prompts]
+    finally:
+        model.config.eos_token_id = old
+    assert [r.tokens for r in rows] == want
+    assert len(rows[2].tokens) <= 4 < 20 == max(len(t) for t in want)  # one finished early, others went on
+
+
+def test_offloaded_triforce_rows_equal_plain_decoding(tiny):
+    """Every full-cache layer in host memory: rebuilds read each row's rows from there."""
+    prompts = prompts_of(LENGTHS, seed=3)
+    rows = generate_batch(tiny["gqa"], prompts, draft=tiny["draft"], method="triforce", max_new_tokens=BUDGETS,
+                          temperature=0, ignore_eos=True, offload="on", **SMALL)
+    for prompt, n, row in zip(prompts, BUDGETS, rows):
+        assert row.tokens == alone(tiny["gqa"], prompt, n, ignore_eos=True)
+    assert max(r.stats["rebuilds"] for r in rows) > 0
+
+
+def test_a_node_rolls_each_row_back_to_its_longest_matching_prefix(tiny):
+    """RowsNode.probs: row 0 drops its last two tokens (they no longer match), row 1 keeps all and feeds
+    one more; the distributions equal a fresh cache's fed the same sequences."""
+    from tforce.cache.batched import RowsCache
+    from tforce.config import Sampling
+    from model_helpers import rotary_for
+
+    model = tiny["gqa"].model
+
+    def node():
+        cfg = model.config
+        cache = RowsCache(cfg.num_hidden_layers, 2, model.n_kv_heads, model.head_dim, 64, rotary_for(model))
+        return RowsNode("full", model, cache, Sampling(temperature=0), 8)
+
+    a, b = prompts_of((20, 11), seed=4)
+    n = node()
+    n.hold([a, b])
+    seqs = [a[:-2] + [7, 8, 9], b + [5]]
+    got, want = n.probs(seqs, last=2), node().probs(seqs, last=2)
+    assert n.cache.lengths.tolist() == [21, 12] and n.record == seqs
+    torch.testing.assert_close(got, want)
+
+
+def test_rebuilds_refeed_a_token_whose_query_is_not_at_hand(tiny, monkeypatch):
+    """Every forward of more than one token forgets its queries (the prefill's chunks, the verifications):
+    each rebuild then feeds the row's last committed token again for its query, and every row still
+    selects, accepts and rebuilds exactly as alone."""
+    from tforce.cache.batched import RowsCache
+
+    commit = RowsCache.commit
+    refed = []
+
+    def forgetful(self, counts):
+        commit(self, counts)
+        counts = torch.as_tensor(counts).expand(self.rows)
+        if int(counts.max()) > 1:
+            self.row_queries[:self.rows] = [None] * self.rows
+        else:
+            refed.append(self.rows)
+
+    monkeypatch.setattr(RowsCache, "commit", forgetful)
+    prompts = prompts_of(LENGTHS, seed=1)
+    kw = dict(draft=tiny["draft"], method="retrieval", temperature=0, ignore_eos=True, **SMALL)
+    rows = generate_batch(tiny["gqa"], prompts, max_new_tokens=BUDGETS, **kw)
+    assert refed  # the one-token re-feeds happened
+    monkeypatch.setattr(RowsCache, "commit", commit)
+    for prompt, n, row in zip(prompts, BUDGETS, rows):
+        one = tforce.generate(tiny["gqa"], prompt, max_new_tokens=n, **kw)
+        assert row.tokens == one.tokens
+        for key in ("acceptance", "rebuilds"):
+            assert row.stats[key] == one.stats[key], key
+
+
+def test_triforce_host_transfers_carry_every_row(tiny, monkeypatch):
+    """Each device -> host transfer carries all live rows at once: a drafted token per row (n numbers) or a
+    verdict per row (n counts and n next tokens), never one row's alone."""
+    import tforce.batch_levels
+    import tforce.speculative
+
+    calls = []
+
+    def host(t):
+        calls.append(t.numel())
+        return t.tolist()
+
+    monkeypatch.setattr(tforce.batch_levels, "host", host)
+    monkeypatch.setattr(tforce.speculative, "host", host)
+    rows = generate_batch(tiny["gqa"], prompts_of((5, 40, 3)), draft=tiny["draft"], method="triforce",
+                          max_new_tokens=12, temperature=0, ignore_eos=True, **SMALL)
+    assert calls[:3] == [3, 3, 6]  # the first middle round: gamma1 = 2 drafted tokens, then one verdict
+    assert set(calls) <= {1, 2, 3, 4, 6}  # n or 2n numbers for the n rows still live
+    assert len(rows) == 3 and min(r.stats["verifications"] for r in rows) > 1

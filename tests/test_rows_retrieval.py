@@ -1,0 +1,116 @@
+"""RowsRetrievalCache (cache/rows_retrieval.py): the batched middle cache against RowsCache and against a
+single-row RetrievalCache rebuilt on each row alone; the offloaded full cache gives the same rebuild."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import full_cache, rotary_for
+from tforce.cache import RetrievalCache
+from tforce.cache.batched import RowsCache
+from tforce.cache.rows_offload import RowsOffloadedCache
+from tforce.cache.rows_retrieval import RowsRetrievalCache
+from tforce.errors import TforceError
+
+LENGTHS = (37, 5, 23, 1)  # rows of different lengths, one of one token, one a partial last chunk
+
+
+def rows_ids(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 259, (n,), generator=g).tolist() for n in lengths]
+
+
+def feed(model, cache, rows: list[list[int]]) -> torch.Tensor:
+    """Row b's tokens rows[b] after what it holds, padded at the end; logits (B, T, V)."""
+    T = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
+    cache.begin(T)
+    logits = model(ids, cache, last_n=None)
+    cache.commit(torch.tensor([len(r) for r in rows]))
+    return logits
+
+
+def dims(model):
+    return model.config.num_hidden_layers, model.n_kv_heads, model.head_dim
+
+
+def filled(model, lengths, cls=RowsCache, **kw):
+    n_layers, n_kv, d = dims(model)
+    full = cls(n_layers, len(lengths), n_kv, d, 128, rotary_for(model), **kw)
+    ids = rows_ids(lengths)
+    for start in range(0, max(lengths), 16):  # in chunks: short rows see forwards of only padding
+        feed(model, full, [r[start:start + 16] for r in ids])
+    return full
+
+
+def rebuilt(model, full, budget, chunk, shared=False):
+    n_layers, n_kv, d = dims(model)
+    cache = RowsRetrievalCache(n_layers, full.rows, n_kv, d, budget, chunk, full.rotary, shared=shared)
+    rows = list(range(full.rows))
+    cache.rebuild(full, rows, [full.query_at(b, int(full.lengths[b]) - 1) for b in rows])
+    return cache
+
+
+def test_budget_over_every_row_gives_the_full_cache_logits(tiny):
+    model = tiny["gqa"].model
+    full = filled(model, LENGTHS)
+    retrieval = rebuilt(model, full, budget=64, chunk=4)
+    new = rows_ids((3, 1, 2, 3), seed=1)  # rows of different lengths fed different counts
+    got, want = feed(model, retrieval, new), feed(model, full, new)
+    for b, r in enumerate(new):
+        torch.testing.assert_close(got[b, :len(r)], want[b, :len(r)], rtol=1e-5, atol=1e-5)
+    assert retrieval.lengths.tolist() == full.lengths.tolist()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("name", ["gqa", "llama3"])
+def test_each_row_selects_what_a_single_cache_selects_on_it_alone(tiny, name, shared):
+    model = tiny[name].model
+    full = filled(model, LENGTHS)
+    budget, chunk = 16, 4  # drops chunks of the long rows, keeps the short rows whole
+    batched = rebuilt(model, full, budget, chunk, shared=shared)
+    n_layers, n_kv, d = dims(model)
+    for b, L in enumerate(LENGTHS):
+        one = full_cache(model, 128, full.rotary)
+        one.k[:, 0, :L], one.v[:, 0, :L] = full.k[:, b, :L], full.v[:, b, :L]
+        one.length = L
+        single = RetrievalCache(n_layers, n_kv, d, budget, chunk, full.rotary, shared=shared)
+        single.rebuild(one, full.query_at(b, L - 1))
+        assert torch.equal(batched.key_pos[:, b], single.key_pos)
+        assert torch.equal(batched.k[:, b], single.k[:, 0]) and torch.equal(batched.v[:, b], single.v[:, 0])
+    assert (batched.key_pos[:, 0] >= 0).sum(-1).max() == budget  # the longest row really dropped tokens
+
+
+def test_offloaded_rows_rebuild_bit_for_bit_reading_few_rows(tiny):
+    model = tiny["gqa"].model
+    resident = filled(model, LENGTHS)
+    offloaded = filled(model, LENGTHS, RowsOffloadedCache, resident=1)
+    assert torch.equal(offloaded.host_k[0][:, :37], resident.k[1, :, :37])
+    a = rebuilt(model, resident, 16, 4)
+    offloaded.host_rows_read = 0
+    b = rebuilt(model, offloaded, 16, 4)
+    assert torch.equal(a.key_pos, b.key_pos) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    # one offloaded layer: every row's complete chunks once (statistics), its partial chunk, its selection
+    assert offloaded.host_rows_read <= sum(LENGTHS) + sum(min(L, 16) + 3 for L in LENGTHS)
+
+
+def test_rebuild_of_listed_rows_only_and_keep(tiny):
+    model = tiny["gqa"].model
+    full = filled(model, LENGTHS)
+    cache = rebuilt(model, full, 16, 4)
+    before = cache.key_pos.clone()
+    feed(model, full, rows_ids((4, 4, 4, 4), seed=2))
+    cache.rebuild(full, [2], [full.query_at(2, int(full.lengths[2]) - 1)])
+    assert cache.base.tolist() == [37, 5, 27, 1] and torch.equal(cache.key_pos[:, [0, 1, 3]], before[:, [0, 1, 3]])
+    kept = cache.key_pos[:, [2, 0]].clone()
+    cache.keep([2, 0])
+    assert cache.rows == 2 and cache.base[:2].tolist() == [27, 37] and torch.equal(cache.key_pos[:, :2], kept)
+
+
+def test_refuses_to_overwrite_a_first_chunk(tiny):
+    model = tiny["gqa"].model
+    full = filled(model, LENGTHS)
+    cache = rebuilt(model, full, 16, 4)
+    with pytest.raises(TforceError, match="rebuild first"):
+        cache.begin(13)
+    cache.begin(12)

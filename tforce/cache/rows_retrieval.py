@@ -1,0 +1,152 @@
+"""RowsRetrievalCache: RetrievalCache (cache/retrieval.py) for B rows, the middle level of a batch.
+
+Per row b: a fixed budget of slots (layers, B, budget, H_kv, D) with the sequence position of each
+(layer, row, KV head, slot) in key_pos (-1 = empty), the row's committed `lengths[b]` and `base[b]` (its
+length at its last rebuild), both host (B,) tensors as in cache/batched.py. The row rule of
+cache/base.py holds: a forward feeds every row T tokens at its own positions [lengths[b], lengths[b] + T),
+padding at a row's end is never committed; row b's position p >= base[b] takes slot
+budget - 1 - (p - base[b]) (from the end backwards, as RetrievalCache), so a padded position and the real
+token that later takes that position share a slot, and a padded slot carries a position no real query
+of the row can see before it is overwritten (the visibility rule). The mask is per row and KV head:
+(B, H_kv, T, S) per layer.
+
+rebuild(full, rows, queries) re-selects only the listed rows, each from its own committed keys in
+`full` (a RowsCache or RowsOffloadedCache) and its own query, by the chunk rule of retrieval.py
+(chunk_positions: first chunk always kept, budget >= length keeps every token, `shared` as there). Each
+row keeps its own ChunkStats, so a rebuild reads the row's rows committed since its last rebuild, its
+partial last chunk and its selected rows: O(budget + new tokens) rows per row and layer, also from
+offloaded layers (their rows are gathered in host memory). Other selection rules (topk, streaming, h2o)
+are not batched.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TforceError
+from ..rope import Rotary
+from ..sync import to_device
+from .base import CacheView
+from .batched import _rotation
+from .chunkstats import ChunkStats
+from .retrieval import chunk_positions
+
+
+class _Row:
+    """One row of a batched full cache, seen as ChunkStats and chunk_positions read a FullCache."""
+
+    def __init__(self, full, b: int):
+        self.full, self.b = full, b
+
+    def kv_home(self, layer: int) -> torch.device:
+        return self.full.kv_home(layer)
+
+    def read_keys(self, layer: int, start: int, end: int) -> torch.Tensor:
+        return self.full.read_row_keys(layer, self.b, start, end)
+
+    def gather_rows(self, layer: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.full.gather_row(layer, self.b, idx)
+
+
+class RowsRetrievalCache:
+    def __init__(self, n_layers: int, n_rows: int, n_kv: int, head_dim: int, budget: int, chunk_size: int,
+                 rotary: Rotary, dtype=torch.float32, device="cpu", shared: bool = False):
+        shape = (n_layers, n_rows, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_pos = torch.full((n_layers, n_rows, n_kv, budget), -1, dtype=torch.long, device=device)
+        self.budget, self.chunk_size, self.rotary, self.shared = budget, chunk_size, rotary, shared
+        self.rows = n_rows
+        self.lengths = torch.zeros(n_rows, dtype=torch.long)
+        self.base = torch.zeros(n_rows, dtype=torch.long)  # each row's length at its last rebuild
+        self.pending = 0
+        self.stats: list[ChunkStats | None] = [None] * n_rows  # each row's chunk sums of the full cache
+
+    def new_tokens(self) -> torch.Tensor:
+        """(rows,) tokens committed since each row's last rebuild."""
+        return self.lengths[:self.rows] - self.base[:self.rows]
+
+    # ---- rebuild ----------------------------------------------------------------------------------
+
+    def _stats(self, full, b: int) -> ChunkStats:
+        if self.stats[b] is None:
+            homes = [full.kv_home(layer) for layer in range(full.n_layers)]
+            n_kv, head_dim = self.k.shape[-2:]
+            self.stats[b] = ChunkStats(homes, full.capacity, self.chunk_size, n_kv, head_dim,
+                                       pin=self.k.device.type == "cuda")
+        return self.stats[b]
+
+    def rebuild(self, full, rows: list[int], queries: list[list[torch.Tensor]]) -> None:
+        """Refill the listed rows from their committed tokens in `full`; queries[i]: row rows[i]'s rotated
+        query per layer (H_q, D) at its last committed token ([] for an empty row)."""
+        for b, query in zip(rows, queries):
+            L = int(full.lengths[b])
+            self.key_pos[:, b] = -1
+            if L:
+                row = _Row(full, b)
+                positions = chunk_positions(self._stats(full, b), row, query, L, self.budget, self.shared,
+                                            self.key_pos.device)
+                for layer, pos in enumerate(positions):
+                    self._fill(row, layer, b, pos, L)
+            self.lengths[b] = self.base[b] = L
+
+    def _fill(self, row: _Row, layer: int, b: int, pos: torch.Tensor, L: int) -> None:
+        """Row b holds the K/V at pos (H_kv, n <= budget) in slots [0, n); >= L (the partial last chunk's
+        padding): an empty slot."""
+        n = pos.shape[1]
+        k, v = row.gather_rows(layer, pos.clamp(max=L - 1).T)
+        self.k[layer, b, :n] = k[0].to(self.k.device)
+        self.v[layer, b, :n] = v[0].to(self.v.device)
+        self.key_pos[layer, b, :, :n] = torch.where(pos < L, pos, -1).to(self.key_pos.device)
+
+    # ---- forwards (the row rule of cache/base.py) -------------------------------------------------
+
+    def begin(self, n: int) -> None:
+        B, device = self.rows, self.k.device
+        lengths, base = self.lengths[:B], self.base[:B]
+        if int((lengths + n - base).max()) > self.budget - self.chunk_size:
+            raise TforceError("batched retrieval cache: new tokens would overwrite a row's first chunk "
+                              "(rebuild first)")
+        self.pending = n
+        pos = lengths[:, None] + torch.arange(n)  # (B, T) per-row positions
+        slots = self.budget - 1 - (pos - base[:, None])  # (B, T), from the end backwards
+        pos, slots = to_device(pos, device), to_device(slots, device)
+        self._cos, self._sin = _rotation(self.rotary, pos, self.k.dtype)
+        self._rows_idx = torch.arange(B, device=device)[:, None].expand(-1, n)  # (B, T)
+        self._slots = slots
+        self.key_pos[:, self._rows_idx, :, slots] = pos[:, :, None, None]  # key_pos (layers, B, H_kv, S)
+        kp = self.key_pos[:, :B, :, None, :]  # (layers, B, H_kv, 1, S)
+        self._mask = (kp >= 0) & (kp <= pos[None, :, None, :, None])  # (layers, B, H_kv, T, S)
+
+    def update(self, layer, q, k, v):
+        q = self.rotary.rotate(q, self._cos, self._sin)
+        self.k[layer][self._rows_idx, self._slots] = self.rotary.rotate(k, self._cos, self._sin)
+        self.v[layer][self._rows_idx, self._slots] = v
+        B = self.rows
+        return q, CacheView(self.k[layer, :B], self.v[layer, :B], self._mask[layer])
+
+    def commit(self, counts) -> None:
+        """Row b keeps the first counts[b] of the pending tokens (counts: (rows,) or an int for all)."""
+        counts = torch.as_tensor(counts, dtype=torch.long).expand(self.rows)
+        assert bool(((counts >= 0) & (counts <= self.pending)).all())
+        self.lengths[:self.rows] += counts
+        self.pending = 0
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Row b keeps lengths[b] committed tokens (between its last rebuild and what it holds)."""
+        assert bool(((lengths >= self.base[:self.rows]) & (lengths <= self.lengths[:self.rows])).all()), \
+            "cannot roll back past a rebuild"
+        self.lengths[:self.rows] = lengths
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only the listed live rows, moved to the front in that order."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        if rows != list(range(len(rows))):
+            dev = to_device(idx, self.k.device)
+            for layer in range(self.k.shape[0]):
+                self.k[layer, :len(rows)] = self.k[layer, dev]
+                self.v[layer, :len(rows)] = self.v[layer, dev]
+            self.key_pos[:, :len(rows)] = self.key_pos[:, dev].clone()
+            self.stats = [self.stats[i] for i in rows] + [None] * (len(self.stats) - len(rows))
+        self.lengths[:len(rows)] = self.lengths[idx].clone()
+        self.base[:len(rows)] = self.base[idx].clone()
+        self.rows = len(rows)

@@ -9,9 +9,9 @@ its token budget (its cache rows are compacted away, so it costs no further work
 `streaming` and `triforce` (the small draft, then the target with a per-row StreamingLLM or retrieval
 cache verifying gamma1 tokens per row, until every row has gamma2 middle-level tokens, then the full
 cache). Retrieval rebuilds are per row, with the single path's rules (_Batch._maybe_rebuild). The full
-cache may be offloaded in part (cache/rows_offload.py); the prefill then runs token-major (each chunk
-streams the offloaded prefixes again: PCIe traffic quadratic in the prompt; the single-prompt path's
-layer-major prefill is not batched).
+cache may be offloaded in part (cache/rows_offload.py); the prefill then runs layer-major for all rows
+(prefill.py, prefill_rows_layer_major: each offloaded layer's prompt K/V cross to host memory once,
+nothing streams back; PCIe traffic linear in the prompts), as the single-prompt path's does.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from .cache.rows_retrieval import RowsRetrievalCache
 from .config import Sampling, Speculation
 from .engine import Result, _check_pair, _eos_ids, _module, _placement, _plan, _sync_device
 from .errors import UsageError
+from .prefill import prefill_rows_layer_major
 from .rope import Rotary
 
 BATCH_METHODS = ("ar", "triforce", "naive", "retrieval", "streaming")
@@ -187,9 +188,19 @@ class _Batch:
 
     def prefill(self, prompts: list[list[int]]) -> None:
         """Every node takes each row's prompt but its last token; the retrieval cache is built from the
-        full cache (every row rebuilt from its last prompt token but one)."""
+        full cache (every row rebuilt from its last prompt token but one). An offloaded full cache is
+        filled layer-major (prefill.py: PCIe traffic linear in the prompts, the retrieval statistics taken
+        on the device), as Session.prefill does for one prompt."""
         heads = [p[:-1] for p in prompts]
-        self.full.hold(heads)
+        full = self.full.cache
+        if isinstance(full, RowsOffloadedCache) and max(map(len, heads)):
+            counts = [len(h) for h in heads]
+            observe = (lambda i, k: self.retrieval.observe(full, i, k, counts)) if self.retrieval else None
+            prefill_rows_layer_major(self.target, heads, full, self.full.prefill_chunk, on_layer=observe)
+            for i, h in enumerate(heads):
+                self.full.adopt(i, h)
+        else:
+            self.full.hold(heads)
         if self.retrieval is not None:
             self._rebuild(list(range(len(prompts))))
         elif self.middle is not None:

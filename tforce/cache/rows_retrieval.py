@@ -15,7 +15,8 @@ rebuild(full, rows, queries) re-selects only the listed rows, each from its own 
 (chunk_positions: first chunk always kept, budget >= length keeps every token, `shared` as there). Each
 row keeps its own ChunkStats, so a rebuild reads the row's rows committed since its last rebuild, its
 partial last chunk and its selected rows: O(budget + new tokens) rows per row and layer, also from
-offloaded layers (their rows are gathered in host memory). Other selection rules (topk, streaming, h2o)
+offloaded layers (their rows are gathered in host memory). After a layer-major prefill the statistics
+are already taken (observe), so the first rebuild reads only each row's partial chunk and selection. Other selection rules (topk, streaming, h2o)
 are not batched.
 """
 from __future__ import annotations
@@ -74,6 +75,14 @@ class RowsRetrievalCache:
             self.stats[b] = ChunkStats(homes, full.capacity, self.chunk_size, n_kv, head_dim,
                                        pin=self.k.device.type == "cuda")
         return self.stats[b]
+
+    def observe(self, full, layer: int, keys: torch.Tensor, counts: list[int]) -> None:
+        """Layer-major prefill (prefill_rows_layer_major) hands over a layer's keys (B, n, H_kv, D), row b's
+        first counts[b] of them at its positions [lengths[b], ...), while they are on the device: each row's
+        chunk sums are taken now, so the prefill's rebuild does not read them back from host memory."""
+        for b, n in enumerate(counts):
+            if n:
+                self._stats(full, b).observe(layer, keys[b:b + 1, :n], int(full.lengths[b]))
 
     def rebuild(self, full, rows: list[int], queries: list[list[torch.Tensor]]) -> None:
         """Refill the listed rows from their committed tokens in `full`; queries[i]: row rows[i]'s rotated

@@ -66,9 +66,11 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
     for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
-    Each Result's stats: the batch's prefill_s and decode_s, batch_size, batch_tokens_per_s (all rows'
-    tokens over decode_s), the row's verifications, acceptance {"draft", "retrieval"} as `generate`
-    names them and retrieval rebuilds during decoding (rebuilds), the full cache's placement (kv_*).
+    Each Result's stats (`generate`'s names): the batch's prefill_s and decode_s, batch_size,
+    batch_tokens_per_s (all rows' tokens over decode_s) and ms_per_token (decode_s over all rows' tokens),
+    prefill_rebuild_s and rebuild_s (retrieval rebuilds of all rows: the prefill's, those during
+    decoding); the row's verifications, tokens_per_verification, acceptance {"draft", "retrieval"} and
+    retrieval rebuilds during decoding (rebuilds); the full cache's placement (kv_*).
     Options as `generate`'s; policy: retrieval or shared only. The batch is planned before anything is
     allocated (placement.py with B rows) and refused if it does not fit; offload, gpu_memory and
     device_free as in `generate` (offloaded layers stream once per step for all rows)."""
@@ -208,9 +210,14 @@ class _Batch:
         if self.small is not None:
             self.small.hold(heads)
 
+    rebuild_times: tuple[float, ...] = ()  # seconds of each _rebuild call (all its rows), the prefill's first
+
     def _rebuild(self, live: list[int]) -> None:
         """Rebuild the listed live rows from what the full cache holds (re-feeding a row's last token when
-        its query is not at hand)."""
+        its query is not at hand); timed as Session._rebuild times one, for all the rows together."""
+        device = self.full.device
+        _sync_device(device)  # time the rebuild alone, not the work queued before it
+        t0 = time.perf_counter()
         full, seqs = self.full.cache, self._seqs()
         lengths = [self.full.held(i) for i in live]
         missing = tuple(i for i, L in zip(live, lengths) if L and full.query_at(i, L - 1) is None)
@@ -222,6 +229,8 @@ class _Batch:
             self.middle.adopt(i, seqs[i][:L])
             if self.middle_level is not None:
                 self.middle_level.stats.recent[self.rows.ids[i]] = []
+        _sync_device(device)
+        self.rebuild_times += (time.perf_counter() - t0,)
 
     def _maybe_rebuild(self) -> None:
         """Before a round, per row: rebuild when new tokens crowd the budget (the round's lookahead and
@@ -258,7 +267,11 @@ class _Batch:
             node.keep(live)
 
     def stats(self, r: int, prefill_s: float, decode_s: float) -> dict:
-        n_all = sum(len(o) for o in self.rows.out)
+        """Prompt r's statistics, with engine._stats's names: the batch's (prefill_s, decode_s, batch_size,
+        batch_tokens_per_s, ms_per_token, prefill_rebuild_s, rebuild_s) and the row's own (verifications,
+        tokens_per_verification, acceptance, rebuilds)."""
+        n_all, n_out, verified = sum(len(o) for o in self.rows.out), len(self.rows.out[r]), self.rows.verified[r]
+        retrieval = self.retrieval is not None
 
         def acc(level):
             return None if level is None else level.stats.acceptance(r)
@@ -268,7 +281,13 @@ class _Batch:
             "decode_s": decode_s,
             "batch_size": len(self.rows.out),
             "batch_tokens_per_s": n_all / decode_s if n_all and decode_s > 0 else None,
-            "verifications": self.rows.verified[r],
+            "ms_per_token": 1000 * decode_s / n_all if n_all else None,  # the batch's: all rows' tokens
+            "verifications": verified,
+            "tokens_per_verification": n_out / verified if verified else None,
             "acceptance": {"draft": acc(self.draft_level), "retrieval": acc(self.middle_level)},
-            "rebuilds": self.rows.rebuilds[r] if self.retrieval is not None else None,
+            # Retrieval rebuilds, seconds for the batch (rows rebuilt together share one call): the prefill's
+            # (within prefill_s), then all rows' during decoding (within decode_s); rebuilds counts the row's.
+            "prefill_rebuild_s": self.rebuild_times[0] if retrieval else None,
+            "rebuild_s": sum(self.rebuild_times[1:]) if retrieval else None,
+            "rebuilds": self.rows.rebuilds[r] if retrieval else None,
         }

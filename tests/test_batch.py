@@ -2,6 +2,7 @@
 token, with rows of different lengths and rows that finish early), and sampled rows follow the exact
 target distribution (chi-square, as tests/test_exactness.py does for one prompt)."""
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -131,8 +132,9 @@ def test_rows_with_different_budgets_finish_at_their_own(tiny):
 
 
 def test_refusals(tiny):
-    with pytest.raises(tforce.UsageError, match="batches run --policy retrieval|shared so far, not 'topk'"):
-        generate_batch(tiny["gqa"], [[5, 6]], draft=tiny["draft"], method="triforce", policy="topk")
+    refused = re.escape("--policy retrieval|shared|topk|streaming so far, not 'h2o'")
+    with pytest.raises(tforce.UsageError, match=refused):
+        generate_batch(tiny["gqa"], [[5, 6]], draft=tiny["draft"], method="triforce", policy="h2o")
     with pytest.raises(tforce.UsageError, match="prompt 2 of the batch is empty"):
         generate_batch(tiny["gqa"], [[5, 6], []])
     with pytest.raises(tforce.UsageError, match="needs a draft"):

@@ -37,17 +37,20 @@ def test_greedy_rows_equal_plain_decoding(tiny, target, method):
         assert all(r.stats["acceptance"]["draft"] is not None for r in rows)
 
 
-@pytest.mark.parametrize("method", ["triforce", "retrieval"])
-def test_rows_accept_and_rebuild_what_they_would_alone(tiny, method):
+@pytest.mark.parametrize("method, policy", [("triforce", "retrieval"), ("retrieval", "retrieval"),
+                                            ("triforce", "topk"), ("retrieval", "topk"),
+                                            ("triforce", "streaming"), ("retrieval", "streaming")])
+def test_rows_accept_and_rebuild_what_they_would_alone(tiny, method, policy):
     """With rebuild_every below the crowded threshold, a row's rebuilds come at the same tokens as alone:
     greedy, its drafts are then fixed, so its acceptance at both levels, rebuilds and verifications equal
-    the single-prompt path's (per-row chunk selection, catch-up and acceptance, checked together)."""
+    the single-prompt path's (per-row selection by the policy, catch-up and acceptance, checked together);
+    its tokens are plain decoding's."""
     prompts = prompts_of(LENGTHS, seed=1)
-    kw = dict(draft=tiny["draft"], method=method, temperature=0, ignore_eos=True, **SMALL)
+    kw = dict(draft=tiny["draft"], method=method, temperature=0, ignore_eos=True, policy=policy, **SMALL)
     rows = generate_batch(tiny["gqa"], prompts, max_new_tokens=BUDGETS, **kw)
     for prompt, n, row in zip(prompts, BUDGETS, rows):
         one = tforce.generate(tiny["gqa"], prompt, max_new_tokens=n, **kw)
-        assert row.tokens == one.tokens
+        assert row.tokens == one.tokens == alone(tiny["gqa"], prompt, n, ignore_eos=True)
         for key in ("acceptance", "rebuilds", "verifications", "tokens_per_verification"):
             assert row.stats[key] == one.stats[key], key
 

@@ -62,8 +62,8 @@ def test_a_bad_line_is_one_error_naming_it(runner, models, tmp_path, line, needl
 
 def test_batch_refusals(runner, models, tmp_path):
     batch = _write(tmp_path, '{"prompt": "ok"}')
-    _one_error_line(_run(runner, models, "--batch", batch, "--policy", "topk", *FAST), 2,
-                    "batches run --policy retrieval|shared so far, not 'topk'")
+    _one_error_line(_run(runner, models, "--batch", batch, "--policy", "h2o", *FAST), 2,
+                    "batches run --policy retrieval|shared|topk|streaming so far, not 'h2o'")
     _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "-p", "x", *FAST), 2,
                     "no PROMPT_FILE or --prompt")
     _one_error_line(_run(runner, models, "--batch", str(tmp_path / "none.jsonl"), "--method", "ar", *FAST), 2,

@@ -22,6 +22,7 @@ import torch
 from . import placement
 from .batch_levels import RowsDrafter, RowsNode, RowsSpecLevel
 from .cache.batched import RowsCache, RowsStreamingCache
+from .cache.policies import make_select
 from .cache.rows_offload import RowsOffloadedCache
 from .cache.rows_retrieval import RowsRetrievalCache
 from .config import Sampling, Speculation
@@ -31,6 +32,7 @@ from .prefill import prefill_rows_layer_major
 from .rope import Rotary
 
 BATCH_METHODS = ("ar", "triforce", "naive", "retrieval", "streaming")
+BATCH_POLICIES = ("retrieval", "shared", "topk", "streaming")  # not h2o: a recording pass per prompt
 
 
 class _RowState:
@@ -71,9 +73,10 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     prefill_rebuild_s and rebuild_s (retrieval rebuilds of all rows: the prefill's, those during
     decoding); the row's verifications, tokens_per_verification, acceptance {"draft", "retrieval"} and
     retrieval rebuilds during decoding (rebuilds); the full cache's placement (kv_*).
-    Options as `generate`'s; policy: retrieval or shared only. The batch is planned before anything is
-    allocated (placement.py with B rows) and refused if it does not fit; offload, gpu_memory and
-    device_free as in `generate` (offloaded layers stream once per step for all rows)."""
+    Options as `generate`'s; policy: retrieval, shared, topk or streaming (no h2o). The batch is
+    planned before anything is allocated (placement.py with B rows) and refused if it does not fit;
+    offload, gpu_memory and device_free as in `generate` (offloaded layers stream once per step for all
+    rows)."""
     spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                        draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                        rebuild_below=rebuild_below, policy=policy)
@@ -82,8 +85,8 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     sampling.validate()
     if method not in BATCH_METHODS:
         raise UsageError(f"batches run --method {'|'.join(BATCH_METHODS)} so far, not {method!r}")
-    if method in ("triforce", "retrieval") and policy not in ("retrieval", "shared"):
-        raise UsageError(f"batches run --policy retrieval|shared so far, not {policy!r}")
+    if method in ("triforce", "retrieval") and policy not in BATCH_POLICIES:
+        raise UsageError(f"batches run --policy {'|'.join(BATCH_POLICIES)} so far, not {policy!r}")
     target, draft = _module(target), (_module(draft) if draft is not None else None)
     _check_pair(target, draft, spec)
     prompts = [list(map(int, p)) for p in prompts]
@@ -149,7 +152,8 @@ class _Batch:
         self.middle = self.small = self.retrieval = None
         if spec.method in ("triforce", "retrieval"):
             self.retrieval = RowsRetrievalCache(*dims, spec.budget, spec.chunk_size, rotary, dtype=p.dtype,
-                                                device=p.device, shared=spec.policy == "shared")
+                                                device=p.device, shared=spec.policy == "shared",
+                                                select=make_select(spec.policy, spec.sinks))
             self.middle = RowsNode("retrieval", target, self.retrieval, sampling, prefill_chunk)
         elif spec.method == "streaming":
             cache = RowsStreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
@@ -197,7 +201,8 @@ class _Batch:
         full = self.full.cache
         if isinstance(full, RowsOffloadedCache) and max(map(len, heads)):
             counts = [len(h) for h in heads]
-            observe = (lambda i, k: self.retrieval.observe(full, i, k, counts)) if self.retrieval else None
+            chunk_rule = self.retrieval is not None and self.retrieval.select is None
+            observe = (lambda i, k: self.retrieval.observe(full, i, k, counts)) if chunk_rule else None
             prefill_rows_layer_major(self.target, heads, full, self.full.prefill_chunk, on_layer=observe)
             for i, h in enumerate(heads):
                 self.full.adopt(i, h)

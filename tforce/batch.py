@@ -8,7 +8,8 @@ its token budget (its cache rows are compacted away, so it costs no further work
 `naive`, `retrieval` (the target with a per-row retrieval cache drafts gamma2 tokens per row),
 `streaming` and `triforce` (the small draft, then the target with a per-row StreamingLLM or retrieval
 cache verifying gamma1 tokens per row, until every row has gamma2 middle-level tokens, then the full
-cache). Retrieval rebuilds are per row, with the single path's rules (_Batch._maybe_rebuild). The full
+cache). Retrieval rebuilds are per row, with the single path's rules (_Batch._maybe_rebuild), selecting
+by the chunk rule (policy retrieval or shared) or a policies.py rule (topk, streaming). The full
 cache may be offloaded in part (cache/rows_offload.py); the prefill then runs layer-major for all rows
 (prefill.py, prefill_rows_layer_major: each offloaded layer's prompt K/V cross to host memory once,
 nothing streams back; PCIe traffic linear in the prompts), as the single-prompt path's does.

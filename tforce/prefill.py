@@ -59,7 +59,9 @@ def _run_layers(model, x: torch.Tensor, scratch, steps, restart, hand_over, prog
         restart()
         for a, b, counts, done in steps:
             scratch.begin(b - a)
-            x[:, a:b] = layer(x[:, a:b], alias)
+            # contiguous: with B > 1 rows the slice is strided, and token-major prefill feeds a layer a
+            # fresh tensor (the same GEMM inputs, whatever path a strided input would take)
+            x[:, a:b] = layer(x[:, a:b].contiguous(), alias)
             scratch.commit(counts)
             if progress:
                 progress(i * total + done, len(layers) * total)

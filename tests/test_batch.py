@@ -2,6 +2,7 @@
 token, with rows of different lengths and rows that finish early), and sampled rows follow the exact
 target distribution (chi-square, as tests/test_exactness.py does for one prompt)."""
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import tforce
 import tforce.batch
 import tforce.batch_levels
 from tforce import placement
+from tforce.config import Speculation
 from tforce.batch import generate_batch
 from tforce.engine import _plan, model_shape
 from tforce.speculative import verify_rows
@@ -96,20 +98,24 @@ def test_offloaded_rows_equal_single_prompts(tiny, method):
     assert len(alone[0]) <= 3 < max(len(t) for t in alone)  # row 0 left first; the others went on
 
 
-def test_partly_offloaded_rows_equal_single_prompts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["ar", "triforce"])
+def test_partly_offloaded_rows_equal_single_prompts(tiny, tmp_path, monkeypatch, method):
     """A 6-layer target with room on the 'device' (device_free) for 3 layers of the batch's KV: 3 resident,
-    3 streamed (with 2 layers, offloading one never saves memory: the staging buffers hold two)."""
+    3 streamed (with 2 layers, offloading one never saves memory: the staging buffers hold two); the
+    prefill is layer-major (prefill.py), the retrieval statistics taken during it."""
     make_checkpoint(tmp_path / "six", seed=5, num_hidden_layers=6)
     model = tforce.load_model(str(tmp_path / "six")).model
+    draft = tiny["draft"].model if method == "triforce" else None
     prompts = prompts_of(LENGTHS, seed=4)
     kw = dict(max_new_tokens=20, temperature=0, ignore_eos=True)
-    work = placement.Work(capacity=37 + 20 + 10 + 1, prompt=36, method="ar", attention="math", rows=4,
-                          cuda_graphs=False)
-    shape = model_shape(model)
-    room = placement.layout(shape, work, 3, None, 0).peak - shape.weights
+    spec = Speculation(method=method, budget=16, chunk_size=4, gamma2=4, draft_budget=12, sinks=2)
+    work = placement.Work.of(spec, 37 + 20 + spec.max_lookahead + 1, 36, 8, False, "math", rows=4)
+    shape, small = model_shape(model), (model_shape(draft) if draft is not None else None)
+    room = placement.layout(shape, work, 3, small, 0).peak - shape.weights - (small.weights if small else 0)
     plans = []
     monkeypatch.setattr(tforce.batch, "_plan", lambda *a: plans.append(_plan(*a)) or plans[-1])
-    rows = generate_batch(model, prompts, method="ar", device_free=room, **kw)
+    opts = dict(budget=16, chunk_size=4, gamma2=4, draft_budget=12, sinks=2, prefill_chunk=8)
+    rows = generate_batch(model, prompts, draft=draft, method=method, device_free=room, **opts, **kw)
     assert (plans[0].resident, plans[0].offloaded) == (3, 3)
     for prompt, row in zip(prompts, rows):
         assert row.tokens == tforce.generate(model, prompt, method="ar", **kw).tokens
@@ -126,8 +132,9 @@ def test_rows_with_different_budgets_finish_at_their_own(tiny):
 
 
 def test_refusals(tiny):
-    with pytest.raises(tforce.UsageError, match="batches run --policy retrieval|shared so far, not 'topk'"):
-        generate_batch(tiny["gqa"], [[5, 6]], draft=tiny["draft"], method="triforce", policy="topk")
+    refused = re.escape("--policy retrieval|shared|topk|streaming so far, not 'h2o'")
+    with pytest.raises(tforce.UsageError, match=refused):
+        generate_batch(tiny["gqa"], [[5, 6]], draft=tiny["draft"], method="triforce", policy="h2o")
     with pytest.raises(tforce.UsageError, match="prompt 2 of the batch is empty"):
         generate_batch(tiny["gqa"], [[5, 6], []])
     with pytest.raises(tforce.UsageError, match="needs a draft"):

@@ -37,19 +37,43 @@ def test_greedy_rows_equal_plain_decoding(tiny, target, method):
         assert all(r.stats["acceptance"]["draft"] is not None for r in rows)
 
 
-@pytest.mark.parametrize("method", ["triforce", "retrieval"])
-def test_rows_accept_and_rebuild_what_they_would_alone(tiny, method):
+@pytest.mark.parametrize("method, policy", [("triforce", "retrieval"), ("retrieval", "retrieval"),
+                                            ("triforce", "topk"), ("retrieval", "topk"),
+                                            ("triforce", "streaming"), ("retrieval", "streaming")])
+def test_rows_accept_and_rebuild_what_they_would_alone(tiny, method, policy):
     """With rebuild_every below the crowded threshold, a row's rebuilds come at the same tokens as alone:
     greedy, its drafts are then fixed, so its acceptance at both levels, rebuilds and verifications equal
-    the single-prompt path's (per-row chunk selection, catch-up and acceptance, checked together)."""
+    the single-prompt path's (per-row selection by the policy, catch-up and acceptance, checked together);
+    its tokens are plain decoding's."""
     prompts = prompts_of(LENGTHS, seed=1)
-    kw = dict(draft=tiny["draft"], method=method, temperature=0, ignore_eos=True, **SMALL)
+    kw = dict(draft=tiny["draft"], method=method, temperature=0, ignore_eos=True, policy=policy, **SMALL)
     rows = generate_batch(tiny["gqa"], prompts, max_new_tokens=BUDGETS, **kw)
     for prompt, n, row in zip(prompts, BUDGETS, rows):
         one = tforce.generate(tiny["gqa"], prompt, max_new_tokens=n, **kw)
-        assert row.tokens == one.tokens
-        for key in ("acceptance", "rebuilds", "verifications"):
+        assert row.tokens == one.tokens == alone(tiny["gqa"], prompt, n, ignore_eos=True)
+        for key in ("acceptance", "rebuilds", "verifications", "tokens_per_verification"):
             assert row.stats[key] == one.stats[key], key
+
+
+@pytest.mark.parametrize("method", METHODS + ["ar"])
+def test_batch_statistics_with_the_single_paths_names(tiny, method):
+    """ms_per_token, prefill_rebuild_s and rebuild_s are the batch's (the same in every row; rebuild
+    seconds only with a retrieval cache, within prefill_s and decode_s); tokens_per_verification the row's."""
+    prompts = prompts_of(LENGTHS, seed=4)
+    rows = generate_batch(tiny["gqa"], prompts, draft=tiny["draft"], method=method, max_new_tokens=BUDGETS,
+                          temperature=0, ignore_eos=True, **SMALL)
+    s = rows[0].stats
+    retrieval = method in ("triforce", "retrieval")
+    assert s["ms_per_token"] == pytest.approx(1000 * s["decode_s"] / sum(BUDGETS))
+    for key in ("ms_per_token", "prefill_rebuild_s", "rebuild_s"):
+        assert len({r.stats[key] for r in rows}) == 1, key
+    if retrieval:
+        assert 0 < s["prefill_rebuild_s"] <= s["prefill_s"] and 0 < s["rebuild_s"] <= s["decode_s"]
+    else:
+        assert s["prefill_rebuild_s"] is None and s["rebuild_s"] is None
+    for n, row in zip(BUDGETS, rows):
+        assert row.stats["tokens_per_verification"] == n / row.stats["verifications"]
+    assert (max(r.stats["tokens_per_verification"] for r in rows) > 1) == (method != "ar")
 
 
 @pytest.mark.parametrize("method", METHODS)

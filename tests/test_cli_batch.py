@@ -37,7 +37,10 @@ def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method, o
         assert o["tokens"] == _expected(models, text, n)
         assert o["method"] == method and o["stats"]["batch_size"] == 3
         assert o["stats"]["kv_offloaded_layers"] == (2 if offload == "on" else 0)
-    assert "batch of 3 prompts" in r.stderr
+    assert "batch of 3 prompts" in r.stderr and "ms/token for the batch" in r.stderr
+    assert ("retrieval rebuilds" in r.stderr) == (method == "triforce" or method == "retrieval")
+    for o in out:
+        assert o["stats"]["tokens_per_verification"] > 0 and o["stats"]["ms_per_token"] > 0
 
 
 @pytest.mark.parametrize("line, needle", [
@@ -59,8 +62,8 @@ def test_a_bad_line_is_one_error_naming_it(runner, models, tmp_path, line, needl
 
 def test_batch_refusals(runner, models, tmp_path):
     batch = _write(tmp_path, '{"prompt": "ok"}')
-    _one_error_line(_run(runner, models, "--batch", batch, "--policy", "topk", *FAST), 2,
-                    "batches run --policy retrieval|shared so far, not 'topk'")
+    _one_error_line(_run(runner, models, "--batch", batch, "--policy", "h2o", *FAST), 2,
+                    "batches run --policy retrieval|shared|topk|streaming so far, not 'h2o'")
     _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "-p", "x", *FAST), 2,
                     "no PROMPT_FILE or --prompt")
     _one_error_line(_run(runner, models, "--batch", str(tmp_path / "none.jsonl"), "--method", "ar", *FAST), 2,
@@ -85,6 +88,9 @@ def test_bench_batch_against_one_at_a_time(runner):
     for run in obj["runs"]:
         assert run["rows_equal_alone"] is True and run["tokens"] == 3 * 8
         assert run["batch_tokens_per_s"] > 0 and run["one_at_a_time_tokens_per_s"] > 0
+        assert run["ms_per_token"] == pytest.approx(1000 / run["batch_tokens_per_s"])
+        assert len(run["tokens_per_verification"]) == 3 and min(run["tokens_per_verification"]) >= 1
+        assert (run["rebuild_s"] is None) == (run["prefill_rebuild_s"] is None) == (run["method"] != "triforce")
     text = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--prompt-len", "20", "--gen-len", "4",
                                "--methods", "ar,triforce"], env={"COLUMNS": "200"})
     assert text.exit_code == 0 and "tforce bench --batch 2" in text.stdout and "one at a time" in text.stdout

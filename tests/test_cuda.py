@@ -59,6 +59,24 @@ def test_offloaded_generation_on_cuda_equals_on_chip(tiny_dir, method, temperatu
     assert on.tokens == off.tokens
 
 
+@pytest.mark.parametrize("method", ["ar", "triforce"])
+def test_offloaded_batch_on_cuda_equals_on_chip(tiny_dir, method):
+    """A batch's layer-major prefill into pinned host memory (prefill.py) and per-step streaming through the
+    copy stream (cache/rows_offload.py): every row's greedy tokens are the all-resident batch's, whose
+    prefill is token-major."""
+    from tforce.batch import generate_batch
+
+    target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda", dtype=torch.float32)
+    draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda", dtype=torch.float32, tokenizer=False)
+    prompts = [list(range(3, 3 + n)) for n in (250, 1, 97)]
+    kw = dict(draft=draft.model, method=method, max_new_tokens=32, temperature=0, ignore_eos=True, budget=64,
+              chunk_size=8, draft_budget=32, sinks=4, prefill_chunk=64)
+    on = generate_batch(target.model, prompts, offload="on", **kw)
+    off = generate_batch(target.model, prompts, offload="off", **kw)
+    assert on[0].stats["kv_offloaded_layers"] > 0 and off[0].stats["kv_offloaded_layers"] == 0
+    assert [r.tokens for r in on] == [r.tokens for r in off]
+
+
 def _nccl_tokens(rank, world, target_path, draft_path, prompt):
     from tforce.parallel import apply_tp
 

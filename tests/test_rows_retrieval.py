@@ -8,6 +8,7 @@ import torch
 from model_helpers import full_cache, rotary_for
 from tforce.cache import RetrievalCache
 from tforce.cache.batched import RowsCache
+from tforce.cache.policies import make_select
 from tforce.cache.rows_offload import RowsOffloadedCache
 from tforce.cache.rows_retrieval import RowsRetrievalCache
 from tforce.errors import TforceError
@@ -79,6 +80,46 @@ def test_each_row_selects_what_a_single_cache_selects_on_it_alone(tiny, name, sh
         assert torch.equal(batched.key_pos[:, b], single.key_pos)
         assert torch.equal(batched.k[:, b], single.k[:, 0]) and torch.equal(batched.v[:, b], single.v[:, 0])
     assert (batched.key_pos[:, 0] >= 0).sum(-1).max() == budget  # the longest row really dropped tokens
+
+
+@pytest.mark.parametrize("policy", ["topk", "streaming"])
+@pytest.mark.parametrize("resident", [None, 1])
+def test_a_select_rule_picks_per_row_what_a_single_cache_picks_on_it_alone(tiny, policy, resident):
+    """policies.py's rules, asked per row and layer: with the full cache resident or an offloaded layer
+    (scored in host memory), each row holds what a single RetrievalCache with that rule holds for it."""
+    model = tiny["gqa"].model
+    full = filled(model, LENGTHS) if resident is None else filled(model, LENGTHS, RowsOffloadedCache, resident=1)
+    ref = filled(model, LENGTHS)  # the same K/V, resident, to copy into single caches
+    budget, chunk = 16, 4
+    n_layers, n_kv, d = dims(model)
+    batched = RowsRetrievalCache(n_layers, full.rows, n_kv, d, budget, chunk, full.rotary,
+                                 select=make_select(policy, sinks=2))
+    rows = list(range(full.rows))
+    batched.rebuild(full, rows, [full.query_at(b, L - 1) for b, L in enumerate(LENGTHS)])
+    for b, L in enumerate(LENGTHS):
+        one = full_cache(model, 128, full.rotary)
+        one.k[:, 0, :L], one.v[:, 0, :L] = ref.k[:, b, :L], ref.v[:, b, :L]
+        one.length = L
+        single = RetrievalCache(n_layers, n_kv, d, budget, chunk, full.rotary, select=make_select(policy, sinks=2))
+        single.rebuild(one, full.query_at(b, L - 1))
+        assert torch.equal(batched.key_pos[:, b], single.key_pos)
+        assert torch.equal(batched.k[:, b], single.k[:, 0]) and torch.equal(batched.v[:, b], single.v[:, 0])
+    assert (batched.key_pos[:, 0] >= 0).sum(-1).max() == budget  # the longest row really dropped tokens
+
+
+def test_a_select_rules_empty_slots_stay_empty(tiny):
+    """A rule may answer -1 (an empty slot, policies.py's contract): the row holds nothing there."""
+    model = tiny["gqa"].model
+    full = filled(model, LENGTHS)
+    n_layers, n_kv, d = dims(model)
+
+    def first_and_empty(layer, keys, length, query, budget):
+        return torch.tensor([[0, -1]] * keys.shape[1])
+
+    cache = RowsRetrievalCache(n_layers, full.rows, n_kv, d, 16, 4, full.rotary, select=first_and_empty)
+    cache.rebuild(full, [0], [full.query_at(0, LENGTHS[0] - 1)])
+    assert cache.key_pos[:, 0, :, :3].tolist() == [[[0, -1, -1]] * n_kv] * n_layers
+    assert torch.equal(cache.k[:, 0, 0], full.k[:, 0, 0])
 
 
 def test_offloaded_rows_rebuild_bit_for_bit_reading_few_rows(tiny):

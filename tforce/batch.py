@@ -8,10 +8,11 @@ its token budget (its cache rows are compacted away, so it costs no further work
 `naive`, `retrieval` (the target with a per-row retrieval cache drafts gamma2 tokens per row),
 `streaming` and `triforce` (the small draft, then the target with a per-row StreamingLLM or retrieval
 cache verifying gamma1 tokens per row, until every row has gamma2 middle-level tokens, then the full
-cache). Retrieval rebuilds are per row, with the single path's rules (_Batch._maybe_rebuild). The full
-cache may be offloaded in part (cache/rows_offload.py); the prefill then runs token-major (each chunk
-streams the offloaded prefixes again: PCIe traffic quadratic in the prompt; the single-prompt path's
-layer-major prefill is not batched).
+cache). Retrieval rebuilds are per row, with the single path's rules (_Batch._maybe_rebuild), selecting
+by the chunk rule (policy retrieval or shared) or a policies.py rule (topk, streaming). The full
+cache may be offloaded in part (cache/rows_offload.py); the prefill then runs layer-major for all rows
+(prefill.py, prefill_rows_layer_major: each offloaded layer's prompt K/V cross to host memory once,
+nothing streams back; PCIe traffic linear in the prompts), as the single-prompt path's does.
 """
 from __future__ import annotations
 
@@ -22,14 +23,17 @@ import torch
 from . import placement
 from .batch_levels import RowsDrafter, RowsNode, RowsSpecLevel
 from .cache.batched import RowsCache, RowsStreamingCache
+from .cache.policies import make_select
 from .cache.rows_offload import RowsOffloadedCache
 from .cache.rows_retrieval import RowsRetrievalCache
 from .config import Sampling, Speculation
 from .engine import Result, _check_pair, _eos_ids, _module, _placement, _plan, _sync_device
 from .errors import UsageError
+from .prefill import prefill_rows_layer_major
 from .rope import Rotary
 
 BATCH_METHODS = ("ar", "triforce", "naive", "retrieval", "streaming")
+BATCH_POLICIES = ("retrieval", "shared", "topk", "streaming")  # not h2o: a recording pass per prompt
 
 
 class _RowState:
@@ -65,12 +69,15 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
     for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
-    Each Result's stats: the batch's prefill_s and decode_s, batch_size, batch_tokens_per_s (all rows'
-    tokens over decode_s), the row's verifications, acceptance {"draft", "retrieval"} as `generate`
-    names them and retrieval rebuilds during decoding (rebuilds), the full cache's placement (kv_*).
-    Options as `generate`'s; policy: retrieval or shared only. The batch is planned before anything is
-    allocated (placement.py with B rows) and refused if it does not fit; offload, gpu_memory and
-    device_free as in `generate` (offloaded layers stream once per step for all rows)."""
+    Each Result's stats (`generate`'s names): the batch's prefill_s and decode_s, batch_size,
+    batch_tokens_per_s (all rows' tokens over decode_s) and ms_per_token (decode_s over all rows' tokens),
+    prefill_rebuild_s and rebuild_s (retrieval rebuilds of all rows: the prefill's, those during
+    decoding); the row's verifications, tokens_per_verification, acceptance {"draft", "retrieval"} and
+    retrieval rebuilds during decoding (rebuilds); the full cache's placement (kv_*).
+    Options as `generate`'s; policy: retrieval, shared, topk or streaming (no h2o). The batch is
+    planned before anything is allocated (placement.py with B rows) and refused if it does not fit;
+    offload, gpu_memory and device_free as in `generate` (offloaded layers stream once per step for all
+    rows)."""
     spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                        draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                        rebuild_below=rebuild_below, policy=policy)
@@ -79,8 +86,8 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     sampling.validate()
     if method not in BATCH_METHODS:
         raise UsageError(f"batches run --method {'|'.join(BATCH_METHODS)} so far, not {method!r}")
-    if method in ("triforce", "retrieval") and policy not in ("retrieval", "shared"):
-        raise UsageError(f"batches run --policy retrieval|shared so far, not {policy!r}")
+    if method in ("triforce", "retrieval") and policy not in BATCH_POLICIES:
+        raise UsageError(f"batches run --policy {'|'.join(BATCH_POLICIES)} so far, not {policy!r}")
     target, draft = _module(target), (_module(draft) if draft is not None else None)
     _check_pair(target, draft, spec)
     prompts = [list(map(int, p)) for p in prompts]
@@ -146,7 +153,8 @@ class _Batch:
         self.middle = self.small = self.retrieval = None
         if spec.method in ("triforce", "retrieval"):
             self.retrieval = RowsRetrievalCache(*dims, spec.budget, spec.chunk_size, rotary, dtype=p.dtype,
-                                                device=p.device, shared=spec.policy == "shared")
+                                                device=p.device, shared=spec.policy == "shared",
+                                                select=make_select(spec.policy, spec.sinks))
             self.middle = RowsNode("retrieval", target, self.retrieval, sampling, prefill_chunk)
         elif spec.method == "streaming":
             cache = RowsStreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
@@ -187,9 +195,20 @@ class _Batch:
 
     def prefill(self, prompts: list[list[int]]) -> None:
         """Every node takes each row's prompt but its last token; the retrieval cache is built from the
-        full cache (every row rebuilt from its last prompt token but one)."""
+        full cache (every row rebuilt from its last prompt token but one). An offloaded full cache is
+        filled layer-major (prefill.py: PCIe traffic linear in the prompts, the retrieval statistics taken
+        on the device), as Session.prefill does for one prompt."""
         heads = [p[:-1] for p in prompts]
-        self.full.hold(heads)
+        full = self.full.cache
+        if isinstance(full, RowsOffloadedCache) and max(map(len, heads)):
+            counts = [len(h) for h in heads]
+            chunk_rule = self.retrieval is not None and self.retrieval.select is None
+            observe = (lambda i, k: self.retrieval.observe(full, i, k, counts)) if chunk_rule else None
+            prefill_rows_layer_major(self.target, heads, full, self.full.prefill_chunk, on_layer=observe)
+            for i, h in enumerate(heads):
+                self.full.adopt(i, h)
+        else:
+            self.full.hold(heads)
         if self.retrieval is not None:
             self._rebuild(list(range(len(prompts))))
         elif self.middle is not None:
@@ -197,9 +216,14 @@ class _Batch:
         if self.small is not None:
             self.small.hold(heads)
 
+    rebuild_times: tuple[float, ...] = ()  # seconds of each _rebuild call (all its rows), the prefill's first
+
     def _rebuild(self, live: list[int]) -> None:
         """Rebuild the listed live rows from what the full cache holds (re-feeding a row's last token when
-        its query is not at hand)."""
+        its query is not at hand); timed as Session._rebuild times one, for all the rows together."""
+        device = self.full.device
+        _sync_device(device)  # time the rebuild alone, not the work queued before it
+        t0 = time.perf_counter()
         full, seqs = self.full.cache, self._seqs()
         lengths = [self.full.held(i) for i in live]
         missing = tuple(i for i, L in zip(live, lengths) if L and full.query_at(i, L - 1) is None)
@@ -211,6 +235,8 @@ class _Batch:
             self.middle.adopt(i, seqs[i][:L])
             if self.middle_level is not None:
                 self.middle_level.stats.recent[self.rows.ids[i]] = []
+        _sync_device(device)
+        self.rebuild_times += (time.perf_counter() - t0,)
 
     def _maybe_rebuild(self) -> None:
         """Before a round, per row: rebuild when new tokens crowd the budget (the round's lookahead and
@@ -247,7 +273,11 @@ class _Batch:
             node.keep(live)
 
     def stats(self, r: int, prefill_s: float, decode_s: float) -> dict:
-        n_all = sum(len(o) for o in self.rows.out)
+        """Prompt r's statistics, with engine._stats's names: the batch's (prefill_s, decode_s, batch_size,
+        batch_tokens_per_s, ms_per_token, prefill_rebuild_s, rebuild_s) and the row's own (verifications,
+        tokens_per_verification, acceptance, rebuilds)."""
+        n_all, n_out, verified = sum(len(o) for o in self.rows.out), len(self.rows.out[r]), self.rows.verified[r]
+        retrieval = self.retrieval is not None
 
         def acc(level):
             return None if level is None else level.stats.acceptance(r)
@@ -257,7 +287,13 @@ class _Batch:
             "decode_s": decode_s,
             "batch_size": len(self.rows.out),
             "batch_tokens_per_s": n_all / decode_s if n_all and decode_s > 0 else None,
-            "verifications": self.rows.verified[r],
+            "ms_per_token": 1000 * decode_s / n_all if n_all else None,  # the batch's: all rows' tokens
+            "verifications": verified,
+            "tokens_per_verification": n_out / verified if verified else None,
             "acceptance": {"draft": acc(self.draft_level), "retrieval": acc(self.middle_level)},
-            "rebuilds": self.rows.rebuilds[r] if self.retrieval is not None else None,
+            # Retrieval rebuilds, seconds for the batch (rows rebuilt together share one call): the prefill's
+            # (within prefill_s), then all rows' during decoding (within decode_s); rebuilds counts the row's.
+            "prefill_rebuild_s": self.rebuild_times[0] if retrieval else None,
+            "rebuild_s": sum(self.rebuild_times[1:]) if retrieval else None,
+            "rebuilds": self.rows.rebuilds[r] if retrieval else None,
         }

@@ -47,12 +47,16 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
         "rows": len(prompts),
         "tokens": n,
         "batch_tokens_per_s": n / batch_s if batch_s > 0 else None,
+        "ms_per_token": rows[0].stats["ms_per_token"],  # the batch's decode_s over all rows' tokens
         "one_at_a_time_tokens_per_s": sum(len(r.tokens) for r in alone) / alone_s if alone_s > 0 else None,
         "speedup_vs_one_at_a_time": alone_s / batch_s if batch_s > 0 else None,
         "batch_prefill_s": rows[0].stats["prefill_s"],
         "one_at_a_time_prefill_s": sum(r.stats["prefill_s"] for r in alone),
         "acceptance": [r.stats["acceptance"] for r in rows],  # per row {"draft", "retrieval"}
+        "tokens_per_verification": [r.stats["tokens_per_verification"] for r in rows],
         "rebuilds": [r.stats["rebuilds"] for r in rows],
+        "prefill_rebuild_s": rows[0].stats["prefill_rebuild_s"],  # the batch's (all rows at once)
+        "rebuild_s": rows[0].stats["rebuild_s"],  # all rows' rebuilds during decoding
         "rows_equal_alone": [r.tokens for r in rows] == [r.tokens for r in alone] if cfg.temperature == 0
         else None,
         "kv_offloaded_layers": rows[0].stats["kv_offloaded_layers"],

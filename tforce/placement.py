@@ -89,7 +89,7 @@ class Work:
     """What one generation asks of the device: cache sizes and the shapes of its forwards."""
 
     capacity: int  # full-cache slots (prompt + new tokens + lookahead)
-    prompt: int  # tokens prefilled
+    prompt: int  # tokens prefilled (per row: the longest row's)
     method: str = "triforce"
     budget: int = 4096
     chunk_size: int = 8
@@ -209,8 +209,8 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
     # Rotated queries of the last forward, kept per layer for rebuilds (FullCache.queries; RowsCache keeps
     # each row's, at most a prefill chunk per row).
     out.append(Item("stored queries", b * n * w.prefill_chunk * s.heads * d * e, "both"))
-    layer_major = offloaded and w.prompt > 1  # engine.Session.prefill
-    out += [Item("prefill hidden states", w.prompt * s.hidden * e if layer_major else 0, "prefill"),
+    layer_major = offloaded and w.prompt > 1  # engine.Session.prefill, batch._Batch.prefill (every row)
+    out += [Item("prefill hidden states", b * w.prompt * s.hidden * e if layer_major else 0, "prefill"),
             Item("prefill K/V scratch (a staging slot)", 0, "prefill"),
             Item("prefill chunk activations", _activations(s, w, b * w.prefill_chunk, w.prompt), "prefill"),
             Item("decode activations", _activations(s, w, b * (w.gamma2 + 1), w.capacity), "decode"),

@@ -100,6 +100,22 @@ class RowsCache(_Rows):
         self.row_queries = [self.row_queries[i] for i in rows] + [None] * (len(self.row_queries) - len(rows))
         super().keep(rows)
 
+    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts: list[int]) -> None:
+        """Write one layer's rotated K/V (B, n, H_kv, D) after each row's committed tokens, outside a forward
+        (layer-major prefill, prefill.py): row b's first counts[b]; commit_written(counts) then commits
+        them for every layer at once."""
+        for b, n in enumerate(counts):
+            L = int(self.lengths[b])
+            self.k[layer, b, L:L + n] = k[b, :n]
+            self.v[layer, b, L:L + n] = v[b, :n]
+
+    def commit_written(self, counts: list[int]) -> None:
+        counts = torch.tensor(counts, dtype=torch.long)
+        if int((self.lengths[:self.rows] + counts).max()) > self.capacity:
+            raise TforceError(f"KV cache full: {int((self.lengths[:self.rows] + counts).max())} tokens > "
+                              f"capacity {self.capacity}")
+        self.lengths[:self.rows] += counts
+
     # Reads of one row for retrieval rebuilds (cache/rows_retrieval.py): rows of tokens, never whole layers.
 
     def kv_home(self, layer: int) -> torch.device:

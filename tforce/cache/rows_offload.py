@@ -7,6 +7,8 @@ Per forward, for offloaded layer i, as OffloadedCache (cache/offload.py) does fo
 committed K/V [0, lengths[b]) are copied host -> device into one of two staging buffers on a copy stream
 while the previous layer computes (one copy per row: exactly its bytes, never another row's unused tail);
 the new tokens' K/V are written into the staging buffer and only those rows go back device -> host.
+A batch's prefill is layer-major (prefill.py, prefill_rows_layer_major): write_layer sends each row's
+prompt K/V of an offloaded layer to host memory once, nothing streams back during the prefill.
 On the CPU code path the same steps run as plain copies, so the results are bit-identical to RowsCache.
 Untested on CUDA.
 """
@@ -48,6 +50,7 @@ class RowsOffloadedCache(RowsCache):
         for b in range(self.rows):
             L = int(self.lengths[b])
             pairs += [(self.stage_k[j, b, :L], self.host_k[h][b, :L]), (self.stage_v[j, b, :L], self.host_v[h][b, :L])]
+            self.host_rows_streamed += L
         self._ready[j] = copy_on(self.copy_stream, pairs, record=True)
 
     def begin(self, n: int) -> None:
@@ -77,11 +80,28 @@ class RowsOffloadedCache(RowsCache):
             L = int(self.lengths[b])
             pairs += [(self.host_k[h][b, L:L + n], self.stage_k[j, b, L:L + n]),
                       (self.host_v[h][b, L:L + n], self.stage_v[j, b, L:L + n])]
+        self.host_rows_written += self.rows * n
         copy_on(self.copy_stream, pairs)
 
-    # Rebuild reads of an offloaded layer come from host memory (only the selected rows cross to the
-    # device), counted in host_rows_read (token rows of one row and layer, K and V together).
-    host_rows_read = 0
+    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts: list[int]) -> None:
+        """Layer-major prefill hands over one layer: an offloaded one goes to host memory once, each row's
+        counts[b] rows exactly (one copy per row, as _write_back)."""
+        if layer < self.resident:
+            return super().write_layer(layer, k, v, counts)
+        h = layer - self.resident
+        for b, n in enumerate(counts):
+            L = int(self.lengths[b])
+            # Synchronous on purpose: the caller reuses k and v's storage for the next layer right away.
+            self.host_k[h][b, L:L + n].copy_(k[b, :n])
+            self.host_v[h][b, L:L + n].copy_(v[b, :n])
+            self.host_rows_written += n
+
+    # PCIe traffic of the offloaded layers, in token rows of one row and layer (K and V together):
+    # host_rows_streamed, host -> device at each forward (every live row's committed prefix, _prefetch);
+    # host_rows_written, device -> host (a forward's new rows of every live row, padding included, and
+    # the layer-major prefill's rows); host_rows_read, rebuild reads of host memory (only the selected
+    # rows cross to the device).
+    host_rows_streamed = host_rows_written = host_rows_read = 0
 
     def kv_home(self, layer: int) -> torch.device:
         return super().kv_home(layer) if layer < self.resident else self.host_k[layer - self.resident].device

@@ -12,11 +12,17 @@ of the row can see before it is overwritten (the visibility rule). The mask is p
 
 rebuild(full, rows, queries) re-selects only the listed rows, each from its own committed keys in
 `full` (a RowsCache or RowsOffloadedCache) and its own query, by the chunk rule of retrieval.py
-(chunk_positions: first chunk always kept, budget >= length keeps every token, `shared` as there). Each
-row keeps its own ChunkStats, so a rebuild reads the row's rows committed since its last rebuild, its
-partial last chunk and its selected rows: O(budget + new tokens) rows per row and layer, also from
-offloaded layers (their rows are gathered in host memory). Other selection rules (topk, streaming, h2o)
-are not batched.
+(chunk_positions: first chunk always kept, budget >= length keeps every token, `shared` as there), or
+by a `select` rule of cache/policies.py (topk, streaming), asked per row and layer as RetrievalCache
+asks it (the row's committed keys, its query): each row selects what a single cache on it alone does.
+
+The chunk rule: each row keeps its own ChunkStats, so a rebuild reads the row's rows committed since
+its last rebuild, its partial last chunk and its selected rows: O(budget + new tokens) rows per row and
+layer, also from offloaded layers (their rows are gathered in host memory). After a layer-major
+prefill the statistics are already taken (observe), so the first rebuild reads only each row's partial
+chunk and selection. A select rule reads each row's committed keys of every layer, O(context) per row
+and layer (from host memory for an offloaded layer, scored there, as RetrievalCache does). H2O (a pass
+over each prompt) is not batched.
 """
 from __future__ import annotations
 
@@ -49,12 +55,13 @@ class _Row:
 
 class RowsRetrievalCache:
     def __init__(self, n_layers: int, n_rows: int, n_kv: int, head_dim: int, budget: int, chunk_size: int,
-                 rotary: Rotary, dtype=torch.float32, device="cpu", shared: bool = False):
+                 rotary: Rotary, dtype=torch.float32, device="cpu", shared: bool = False, select=None):
         shape = (n_layers, n_rows, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.key_pos = torch.full((n_layers, n_rows, n_kv, budget), -1, dtype=torch.long, device=device)
         self.budget, self.chunk_size, self.rotary, self.shared = budget, chunk_size, rotary, shared
+        self.select = select  # None: the chunk rule; else a policies.py rule
         self.rows = n_rows
         self.lengths = torch.zeros(n_rows, dtype=torch.long)
         self.base = torch.zeros(n_rows, dtype=torch.long)  # each row's length at its last rebuild
@@ -75,6 +82,14 @@ class RowsRetrievalCache:
                                        pin=self.k.device.type == "cuda")
         return self.stats[b]
 
+    def observe(self, full, layer: int, keys: torch.Tensor, counts: list[int]) -> None:
+        """Layer-major prefill (prefill_rows_layer_major) hands over a layer's keys (B, n, H_kv, D), row b's
+        first counts[b] of them at its positions [lengths[b], ...), while they are on the device: each row's
+        chunk sums are taken now, so the prefill's rebuild does not read them back from host memory."""
+        for b, n in enumerate(counts):
+            if n:
+                self._stats(full, b).observe(layer, keys[b:b + 1, :n], int(full.lengths[b]))
+
     def rebuild(self, full, rows: list[int], queries: list[list[torch.Tensor]]) -> None:
         """Refill the listed rows from their committed tokens in `full`; queries[i]: row rows[i]'s rotated
         query per layer (H_q, D) at its last committed token ([] for an empty row)."""
@@ -83,17 +98,27 @@ class RowsRetrievalCache:
             self.key_pos[:, b] = -1
             if L:
                 row = _Row(full, b)
-                positions = chunk_positions(self._stats(full, b), row, query, L, self.budget, self.shared,
-                                            self.key_pos.device)
-                for layer, pos in enumerate(positions):
+                for layer, pos in enumerate(self._positions(full, row, query, L)):
                     self._fill(row, layer, b, pos, L)
             self.lengths[b] = self.base[b] = L
 
+    def _positions(self, full, row: _Row, query: list[torch.Tensor], L: int) -> list[torch.Tensor]:
+        """Per layer (H_kv, n <= budget) the positions row `row.b` holds after the rebuild."""
+        if self.select is None:
+            return chunk_positions(self._stats(full, row.b), row, query, L, self.budget, self.shared,
+                                   self.key_pos.device)
+        positions = []
+        for layer, q in enumerate(query):
+            keys = row.read_keys(layer, 0, L)[0]  # (L, H_kv, D), the row's committed keys, wherever they live
+            positions.append(self.select(layer, keys, L, q.to(keys.device), self.budget))
+            assert positions[-1].shape[1] <= self.budget, "a select rule returned more positions than the budget"
+        return positions
+
     def _fill(self, row: _Row, layer: int, b: int, pos: torch.Tensor, L: int) -> None:
-        """Row b holds the K/V at pos (H_kv, n <= budget) in slots [0, n); >= L (the partial last chunk's
-        padding): an empty slot."""
+        """Row b holds the K/V at pos (H_kv, n <= budget) in slots [0, n); -1 or >= L (the partial last
+        chunk's padding): an empty slot."""
         n = pos.shape[1]
-        k, v = row.gather_rows(layer, pos.clamp(max=L - 1).T)
+        k, v = row.gather_rows(layer, pos.clamp(min=0, max=L - 1).T)
         self.k[layer, b, :n] = k[0].to(self.k.device)
         self.v[layer, b, :n] = v[0].to(self.v.device)
         self.key_pos[layer, b, :, :n] = torch.where(pos < L, pos, -1).to(self.key_pos.device)

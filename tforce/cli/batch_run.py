@@ -121,7 +121,10 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft:
     sys.stdout.flush()
     stats = results[0].stats
     n = sum(len(r.tokens) for r in results)
-    rate = stats["batch_tokens_per_s"]
+    rate, ms = stats["batch_tokens_per_s"], stats["ms_per_token"]
+    rebuild = "" if stats["rebuild_s"] is None else \
+        f"; retrieval rebuilds {stats['prefill_rebuild_s']:.2f} s at prefill, {stats['rebuild_s']:.2f} s decoding"
     _say(f"tforce: {options['method']}: batch of {len(results)} prompts: {n} tokens; prefill "
          f"{stats['prefill_s']:.2f} s; decode {stats['decode_s']:.2f} s "
-         f"({'n/a' if rate is None else format(rate, '.1f')} tokens/s for the batch)")
+         f"({'n/a' if rate is None else format(rate, '.1f')} tokens/s, "
+         f"{'n/a' if ms is None else format(ms, '.1f')} ms/token for the batch){rebuild}")

@@ -37,6 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 import tforce  # noqa: E402
 from tforce import engine  # noqa: E402
+from tforce.cache import FullCache, RetrievalCache, StreamingCache  # noqa: E402
+from tforce.config import Sampling  # noqa: E402
+from tforce.rope import Rotary  # noqa: E402
+from tforce.sampling import to_probs  # noqa: E402
 
 BOOKS = ROOT.parent / "shared" / "data" / "books"
 # (label, generate options): `tforce run`'s defaults, then budgets small enough to matter at 1K-4K tokens
@@ -231,6 +235,68 @@ def summarize(records: list[dict], models: dict, draft, rates: dict, gen: int) -
     return sorted(rows, key=lambda r: (r["prompt"], r["temperature"], r["model"], [m for m, _ in METHODS].index(r["method"])))
 
 
+# ------------------------------------------------------------------------------ forward costs
+
+
+def _forward_ms(model, cache, T: int, repeats: int = 21) -> float:
+    """Median ms of a forward of T tokens (logits of all T) that commits nothing, so every one is alike."""
+    ids = torch.randint(3, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        cache.begin(T)
+        model(ids, cache, last_n=T)
+        cache.commit(0)
+
+    return 1000 * _median_s(step, repeats)
+
+
+def _filled(model, ids: list[int], capacity: int = 4096):
+    cfg = model.config
+    cache = FullCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, capacity,
+                      Rotary(cfg, max_len=capacity))
+    for start in range(0, len(ids), 512):
+        chunk = torch.tensor(ids[start:start + 512])[None]
+        cache.begin(chunk.shape[1])
+        model(chunk, cache, last_n=0)
+        cache.commit(chunk.shape[1])
+    return cache
+
+
+def forward_costs(models: dict, draft, ids: list[int], lengths: list[int], budget: int) -> dict:
+    """ms per forward as each level runs it, outside the loop: the target over a full cache of 16 tokens
+    (what a forward costs with almost no KV: weights and per-operator overhead) and of each length
+    (T = 1 as ar, T = 7 as a full verification of gamma2 = 6), over a retrieval cache of `budget` slots
+    at the longest length (T = 3: gamma1 = 2); the draft over its 256-slot streaming cache (T = 1); and
+    turning 3 rows of logits into probabilities (top-p 0.9: a sort of the vocabulary per row)."""
+    out = {}
+    for name, model in models.items():
+        row = {"full T=1 at 16": _forward_ms(model, _filled(model, ids[:16]), 1)}
+        for n in sorted(lengths):  # the last cache, the longest, is the retrieval cache's source
+            cache = _filled(model, ids[:n])
+            row[f"full T=1 at {n}"] = _forward_ms(model, cache, 1)
+            row[f"full T=7 at {n}"] = _forward_ms(model, cache, 7)
+        cfg = model.config
+        retrieval = RetrievalCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, budget, 8,
+                                   cache.rotary)
+        retrieval.rebuild(cache, [torch.randn(cfg.num_attention_heads, model.head_dim,
+                                              generator=torch.Generator().manual_seed(i))
+                                  for i in range(cfg.num_hidden_layers)])
+        row[f"retrieval {budget} T=3 at {max(lengths)}"] = _forward_ms(model, retrieval, 3)
+        out[name] = row
+    dcfg = draft.config
+    stream = StreamingCache(dcfg.num_hidden_layers, draft.n_kv_heads, draft.head_dim, budget=256, sinks=16,
+                            rotary=Rotary(dcfg, max_len=4096), max_rollback=10, max_new=266)
+    prompt = torch.tensor(ids[:256])[None]
+    stream.begin(256)
+    draft(prompt, stream, last_n=0)
+    stream.commit(256)
+    out["draft"] = {"streaming 256 T=1": _forward_ms(draft, stream, 1)}
+    logits = torch.randn(3, models["gqa"].config.vocab_size, generator=torch.Generator().manual_seed(0))
+    out["to_probs (3 rows)"] = {f"t=0.6 top-p {p}": 1000 * _median_s(lambda: to_probs(logits, Sampling(0.6, p)), 21)
+                                for p in (0.9, 1.0)}
+    return out
+
+
 # ---------------------------------------------------------------------------------------- profile
 
 
@@ -337,6 +403,11 @@ def markdown(record: dict) -> str:
             f"| {f(r['acceptance']['retrieval'], '{:.0%}')} | {f(r['tokens_per_verification'])} "
             f"| {'/'.join(f(fw.get(k)) for k in ('draft', 'retrieval', 'full'))} | {f(r['rebuilds'], '{}')} "
             f"| {'/'.join(_mb(sb[k]) if k in sb else '-' for k in ('draft', 'retrieval', 'full'))} |")
+    costs = record.get("forward_costs")
+    if costs:
+        lines += ["", "## ms per forward, each level's forward alone (median of 21)", "",
+                  "| model | forward | ms |", "|---|---|---|"]
+        lines += [f"| {name} | {what} | {ms:.2f} |" for name, row in costs.items() for what, ms in row.items()]
     prof = record.get("profile")
     if prof:
         lines += ["", f"## Profile: {prof['what']}", "",
@@ -406,6 +477,7 @@ def main(argv=None) -> dict:
         record["runs"] = [{k: v for k, v in r.items() if k != "output"} for r in records]
     n = max(args.lengths)
     ids = book_ids(gqa.tokenizer, n, args.book)
+    record["forward_costs"] = forward_costs(models, draft, ids, args.lengths, args.profile_budget)
     gen = min(args.gen, 4096 - n)
     options = dict(method="triforce", budget=args.profile_budget)
     prof = profile(models["mha"], draft, ids, options, gen, 0.6)

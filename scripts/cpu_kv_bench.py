@@ -47,6 +47,16 @@ BOOKS = ROOT.parent / "shared" / "data" / "books"
 METHODS = (("ar", dict(method="ar")), ("triforce", dict(method="triforce")),
            ("triforce b1024", dict(method="triforce", budget=1024)),
            ("triforce b512", dict(method="triforce", budget=512)))
+# --what-if, at the longest length only: without top-p (no vocabulary sort per distribution; another
+# distribution, so against ar without top-p), and longer speculation (fewer full verifications per token)
+WHAT_IF = (("ar top-p 1", dict(method="ar", top_p=1.0)),
+           ("triforce b512 top-p 1", dict(method="triforce", budget=512, top_p=1.0)),
+           ("triforce b512 g1=3 g2=12", dict(method="triforce", budget=512, gamma1=3, gamma2=12)))
+
+
+def baseline(label: str) -> str:
+    """The ar run a method is compared with: the one with the same top-p."""
+    return "ar top-p 1" if label.endswith("top-p 1") else "ar"
 
 
 # --------------------------------------------------------------------------------------- the variant
@@ -162,10 +172,10 @@ def book_ids(tokenizer, n: int, book: str, skip_chars: int = 20000) -> list[int]
 
 
 def one_run(target, draft, ids: list[int], options: dict, gen: int, temperature: float) -> dict:
-    opts = {**options}
+    opts = {"top_p": 0.9, **options}
     method = opts.pop("method")
     out = tforce.generate(target, ids, draft=draft if method != "ar" else None, method=method,
-                          max_new_tokens=gen, temperature=temperature, top_p=0.9, seed=0, ignore_eos=True, **opts)
+                          max_new_tokens=gen, temperature=temperature, seed=0, ignore_eos=True, **opts)
     s = out.stats
     return {"ms_per_token": s["ms_per_token"], "tokens": len(out.tokens), "prefill_s": s["prefill_s"],
             "decode_s": s["decode_s"], "acceptance": s["acceptance"],
@@ -176,12 +186,12 @@ def one_run(target, draft, ids: list[int], options: dict, gen: int, temperature:
 def others_running() -> list[str]:
     """Other processes using CPU now (ps, highest first), for the record."""
     try:
-        ps = subprocess.run(["ps", "-eo", "pcpu,etime,args", "--sort=-pcpu"], capture_output=True, text=True,
+        ps = subprocess.run(["ps", "-eo", "pid,pcpu,etime,args", "--sort=-pcpu"], capture_output=True, text=True,
                             timeout=10).stdout.splitlines()[1:8]
     except OSError:
         return []
-    me = str(os.getpid())
-    return [line.strip()[:160] for line in ps if me not in line and float(line.split()[0]) >= 5]
+    rows = [line.split(None, 1) for line in ps]
+    return [rest.strip()[:160] for pid, rest in rows if int(pid) != os.getpid() and float(rest.split()[0]) >= 5]
 
 
 def measure(models: dict, draft, tokenizer, args) -> list[dict]:
@@ -197,7 +207,8 @@ def measure(models: dict, draft, tokenizer, args) -> list[dict]:
             gen = min(args.gen, 4096 - n)
             for temperature in args.temperatures:
                 for name, target in models.items():
-                    for label, options in METHODS:
+                    methods = METHODS + (WHAT_IF if args.what_if and n == max(args.lengths) and temperature else ())
+                    for label, options in methods:
                         r = one_run(target, draft, prompts[n], options, gen, temperature)
                         records.append({"repeat": rep, "prompt": n, "temperature": temperature, "model": name,
                                         "method": label, "budget": options.get("budget", 4096), **r})
@@ -229,10 +240,11 @@ def summarize(records: list[dict], models: dict, draft, rates: dict, gen: int) -
                      "floor_ms_per_token": floor, "measured_over_floor": ms / floor})
     for row in rows:
         ar = next(r for r in rows if (r["prompt"], r["temperature"], r["model"], r["method"]) ==
-                  (row["prompt"], row["temperature"], row["model"], "ar"))
+                  (row["prompt"], row["temperature"], row["model"], baseline(row["method"])))
         row["ratio_vs_ar"] = row["ms_per_token"] / ar["ms_per_token"]
         row["floor_ratio_vs_ar"] = row["floor_ms_per_token"] / ar["floor_ms_per_token"]
-    return sorted(rows, key=lambda r: (r["prompt"], r["temperature"], r["model"], [m for m, _ in METHODS].index(r["method"])))
+    order = [m for m, _ in METHODS + WHAT_IF]
+    return sorted(rows, key=lambda r: (r["prompt"], r["temperature"], r["model"], order.index(r["method"])))
 
 
 # ------------------------------------------------------------------------------ forward costs
@@ -440,6 +452,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--book", default="war_and_peace")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--what-if", action="store_true", help="also WHAT_IF's runs at the longest length, t > 0")
     ap.add_argument("--profile-only", action="store_true", help="only the profile (at the longest length)")
     ap.add_argument("--profile-budget", type=int, default=512)
     ap.add_argument("--analysis", default=None, help="a markdown file appended to the report as its analysis")

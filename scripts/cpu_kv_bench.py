@@ -191,7 +191,7 @@ def others_running() -> list[str]:
     except OSError:
         return []
     rows = [line.split(None, 1) for line in ps]
-    return [rest.strip()[:160] for pid, rest in rows if int(pid) != os.getpid() and float(rest.split()[0]) >= 5]
+    return [" ".join(rest.split())[:160] for pid, rest in rows if int(pid) != os.getpid() and float(rest.split()[0]) >= 5]
 
 
 def measure(models: dict, draft, tokenizer, args) -> list[dict]:
@@ -379,6 +379,10 @@ def _mb(x: float) -> str:
     return f"{x / 1e6:.1f}"
 
 
+def _procs(lines) -> str:
+    return "; ".join(" ".join(line.split()) for line in lines or []) or "none"
+
+
 def markdown(record: dict) -> str:
     rates = record["bandwidth"]
     lines = [f"# ar vs triforce on a 2-core CPU: demo target (GQA) and its MHA variant ({record['date']})", "",
@@ -392,7 +396,11 @@ def markdown(record: dict) -> str:
              "(forwards per token x bytes per forward), the forwards counted in the run; bytes per forward = the "
              "weights it reads (all but the input embedding) + the KV its view spans (full: the context; retrieval: "
              "the whole budget buffer; draft: 256 slots). Rebuilds are not counted.", "",
-             f"Weights read per forward: target {_mb(record['weights']['target'])} MB, draft "
+             f"Other processes using >= 5% CPU (ps: %CPU, elapsed, command) at the start: "
+             f"{_procs(record.get('others_running_at_start'))}; at the end: {_procs(record.get('others_running_at_end'))}.",
+             "",
+             f"Weights read per forward: target {_mb(record['weights']['target'])} MB (MHA variant "
+             f"{_mb(record['weights']['target_mha'])} MB: k_proj and v_proj doubled), draft "
              f"{_mb(record['weights']['draft'])} MB; KV per token: GQA {record['kv_token_bytes']['gqa']} B, "
              f"MHA {record['kv_token_bytes']['mha']} B.",
              f"Greedy ar tokens, MHA variant vs original, equal per prompt length: {record.get('greedy_ar_equal')}.",
@@ -456,8 +464,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-only", action="store_true", help="only the profile (at the longest length)")
     ap.add_argument("--profile-budget", type=int, default=512)
     ap.add_argument("--analysis", default=None, help="a markdown file appended to the report as its analysis")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="measure nothing: write the .md beside this record again (with --analysis, stored in it)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     args = ap.parse_args(argv)
+    if args.render:
+        path = Path(args.render)
+        record = json.loads(path.read_text())
+        if args.analysis:
+            record["analysis"] = Path(args.analysis).read_text()
+            path.write_text(json.dumps(record, indent=1) + "\n")
+        path.with_suffix(".md").write_text(markdown({"summary": [], **record}))
+        return record
     torch.set_num_threads(args.threads)
     src = Path(args.models)
     started = time.time()
@@ -470,7 +488,7 @@ def main(argv=None) -> dict:
         gqa = tforce.load_model(str(src / "demo-target"))
         models = {"gqa": gqa.model, "mha": tforce.load_model(str(variant), tokenizer=False).model}
     draft = tforce.load_model(str(src / "demo-draft"), tokenizer=False).model
-    record = {"date": args.date, "command": "python " + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    record = {"date": args.date, "command": "python " + " ".join(["scripts/cpu_kv_bench.py"] + sys.argv[1:]),
               "machine": f"2-core CPU container ({platform.processor() or platform.machine()}, "
                          f"{os.cpu_count()} logical CPUs, 32 MiB L3)",
               "torch": torch.__version__, "threads": args.threads, "models": str(src), "book": args.book,

@@ -53,7 +53,11 @@ def test_mha_variant_computes_the_same_function(tiny_dir, tmp_path):
     assert config["num_key_value_heads"] == config["num_attention_heads"] == 4
     original, mha = tforce.load_model(str(src)), tforce.load_model(str(variant))
     assert mha.model.n_kv_heads == 2 * original.model.n_kv_heads  # twice the KV cache per token
+    layers, head_dim = config["num_hidden_layers"], original.model.head_dim
+    assert mod.kv_token_bytes(original.model) == 2 * layers * 2 * head_dim * 4  # K and V, 2 KV heads, float32
     assert mod.kv_token_bytes(mha.model) == 2 * mod.kv_token_bytes(original.model)
+    embedding = original.model.model.embed_tokens.weight.nbytes
+    assert mod.weight_bytes(original.model) == sum(p.nbytes for p in original.model.parameters()) - embedding
 
     want = _ours(src)
     torch.testing.assert_close(_ours(variant), want, atol=1e-5, rtol=1e-5)

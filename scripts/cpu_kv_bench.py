@@ -313,7 +313,8 @@ def forward_costs(models: dict, draft, ids: list[int], lengths: list[int], budge
 
 
 class Timed:
-    """Wraps a callable, adding its wall time and call count (a sync first on CUDA: untested there)."""
+    """Wraps a callable, adding its wall time and call count. CPU only: on CUDA the time would need a
+    synchronisation around the call (kernels run asynchronously), which this does not do."""
 
     def __init__(self, fn, label: str, totals: dict):
         self.fn, self.label, self.totals = fn, label, totals

@@ -54,3 +54,18 @@ def test_middle_level_with_the_whole_context_is_never_rejected():
                           ignore_eos=True, budget=1024)
     assert out.stats["acceptance"]["retrieval"] == 1.0
     assert 0.2 < out.stats["acceptance"]["draft"] < 1.0  # the draft was both accepted and rejected
+
+
+def test_stats_count_each_levels_forwards_while_decoding(tiny):
+    """stats["forwards"]: one draft forward per drafted token (gamma1 per middle-level verification), one
+    middle forward per middle verification, one full forward per full verification; prefill not counted."""
+    target, draft = tiny["gqa"], tiny["draft"]
+    prompt = random_ids(60, seed=3)[0].tolist()
+    out = tforce.generate(target, prompt, draft=draft, method="triforce", max_new_tokens=24, temperature=0,
+                          ignore_eos=True, gamma1=3, gamma2=5, budget=32, rebuild_every=1000)
+    f = out.stats["forwards"]
+    assert set(f) == {"draft", "retrieval", "full"}
+    assert f["full"] == out.stats["verifications"] > 0
+    assert f["retrieval"] >= f["full"] and f["draft"] == 3 * f["retrieval"]
+    ar = tforce.generate(target, prompt, method="ar", max_new_tokens=24, temperature=0, ignore_eos=True)
+    assert ar.stats["forwards"] == {"full": 24}

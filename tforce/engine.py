@@ -188,6 +188,10 @@ class Session:
             node.adopt(self.seq, node.cache.length)
         node.prefill(self.seq, m)
 
+    def forwards(self) -> dict[str, int]:
+        """Forwards each node has run so far, by node name (draft; retrieval or streaming; full)."""
+        return {node.name: node.forwards for node in (self.small, self.middle, self.full) if node is not None}
+
     def reset_stats(self) -> None:
         """Acceptance and rebuild times count from here (a conversation's next question)."""
         for level in {self.draft_level, self.middle_level} - {None}:
@@ -386,12 +390,12 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
         snapshot.save(save_kv, session, identity)
         kv["save_kv_s"] = time.perf_counter() - t1
     eos = set() if ignore_eos else _eos_ids(target.config)
-    full_forwards = session.full.forwards
+    forwards = session.forwards()
     t2 = time.perf_counter()
     out = decode(session, len(prompt), max_new, gen, eos, on_token, on_round)
     _sync_device(device)
     t3 = time.perf_counter()
-    stats = _stats(session, len(out), t1 - t0, t3 - t2, session.full.forwards - full_forwards)
+    stats = _stats(session, len(out), t1 - t0, t3 - t2, forwards)
     return Result(out, {**stats, **kv})
 
 
@@ -432,7 +436,10 @@ def _placement(plan: placement.Plan) -> dict:
     }
 
 
-def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, verifications: int) -> dict:
+def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, before: dict[str, int]) -> dict:
+    """before: session.forwards() when decoding began."""
+    forwards = {name: n - before[name] for name, n in session.forwards().items()}
+    verifications = forwards["full"]
     return {
         "prefill_s": prefill_s,
         "decode_s": decode_s,
@@ -441,6 +448,7 @@ def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, veri
         "acceptance": _acceptance(session),
         "tokens_per_verification": n_out / verifications if verifications else None,
         "verifications": verifications,
+        "forwards": forwards,  # per node while decoding: what each level's step costs is read that often
         **_placement(session.plan),
         # Retrieval rebuilds: the prefill's initial one, then those during decoding (their seconds are
         # part of decode_s). None without a retrieval cache.

@@ -69,3 +69,23 @@ def test_stats_count_each_levels_forwards_while_decoding(tiny):
     assert f["retrieval"] >= f["full"] and f["draft"] == 3 * f["retrieval"]
     ar = tforce.generate(target, prompt, method="ar", max_new_tokens=24, temperature=0, ignore_eos=True)
     assert ar.stats["forwards"] == {"full": 24}
+
+
+def test_retrieval_budget_is_cut_to_what_the_generation_can_hold(tiny):
+    """A --budget larger than the context (the default 4096 on a short prompt) becomes whole chunks
+    holding every token: the middle level's view no longer spans thousands of empty masked slots, and the
+    output is still ar's."""
+    from tforce.config import Speculation
+
+    spec = Speculation(method="triforce", budget=4096, chunk_size=8)
+    cut = spec.fitted(100)
+    assert cut.budget % 8 == 0 and 100 + spec.max_lookahead + 8 <= cut.budget < 100 + spec.max_lookahead + 16
+    assert spec.fitted(10_000).budget == 4096  # a context longer than the budget keeps it
+    assert Speculation(method="streaming", budget=4096).fitted(100).budget == 4096  # only retrieval caches
+    prompt = list(range(3, 40))
+    target, draft = (tforce.engine._module(tiny[n]) for n in ("gqa", "draft"))
+    session = tforce.engine.open_session(target, draft, len(prompt), 20, budget=4096, chunk_size=4)
+    assert session.retrieval.budget < 100 and session.retrieval.k.shape[2] == session.retrieval.budget
+    kw = dict(max_new_tokens=20, temperature=0, ignore_eos=True)
+    assert tforce.generate(tiny["gqa"], prompt, draft=tiny["draft"], method="triforce", budget=4096, **kw).tokens == \
+        tforce.generate(tiny["gqa"], prompt, method="ar", **kw).tokens

@@ -113,6 +113,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     gen.manual_seed(seed if seed is not None else torch.seed())
 
     B, total = len(prompts), max(len(p) + m for p, m in zip(prompts, max_new))
+    spec = spec.fitted(total + spec.max_lookahead + 1)
     work = placement.Work.of(spec, total + spec.max_lookahead + 1, max(map(len, prompts)) - 1, prefill_chunk,
                              False, "sdpa" if device.type == "cuda" else "math", rows=B)
     plan = _plan(target, draft, work, offload, gpu_memory, device_free)  # raises when the batch does not fit

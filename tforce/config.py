@@ -6,7 +6,7 @@ every RoPE variant); everything here is what tforce adds on top.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import UsageError
 
@@ -71,6 +71,18 @@ class Speculation:
             raise UsageError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not 0 <= self.rebuild_below <= 1:
             raise UsageError(f"--rebuild-below must be in [0, 1], got {self.rebuild_below}")
+
+    def fitted(self, capacity: int) -> "Speculation":
+        """This configuration for a generation whose caches hold `capacity` tokens: a retrieval budget
+        larger than that is cut to the smallest number of whole chunks that still holds every token plus
+        a lookahead of padding (batches) and a chunk. Why: the middle level attends over its whole buffer
+        (masked), so a 4096-slot buffer for a 1,000-token context reads four times the keys the full
+        cache does (benchmarks/cpu/2026-11-23_cpu_kv_bench.md). The same tokens are held either way."""
+        if self.method not in ("triforce", "retrieval"):
+            return self
+        c = self.chunk_size
+        enough = -(-(capacity + self.max_lookahead + c) // c) * c
+        return replace(self, budget=min(self.budget, enough))
 
     @property
     def max_lookahead(self) -> int:

@@ -54,11 +54,12 @@ class Session:
     def __init__(self, target, draft, prompt_len: int, max_new: int, spec: Speculation, sampling: Sampling,
                  prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
                  cuda_graphs: bool = True, device_free: int | None = None, deterministic: bool = False):
-        self.spec, self.sampling = spec, sampling
         self.target, self.draft = target, draft
         cfg = target.config
         self.total = prompt_len + max_new
         capacity = self.total + spec.max_lookahead + 1
+        spec = spec.fitted(capacity)
+        self.spec, self.sampling = spec, sampling
         self.seq = torch.zeros(capacity, dtype=torch.long)
         p = next(target.parameters())
         dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)

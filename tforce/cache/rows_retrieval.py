@@ -5,9 +5,14 @@ Per row b: a fixed budget of slots (layers, B, budget, H_kv, D) with the sequenc
 length at its last rebuild), both host (B,) tensors as in cache/batched.py. The row rule of
 cache/base.py holds: a forward feeds every row T tokens at its own positions [lengths[b], lengths[b] + T),
 padding at a row's end is never committed; row b's position p >= base[b] takes slot
-budget - 1 - (p - base[b]) (from the end backwards, as RetrievalCache), so a padded position and the real
-token that later takes that position share a slot, and a padded slot carries a position no real query
-of the row can see before it is overwritten (the visibility rule). The mask is per row and KV head:
+budget - 1 - ((p - base[b]) mod budget) (from the end backwards, wrapping, as RetrievalCache), so a padded
+position and the real token that later takes that position share a slot, and a padded slot carries a
+position no real query of the row can see before it is overwritten (the visibility rule). New tokens
+past budget - chunk_size overwrite the first chunk, then wrap onto the newest ones (batch.py rebuilds
+before that when the budget leaves room; with a smaller one, e.g. budget == chunk_size, it cannot, and
+the middle level then drafts from fewer tokens, as RetrievalCache does): what a slot holds is always
+what key_pos says, so attention stays consistent; a padded position may then displace a real entry of
+its row, which costs draft quality, never exactness (the full cache verifies). The mask is per row and KV head:
 (B, H_kv, T, S) per layer.
 
 rebuild(full, rows, queries) re-selects only the listed rows, each from its own committed keys in
@@ -128,12 +133,11 @@ class RowsRetrievalCache:
     def begin(self, n: int) -> None:
         B, device = self.rows, self.k.device
         lengths, base = self.lengths[:B], self.base[:B]
-        if int((lengths + n - base).max()) > self.budget - self.chunk_size:
-            raise TforceError("batched retrieval cache: new tokens would overwrite a row's first chunk "
-                              "(rebuild first)")
+        if n > self.budget:
+            raise TforceError(f"batched retrieval cache: {n} tokens in one forward > its budget {self.budget}")
         self.pending = n
         pos = lengths[:, None] + torch.arange(n)  # (B, T) per-row positions
-        slots = self.budget - 1 - (pos - base[:, None])  # (B, T), from the end backwards
+        slots = self.budget - 1 - (pos - base[:, None]) % self.budget  # (B, T), from the end backwards, wrapping
         pos, slots = to_device(pos, device), to_device(slots, device)
         self._cos, self._sin = _rotation(self.rotary, pos, self.k.dtype)
         self._rows_idx = torch.arange(B, device=device)[:, None].expand(-1, n)  # (B, T)

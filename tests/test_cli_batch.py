@@ -108,3 +108,19 @@ def test_batch_from_stdin(runner, models):
     assert r.exit_code == 0, r.output
     [line] = r.stdout.strip().splitlines()
     assert json.loads(line)["id"] == "x" and json.loads(line)["tokens"] == _expected(models, "It was")
+
+
+def test_lines_are_split_at_newlines_only(tmp_path):
+    """JSON may hold U+2028, U+2029 and U+0085 unescaped in a string (json.dumps(..., ensure_ascii=False)
+    writes them so); str.splitlines() also splits there, which broke such a line into two that are not
+    JSON. Lines end at \\n (a \\r before it is dropped), and the line numbers of errors count those."""
+    from tforce.cli.batch_run import read_batch
+    from tforce.errors import UsageError
+
+    texts = ["one\u2028two", "three\u2029four\x85five"]
+    path = tmp_path / "batch.jsonl"
+    path.write_bytes(("\r\n".join(json.dumps({"prompt": t}, ensure_ascii=False) for t in texts) + "\r\n").encode())
+    assert read_batch(str(path)) == [(1, texts[0], None), (2, texts[1], None)]
+    path.write_text(json.dumps({"prompt": texts[0]}, ensure_ascii=False) + "\nnot json\n")
+    with pytest.raises(UsageError, match="line 2: not JSON"):
+        read_batch(str(path))

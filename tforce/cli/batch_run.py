@@ -28,7 +28,9 @@ def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
     except OSError as e:
         raise UsageError(f"cannot read batch file {source}: {e.strerror or e}") from e
     items, ids = [], set()
-    for n, line in enumerate(_decode_text(data, f"batch file {source}").splitlines(), 1):
+    # JSON Lines ends lines at \n only: a JSON string may hold U+2028 or U+0085 unescaped (splitlines splits there)
+    for n, line in enumerate(_decode_text(data, f"batch file {source}").split("\n"), 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         where = f"batch file {source}, line {n}"

@@ -124,3 +124,33 @@ def test_lines_are_split_at_newlines_only(tmp_path):
     path.write_text(json.dumps({"prompt": texts[0]}, ensure_ascii=False) + "\nnot json\n")
     with pytest.raises(UsageError, match="line 2: not JSON"):
         read_batch(str(path))
+
+
+@pytest.mark.parametrize("failure, code", [(KeyboardInterrupt, 130), (RuntimeError("out of memory"), 1)])
+def test_rows_finished_before_an_interrupt_or_error_are_written(runner, models, tmp_path, monkeypatch, failure,
+                                                                code):
+    """Results went to stdout only after the whole batch: Ctrl-C or an error half way lost every finished
+    row (and with --batch -, the prompts were gone too). The rows finished so far are written, in the
+    file's order, with "stats": null (the batch's were not measured to its end); the others are not."""
+    import tforce.batch
+
+    calls = []
+    real = tforce.batch._Batch.round
+
+    def failing(self, gen):
+        calls.append(1)
+        if len(calls) == 3:
+            raise failure
+        return real(self, gen)
+
+    monkeypatch.setattr(tforce.batch._Batch, "round", failing)
+    batch = _write(tmp_path, json.dumps({"prompt": DOC, "id": "long"}),
+                   json.dumps({"prompt": "It was", "id": "one", "max_new_tokens": 1}),
+                   json.dumps({"prompt": "It is", "id": "none", "max_new_tokens": 0}))
+    r = _run(runner, models, "--batch", batch, "--method", "ar", *FAST)
+    assert r.exit_code == code, r.output
+    out = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [o["id"] for o in out] == ["one", "none"]
+    assert out[0]["tokens"] == _expected(models, "It was", 1) and out[1]["tokens"] == []
+    assert all(o["stats"] is None for o in out)
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output

@@ -5,7 +5,9 @@ document, read as `tforce run PATH` reads it) or both (the document, then the pr
 line, as `tforce run PATH --prompt TEXT`), with an optional "id" (default: the line number) and
 "max_new_tokens" (default: --max-new-tokens). The whole
 file is checked before any model is loaded; a bad line is one error naming its line. Results go to
-stdout in the file's order, one JSON object a line; nothing is written anywhere else.
+stdout in the file's order, one JSON object a line; nothing is written anywhere else. If the batch is
+interrupted or fails half way, the rows finished so far are still written (in the file's order, with
+"stats": null), then the error.
 """
 from __future__ import annotations
 
@@ -114,12 +116,26 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft:
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
     keys = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",
             "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory")
-    results = generate_batch(target.model, prompts, draft=small.model if small else None, method=options["method"],
-                             max_new_tokens=budgets, **{k: options[k] for k in keys})
-    for (key, _, _), ids, result in zip(items, prompts, results):
-        record = {"id": key, "text": tok.decode(result.tokens, skip_special_tokens=True), "tokens": result.tokens,
-                  "prompt_tokens": len(ids), "method": options["method"], "device": device, "stats": result.stats}
+    finished: dict[int, list[int]] = {}
+
+    def write(r: int, tokens: list[int], stats) -> None:
+        record = {"id": items[r][0], "text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens,
+                  "prompt_tokens": len(prompts[r]), "method": options["method"], "device": device, "stats": stats}
         sys.stdout.write(json.dumps(record) + "\n")
+
+    try:
+        results = generate_batch(target.model, prompts, draft=small.model if small else None,
+                                 method=options["method"], max_new_tokens=budgets, on_row=finished.__setitem__,
+                                 **{k: options[k] for k in keys})
+    except BaseException:
+        # interrupted or failed half way: the rows finished so far, in the file's order, without the batch's
+        # statistics (not measured to its end); the error follows on stderr
+        for r in sorted(finished):
+            write(r, finished[r], None)
+        sys.stdout.flush()
+        raise
+    for r, result in enumerate(results):
+        write(r, result.tokens, result.stats)
     sys.stdout.flush()
     stats = results[0].stats
     n = sum(len(r.tokens) for r in results)

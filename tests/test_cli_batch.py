@@ -154,3 +154,13 @@ def test_rows_finished_before_an_interrupt_or_error_are_written(runner, models, 
     assert out[0]["tokens"] == _expected(models, "It was", 1) and out[1]["tokens"] == []
     assert all(o["stats"] is None for o in out)
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
+    """Editors on Windows save UTF-8 with a BOM; json.loads refuses one, so the whole file was refused
+    ("line 1: not JSON (Unexpected UTF-8 BOM ...)"). RFC 8259 lets a parser ignore it; it is dropped."""
+    from tforce.cli.batch_run import read_batch
+
+    path = tmp_path / "batch.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert read_batch(str(path)) == [(1, "a", None), (2, "b", None)]

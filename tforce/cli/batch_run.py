@@ -31,7 +31,8 @@ def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
         raise UsageError(f"cannot read batch file {source}: {e.strerror or e}") from e
     items, ids = [], set()
     # JSON Lines ends lines at \n only: a JSON string may hold U+2028 or U+0085 unescaped (splitlines splits there)
-    for n, line in enumerate(_decode_text(data, f"batch file {source}").split("\n"), 1):
+    text = _decode_text(data, f"batch file {source}").removeprefix("\ufeff")  # a BOM (RFC 8259 lets us ignore it)
+    for n, line in enumerate(text.split("\n"), 1):
         line = line.removesuffix("\r")
         if not line.strip():
             continue

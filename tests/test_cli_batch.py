@@ -52,7 +52,7 @@ def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method, o
     ('{"prompt": 3}', 'line 2: "prompt" must be a string'),
     ('{"prompt": "  "}', "line 2: the prompt is empty"),
     ('{"file": "/no/such/file"}', "line 2: cannot read /no/such/file"),
-    ('{"prompt": "b", "id": "a"}', "line 2: id 'a' appears twice"),
+    ('{"prompt": "b", "id": "a"}', "line 2: id 'a' is line 1's id"),
     ('{"prompt": "b", "id": [1]}', 'line 2: "id" must be a string or an integer'),
 ])
 def test_a_bad_line_is_one_error_naming_it(runner, models, tmp_path, line, needle):
@@ -164,3 +164,18 @@ def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
     path = tmp_path / "batch.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a"}\n{"prompt": "b"}\n')
     assert read_batch(str(path)) == [(1, "a", None), (2, "b", None)]
+
+
+def test_an_id_that_clashes_with_a_line_number_says_so(tmp_path):
+    """A line without "id" is known by its line number; an earlier line's "id": 2 then clashed with line 2,
+    whose error said "id 2 appears twice" of a line that gives no id."""
+    from tforce.cli.batch_run import read_batch
+    from tforce.errors import UsageError
+
+    path = tmp_path / "batch.jsonl"
+    path.write_text('{"prompt": "a", "id": 2}\n{"prompt": "b"}\n')
+    with pytest.raises(UsageError, match=r'line 2: id 2 \(its line number, as it gives no "id"\) is line 1\'s id'):
+        read_batch(str(path))
+    path.write_text('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n')
+    with pytest.raises(UsageError, match="line 2: id 'x' is line 1's id"):
+        read_batch(str(path))

@@ -29,7 +29,7 @@ def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
         data = sys.stdin.buffer.read() if source == "-" else Path(source).expanduser().read_bytes()
     except OSError as e:
         raise UsageError(f"cannot read batch file {source}: {e.strerror or e}") from e
-    items, ids = [], set()
+    items, ids = [], {}  # id -> its line
     # JSON Lines ends lines at \n only: a JSON string may hold U+2028 or U+0085 unescaped (splitlines splits there)
     text = _decode_text(data, f"batch file {source}").removeprefix("\ufeff")  # a BOM (RFC 8259 lets us ignore it)
     for n, line in enumerate(text.split("\n"), 1):
@@ -58,11 +58,12 @@ def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
         if not isinstance(key, (str, int)) or isinstance(key, bool):
             raise UsageError(f'{where}: "id" must be a string or an integer')
         if key in ids:
-            raise UsageError(f"{where}: id {key!r} appears twice")
+            implicit = "" if "id" in obj else ' (its line number, as it gives no "id")'
+            raise UsageError(f"{where}: id {key!r}{implicit} is line {ids[key]}'s id; give each line its own")
         budget = obj.get("max_new_tokens")
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
             raise UsageError(f'{where}: "max_new_tokens" must be an integer >= 0')
-        ids.add(key)
+        ids[key] = n
         items.append((key, text, budget))
     if not items:
         raise UsageError(f"batch file {source} holds no prompts")

@@ -12,8 +12,8 @@ past budget - chunk_size overwrite the first chunk, then wrap onto the newest on
 before that when the budget leaves room; with a smaller one, e.g. budget == chunk_size, it cannot, and
 the middle level then drafts from fewer tokens, as RetrievalCache does): what a slot holds is always
 what key_pos says, so attention stays consistent; a padded position may then displace a real entry of
-its row, which costs draft quality, never exactness (the full cache verifies). The mask is per row and KV head:
-(B, H_kv, T, S) per layer.
+its row, which costs draft quality, never exactness (the full cache verifies). The mask is per row and
+KV head: (B, H_kv, T, S) per layer.
 
 rebuild(full, rows, queries) re-selects only the listed rows, each from its own committed keys in
 `full` (a RowsCache or RowsOffloadedCache) and its own query, by the chunk rule of retrieval.py

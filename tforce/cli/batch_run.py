@@ -31,8 +31,8 @@ def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
         raise UsageError(f"cannot read batch file {source}: {e.strerror or e}") from e
     items, ids = [], {}  # id -> its line
     # JSON Lines ends lines at \n only: a JSON string may hold U+2028 or U+0085 unescaped (splitlines splits there)
-    text = _decode_text(data, f"batch file {source}").removeprefix("\ufeff")  # a BOM (RFC 8259 lets us ignore it)
-    for n, line in enumerate(text.split("\n"), 1):
+    content = _decode_text(data, f"batch file {source}").removeprefix("\ufeff")  # a BOM: RFC 8259 lets us ignore it
+    for n, line in enumerate(content.split("\n"), 1):
         line = line.removesuffix("\r")
         if not line.strip():
             continue

@@ -74,3 +74,26 @@ def test_keep_allocates_nothing_on_the_device():
     cache.keep(KEEP)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - start < cache.k[0, 0].nbytes
+
+
+def test_retrieval_keep_moves_rows_without_scratch(tiny):
+    """RowsRetrievalCache.keep gathered the kept rows' slots and key positions of every layer into
+    temporaries (the positions twice: an index copy, then a clone), unplanned: at a 4K budget, 32 rows and
+    32 layers, over half a GiB. Each moving row is now copied in place."""
+    from tforce.cache.rows_retrieval import RowsRetrievalCache
+
+    model = tiny["gqa"].model
+    cache = RowsRetrievalCache(model.config.num_hidden_layers, len(LENGTHS), model.n_kv_heads, model.head_dim,
+                               budget=256, chunk_size=4, rotary=rotary_for(model))
+    g = torch.Generator().manual_seed(1)
+    for x in (cache.k, cache.v):
+        x.copy_(torch.randn(x.shape, generator=g))
+    cache.key_pos.copy_(torch.randint(-1, 50, cache.key_pos.shape, generator=g))
+    cache.lengths[:], cache.base[:] = torch.tensor(LENGTHS), torch.tensor([5, 15, 25, 35])
+    cache.stats = ["s0", "s1", "s2", "s3"]  # each row's ChunkStats, moved with it
+    before = [x.clone() for x in (cache.k, cache.v, cache.key_pos)]
+    assert largest_allocation(lambda: cache.keep(KEEP)) < cache.k[0, 0].nbytes
+    for x, old in zip((cache.k, cache.v, cache.key_pos), before):
+        assert torch.equal(x[:, :2], old[:, KEEP])
+    assert cache.rows == 2 and cache.lengths[:2].tolist() == [20, 40] and cache.base[:2].tolist() == [15, 35]
+    assert cache.stats[:2] == ["s1", "s3"] and cache.stats[2:] == [None, None]

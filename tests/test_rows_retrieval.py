@@ -143,9 +143,9 @@ def test_rebuild_of_listed_rows_only_and_keep(tiny):
     feed(model, full, rows_ids((4, 4, 4, 4), seed=2))
     cache.rebuild(full, [2], [full.query_at(2, int(full.lengths[2]) - 1)])
     assert cache.base.tolist() == [37, 5, 27, 1] and torch.equal(cache.key_pos[:, [0, 1, 3]], before[:, [0, 1, 3]])
-    kept = cache.key_pos[:, [2, 0]].clone()
-    cache.keep([2, 0])
-    assert cache.rows == 2 and cache.base[:2].tolist() == [27, 37] and torch.equal(cache.key_pos[:, :2], kept)
+    kept = cache.key_pos[:, [0, 2]].clone()
+    cache.keep([0, 2])
+    assert cache.rows == 2 and cache.base[:2].tolist() == [37, 27] and torch.equal(cache.key_pos[:, :2], kept)
 
 
 def test_new_tokens_wrap_as_a_single_caches_do(tiny):

@@ -167,15 +167,16 @@ class RowsRetrievalCache:
         self.lengths[:self.rows] = lengths
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only the listed live rows, moved to the front in that order."""
+        """Keep only the listed live rows (increasing), moved to the front in that order: each row that moves
+        is copied in place, row i to row j < i (no scratch memory, which placement.py does not plan)."""
+        assert all(a < b for a, b in zip(rows, rows[1:])), "keep takes live rows in increasing order"
+        for j, i in enumerate(rows):
+            if i != j:
+                self.k[:, j] = self.k[:, i]
+                self.v[:, j] = self.v[:, i]
+                self.key_pos[:, j] = self.key_pos[:, i]
+        self.stats = [self.stats[i] for i in rows] + [None] * (len(self.stats) - len(rows))
         idx = torch.tensor(rows, dtype=torch.long)
-        if rows != list(range(len(rows))):
-            dev = to_device(idx, self.k.device)
-            for layer in range(self.k.shape[0]):
-                self.k[layer, :len(rows)] = self.k[layer, dev]
-                self.v[layer, :len(rows)] = self.v[layer, dev]
-            self.key_pos[:, :len(rows)] = self.key_pos[:, dev].clone()
-            self.stats = [self.stats[i] for i in rows] + [None] * (len(self.stats) - len(rows))
         self.lengths[:len(rows)] = self.lengths[idx].clone()
         self.base[:len(rows)] = self.base[idx].clone()
         self.rows = len(rows)

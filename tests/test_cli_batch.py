@@ -179,3 +179,18 @@ def test_an_id_that_clashes_with_a_line_number_says_so(tmp_path):
     path.write_text('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n')
     with pytest.raises(UsageError, match="line 2: id 'x' is line 1's id"):
         read_batch(str(path))
+
+
+def test_a_row_the_context_cuts_short_is_noted(runner, models, tmp_path):
+    """`tforce run` notes on stderr when the context leaves room for fewer new tokens than asked; a batch
+    cut such a row short silently. One note names the rows and what they get."""
+    long = "x" * 505
+    batch = _write(tmp_path, json.dumps({"prompt": long, "id": "long"}), json.dumps({"prompt": "It was", "id": "s"}))
+    r = _run(runner, models, "--batch", batch, "--method", "ar", *FAST)
+    assert r.exit_code == 0, r.output
+    out = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    room = 512 - out[0]["prompt_tokens"]
+    assert 0 < room < 12 and len(out[0]["tokens"]) == room and len(out[1]["tokens"]) == 12
+    notes = [line for line in r.stderr.splitlines() if "note:" in line]
+    assert notes == [f"tforce: note: the model's context (512 tokens) leaves room for fewer new tokens than asked: "
+                     f"'long' gets {room}"]

@@ -45,7 +45,7 @@ def test_keep_moves_the_live_rows_without_scratch(tiny, name):
         x.copy_(torch.randn(x.shape, generator=g))
     cache.lengths[:] = torch.tensor(LENGTHS)
     if name == "streaming":
-        cache.offset[:] = torch.tensor([4, 9, 4, 14])  # rows 1 and 3 compacted: slot of position p >= 4 is p - 5, p - 10
+        cache.offset[:] = torch.tensor([4, 9, 4, 14])  # rows 1, 3 compacted: position p >= 4 in slot p - 5, p - 10
     used = [int(L) if name != "streaming" else cache._slot(b, int(L)) for b, L in enumerate(cache.lengths)]
     before = [x.clone() for x in stores(cache)]
     row_bytes = stores(cache)[0][0].nbytes  # one row of one layer

@@ -109,6 +109,11 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft:
     for (key, _, _), ids in zip(items, prompts):
         if len(ids) >= context:
             raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
+    short = [f"{key!r} gets {context - len(ids)}" for (key, _, _), ids, n in zip(items, prompts, budgets)
+             if n > context - len(ids)]
+    if short:  # as `tforce run` notes it for one prompt
+        _say(f"tforce: note: the model's context ({context} tokens) leaves room for fewer new tokens than asked: "
+             + ", ".join(short))
     longest = max(len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets))
     # B rows of the longest row's capacity
     draft_config = _read_config(draft, "draft model")[1] if draft else None

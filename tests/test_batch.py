@@ -131,6 +131,14 @@ def test_rows_with_different_budgets_finish_at_their_own(tiny):
     assert rows[1].tokens == alone.tokens
 
 
+def test_on_row_hears_each_row_once_when_it_finishes(tiny):
+    """In the order the rows finish (a row without budget at once), each with its final tokens."""
+    heard = []
+    rows = generate_batch(tiny["gqa"], prompts_of((5, 9, 3)), method="ar", max_new_tokens=[6, 2, 0], temperature=0,
+                          ignore_eos=True, on_row=lambda r, tokens: heard.append((r, tokens)))
+    assert heard == [(2, []), (1, rows[1].tokens), (0, rows[0].tokens)] and len(rows[0].tokens) == 6
+
+
 def test_refusals(tiny):
     refused = re.escape("--policy retrieval|shared|topk|streaming so far, not 'h2o'")
     with pytest.raises(tforce.UsageError, match=refused):

@@ -175,3 +175,16 @@ def test_triforce_host_transfers_carry_every_row(tiny, monkeypatch):
     assert calls[:3] == [3, 3, 6]  # the first middle round: gamma1 = 2 drafted tokens, then one verdict
     assert set(calls) <= {1, 2, 3, 4, 6}  # n or 2n numbers for the n rows still live
     assert len(rows) == 3 and min(r.stats["verifications"] for r in rows) > 1
+
+
+@pytest.mark.parametrize("method", ["triforce", "retrieval"])
+def test_a_budget_that_leaves_no_room_for_a_round_runs_as_alone(tiny, method):
+    """budget == chunk_size (valid for `generate`): after a rebuild every new token takes a slot of the first
+    chunk. The single path's RetrievalCache wraps its slots; a batch ran the prefill and then failed ("new
+    tokens would overwrite a row's first chunk"). Its rows must be plain decoding, as alone."""
+    prompts = prompts_of(LENGTHS, seed=5)
+    kw = dict(SMALL, budget=8, chunk_size=8)
+    rows = generate_batch(tiny["gqa"], prompts, draft=tiny["draft"], method=method, max_new_tokens=BUDGETS,
+                          temperature=0, ignore_eos=True, **kw)
+    for prompt, n, row in zip(prompts, BUDGETS, rows):
+        assert row.tokens == alone(tiny["gqa"], prompt, n, ignore_eos=True)

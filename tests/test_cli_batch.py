@@ -52,7 +52,7 @@ def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method, o
     ('{"prompt": 3}', 'line 2: "prompt" must be a string'),
     ('{"prompt": "  "}', "line 2: the prompt is empty"),
     ('{"file": "/no/such/file"}', "line 2: cannot read /no/such/file"),
-    ('{"prompt": "b", "id": "a"}', "line 2: id 'a' appears twice"),
+    ('{"prompt": "b", "id": "a"}', "line 2: id 'a' is line 1's id"),
     ('{"prompt": "b", "id": [1]}', 'line 2: "id" must be a string or an integer'),
 ])
 def test_a_bad_line_is_one_error_naming_it(runner, models, tmp_path, line, needle):
@@ -108,3 +108,89 @@ def test_batch_from_stdin(runner, models):
     assert r.exit_code == 0, r.output
     [line] = r.stdout.strip().splitlines()
     assert json.loads(line)["id"] == "x" and json.loads(line)["tokens"] == _expected(models, "It was")
+
+
+def test_lines_are_split_at_newlines_only(tmp_path):
+    """JSON may hold U+2028, U+2029 and U+0085 unescaped in a string (json.dumps(..., ensure_ascii=False)
+    writes them so); str.splitlines() also splits there, which broke such a line into two that are not
+    JSON. Lines end at \\n (a \\r before it is dropped), and the line numbers of errors count those."""
+    from tforce.cli.batch_run import read_batch
+    from tforce.errors import UsageError
+
+    texts = ["one\u2028two", "three\u2029four\x85five"]
+    path = tmp_path / "batch.jsonl"
+    path.write_bytes(("\r\n".join(json.dumps({"prompt": t}, ensure_ascii=False) for t in texts) + "\r\n").encode())
+    assert read_batch(str(path)) == [(1, texts[0], None), (2, texts[1], None)]
+    path.write_text(json.dumps({"prompt": texts[0]}, ensure_ascii=False) + "\nnot json\n")
+    with pytest.raises(UsageError, match="line 2: not JSON"):
+        read_batch(str(path))
+
+
+@pytest.mark.parametrize("failure, code", [(KeyboardInterrupt, 130), (RuntimeError("out of memory"), 1)])
+def test_rows_finished_before_an_interrupt_or_error_are_written(runner, models, tmp_path, monkeypatch, failure,
+                                                                code):
+    """Results went to stdout only after the whole batch: Ctrl-C or an error half way lost every finished
+    row (and with --batch -, the prompts were gone too). The rows finished so far are written, in the
+    file's order, with "stats": null (the batch's were not measured to its end); the others are not."""
+    import tforce.batch
+
+    calls = []
+    real = tforce.batch._Batch.round
+
+    def failing(self, gen):
+        calls.append(1)
+        if len(calls) == 3:
+            raise failure
+        return real(self, gen)
+
+    monkeypatch.setattr(tforce.batch._Batch, "round", failing)
+    batch = _write(tmp_path, json.dumps({"prompt": DOC, "id": "long"}),
+                   json.dumps({"prompt": "It was", "id": "one", "max_new_tokens": 1}),
+                   json.dumps({"prompt": "It is", "id": "none", "max_new_tokens": 0}))
+    r = _run(runner, models, "--batch", batch, "--method", "ar", *FAST)
+    assert r.exit_code == code, r.output
+    out = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [o["id"] for o in out] == ["one", "none"]
+    assert out[0]["tokens"] == _expected(models, "It was", 1) and out[1]["tokens"] == []
+    assert all(o["stats"] is None for o in out)
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
+    """Editors on Windows save UTF-8 with a BOM; json.loads refuses one, so the whole file was refused
+    ("line 1: not JSON (Unexpected UTF-8 BOM ...)"). RFC 8259 lets a parser ignore it; it is dropped."""
+    from tforce.cli.batch_run import read_batch
+
+    path = tmp_path / "batch.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert read_batch(str(path)) == [(1, "a", None), (2, "b", None)]
+
+
+def test_an_id_that_clashes_with_a_line_number_says_so(tmp_path):
+    """A line without "id" is known by its line number; an earlier line's "id": 2 then clashed with line 2,
+    whose error said "id 2 appears twice" of a line that gives no id."""
+    from tforce.cli.batch_run import read_batch
+    from tforce.errors import UsageError
+
+    path = tmp_path / "batch.jsonl"
+    path.write_text('{"prompt": "a", "id": 2}\n{"prompt": "b"}\n')
+    with pytest.raises(UsageError, match=r'line 2: id 2 \(its line number, as it gives no "id"\) is line 1\'s id'):
+        read_batch(str(path))
+    path.write_text('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n')
+    with pytest.raises(UsageError, match="line 2: id 'x' is line 1's id"):
+        read_batch(str(path))
+
+
+def test_a_row_the_context_cuts_short_is_noted(runner, models, tmp_path):
+    """`tforce run` notes on stderr when the context leaves room for fewer new tokens than asked; a batch
+    cut such a row short silently. One note names the rows and what they get."""
+    long = "x" * 505
+    batch = _write(tmp_path, json.dumps({"prompt": long, "id": "long"}), json.dumps({"prompt": "It was", "id": "s"}))
+    r = _run(runner, models, "--batch", batch, "--method", "ar", *FAST)
+    assert r.exit_code == 0, r.output
+    out = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    room = 512 - out[0]["prompt_tokens"]
+    assert 0 < room < 12 and len(out[0]["tokens"]) == room and len(out[1]["tokens"]) == 12
+    notes = [line for line in r.stderr.splitlines() if "note:" in line]
+    assert notes == [f"tforce: note: the model's context (512 tokens) leaves room for fewer new tokens than asked: "
+                     f"'long' gets {room}"]

@@ -143,15 +143,22 @@ def test_rebuild_of_listed_rows_only_and_keep(tiny):
     feed(model, full, rows_ids((4, 4, 4, 4), seed=2))
     cache.rebuild(full, [2], [full.query_at(2, int(full.lengths[2]) - 1)])
     assert cache.base.tolist() == [37, 5, 27, 1] and torch.equal(cache.key_pos[:, [0, 1, 3]], before[:, [0, 1, 3]])
-    kept = cache.key_pos[:, [2, 0]].clone()
-    cache.keep([2, 0])
-    assert cache.rows == 2 and cache.base[:2].tolist() == [27, 37] and torch.equal(cache.key_pos[:, :2], kept)
+    kept = cache.key_pos[:, [0, 2]].clone()
+    cache.keep([0, 2])
+    assert cache.rows == 2 and cache.base[:2].tolist() == [37, 27] and torch.equal(cache.key_pos[:, :2], kept)
 
 
-def test_refuses_to_overwrite_a_first_chunk(tiny):
+def test_new_tokens_wrap_as_a_single_caches_do(tiny):
+    """Past budget - chunk_size new tokens take the first chunk's slots, then wrap (RetrievalCache._slots);
+    a forward larger than the budget, whose tokens would share slots, is refused."""
     model = tiny["gqa"].model
     full = filled(model, LENGTHS)
     cache = rebuilt(model, full, 16, 4)
-    with pytest.raises(TforceError, match="rebuild first"):
-        cache.begin(13)
-    cache.begin(12)
+    cache.begin(16)
+    base = cache.base[:4, None] + torch.arange(16)  # (B, 16): every slot holds one new position
+    assert torch.equal(cache.key_pos[:, :4].sort(-1).values, base[None, :, None].expand_as(cache.key_pos[:, :4]))
+    cache.commit(16)
+    cache.begin(2)  # wraps onto the newest slots, from the end backwards again
+    assert cache.key_pos[0, 0, 0, 15] == cache.base[0] + 16 and cache.key_pos[0, 0, 0, 14] == cache.base[0] + 17
+    with pytest.raises(TforceError, match="17 tokens in one forward > its budget 16"):
+        cache.begin(17)

@@ -65,7 +65,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
                    gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
                    rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512,
                    offload: str = "auto", gpu_memory: int | None = None,
-                   device_free: int | None = None) -> list[Result]:
+                   device_free: int | None = None, on_row=None) -> list[Result]:
     """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
     for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
@@ -77,7 +77,8 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     Options as `generate`'s; policy: retrieval, shared, topk or streaming (no h2o). The batch is
     planned before anything is allocated (placement.py with B rows) and refused if it does not fit;
     offload, gpu_memory and device_free as in `generate` (offloaded layers stream once per step for all
-    rows)."""
+    rows). on_row(r, tokens) is told each row's final tokens as soon as the row is finished (a row with no
+    budget right after the prefill), so a caller keeps what is done if the rest fails or is interrupted."""
     spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                        draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                        rebuild_below=rebuild_below, policy=policy)
@@ -124,15 +125,25 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     _sync_device(device)
     t1 = time.perf_counter()
     eos = set() if ignore_eos else _eos_ids(target.config)
+    _finished(rows, [max_new[r] == 0 for r in range(B)], on_row)
     batch.keep([i for i in range(B) if max_new[i] > 0])
     while rows.ids:
         news = batch.round(gen)
         done = [rows.add(i, tokens, eos) for i, tokens in enumerate(news)]
         if any(done):
+            _finished(rows, done, on_row)
             batch.keep([i for i, d in enumerate(done) if not d])
     _sync_device(device)
     t2 = time.perf_counter()
     return [Result(rows.out[r], {**batch.stats(r, t1 - t0, t2 - t1), **_placement(plan)}) for r in range(B)]
+
+
+def _finished(rows: _RowState, done: list[bool], on_row) -> None:
+    """Tell on_row the final tokens of the live rows marked done."""
+    if on_row is not None:
+        for i, d in enumerate(done):
+            if d:
+                on_row(rows.ids[i], list(rows.out[rows.ids[i]]))
 
 
 class _Batch:

@@ -46,20 +46,25 @@ class _Rows:
         self.lengths[:self.rows] = lengths
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only the listed live rows, moved to the front in that order (finished rows cost nothing
-        after this). One layer at a time, so the copy needs one layer's rows of scratch memory."""
-        idx = torch.tensor(rows, dtype=torch.long)
-        if rows != list(range(len(rows))):
-            dev = to_device(idx, self.k.device)
-            for layer in range(self.k.shape[0]):
-                self.k[layer, :len(rows)] = self.k[layer, dev]
-                self.v[layer, :len(rows)] = self.v[layer, dev]
-            self._moved(idx)
-        self.lengths[:len(rows)] = self.lengths[idx].clone()
+        """Keep only the listed live rows (increasing), moved to the front in that order (finished rows cost
+        nothing after this). Each row that moves is copied in place, row i to row j < i, only the slots it
+        uses: no scratch memory (placement.py plans none), and no copy of a row's unused tail."""
+        assert all(a < b for a, b in zip(rows, rows[1:])), "keep takes live rows in increasing order"
+        for j, i in enumerate(rows):
+            if i != j:
+                self._move_row(i, j)
+        self.lengths[:len(rows)] = self.lengths[torch.tensor(rows, dtype=torch.long)].clone()
         self.rows = len(rows)
 
-    def _moved(self, idx: torch.Tensor) -> None:
-        """Per-row state beyond lengths follows the rows (keep)."""
+    def _used(self, b: int) -> int:
+        """Slots row b uses (its committed tokens)."""
+        return int(self.lengths[b])
+
+    def _move_row(self, i: int, j: int) -> None:
+        """Row i's K/V (every layer) and per-row state go to row j (j < i: row j's are no longer needed)."""
+        n = self._used(i)
+        self.k[:, j, :n] = self.k[:, i, :n]
+        self.v[:, j, :n] = self.v[:, i, :n]
 
 
 class RowsCache(_Rows):
@@ -182,8 +187,12 @@ class RowsStreamingCache(_Rows):
         self.offset = torch.full((n_rows,), sinks, dtype=torch.long)  # position held in slot `sinks`
         self._init_rows(n_rows)
 
-    def _moved(self, idx: torch.Tensor) -> None:
-        self.offset[:len(idx)] = self.offset[idx].clone()
+    def _used(self, b: int) -> int:
+        return self._slot(b, int(self.lengths[b]))
+
+    def _move_row(self, i: int, j: int) -> None:
+        super()._move_row(i, j)
+        self.offset[j] = self.offset[i]
 
     def _slot(self, b: int, pos: int) -> int:
         return pos if pos < self.sinks else self.sinks + pos - int(self.offset[b])

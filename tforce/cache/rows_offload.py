@@ -123,9 +123,14 @@ class RowsOffloadedCache(RowsCache):
         self.host_rows_read += idx.shape[0]
         return gather_heads(self.host_k[h][b:b + 1], idx), gather_heads(self.host_v[h][b:b + 1], idx)
 
-    def _moved(self, idx: torch.Tensor) -> None:
-        """keep(): the host layers' rows follow, once no copy still reads or writes them."""
+    def keep(self, rows: list[int]) -> None:
+        """RowsCache.keep; the host layers' rows follow, once no copy still reads or writes them."""
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
+        super().keep(rows)
+
+    def _move_row(self, i: int, j: int) -> None:
+        super()._move_row(i, j)
+        n = self._used(i)
         for x in self.host_k + self.host_v:
-            x[:len(idx)] = x[idx]
+            x[j, :n] = x[i, :n]

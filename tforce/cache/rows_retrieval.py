@@ -5,10 +5,15 @@ Per row b: a fixed budget of slots (layers, B, budget, H_kv, D) with the sequenc
 length at its last rebuild), both host (B,) tensors as in cache/batched.py. The row rule of
 cache/base.py holds: a forward feeds every row T tokens at its own positions [lengths[b], lengths[b] + T),
 padding at a row's end is never committed; row b's position p >= base[b] takes slot
-budget - 1 - (p - base[b]) (from the end backwards, as RetrievalCache), so a padded position and the real
-token that later takes that position share a slot, and a padded slot carries a position no real query
-of the row can see before it is overwritten (the visibility rule). The mask is per row and KV head:
-(B, H_kv, T, S) per layer.
+budget - 1 - ((p - base[b]) mod budget) (from the end backwards, wrapping, as RetrievalCache), so a padded
+position and the real token that later takes that position share a slot, and a padded slot carries a
+position no real query of the row can see before it is overwritten (the visibility rule). New tokens
+past budget - chunk_size overwrite the first chunk, then wrap onto the newest ones (batch.py rebuilds
+before that when the budget leaves room; with a smaller one, e.g. budget == chunk_size, it cannot, and
+the middle level then drafts from fewer tokens, as RetrievalCache does): what a slot holds is always
+what key_pos says, so attention stays consistent; a padded position may then displace a real entry of
+its row, which costs draft quality, never exactness (the full cache verifies). The mask is per row and
+KV head: (B, H_kv, T, S) per layer.
 
 rebuild(full, rows, queries) re-selects only the listed rows, each from its own committed keys in
 `full` (a RowsCache or RowsOffloadedCache) and its own query, by the chunk rule of retrieval.py
@@ -128,12 +133,11 @@ class RowsRetrievalCache:
     def begin(self, n: int) -> None:
         B, device = self.rows, self.k.device
         lengths, base = self.lengths[:B], self.base[:B]
-        if int((lengths + n - base).max()) > self.budget - self.chunk_size:
-            raise TforceError("batched retrieval cache: new tokens would overwrite a row's first chunk "
-                              "(rebuild first)")
+        if n > self.budget:
+            raise TforceError(f"batched retrieval cache: {n} tokens in one forward > its budget {self.budget}")
         self.pending = n
         pos = lengths[:, None] + torch.arange(n)  # (B, T) per-row positions
-        slots = self.budget - 1 - (pos - base[:, None])  # (B, T), from the end backwards
+        slots = self.budget - 1 - (pos - base[:, None]) % self.budget  # (B, T), from the end backwards, wrapping
         pos, slots = to_device(pos, device), to_device(slots, device)
         self._cos, self._sin = _rotation(self.rotary, pos, self.k.dtype)
         self._rows_idx = torch.arange(B, device=device)[:, None].expand(-1, n)  # (B, T)
@@ -163,15 +167,16 @@ class RowsRetrievalCache:
         self.lengths[:self.rows] = lengths
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only the listed live rows, moved to the front in that order."""
+        """Keep only the listed live rows (increasing), moved to the front in that order: each row that moves
+        is copied in place, row i to row j < i (no scratch memory, which placement.py does not plan)."""
+        assert all(a < b for a, b in zip(rows, rows[1:])), "keep takes live rows in increasing order"
+        for j, i in enumerate(rows):
+            if i != j:
+                self.k[:, j] = self.k[:, i]
+                self.v[:, j] = self.v[:, i]
+                self.key_pos[:, j] = self.key_pos[:, i]
+        self.stats = [self.stats[i] for i in rows] + [None] * (len(self.stats) - len(rows))
         idx = torch.tensor(rows, dtype=torch.long)
-        if rows != list(range(len(rows))):
-            dev = to_device(idx, self.k.device)
-            for layer in range(self.k.shape[0]):
-                self.k[layer, :len(rows)] = self.k[layer, dev]
-                self.v[layer, :len(rows)] = self.v[layer, dev]
-            self.key_pos[:, :len(rows)] = self.key_pos[:, dev].clone()
-            self.stats = [self.stats[i] for i in rows] + [None] * (len(self.stats) - len(rows))
         self.lengths[:len(rows)] = self.lengths[idx].clone()
         self.base[:len(rows)] = self.base[idx].clone()
         self.rows = len(rows)

@@ -5,7 +5,9 @@ document, read as `tforce run PATH` reads it) or both (the document, then the pr
 line, as `tforce run PATH --prompt TEXT`), with an optional "id" (default: the line number) and
 "max_new_tokens" (default: --max-new-tokens). The whole
 file is checked before any model is loaded; a bad line is one error naming its line. Results go to
-stdout in the file's order, one JSON object a line; nothing is written anywhere else.
+stdout in the file's order, one JSON object a line; nothing is written anywhere else. If the batch is
+interrupted or fails half way, the rows finished so far are still written (in the file's order, with
+"stats": null), then the error.
 """
 from __future__ import annotations
 
@@ -27,8 +29,11 @@ def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
         data = sys.stdin.buffer.read() if source == "-" else Path(source).expanduser().read_bytes()
     except OSError as e:
         raise UsageError(f"cannot read batch file {source}: {e.strerror or e}") from e
-    items, ids = [], set()
-    for n, line in enumerate(_decode_text(data, f"batch file {source}").splitlines(), 1):
+    items, ids = [], {}  # id -> its line
+    # JSON Lines ends lines at \n only: a JSON string may hold U+2028 or U+0085 unescaped (splitlines splits there)
+    content = _decode_text(data, f"batch file {source}").removeprefix("\ufeff")  # a BOM: RFC 8259 lets us ignore it
+    for n, line in enumerate(content.split("\n"), 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         where = f"batch file {source}, line {n}"
@@ -53,11 +58,12 @@ def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
         if not isinstance(key, (str, int)) or isinstance(key, bool):
             raise UsageError(f'{where}: "id" must be a string or an integer')
         if key in ids:
-            raise UsageError(f"{where}: id {key!r} appears twice")
+            implicit = "" if "id" in obj else ' (its line number, as it gives no "id")'
+            raise UsageError(f"{where}: id {key!r}{implicit} is line {ids[key]}'s id; give each line its own")
         budget = obj.get("max_new_tokens")
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
             raise UsageError(f'{where}: "max_new_tokens" must be an integer >= 0')
-        ids.add(key)
+        ids[key] = n
         items.append((key, text, budget))
     if not items:
         raise UsageError(f"batch file {source} holds no prompts")
@@ -103,6 +109,11 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft:
     for (key, _, _), ids in zip(items, prompts):
         if len(ids) >= context:
             raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
+    short = [f"{key!r} gets {context - len(ids)}" for (key, _, _), ids, n in zip(items, prompts, budgets)
+             if n > context - len(ids)]
+    if short:  # as `tforce run` notes it for one prompt
+        _say(f"tforce: note: the model's context ({context} tokens) leaves room for fewer new tokens than asked: "
+             + ", ".join(short))
     longest = max(len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets))
     # B rows of the longest row's capacity
     draft_config = _read_config(draft, "draft model")[1] if draft else None
@@ -112,12 +123,26 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft:
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
     keys = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",
             "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory")
-    results = generate_batch(target.model, prompts, draft=small.model if small else None, method=options["method"],
-                             max_new_tokens=budgets, **{k: options[k] for k in keys})
-    for (key, _, _), ids, result in zip(items, prompts, results):
-        record = {"id": key, "text": tok.decode(result.tokens, skip_special_tokens=True), "tokens": result.tokens,
-                  "prompt_tokens": len(ids), "method": options["method"], "device": device, "stats": result.stats}
+    finished: dict[int, list[int]] = {}
+
+    def write(r: int, tokens: list[int], stats) -> None:
+        record = {"id": items[r][0], "text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens,
+                  "prompt_tokens": len(prompts[r]), "method": options["method"], "device": device, "stats": stats}
         sys.stdout.write(json.dumps(record) + "\n")
+
+    try:
+        results = generate_batch(target.model, prompts, draft=small.model if small else None,
+                                 method=options["method"], max_new_tokens=budgets, on_row=finished.__setitem__,
+                                 **{k: options[k] for k in keys})
+    except BaseException:
+        # interrupted or failed half way: the rows finished so far, in the file's order, without the batch's
+        # statistics (not measured to its end); the error follows on stderr
+        for r in sorted(finished):
+            write(r, finished[r], None)
+        sys.stdout.flush()
+        raise
+    for r, result in enumerate(results):
+        write(r, result.tokens, result.stats)
     sys.stdout.flush()
     stats = results[0].stats
     n = sum(len(r.tokens) for r in results)

@@ -163,7 +163,8 @@ def run(
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda)."),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSON-lines file of prompts ('-' = stdin), one "
                                         "{\"prompt\" and/or \"file\", \"id\", \"max_new_tokens\"} a line, run as "
-                                        "one batch; one JSON line out per prompt (--method ar or naive)."),
+                                        "one batch; one JSON line out per prompt (every --method; no --deterministic, "
+                                        "--tp or KV snapshots)."),
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
     params = dict(locals())

@@ -26,7 +26,8 @@ def _rotation(rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):
 
 
 class _Rows:
-    """Row bookkeeping shared by both caches: lengths, the live row count, commit, truncate, keep."""
+    """Row bookkeeping shared by the batched caches (here and cache/rows_retrieval.py): lengths, the live
+    row count, commit, truncate, keep."""
 
     def _init_rows(self, n_rows: int) -> None:
         self.rows = n_rows

@@ -37,7 +37,7 @@ from ..errors import TforceError
 from ..rope import Rotary
 from ..sync import to_device
 from .base import CacheView
-from .batched import _rotation
+from .batched import _Rows, _rotation
 from .chunkstats import ChunkStats
 from .retrieval import chunk_positions
 
@@ -58,7 +58,7 @@ class _Row:
         return self.full.gather_row(layer, self.b, idx)
 
 
-class RowsRetrievalCache:
+class RowsRetrievalCache(_Rows):
     def __init__(self, n_layers: int, n_rows: int, n_kv: int, head_dim: int, budget: int, chunk_size: int,
                  rotary: Rotary, dtype=torch.float32, device="cpu", shared: bool = False, select=None):
         shape = (n_layers, n_rows, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
@@ -67,10 +67,8 @@ class RowsRetrievalCache:
         self.key_pos = torch.full((n_layers, n_rows, n_kv, budget), -1, dtype=torch.long, device=device)
         self.budget, self.chunk_size, self.rotary, self.shared = budget, chunk_size, rotary, shared
         self.select = select  # None: the chunk rule; else a policies.py rule
-        self.rows = n_rows
-        self.lengths = torch.zeros(n_rows, dtype=torch.long)
+        self._init_rows(n_rows)
         self.base = torch.zeros(n_rows, dtype=torch.long)  # each row's length at its last rebuild
-        self.pending = 0
         self.stats: list[ChunkStats | None] = [None] * n_rows  # each row's chunk sums of the full cache
 
     def new_tokens(self) -> torch.Tensor:
@@ -153,13 +151,6 @@ class RowsRetrievalCache:
         B = self.rows
         return q, CacheView(self.k[layer, :B], self.v[layer, :B], self._mask[layer])
 
-    def commit(self, counts) -> None:
-        """Row b keeps the first counts[b] of the pending tokens (counts: (rows,) or an int for all)."""
-        counts = torch.as_tensor(counts, dtype=torch.long).expand(self.rows)
-        assert bool(((counts >= 0) & (counts <= self.pending)).all())
-        self.lengths[:self.rows] += counts
-        self.pending = 0
-
     def truncate(self, lengths: torch.Tensor) -> None:
         """Row b keeps lengths[b] committed tokens (between its last rebuild and what it holds)."""
         assert bool(((lengths >= self.base[:self.rows]) & (lengths <= self.lengths[:self.rows])).all()), \
@@ -167,16 +158,15 @@ class RowsRetrievalCache:
         self.lengths[:self.rows] = lengths
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only the listed live rows (increasing), moved to the front in that order: each row that moves
-        is copied in place, row i to row j < i (no scratch memory, which placement.py does not plan)."""
-        assert all(a < b for a, b in zip(rows, rows[1:])), "keep takes live rows in increasing order"
-        for j, i in enumerate(rows):
-            if i != j:
-                self.k[:, j] = self.k[:, i]
-                self.v[:, j] = self.v[:, i]
-                self.key_pos[:, j] = self.key_pos[:, i]
-        self.stats = [self.stats[i] for i in rows] + [None] * (len(self.stats) - len(rows))
-        idx = torch.tensor(rows, dtype=torch.long)
-        self.lengths[:len(rows)] = self.lengths[idx].clone()
-        self.base[:len(rows)] = self.base[idx].clone()
-        self.rows = len(rows)
+        """_Rows.keep (rows moved in place, no scratch memory); finished rows' chunk statistics dropped."""
+        super().keep(rows)
+        self.stats[len(rows):] = [None] * (len(self.stats) - len(rows))
+
+    def _used(self, b: int) -> int:
+        return self.budget  # slots wrap: a row may use any of them
+
+    def _move_row(self, i: int, j: int) -> None:
+        super()._move_row(i, j)
+        self.key_pos[:, j] = self.key_pos[:, i]
+        self.base[j] = self.base[i]
+        self.stats[j] = self.stats[i]

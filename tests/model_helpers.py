@@ -1,5 +1,8 @@
-"""Helpers shared by test_model, test_caches and test_weights: run our model through a cache, and HF's."""
+"""Helpers shared by the tests: run our model through a cache, and HF's; set a model's EOS for a while;
+record the device -> host transfers of a run."""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from transformers import LlamaForCausalLM
@@ -67,3 +70,30 @@ def count_rowwise_runners(monkeypatch) -> list:
 
     monkeypatch.setattr(tforce.engine, "RowwiseRunner", Counted)
     return built
+
+
+@contextmanager
+def eos_token(model, token: int):
+    """The model's config says `token` is its EOS inside the block (to stop rows at a known token)."""
+    old = model.config.eos_token_id
+    model.config.eos_token_id = token
+    try:
+        yield
+    finally:
+        model.config.eos_token_id = old
+
+
+def record_host(monkeypatch) -> list[int]:
+    """The sizes of every device -> host transfer (sync.host) the batch levels and verifications make."""
+    import tforce.batch_levels
+    import tforce.speculative
+
+    calls = []
+
+    def host(t):
+        calls.append(t.numel())
+        return t.tolist()
+
+    monkeypatch.setattr(tforce.batch_levels, "host", host)
+    monkeypatch.setattr(tforce.speculative, "host", host)
+    return calls

@@ -18,6 +18,7 @@ from tforce.engine import _plan, model_shape
 from tforce.speculative import verify_rows
 from tforce.synthetic import make_checkpoint
 
+from model_helpers import eos_token, record_host
 from stats_util import chi2_pvalue
 from test_exactness import PROMPT, SAMPLING, SAMPLES, N_TOKENS, V, check, exact_joint, small_vocab  # noqa: F401
 
@@ -66,14 +67,10 @@ def test_a_row_that_stops_at_eos_leaves_the_others_unchanged(tiny, method):
     prompts = prompts_of(LENGTHS, seed=2)
     model = tiny["gqa"].model
     first = tforce.generate(model, prompts[1], method="ar", max_new_tokens=8, temperature=0, ignore_eos=True)
-    old = model.config.eos_token_id
-    model.config.eos_token_id = first.tokens[3]
-    try:
+    with eos_token(model, first.tokens[3]):
         kw = dict(draft=tiny["draft"], method=method, max_new_tokens=20, temperature=0, **SMALL)
         rows = generate_batch(model, prompts, **kw)
         alone = [tforce.generate(model, p, **kw).tokens for p in prompts]
-    finally:
-        model.config.eos_token_id = old
     assert [r.tokens for r in rows] == alone
     assert len(rows[1].tokens) <= 4 < 20 == max(len(t) for t in alone)  # one finished early, others went on
 
@@ -86,14 +83,10 @@ def test_offloaded_rows_equal_single_prompts(tiny, method):
     prompts = prompts_of(LENGTHS, seed=3)
     model = tiny["gqa"].model
     first = tforce.generate(model, prompts[0], method="ar", max_new_tokens=8, temperature=0, ignore_eos=True)
-    old = model.config.eos_token_id
-    model.config.eos_token_id = first.tokens[2]
-    try:
+    with eos_token(model, first.tokens[2]):
         kw = dict(max_new_tokens=20, temperature=0)
         rows = generate_batch(model, prompts, draft=tiny["draft"], method=method, offload="on", **SMALL, **kw)
         alone = [tforce.generate(model, p, method="ar", **kw).tokens for p in prompts]
-    finally:
-        model.config.eos_token_id = old
     assert [r.tokens for r in rows] == alone
     assert len(alone[0]) <= 3 < max(len(t) for t in alone)  # row 0 left first; the others went on
 
@@ -220,14 +213,7 @@ def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
 def test_one_host_transfer_per_step_for_all_rows(tiny, monkeypatch):
     """ar: one device -> host transfer per step carrying every live row's token, never one per row;
     naive: one per drafted token (all rows) and one per verification (all rows' counts and next tokens)."""
-    calls = []
-
-    def host(t):
-        calls.append(t.numel())
-        return t.tolist()
-
-    monkeypatch.setattr(tforce.batch_levels, "host", host)
-    monkeypatch.setattr(tforce.speculative, "host", host)
+    calls = record_host(monkeypatch)
     prompts = prompts_of((5, 9, 3))
     generate_batch(tiny["gqa"], prompts, method="ar", max_new_tokens=[10, 10, 4], temperature=0, ignore_eos=True)
     assert calls == [3] * 4 + [2] * 6  # the third row left after its 4 tokens

@@ -8,6 +8,7 @@ import tforce
 from tforce.batch import generate_batch
 from tforce.batch_levels import RowsNode
 
+from model_helpers import eos_token, record_host
 from test_batch import prompts_of
 
 LENGTHS = (1, 13, 70, 45)  # a one-token prompt; two rows longer than the middle budget
@@ -81,14 +82,10 @@ def test_a_row_that_stops_at_eos_leaves_the_others_unchanged(tiny, method):
     prompts = prompts_of(LENGTHS, seed=2)
     model = tiny["gqa"].model
     first = alone(model, prompts[2], 8, ignore_eos=True)
-    old = model.config.eos_token_id
-    model.config.eos_token_id = first[3]
-    try:
+    with eos_token(model, first[3]):
         rows = generate_batch(model, prompts, draft=tiny["draft"], method=method, max_new_tokens=20,
                               temperature=0, **SMALL)
         want = [alone(model, p, 20) for p in prompts]
-    finally:
-        model.config.eos_token_id = old
     assert [r.tokens for r in rows] == want
     assert len(rows[2].tokens) <= 4 < 20 == max(len(t) for t in want)  # one finished early, others went on
 
@@ -159,17 +156,7 @@ def test_rebuilds_refeed_a_token_whose_query_is_not_at_hand(tiny, monkeypatch):
 def test_triforce_host_transfers_carry_every_row(tiny, monkeypatch):
     """Each device -> host transfer carries all live rows at once: a drafted token per row (n numbers) or a
     verdict per row (n counts and n next tokens), never one row's alone."""
-    import tforce.batch_levels
-    import tforce.speculative
-
-    calls = []
-
-    def host(t):
-        calls.append(t.numel())
-        return t.tolist()
-
-    monkeypatch.setattr(tforce.batch_levels, "host", host)
-    monkeypatch.setattr(tforce.speculative, "host", host)
+    calls = record_host(monkeypatch)
     rows = generate_batch(tiny["gqa"], prompts_of((5, 40, 3)), draft=tiny["draft"], method="triforce",
                           max_new_tokens=12, temperature=0, ignore_eos=True, **SMALL)
     assert calls[:3] == [3, 3, 6]  # the first middle round: gamma1 = 2 drafted tokens, then one verdict

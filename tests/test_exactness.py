@@ -17,6 +17,7 @@ from tforce.sampling import to_probs
 from tforce.speculative import verify
 from tforce.synthetic import make_checkpoint
 
+from model_helpers import eos_token
 from stats_util import chi2_pvalue
 
 SPECULATIVE = ["triforce", "retrieval", "streaming", "naive"]
@@ -65,16 +66,11 @@ def test_eos_stops_generation(tiny):
     prompt = prompt_of(10)
     ar = tforce.generate(tiny["gqa"], prompt, method="ar", max_new_tokens=8, temperature=0, ignore_eos=True)
     eos = ar.tokens[3]
-    model = tiny["gqa"].model
-    old = model.config.eos_token_id
-    model.config.eos_token_id = eos
-    try:
+    with eos_token(tiny["gqa"].model, eos):
         for method in ["ar"] + SPECULATIVE:
             out = tforce.generate(tiny["gqa"], prompt, draft=tiny["draft"], method=method, max_new_tokens=8,
                                   temperature=0, **SMALL)
             assert out.tokens == ar.tokens[: ar.tokens.index(eos) + 1], method
-    finally:
-        model.config.eos_token_id = old
 
 
 # ---- sampling: exact distribution on a tiny vocabulary -------------------------------------------------

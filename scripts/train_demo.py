@@ -555,32 +555,29 @@ def main(argv=None) -> int:
     if long and (args.min_episode or args.passkey_frac is not None):
         long = replace(long, min_episode=args.min_episode or long.min_episode,
                        passkey_frac=long.passkey_frac if args.passkey_frac is None else args.passkey_frac)
+    def long_phase(name: str, seconds: float, steps: int | None) -> dict:
+        """Train the target on long.seq_len sequences (passkey episodes and book text); its record."""
+        stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), long.passkey_frac,
+                        long.min_episode)
+        arch = replace(setup.target, seq_len=long.seq_len, batch=long.batch, lr=long.lr)
+        return dict(train(name, target, stream, arch, seconds, steps, setup.answer_weight, args.device),
+                    passkey_frac=long.passkey_frac, min_episode=long.min_episode, rope=target.config.rope_parameters)
+
     if more:  # a second long phase: the first one's record stays, this one's is added beside it
         rec["target"]["perplexity_before_more"] = perplexity(target, held_ids, context, setup.eval_tokens,
                                                              args.device)
         rec["target"]["passkey_before_more"] = base_card["target"]["passkey_accuracy"]
         log(f"target: held-out perplexity before the second long phase {rec['target']['perplexity_before_more']}")
-        stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), long.passkey_frac,
-                        long.min_episode)
-        arch = replace(setup.target, seq_len=long.seq_len, batch=long.batch, lr=long.lr)
-        rec["target"]["long_train_more"] = dict(
-            train("target (long phase, continued)", target, stream, arch, budget, setup.steps, setup.answer_weight,
-                  args.device),
-            passkey_frac=long.passkey_frac, min_episode=long.min_episode, rope=target.config.rope_parameters)
+        rec["target"]["long_train_more"] = long_phase("target (long phase, continued)", budget, setup.steps)
     elif long:
         rec["target"]["perplexity_before_long"] = perplexity(target, held_ids, base_len, setup.eval_tokens,
                                                              args.device)
         log(f"target: held-out perplexity before the long phase {rec['target']['perplexity_before_long']}")
         target = extend_context(target, long)
         log(f"target: RoPE {target.config.rope_parameters}, max_position_embeddings {context}")
-        stream = Stream(tok, train_books, train_ids, random.Random(rng.randrange(1 << 30)), long.passkey_frac,
-                        long.min_episode)
-        arch = replace(setup.target, seq_len=long.seq_len, batch=long.batch, lr=long.lr)
-        rec["target"]["long_train"] = dict(
-            train("target (long phase)", target, stream, arch, budget * (t_share if not base else 1) * long_share,
-                  None if setup.steps is None else max(1, round(setup.steps * long_share)), setup.answer_weight,
-                  args.device),
-            passkey_frac=long.passkey_frac, min_episode=long.min_episode, rope=target.config.rope_parameters)
+        rec["target"]["long_train"] = long_phase(
+            "target (long phase)", budget * (t_share if not base else 1) * long_share,
+            None if setup.steps is None else max(1, round(setup.steps * long_share)))
     for name, model in (("target", target), ("draft", draft)):
         rec[name]["max_position_embeddings"] = context
     t_eval = time.perf_counter()

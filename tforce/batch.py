@@ -27,7 +27,7 @@ from .cache.policies import make_select
 from .cache.rows_offload import RowsOffloadedCache
 from .cache.rows_retrieval import RowsRetrievalCache
 from .config import Sampling, Speculation
-from .engine import Result, _check_pair, _eos_ids, _module, _placement, _plan, _sync_device
+from .engine import Result, _eos_ids, _module, _placement, _plan, _sync_device, configuration
 from .errors import UsageError
 from .prefill import prefill_rows_layer_major
 from .rope import Rotary
@@ -79,18 +79,15 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     offload, gpu_memory and device_free as in `generate` (offloaded layers stream once per step for all
     rows). on_row(r, tokens) is told each row's final tokens as soon as the row is finished (a row with no
     budget right after the prefill), so a caller keeps what is done if the rest fails or is interrupted."""
-    spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
-                       draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
-                       rebuild_below=rebuild_below, policy=policy)
-    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    spec.validate()
-    sampling.validate()
+    target, draft = _module(target), (_module(draft) if draft is not None else None)
+    spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
+                                   draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                                   rebuild_below=rebuild_below, policy=policy)
     if method not in BATCH_METHODS:
         raise UsageError(f"batches run --method {'|'.join(BATCH_METHODS)} so far, not {method!r}")
     if method in ("triforce", "retrieval") and policy not in BATCH_POLICIES:
         raise UsageError(f"batches run --policy {'|'.join(BATCH_POLICIES)} so far, not {policy!r}")
-    target, draft = _module(target), (_module(draft) if draft is not None else None)
-    _check_pair(target, draft, spec)
     prompts = [list(map(int, p)) for p in prompts]
     context = target.config.max_position_embeddings
     if not prompts:

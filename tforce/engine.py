@@ -298,13 +298,10 @@ def _check_pair(target, draft, spec: Speculation) -> None:
                          f"{target.config.vocab_size} tokens): the draft must share the target's tokenizer")
 
 
-def open_session(target, draft, prompt_len: int, max_new: int, *, method: str = "triforce", temperature: float = 0.6,
-                 top_p: float = 0.9, top_k: int = 0, seed: int | None = None, budget: int = 4096, chunk_size: int = 8,
-                 gamma1: int = 2, gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
-                 rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
-                 gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
-                 deterministic: bool = False) -> Session:
-    """The checked configuration's Session for prompt_len + max_new tokens (options: generate's)."""
+def configuration(target, draft, *, method: str, temperature: float, top_p: float, top_k: int, seed: int | None,
+                  budget: int, chunk_size: int, gamma1: int, gamma2: int, draft_budget: int, sinks: int,
+                  rebuild_every: int, rebuild_below: float, policy: str) -> tuple[Speculation, Sampling]:
+    """The options as (Speculation, Sampling), each checked, and the draft checked against the target."""
     spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                        draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                        rebuild_below=rebuild_below, policy=policy)
@@ -312,6 +309,20 @@ def open_session(target, draft, prompt_len: int, max_new: int, *, method: str = 
     spec.validate()
     sampling.validate()
     _check_pair(target, draft, spec)
+    return spec, sampling
+
+
+def open_session(target, draft, prompt_len: int, max_new: int, *, method: str = "triforce", temperature: float = 0.6,
+                 top_p: float = 0.9, top_k: int = 0, seed: int | None = None, budget: int = 4096, chunk_size: int = 8,
+                 gamma1: int = 2, gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
+                 rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
+                 gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
+                 deterministic: bool = False) -> Session:
+    """The checked configuration's Session for prompt_len + max_new tokens (options: generate's)."""
+    spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
+                                   draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                                   rebuild_below=rebuild_below, policy=policy)
     return Session(target, draft, prompt_len, max_new, spec, sampling, prefill_chunk, offload, gpu_memory,
                    cuda_graphs, device_free, deterministic)
 

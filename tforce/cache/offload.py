@@ -61,7 +61,29 @@ def _unregister(ptr: int, device: torch.device) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-class OffloadedCache(FullCache):
+class StagedLayers:
+    """The staging discipline the one-row and the batched offloaded caches share: two device buffers,
+    offloaded layer i's committed prefix copied into buffer i % 2 on the copy stream (the class's _prefetch)
+    while the layer before it computes."""
+
+    def _slot(self, layer: int) -> int:
+        return (layer - self.resident) % 2
+
+    def begin(self, n: int) -> None:
+        super().begin(n)
+        self._prefetch(self.resident)
+
+    def _enter(self, layer: int) -> tuple[int, int]:
+        """Wait (on the compute stream, not the host) until offloaded `layer` is staged, start staging the
+        next one; returns (staging buffer, index into host_k/host_v)."""
+        j = self._slot(layer)
+        if self._ready[j] is not None:
+            torch.cuda.current_stream(self.stage_k.device).wait_event(self._ready[j])
+        self._prefetch(layer + 1)  # overlaps with this layer's compute
+        return j, layer - self.resident
+
+
+class OffloadedCache(StagedLayers, FullCache):
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int, rotary: Rotary,
                  resident: int, dtype=torch.float32, device="cpu"):
         self.resident = resident
@@ -88,9 +110,6 @@ class OffloadedCache(FullCache):
         """Bytes of host storage, all of them pinned when the device is CUDA (no rounding: host_tensor)."""
         return sum(t.nbytes for t in self.host_k + self.host_v)
 
-    def _slot(self, layer: int) -> int:
-        return (layer - self.resident) % 2
-
     def _prefetch(self, layer: int) -> None:
         """Start copying offloaded `layer`'s committed K/V into its staging buffer."""
         if layer >= self.n_layers:
@@ -100,17 +119,11 @@ class OffloadedCache(FullCache):
         self._ready[j] = copy_on(self.copy_stream, [(self.stage_k[j, :, :L], self.host_k[h][:, :L]),
                                                     (self.stage_v[j, :, :L], self.host_v[h][:, :L])], record=True)
 
-    def begin(self, n: int) -> None:
-        super().begin(n)
-        self._prefetch(self.resident)
-
     def update(self, layer, q, k, v):
         if layer < self.resident:
             return super().update(layer, q, k, v)
-        L, n, j, h = self.length, self.pending, self._slot(layer), layer - self.resident
-        if self._ready[j] is not None:
-            torch.cuda.current_stream(self.stage_k.device).wait_event(self._ready[j])
-        self._prefetch(layer + 1)  # overlaps with this layer's compute
+        L, n = self.length, self.pending
+        j, h = self._enter(layer)
         q = self.rotary.rotate(q, self._cos, self._sin)
         self.stage_k[j, :, L:L + n] = self.rotary.rotate(k, self._cos, self._sin)
         self.stage_v[j, :, L:L + n] = v

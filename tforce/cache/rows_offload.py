@@ -20,10 +20,10 @@ from ..rope import Rotary
 from .base import CacheView
 from .batched import RowsCache
 from .full import gather_heads
-from .offload import copy_on, host_tensor
+from .offload import StagedLayers, copy_on, host_tensor
 
 
-class RowsOffloadedCache(RowsCache):
+class RowsOffloadedCache(StagedLayers, RowsCache):
     def __init__(self, n_layers: int, n_rows: int, n_kv: int, head_dim: int, capacity: int, rotary: Rotary,
                  resident: int, dtype=torch.float32, device="cpu"):
         device = torch.device(device)
@@ -38,9 +38,6 @@ class RowsOffloadedCache(RowsCache):
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
         self._ready = [None, None]  # events: staging buffer j holds its layer's prefixes
 
-    def _slot(self, layer: int) -> int:
-        return (layer - self.resident) % 2
-
     def _prefetch(self, layer: int) -> None:
         """Start copying offloaded `layer`'s committed K/V, row by row, into its staging buffer."""
         if layer >= self.n_layers:
@@ -53,17 +50,10 @@ class RowsOffloadedCache(RowsCache):
             self.host_rows_streamed += L
         self._ready[j] = copy_on(self.copy_stream, pairs, record=True)
 
-    def begin(self, n: int) -> None:
-        super().begin(n)
-        self._prefetch(self.resident)
-
     def update(self, layer, q, k, v):
         if layer < self.resident:
             return super().update(layer, q, k, v)
-        j, h = self._slot(layer), layer - self.resident
-        if self._ready[j] is not None:
-            torch.cuda.current_stream(self.stage_k.device).wait_event(self._ready[j])
-        self._prefetch(layer + 1)  # overlaps with this layer's compute
+        j, h = self._enter(layer)
         q = self.rotary.rotate(q, self._cos, self._sin)
         self._fresh[layer] = q
         self.stage_k[j][self._rows_idx, self._slots] = self.rotary.rotate(k, self._cos, self._sin)

@@ -15,7 +15,7 @@ from tforce.synthetic import make_checkpoint
 BENCH = ["bench", "--synthetic", "tiny", "--device", "cpu", "--prompt-len", "200", "--gen-len", "16"]
 RUN_FIELDS = {"method", "ms_per_token", "speedup_vs_ar", "acceptance", "tokens_per_verification", "prefill_s",
               "h2d_gbps", "gpu_mem_gib", "pinned_gib", "floor_ms_per_verification", "placement", "rebuild_s",
-              "rebuilds", "prefill_rebuild_s"}
+              "rebuilds", "prefill_rebuild_s", "forwards", "stage_s", "projection"}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,11 @@ def test_bench_json_has_every_field(report):
     for r in report["runs"][1], report["runs"][3]:  # triforce, retrieval: rebuilt at prefill, maybe later
         assert r["prefill_rebuild_s"] > 0 and r["rebuilds"] >= 0 and r["rebuild_s"] >= 0
     assert set(report["runs"][1]["acceptance"]) == {"draft", "retrieval"}
+    for r in report["runs"]:  # stage times per node, and the projection from them (tests/test_projection.py)
+        assert set(r["stage_s"]) == set(r["forwards"]) and sum(r["stage_s"].values()) <= r["decode_s"]
+        p = r["projection"]
+        assert p["acceptance"] == report["project"] == 0.92 and p["ms_per_token"] > 0
+    assert report["runs"][0]["projection"]["speedup_vs_ar"] == 1.0
 
 
 def test_bench_table_says_synthetic(runner):
@@ -56,6 +61,7 @@ def test_bench_table_says_synthetic(runner):
     assert result.stdout.index("ar ") < result.stdout.index("retrieval")  # ar first: the baseline
     assert "rebuild" in result.stdout
     assert "SYNTHETIC" in result.stderr  # diagnostics go to stderr, the table to stdout
+    assert "projected" in result.stdout and "@0.92" in result.stdout and "projected = NOT" in result.stdout
 
 
 def test_bench_offload_on_cpu(runner):
@@ -78,6 +84,8 @@ def test_bench_offload_on_cpu(runner):
     (["--gpus", "2"], "--gpus runs on CUDA"),
     (["--tp", "2"], "needs --model"),
     (["--prompt-len", "4000", "--gen-len", "200"], "exceeds the model's context"),
+    (["--project", "1.5"], "--project"),
+    (["--project", "high"], "--project"),
 ])
 def test_bench_bad_options_are_one_line(runner, args, needle):
     result = runner.invoke(app, BENCH + args)

@@ -6,6 +6,10 @@ acceptance per level, tokens per full-cache verification, prefill seconds, secon
 retrieval cache during decoding (and how many rebuilds), the achieved host-to-device
 rate of the offloaded KV stream against the measured pinned-copy peak, GPU and pinned memory.
 
+Each run also carries its stage times (seconds in each level's forwards) and a projection: the ms/token
+those stage times give at an assumed acceptance rate (projection.py; default the paper's 0.92 at every
+level), which is what a synthetic run can say about a trained pair. A projection is not a measurement.
+
 `--peers hf` adds transformers' own `generate` on the same weights and prompt (tforce/peers.py), in
 the record's "peers", each with its speed-up over `ar` and whether its greedy tokens equal `ar`'s.
 
@@ -26,6 +30,7 @@ from . import placement
 from .config import METHODS, Speculation
 from .errors import TforceError, UsageError
 from .model import Llama
+from .projection import project
 from .synthetic import ARCHITECTURES, byte_tokenizer, make_config
 
 GiB = placement.GiB
@@ -54,6 +59,8 @@ class BenchConfig:
     gpu_memory: int | None = None
     engine: dict = field(default_factory=dict)  # budget, gamma1, gamma2, draft_budget, chunk_size, ...
     peers: tuple[str, ...] = ()  # peers.FAMILIES' members: transformers' generate, timed beside the methods
+    # acceptance at which each run's stage times are projected (projection.py); "measured": the run's own
+    project: float | str = 0.92
 
 
 DETERMINISTIC = "+det"  # method suffix: the same method with row-wise verification (rowwise.py)
@@ -261,6 +268,9 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
     result = models.generate(ids, method, **_options(cfg, cfg.gen_len))
     s = result.stats
     n = len(result.tokens)
+    spec = Speculation(method=split_method(method)[0],
+                       **{k: v for k, v in cfg.engine.items() if k in Speculation.__dataclass_fields__})
+    spec = spec.fitted(len(ids) + cfg.gen_len + spec.max_lookahead + 1)  # as the Session fitted it
     # Bytes of offloaded KV one rank streams per full-cache verification: only committed rows are
     # copied, so at the mean context length over the decode (about prompt + half the generated tokens).
     # The ranks stream in parallel, each over its own link: the achieved rate is their sum.
@@ -287,6 +297,10 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
         "floor_ms_per_verification": 1000 * offloaded / (h2d_peak * 1e9) if streamed and h2d_peak else None,
         "gpu_mem_gib": torch.cuda.max_memory_allocated(device) / GiB if local_cuda else None,
         "pinned_gib": models.world * s["kv_host_bytes"] / GiB,
+        "forwards": s["forwards"],
+        "stage_s": s["stage_s"],  # seconds in each node's forwards while decoding (within decode_s)
+        # NOT measured: this run's stage times at an assumed acceptance (cfg.project) at every level
+        "projection": project(s, spec, s["acceptance"] if cfg.project == "measured" else cfg.project),
         "placement": {"resident_layers": s["kv_resident_layers"], "offloaded_layers": s["kv_offloaded_layers"],
                       "device_kv_gib": s["kv_device_bytes"] / GiB, "host_kv_gib": s["kv_host_bytes"] / GiB,
                       "ranks": models.world},
@@ -320,6 +334,12 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
     ar = next((r["ms_per_token"] for r in runs if r["method"] == "ar"), None)
     for r in runs + others:
         r["speedup_vs_ar"] = ar / r["ms_per_token"] if ar and r["ms_per_token"] else None
+    ar_projected = next((r["projection"]["ms_per_token"] for r in runs if r["method"] == "ar" and r["projection"]),
+                        None)
+    for r in runs:
+        if r["projection"] is not None:
+            r["projection"]["speedup_vs_ar"] = ar_projected / r["projection"]["ms_per_token"] if ar_projected \
+                else None
     return {
         "device": device_name(device) + (f" x {models.world} ranks" if models.world > 1 else ""),
         "h2d_peak_gbps": peak,
@@ -332,6 +352,7 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
         "offload": cfg.offload,
         "ranks": models.world,
         "warmup_s": warmup_s,
+        "project": cfg.project,
         "runs": runs,
         "peers": others,
     }

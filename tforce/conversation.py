@@ -91,13 +91,13 @@ class Conversation:
         kept = session.prefill(torch.tensor(prompt), on_prefill)
         _sync_device(device)
         t1 = time.perf_counter()
-        forwards = session.forwards()
+        before = session.counts()
         out = decode(session, len(prompt), max_new, generator(self.target, self.seed if seed is None else seed), self.eos, tokens_out, on_round)
         _sync_device(device)
         t2 = time.perf_counter()
         if self.keep_history:
             self.history = prompt + [t for t in out if t not in self.eos]
-        stats = _stats(session, len(out), t1 - t0, t2 - t1, forwards)
+        stats = _stats(session, len(out), t1 - t0, t2 - t1, before)
         stats.update(ttft_s=(first[0] if first else t2) - t0, prompt_tokens=len(prompt),
                      prefilled_tokens=len(prompt) - 1 - kept)
         return Result(out, stats)

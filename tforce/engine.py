@@ -189,9 +189,11 @@ class Session:
             node.adopt(self.seq, node.cache.length)
         node.prefill(self.seq, m)
 
-    def forwards(self) -> dict[str, int]:
-        """Forwards each node has run so far, by node name (draft; retrieval or streaming; full)."""
-        return {node.name: node.forwards for node in (self.small, self.middle, self.full) if node is not None}
+    def counts(self) -> dict[str, tuple[int, float]]:
+        """(forwards run so far, seconds in them) per node, by node name (draft; retrieval or streaming;
+        full). On CUDA, after synchronising the device (timing.py)."""
+        return {node.name: (node.forwards, node.timer.seconds())
+                for node in (self.small, self.middle, self.full) if node is not None}
 
     def reset_stats(self) -> None:
         """Acceptance and rebuild times count from here (a conversation's next question)."""
@@ -402,12 +404,12 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
         snapshot.save(save_kv, session, identity)
         kv["save_kv_s"] = time.perf_counter() - t1
     eos = set() if ignore_eos else _eos_ids(target.config)
-    forwards = session.forwards()
+    before = session.counts()
     t2 = time.perf_counter()
     out = decode(session, len(prompt), max_new, gen, eos, on_token, on_round)
     _sync_device(device)
     t3 = time.perf_counter()
-    stats = _stats(session, len(out), t1 - t0, t3 - t2, forwards)
+    stats = _stats(session, len(out), t1 - t0, t3 - t2, before)
     return Result(out, {**stats, **kv})
 
 
@@ -449,8 +451,10 @@ def _placement(plan: placement.Plan) -> dict:
 
 
 def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, before: dict[str, int]) -> dict:
-    """before: session.forwards() when decoding began."""
-    forwards = {name: n - before[name] for name, n in session.forwards().items()}
+    """before: session.counts() when decoding began."""
+    now = session.counts()
+    forwards = {name: n - before[name][0] for name, (n, _) in now.items()}
+    stage_s = {name: s - before[name][1] for name, (_, s) in now.items()}
     verifications = forwards["full"]
     return {
         "prefill_s": prefill_s,
@@ -461,6 +465,8 @@ def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, befo
         "tokens_per_verification": n_out / verifications if verifications else None,
         "verifications": verifications,
         "forwards": forwards,  # per node while decoding: what each level's step costs is read that often
+        "stage_s": stage_s,  # per node, seconds of those forwards (timing.py); the rest of decode_s is
+        # sampling, verification, host syncs, rebuilds and Python between forwards
         **_placement(session.plan),
         # Retrieval rebuilds: the prefill's initial one, then those during decoding (their seconds are
         # part of decode_s). None without a retrieval cache.

@@ -32,6 +32,7 @@ from .config import Sampling
 from .sampling import sample, to_probs
 from .speculative import Proposal, verify
 from .sync import host, to_device
+from .timing import ForwardTimer
 
 
 class Node:
@@ -44,6 +45,7 @@ class Node:
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
         self.forwards = 0
+        self.timer = ForwardTimer(self.device)  # seconds in forwards, read after decoding (stage times)
 
     def matching(self, seq: torch.Tensor, n: int) -> int:
         """How many of the tokens the cache holds match seq[:n - 1] (the prefix sync would keep)."""
@@ -61,7 +63,9 @@ class Node:
     def _feed(self, seq: torch.Tensor, start: int, end: int, last_n: int):
         ids = seq[start:end]
         self.cache.begin(len(ids))
+        mark = self.timer.start()
         logits = self.runner(to_device(ids[None], self.device), last_n)
+        self.timer.stop(mark)
         self.cache.commit(len(ids))
         self.tokens[start:end] = ids
         self.forwards += 1

@@ -56,6 +56,11 @@ def bench(
                                              "cache (CUDA); greedy tokens checked against ar's."),
     batch: Optional[int] = typer.Option(None, "--batch", help="N prompts of --prompt-len tokens as one batch "
                                                                "against the same N one at a time."),
+    project_at: str = typer.Option("0.92", "--project", metavar="ACCEPTANCE",
+                                   help="Also project each run's ms/token at this acceptance rate at every "
+                                        "level, from its measured stage times (shown for --synthetic, always "
+                                        "in --json; default: the paper's 0.92; 'measured': each run's own "
+                                        "acceptance, which checks the model). A projection, not a measurement."),
     as_json: bool = flag("--json", "Print one JSON object."),
 ) -> None:
     """Time every method on one prompt: ms/token, speed-up over ar, acceptance, H2D GB/s, memory."""
@@ -83,8 +88,9 @@ def bench(
         for m in names:
             Speculation(method=b.split_method(m)[0], **engine).validate()
         Sampling(temperature=temperature, top_p=top_p, seed=seed).validate()
+        project = _project_option(project_at)
         cfg = b.BenchConfig(methods=names, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
-                            top_p=top_p, seed=seed, engine=engine, peers=peer_names,
+                            top_p=top_p, seed=seed, engine=engine, peers=peer_names, project=project,
                             **_placement_options(offload, gpu_memory))
         text = None if prompt_file is None else _read_prompt(prompt_file, None)
         world, dev = _parallel(tp, gpus, device)
@@ -185,6 +191,18 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
                    progress=lambda line: _say(f"tforce: bench: {line}"))
 
 
+def _project_option(text: str) -> float | str:
+    if text == "measured":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise UsageError(f"--project must be an acceptance rate in [0, 1) or 'measured', got {text!r}")
+    return value
+
+
 def _rebuilds(run: dict) -> str:
     """Seconds in retrieval rebuilds during decoding and their count, e.g. '0.12 (3)'; '-' without any."""
     return "-" if run["rebuilds"] is None else f"{run['rebuild_s']:.2f} ({run['rebuilds']})"
@@ -210,13 +228,34 @@ def _bench_rows(r: dict) -> list[list[str]]:
                      f(run["tokens_per_verification"], ".2f"), f(run["prefill_s"], ".2f"), _rebuilds(run), h2d,
                      f(run["floor_ms_per_verification"], ".1f"), f(run["gpu_mem_gib"], ".1f"),
                      f(run["pinned_gib"], ".2f"), f"{pl['resident_layers']}/{pl['offloaded_layers']}"])
+    if _projected(r):  # synthetic: measured acceptance means nothing there, the projection says what the times give
+        for row, run in zip(rows, r["runs"]):
+            p = run.get("projection") or {}
+            row += [f(p.get("ms_per_token"), ".1f"), f(p.get("speedup_vs_ar"), ".2f", "x")]
     for peer in r.get("peers", []):
         ms = "not run" if peer["skipped"] else f(peer["ms_per_token"], ".1f")
         cells = {0: f"{peer['method']} (peer)", 1: ms, 2: f(peer["speedup_vs_ar"], ".2f", "x"),
                  5: f(peer["tokens_per_verification"], ".2f"), 6: f(peer["prefill_s"], ".2f"),
                  10: f(peer["gpu_mem_gib"], ".1f")}
-        rows.append([cells.get(i, "-") for i in range(len(COLUMNS))])
+        rows.append([cells.get(i, "-") for i in range(len(_columns(r)))])
     return rows
+
+
+def _projected(r: dict) -> bool:
+    """Whether the table shows the projection: for synthetic runs, or when asked for at measured acceptance."""
+    return r["synthetic"] or r.get("project") == "measured"
+
+
+def _at(r: dict) -> str:
+    return "measured acceptance" if r["project"] == "measured" else f"acceptance {r['project']:g} at every level"
+
+
+def _columns(r: dict) -> tuple[str, ...]:
+    """COLUMNS, and the projection's two where shown (see _bench_rows)."""
+    if not _projected(r):
+        return COLUMNS
+    at = "measured" if r["project"] == "measured" else f"{r['project']:g}"
+    return COLUMNS + (f"projected\nms/token\n@{at}", f"projected\nspeed-up\n@{at}")
 
 
 def _peer_notes(r: dict) -> list[str]:
@@ -265,20 +304,22 @@ def _print_bench(r: dict, console=None) -> None:
     if console is None:  # a file or pipe gets one wide table unless COLUMNS says otherwise
         wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
         console = Console(width=200 if wide else None)
-    rows = _bench_rows(r)
+    rows, columns = _bench_rows(r), _columns(r)
     widths = [max(len(line) for cell in [c] + [row[i] for row in rows] for line in cell.split("\n"))
-              for i, c in enumerate(COLUMNS)]
+              for i, c in enumerate(columns)]
     groups = _column_groups(widths, console.width)
     title = (f"tforce bench: {r['model']} on {r['device']}, {r['prompt_tokens']} prompt + {r['gen_len']} tokens, "
              f"{r['dtype']}, temperature {r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"]
                                                                 else ""))
     caption = (f"pinned H2D peak: {f(r['h2d_peak_gbps'], '.1f', ' GB/s')}; floor = offloaded KV bytes per "
                f"verification / peak; warm-up {f(r['warmup_s'], '.1f', ' s')} (not in the runs); "
-               f"'-' = not applicable or not measured")
+               f"'-' = not applicable or not measured"
+               + (f"; projected = NOT measured: this run's stage times at {_at(r)} (tforce/projection.py)"
+                  if _projected(r) else ""))
     for n, group in enumerate(groups):
         t = Table(title=title if n == 0 else None, caption=caption if n == len(groups) - 1 else None)
         for i in group:
-            t.add_column(COLUMNS[i], justify="left" if i == 0 else "right", min_width=widths[i])
+            t.add_column(columns[i], justify="left" if i == 0 else "right", min_width=widths[i])
         for row in rows:
             t.add_row(*(row[i] for i in group))
         console.print(t)

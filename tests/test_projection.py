@@ -1,0 +1,156 @@
+"""projection.py: its expected forwards per token against the real levels (levels.py) driven by fixed
+distributions under which each drafted token is accepted independently with probability alpha, at the
+acceptance rates those levels report; its hierarchy against the engine's composition; and a
+projection at the measured acceptance against a run's own stage times."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tforce
+from tforce.config import METHODS, Sampling, Speculation
+from tforce.engine import Session
+from tforce.levels import Drafter, Node, SpecLevel
+from tforce.projection import forwards_per_token, hierarchy, per_token, project
+
+# Fixed next-token distributions over 4 tokens: sum(min(DRAFT, MIDDLE)) = sum(MIDDLE, FULL) = alpha,
+# whatever came before, so every drafted token is accepted independently with probability alpha.
+
+
+def _dists(alpha: float) -> dict[str, torch.Tensor]:
+    return {"draft": torch.tensor([alpha, 1 - alpha, 0, 0]),
+            "retrieval": torch.tensor([alpha, 0, 1 - alpha, 0]),
+            "streaming": torch.tensor([alpha, 0, 1 - alpha, 0]),
+            "full": torch.tensor([alpha, 0, 0, 1 - alpha])}
+
+
+class _Cache:
+    def __init__(self):
+        self.length = self.pending = 0
+
+    def begin(self, n):
+        self.pending = n
+
+    def commit(self, n):
+        self.length += n
+
+    def truncate(self, n):
+        self.length = n
+
+
+def _node(name: str, probs: torch.Tensor, capacity: int) -> Node:
+    logits = probs.log()
+
+    def runner(ids, last_n):
+        return logits.expand(1, max(last_n, 1), len(probs))
+
+    model = torch.nn.Linear(1, 1)  # only its parameters' device is read
+    return Node(name, model, _Cache(), Sampling(temperature=1.0, top_p=1.0), capacity, runner=runner)
+
+
+def _build(level: tuple, nodes: dict):
+    if level[0] == "drafter":
+        return Drafter(nodes[level[1]])
+    _, proposer, node, gamma = level
+    return SpecLevel(_build(proposer, nodes), nodes[node], gamma)
+
+
+def _measured(spec: Speculation, alpha: float, n_tokens: int) -> tuple[dict[str, float], dict]:
+    """Forwards per token of each node, and each level's acceptance rate as the statistics report it."""
+    capacity = n_tokens + 64
+    nodes = {name: _node(name, p, capacity) for name, p in _dists(alpha).items()}
+    top = _build(hierarchy(spec), nodes)
+    seq, gen = torch.zeros(capacity, dtype=torch.long), torch.Generator().manual_seed(0)
+    n = 1
+    while n < n_tokens:
+        n += len(top.round(seq, n, gen)[0])
+    rates = {}
+    level = top
+    while isinstance(level, SpecLevel):
+        key = "draft" if isinstance(level.proposer, Drafter) and level.proposer.node.name == "draft" else "retrieval"
+        rates[key] = level.stats.acceptance
+        level = level.proposer
+    return {name: node.forwards / (n - 1) for name, node in nodes.items() if node.forwards}, rates
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_forwards_at_certain_acceptance_are_exact(method, alpha):
+    spec = Speculation(method=method, gamma1=2, gamma2=6)
+    measured, rates = _measured(spec, alpha, 600)
+    assert all(r == alpha for r in rates.values())
+    expected = forwards_per_token(spec, alpha)
+    assert measured.keys() == expected.keys()
+    for name in expected:  # the last round may overshoot 600 tokens: counts are per token actually made
+        assert measured[name] == pytest.approx(expected[name], rel=0.02), name
+
+
+@pytest.mark.parametrize("method", ["triforce", "naive", "retrieval"])
+@pytest.mark.parametrize("alpha", [0.5, 0.92])
+@pytest.mark.parametrize("gammas", [(2, 6), (3, 5)])
+def test_forwards_at_the_levels_measured_acceptance(method, alpha, gammas):
+    spec = Speculation(method=method, gamma1=gammas[0], gamma2=gammas[1])
+    measured, rates = _measured(spec, alpha, 6000)
+    expected = forwards_per_token(spec, rates)
+    for name in expected:
+        assert measured[name] == pytest.approx(expected[name], rel=0.05), name
+
+
+def test_rate_is_the_statistics_acceptance():
+    # A rate r means rounds of gamma accept r * gamma tokens on average: 1 + gamma * r per verification.
+    for rate in (0.1, 0.5, 0.92):
+        f = forwards_per_token(Speculation(method="retrieval", gamma2=6), rate)
+        assert 1 / f["full"] == pytest.approx(1 + 6 * rate)
+        assert sum(per_token(rate, 6) ** k for k in range(1, 7)) == pytest.approx(6 * rate)
+
+
+def test_the_surplus_of_a_middle_round_is_paid_for():
+    # gamma1 = 4, gamma2 = 6 at full acceptance: middle rounds yield 5 tokens, two are needed for 6
+    # (4 surplus dropped): 8 draft and 2 middle forwards per full verification of 7 tokens.
+    f = forwards_per_token(Speculation(gamma1=4, gamma2=6), 1.0)
+    assert f == pytest.approx({"draft": 8 / 7, "retrieval": 2 / 7, "full": 1 / 7})
+
+
+def _describe(level):
+    if isinstance(level, Drafter):
+        return ("drafter", level.node.name)
+    return ("spec", _describe(level.proposer), level.node.name, level.gamma)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_hierarchy_is_the_engines(tiny, method):
+    spec = Speculation(method=method, gamma1=3, gamma2=5, budget=64, chunk_size=4, draft_budget=32, sinks=4)
+    session = Session(tiny["gqa"].model, tiny["draft"].model, 100, 8, spec, Sampling())
+    assert _describe(session.top) == hierarchy(spec)
+
+
+def test_projection_at_the_measured_acceptance_uses_the_runs_stage_times(tiny):
+    ids = torch.randint(0, 259, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    opts = dict(method="triforce", max_new_tokens=48, temperature=0.0, ignore_eos=True, budget=64, chunk_size=4,
+                draft_budget=32, sinks=4)
+    r = tforce.generate(tiny["gqa"], ids, draft=tiny["draft"], **opts)
+    s = r.stats
+    assert set(s["stage_s"]) == {"draft", "retrieval", "full"} and all(v > 0 for v in s["stage_s"].values())
+    assert sum(s["stage_s"].values()) <= s["decode_s"]
+    spec = Speculation(method="triforce", budget=64, chunk_size=4, draft_budget=32, sinks=4)
+    p = project(s, spec, 0.5)
+    # Each stage's cost is its measured seconds per forward (plus the loop's share) times the forwards needed.
+    need = forwards_per_token(spec, 0.5)
+    for name in need:
+        per = 1000 * s["stage_s"][name] / s["forwards"][name] + p["other_ms_per_forward"]
+        assert p["ms_per_token_by_stage"][name] == pytest.approx(need[name] * per)
+    assert p["ms_per_token"] == pytest.approx(sum(p["ms_per_token_by_stage"].values()))
+    assert p["tokens_per_verification"] == pytest.approx(1 / need["full"])
+    # More acceptance, fewer forwards per token, less time.
+    assert project(s, spec, 0.95)["ms_per_token"] < project(s, spec, 0.5)["ms_per_token"]
+
+
+def test_one_acceptance_per_level():
+    spec = Speculation(gamma1=2, gamma2=6)
+    # The middle level always right, the draft never: each middle round yields one token (its own), so a
+    # full round of 7 tokens takes 6 middle rounds of 2 draft forwards each.
+    f = forwards_per_token(spec, {"draft": 0.0, "retrieval": 1.0})
+    assert f == pytest.approx({"draft": 12 / 7, "retrieval": 6 / 7, "full": 1 / 7})
+    assert forwards_per_token(spec, {"draft": 0.7, "retrieval": 0.7}) == forwards_per_token(spec, 0.7)
+    naive = Speculation(method="naive", gamma2=6)
+    assert forwards_per_token(naive, {"draft": 1.0, "retrieval": 0.0}) == forwards_per_token(naive, 1.0)

@@ -1,0 +1,138 @@
+"""What a method's decode would cost at an assumed acceptance rate, from stage times measured at another.
+
+Random (synthetic) weights give real stage times and meaningless acceptance: a random draft agrees with
+a random target on almost nothing, so the measured ms/token says how slow a method is when it never
+guesses right. The projection keeps what was measured (seconds per forward of each node, the rest of
+the decode loop per forward, seconds per retrieval rebuild) and replaces the acceptance by an assumed
+one, the same at every level (or one per level).
+
+Acceptance means what the statistics report (engine._acceptance): tokens accepted over tokens drafted,
+a round counting all gamma of its drafted tokens, so a level's rounds yield 1 + gamma * acceptance
+tokens on average, exactly. How those tokens spread over rounds follows the usual model of
+speculative decoding (Leviathan et al., 2023): each drafted token accepted independently with the
+probability alpha that gives that mean, so a round yields a + 1 tokens with P(a = k) = alpha^k (1 - alpha)
+for k < gamma and alpha^gamma for a = gamma. The hierarchy is engine.Session._compose's: a Drafter feeds
+its node once per token; a SpecLevel round asks its proposer for gamma tokens (rounds until it has at
+least that many: the surplus is dropped, its forwards still paid) and runs its node once. Expected
+forwards per round follow from Wald's identity. What the model leaves out: real acceptance comes in
+runs (it changes how many middle rounds a full round needs, not the full rounds' yield), and a
+forward's cost does not depend on how many tokens it catches up. tests/test_projection.py checks the
+forward counts against the real levels driven by fixed distributions (independent acceptance).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .config import Speculation
+
+
+def hierarchy(spec: Speculation) -> tuple:
+    """The method's levels as nested tuples: ("drafter", node) or ("spec", proposer, node, gamma)."""
+    m = spec.method
+    if m == "ar":
+        return ("drafter", "full")
+    if m == "naive":
+        return ("spec", ("drafter", "draft"), "full", spec.gamma2)
+    if m == "retrieval":
+        return ("spec", ("drafter", "retrieval"), "full", spec.gamma2)
+    middle = "retrieval" if m == "triforce" else "streaming"
+    return ("spec", ("spec", ("drafter", "draft"), middle, spec.gamma1), "full", spec.gamma2)
+
+
+def _rate(level: tuple, rate) -> float:
+    """The acceptance rate of a SpecLevel: rate itself, or from a dict by the statistics' names ("draft"
+    where the level verifies the small draft's tokens, "retrieval" where it verifies the middle level's)."""
+    if not isinstance(rate, dict):
+        return rate
+    return rate["draft" if level[1] == ("drafter", "draft") else "retrieval"]
+
+
+def per_token(rate: float, gamma: int) -> float:
+    """The independent per-token acceptance alpha whose rounds of gamma accept rate * gamma tokens on
+    average: E[a] = sum_{k=1..gamma} alpha^k, increasing in alpha (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** k for k in range(1, gamma + 1)) < rate * gamma:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _round_tokens(level: tuple, rate) -> dict[int, float]:
+    """Distribution of the tokens one round of `level` yields."""
+    if level[0] == "drafter":
+        return {1: 1.0}
+    gamma = level[3]
+    alpha = per_token(_rate(level, rate), gamma)
+    dist = {k + 1: alpha ** k * (1 - alpha) for k in range(gamma)}
+    dist[gamma + 1] = alpha ** gamma
+    return dist
+
+
+def _rounds_for(level: tuple, k: int, rate) -> float:
+    """Expected rounds of `level` until it has yielded at least k tokens."""
+    dist = _round_tokens(level, rate)
+
+    @lru_cache(maxsize=None)
+    def e(need: int) -> float:
+        return 0.0 if need <= 0 else 1.0 + sum(p * e(need - n) for n, p in dist.items())
+
+    return e(k)
+
+
+def _round_forwards(level: tuple, rate) -> dict[str, float]:
+    """Expected forwards per node of one round of `level`."""
+    if level[0] == "drafter":
+        return {level[1]: 1.0}
+    _, proposer, node, gamma = level
+    rounds = _rounds_for(proposer, gamma, rate)
+    out = {name: rounds * f for name, f in _round_forwards(proposer, rate).items()}
+    out[node] = out.get(node, 0.0) + 1.0
+    return out
+
+
+def forwards_per_token(spec: Speculation, rate) -> dict[str, float]:
+    """Expected forwards of each node per generated token at acceptance rate `rate`: one for every level,
+    or {"draft": a, "retrieval": b} as the statistics name the levels (None for a level not there)."""
+    for a in (rate.values() if isinstance(rate, dict) else [rate]):
+        if a is not None and not 0 <= a <= 1:
+            raise ValueError(f"acceptance must be in [0, 1], got {a}")
+    top = hierarchy(spec)
+    per_round = _round_forwards(top, rate)
+    tokens = sum(n * p for n, p in _round_tokens(top, rate).items())
+    return {name: f / tokens for name, f in per_round.items()}
+
+
+def rebuild_interval(spec: Speculation) -> int:
+    """Tokens between retrieval rebuilds while the middle level's acceptance stays above rebuild_below:
+    every rebuild_every tokens, or sooner when the new tokens crowd the budget (Session._maybe_rebuild)."""
+    return max(1, min(spec.rebuild_every, spec.budget - spec.chunk_size - spec.max_lookahead + 1))
+
+
+def project(stats: dict, spec: Speculation, rate) -> dict | None:
+    """The projected decode cost at acceptance `rate` (forwards_per_token's) from one run's statistics
+    (engine._stats), or None
+    when the run timed too little to project from (a node that ran no forward while decoding)."""
+    forwards, stage_s = stats["forwards"], stats["stage_s"]
+    if any(n == 0 for n in forwards.values()) or not stats["decode_s"]:
+        return None
+    per_forward = {name: stage_s[name] / n for name, n in forwards.items()}
+    rebuild_s = stats["rebuild_s"] or 0.0
+    # The decode loop outside forwards and rebuilds (sampling, verification, host syncs, Python), per forward.
+    other = max(0.0, stats["decode_s"] - sum(stage_s.values()) - rebuild_s) / sum(forwards.values())
+    need = forwards_per_token(spec, rate)
+    seconds = {name: f * (per_forward[name] + other) for name, f in need.items()}
+    if stats["rebuild_s"] is not None:
+        one = rebuild_s / stats["rebuilds"] if stats["rebuilds"] else stats["prefill_rebuild_s"]
+        seconds["rebuilds"] = (one or 0.0) / rebuild_interval(spec)
+    return {
+        "acceptance": rate,
+        "ms_per_token": 1000 * sum(seconds.values()),
+        "tokens_per_verification": 1 / need["full"],
+        "forwards_per_token": need,
+        "ms_per_token_by_stage": {name: 1000 * s for name, s in seconds.items()},
+        "ms_per_forward": {name: 1000 * t for name, t in per_forward.items()},
+        "other_ms_per_forward": 1000 * other,
+    }

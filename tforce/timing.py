@@ -1,0 +1,57 @@
+"""Seconds spent in a node's forwards, without making the device wait.
+
+On CUDA a forward is bracketed by two timing events recorded on the current stream; their elapsed time
+is read only when asked (after the caller has synchronised the device), and pairs that have already
+completed are folded into a running total as the list grows, with Event.query(), which never blocks.
+On the CPU the forward has run when the call returns: perf_counter brackets it.
+
+The figure is the device's time from the forward's first kernel to its last, gaps included (a
+launch-bound forward counts its launch gaps): what the stage costs the decode loop, not a kernel sum.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+FOLD_AT = 256  # pending event pairs before the completed ones are folded into the total
+
+
+class ForwardTimer:
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.total = 0.0  # seconds of forwards already folded in
+        self.pending: list[tuple] = []  # CUDA: (start, end) events not yet read
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, start) -> None:
+        if not self.cuda:
+            self.total += time.perf_counter() - start
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pending.append((start, end))
+        if len(self.pending) >= FOLD_AT:
+            self._fold(wait=False)
+
+    def _fold(self, wait: bool) -> None:
+        keep = []
+        for start, end in self.pending:
+            if wait or end.query():
+                end.synchronize()  # elapsed_time raises on an event not yet completed
+                self.total += start.elapsed_time(end) / 1000  # milliseconds
+            else:
+                keep.append((start, end))
+        self.pending = keep
+
+    def seconds(self) -> float:
+        """Total so far; on CUDA call it after the device has finished the timed work."""
+        if self.pending:
+            self._fold(wait=True)
+        return self.total

@@ -154,3 +154,18 @@ def test_one_acceptance_per_level():
     assert forwards_per_token(spec, {"draft": 0.7, "retrieval": 0.7}) == forwards_per_token(spec, 0.7)
     naive = Speculation(method="naive", gamma2=6)
     assert forwards_per_token(naive, {"draft": 1.0, "retrieval": 0.0}) == forwards_per_token(naive, 1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fold_at", [256, 2])
+def test_stage_times_on_cuda(tiny_dir, monkeypatch, fold_at):
+    """CUDA events around each forward, folded as they complete (fold_at 2: during the decode), read after."""
+    monkeypatch.setattr("tforce.timing.FOLD_AT", fold_at)
+    target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda").model
+    draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda").model
+    ids = list(range(3, 303))
+    r = tforce.generate(target, ids, draft=draft, method="triforce", max_new_tokens=32, temperature=0.0,
+                        ignore_eos=True, budget=64, chunk_size=4, draft_budget=32, sinks=4)
+    s = r.stats
+    assert set(s["stage_s"]) == {"draft", "retrieval", "full"} and all(v > 0 for v in s["stage_s"].values())
+    assert sum(s["stage_s"].values()) <= s["decode_s"]

@@ -1,30 +1,36 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: versions, the CUDA tests, the CPU suite, a short synthetic benchmark.
 #
-#   bash scripts/gpu_check.sh            # from the repository root; logs and JSON under $OUT (default ./out)
+#   bash scripts/gpu_check.sh            # from the repository root; results in $OUT (default ./out)
 #
 # Installs nothing: the package runs from the checkout (PYTHONPATH=.); python3 must already have torch
-# (CUDA build), transformers and tforce's other dependencies. Every step logs to $OUT/<step>.log; the
+# (CUDA build), transformers and tforce's other dependencies. Every step logs to <step>.log in a work
+# folder that is packed into $OUT/gpu_check.tgz after each step (the device tool brings back at most 8
+# files, and a run cut short by its time limit still leaves the steps done so far); the benches' tables
+# with their floors go to $OUT/gpu_check_summary.md (scripts/bench_summary.py). The
 # script goes on after a failed step and exits 1 if any failed. The benchmark uses RANDOM weights
 # (--synthetic llama2-7b): its speeds are real, its acceptance rates say nothing about trained models.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
+WORK="$(mktemp -d)"
+pack() { tar czf "$OUT/gpu_check.tgz" -C "$WORK" . ; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 PROMPT_LEN="${PROMPT_LEN:-8192}"
 GEN_LEN="${GEN_LEN:-64}"
 failed=()
 
-step() {  # step NAME COMMAND...: run, tee to $OUT/NAME.log, remember failures
+step() {  # step NAME COMMAND...: run, tee to $WORK/NAME.log, remember failures, pack
     local name="$1"; shift
     echo "== $name: $*"
     local t0=$SECONDS
-    "$@" 2>&1 | tee "$OUT/$name.log"
+    "$@" 2>&1 | tee "$WORK/$name.log"
     local rc=$?
     echo "== $name: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || failed+=("$name")
+    pack
 }
 
 step versions "$PY" - <<'PY'
@@ -53,7 +59,7 @@ if need & set(missing) or not torch.cuda.is_available():
     raise SystemExit(f"cannot go on: missing {sorted(need & set(missing))}, CUDA {torch.cuda.is_available()}")
 PY
 if [ "${#failed[@]}" -ne 0 ]; then
-    echo "gpu_check: the environment lacks what the checks need (see $OUT/versions.log)"
+    echo "gpu_check: the environment lacks what the checks need (see versions.log in $OUT/gpu_check.tgz)"
     exit 1
 fi
 
@@ -63,7 +69,7 @@ fi
 step sdpa_probe "$PY" scripts/gpu_sdpa_probe.py
 
 step info "$PY" -m tforce info --synthetic llama2-7b --context 131072 --json
-cp "$OUT/info.log" "$OUT/info.json" 2>/dev/null
+cp "$WORK/info.log" "$WORK/info.json" 2>/dev/null
 # The RTX 4090 plan (issue 13): every device allocation itemised, prefill and decode peaks under 24 GiB.
 step info_24gib "$PY" -m tforce info --synthetic llama2-7b --gpu-memory 24GiB --context 131072
 for mode in off on; do
@@ -71,13 +77,14 @@ for mode in off on; do
     echo "== $name"
     t0=$SECONDS
     "$PY" -m tforce bench --synthetic llama2-7b --device cuda --prompt-len "$PROMPT_LEN" \
-        --gen-len "$GEN_LEN" --offload "$mode" --json >"$OUT/$name.json" 2>"$OUT/$name.log"
+        --gen-len "$GEN_LEN" --offload "$mode" --json >"$WORK/$name.json" 2>"$WORK/$name.log"
     rc=$?
-    cat "$OUT/$name.log"
-    "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps(r, indent=1))" "$OUT/$name.json" \
-        || rc=1
+    tail -n 20 "$WORK/$name.log"
+    "$PY" scripts/bench_summary.py "$WORK/$name.json" || rc=1
     echo "== $name: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || failed+=("$name")
+    "$PY" scripts/bench_summary.py "$WORK"/bench_*.json >"$OUT/gpu_check_summary.md"
+    pack
 done
 
 # Last, and time-boxed: the CPU suite (what CI runs) under this machine's torch and transformers, with
@@ -87,7 +94,7 @@ if "$PY" -c "import xdist" 2>/dev/null; then par=(-n 8); else par=(); fi
     -q -m "not cuda" -p no:cacheprovider "${par[@]}"
 
 if [ "${#failed[@]}" -ne 0 ]; then
-    echo "gpu_check: FAILED: ${failed[*]} (logs under $OUT)"
+    echo "gpu_check: FAILED: ${failed[*]} (logs in $OUT/gpu_check.tgz)"
     exit 1
 fi
-echo "gpu_check: all steps passed (logs under $OUT)"
+echo "gpu_check: all steps passed (logs in $OUT/gpu_check.tgz)"

@@ -207,3 +207,19 @@ def test_bench_times_row_wise_verification_beside_the_plain_one(runner, monkeypa
     assert [r["method"] for r in runs] == ["ar", "triforce", "triforce+det"]
     assert all(r["ms_per_token"] > 0 for r in runs)
     assert len(built) == 2  # triforce+det's warm-up and timed run, and nothing else
+
+
+def test_bench_summary_tabulates_a_record(report, tmp_path):
+    """scripts/bench_summary.py: one markdown row per run, stages beside their floors, the projection labelled."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_summary.py"
+    out = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert [row.split(" | ")[0][2:] for row in rows] == [r["method"] for r in report["runs"]]
+    assert "projected ms/token @0.92" in out and "SYNTHETIC" in out
+    assert "draft " in rows[1] and "retrieval " in rows[1] and "full " in rows[1]  # triforce's three stages

@@ -30,6 +30,7 @@ from . import placement
 from .config import METHODS, Speculation
 from .errors import TforceError, UsageError
 from .model import Llama
+from .floors import matmul_tflops, prefill_flops, step_floors_ms
 from .projection import project
 from .synthetic import ARCHITECTURES, byte_tokenizer, make_config
 
@@ -256,9 +257,40 @@ def warm_up(models: Models, ids: list[int], cfg: BenchConfig) -> float | None:
     return time.perf_counter() - t0
 
 
+@dataclass
+class Ceilings:
+    """Measured once per bench on CUDA (None elsewhere): pinned host -> device copies, device memory,
+    dense matrix products in the run's dtype."""
+
+    h2d_gbps: float | None = None
+    device_gbps: float | None = None
+    tflops: float | None = None
+
+    @classmethod
+    def measure(cls, device, dtype: torch.dtype) -> "Ceilings":
+        return cls(h2d_peak_gbps(device), device_bandwidth_gbps(device), matmul_tflops(device, dtype))
+
+
+def _floors(models: Models, spec: Speculation, n_prompt: int, n_out: int, s: dict, ceil: Ceilings) -> dict | None:
+    """Each stage's measured ms per forward beside its floor (floors.py), and the prefill's FLOP floor;
+    None where the models live in other processes (their configs are not here)."""
+    if models.target is None:
+        return None
+    config = models.target.config
+    draft_config = models.draft.config if models.draft is not None else None
+    elem = next(models.target.parameters()).element_size()
+    steps = step_floors_ms(config, draft_config, elem, spec, n_prompt + n_out / 2, ceil.device_gbps)
+    return {
+        "step_ms": {name: 1000 * s["stage_s"][name] / n for name, n in s["forwards"].items() if n},
+        "step_floor_ms": steps,
+        "prefill_flop_floor_s": prefill_flops(config, n_prompt) / (ceil.tflops * 1e12) if ceil.tflops else None,
+    }
+
+
 def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
-            h2d_peak: float | None) -> tuple[dict, list[int]]:
+            ceil: Ceilings) -> tuple[dict, list[int]]:
     """The run's record and its tokens."""
+    h2d_peak = ceil.h2d_gbps
     device = models.device
     local_cuda = device.type == "cuda" and models.world == 1
     gc.collect()
@@ -301,6 +333,7 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
         "stage_s": s["stage_s"],  # seconds in each node's forwards while decoding (within decode_s)
         # NOT measured: this run's stage times at an assumed acceptance (cfg.project) at every level
         "projection": project(s, spec, s["acceptance"] if cfg.project == "measured" else cfg.project),
+        "floors": _floors(models, spec, len(ids), n, s, ceil),
         "placement": {"resident_layers": s["kv_resident_layers"], "offloaded_layers": s["kv_offloaded_layers"],
                       "device_kv_gib": s["kv_device_bytes"] / GiB, "host_kv_gib": s["kv_host_bytes"] / GiB,
                       "ranks": models.world},
@@ -312,9 +345,11 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
     """Every method of cfg over the same prompt; the one JSON object `tforce bench --json` prints."""
     device = models.device
     if progress:
-        progress(f"measuring the pinned host-to-device copy rate on {device}" if device.type == "cuda"
+        progress(f"measuring pinned host-to-device copies, device memory and matrix products on {device}"
+                 if device.type == "cuda"
                  else "no CUDA device: no host-to-device figures")
-    peak = h2d_peak_gbps(device)
+    ceil = Ceilings.measure(device, models.dtype)
+    peak = ceil.h2d_gbps
     if progress:
         progress(f"warm-up: every method on the first {min(WARMUP_TOKENS, len(ids))} prompt tokens (not timed)"
                  if models.world == 1
@@ -324,7 +359,7 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
     for method in cfg.methods:
         if progress:
             progress(f"{method}: {len(ids)} prompt tokens, {cfg.gen_len} new tokens")
-        record, outputs[method] = run_one(models, ids, method, cfg, peak)
+        record, outputs[method] = run_one(models, ids, method, cfg, ceil)
         runs.append(record)
     others = []
     if cfg.peers:
@@ -343,6 +378,8 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
     return {
         "device": device_name(device) + (f" x {models.world} ranks" if models.world > 1 else ""),
         "h2d_peak_gbps": peak,
+        "device_gbps": ceil.device_gbps,
+        "matmul_tflops": ceil.tflops,
         "synthetic": synthetic,
         "model": model_name,
         "dtype": str(models.dtype).removeprefix("torch."),

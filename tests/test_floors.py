@@ -1,0 +1,55 @@
+"""floors.py: the bytes and FLOPs behind bench's floors, against hand counts for Llama-2-7B's shape,
+and bench's per-stage figures beside them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tforce
+from tforce import bench as b
+from tforce.config import Speculation
+from tforce.floors import prefill_flops, step_floors_ms
+from tforce.synthetic import make_config
+
+GB = 1e9
+
+
+def test_prefill_flops_of_llama2_7b():
+    c = make_config("llama2-7b")
+    n = 8192
+    layers = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # q, k, v, o and the three MLP matrices
+    assert layers == pytest.approx(6.48e9, rel=0.01)
+    expected = 2 * layers * n + 32 * 2 * n * n * 4096 + 2 * 4096 * 32000
+    assert prefill_flops(c, n) == expected
+    assert prefill_flops(c, 2 * n) > 2 * prefill_flops(c, n)  # attention grows with the square
+
+
+def test_step_floors_of_llama2_7b_at_122k():
+    c, d = make_config("llama2-7b"), make_config("llama2-7b", **b.LLAMA_68M)
+    spec = Speculation(budget=4096, draft_budget=256)
+    f = step_floors_ms(c, d, 2, spec, 122880, bandwidth_gbps=1000.0)
+    kv_token = 32 * 2 * 4096 * 2  # 512 KiB of K and V per token over 32 layers, bfloat16
+    weights = 2 * (32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096) + 4096 + 2 * 32000 * 4096)
+    assert f["full"] == pytest.approx(1000 * (weights + kv_token * 122880) / (1000 * GB))
+    assert f["retrieval"] == pytest.approx(1000 * (weights + kv_token * 4096) / (1000 * GB))
+    assert f["full"] / f["retrieval"] == pytest.approx(4.99, rel=0.01)  # 77.9 GB vs 15.6 GB: what TriForce lives on
+    assert f["draft"] < f["retrieval"] / 50
+    assert step_floors_ms(c, d, 2, spec, 122880, None) is None
+    assert set(step_floors_ms(c, d, 2, Speculation(method="ar"), 1000, 1.0)) == {"full"}
+
+
+def test_bench_gives_each_stage_its_measured_step_beside_its_floor(tiny):
+    target, draft = tiny["gqa"].model, tiny["draft"].model
+    models = b.Models.local(target, draft)
+    ids = list(range(3, 203))
+    spec = Speculation(budget=64, chunk_size=4, draft_budget=32, sinks=4)
+    r = tforce.generate(target, ids, draft=draft, max_new_tokens=16, temperature=0.0, ignore_eos=True,
+                        budget=64, chunk_size=4, draft_budget=32, sinks=4)
+    got = b._floors(models, spec, len(ids), 16, r.stats, b.Ceilings(device_gbps=10.0, tflops=2.0))
+    assert set(got["step_ms"]) == set(got["step_floor_ms"]) == {"draft", "retrieval", "full"}
+    for name, n in r.stats["forwards"].items():
+        assert got["step_ms"][name] == pytest.approx(1000 * r.stats["stage_s"][name] / n)
+    assert got["step_floor_ms"] == step_floors_ms(target.config, draft.config, 4, spec, 208, 10.0)
+    assert got["prefill_flop_floor_s"] == pytest.approx(prefill_flops(target.config, 200) / 2e12)
+    none = b._floors(models, spec, len(ids), 16, r.stats, b.Ceilings())  # the CPU: no ceilings measured
+    assert none["step_floor_ms"] is None and none["prefill_flop_floor_s"] is None

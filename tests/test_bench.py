@@ -86,6 +86,7 @@ def test_bench_offload_on_cpu(runner):
     (["--prompt-len", "4000", "--gen-len", "200"], "exceeds the model's context"),
     (["--project", "1.5"], "--project"),
     (["--project", "high"], "--project"),
+    (["--prefill-chunk", "0"], "--prefill-chunk"),
 ])
 def test_bench_bad_options_are_one_line(runner, args, needle):
     result = runner.invoke(app, BENCH + args)
@@ -223,3 +224,19 @@ def test_bench_summary_tabulates_a_record(report, tmp_path):
     assert [row.split(" | ")[0][2:] for row in rows] == [r["method"] for r in report["runs"]]
     assert "projected ms/token @0.92" in out and "SYNTHETIC" in out
     assert "draft " in rows[1] and "retrieval " in rows[1] and "full " in rows[1]  # triforce's three stages
+
+
+def test_bench_prefill_chunk_reaches_the_engine(runner, monkeypatch):
+    import tforce.engine as engine
+
+    seen = []
+    real = engine.Session.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(args[6] if len(args) > 6 else kwargs.get("prefill_chunk"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.Session, "__init__", spy)
+    result = runner.invoke(app, BENCH + ["--methods", "ar", "--gen-len", "2", "--prefill-chunk", "64"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert seen and set(seen) == {64}

@@ -91,6 +91,7 @@ def test_bench_batch_against_one_at_a_time(runner):
         assert run["ms_per_token"] == pytest.approx(1000 / run["batch_tokens_per_s"])
         assert len(run["tokens_per_verification"]) == 3 and min(run["tokens_per_verification"]) >= 1
         assert (run["rebuild_s"] is None) == (run["prefill_rebuild_s"] is None) == (run["method"] != "triforce")
+        assert run["gpu_mem_gib"] is None and run["gpu_reserved_gib"] is None and run["planned_peak_gib"] > 0
     text = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--prompt-len", "20", "--gen-len", "4",
                                "--methods", "ar,triforce"], env={"COLUMNS": "200"})
     assert text.exit_code == 0 and "tforce bench --batch 2" in text.stdout and "one at a time" in text.stdout

@@ -229,3 +229,22 @@ def test_features_deterministic_on_cuda_repeats_and_equals_ar_in_bfloat16(tiny_d
     runs = [tforce.generate(target, prompt, draft=draft, method=method, deterministic=True, **kw) for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens
     assert runs[0].tokens == tforce.generate(target, prompt, method="ar", **kw).tokens
+
+
+@pytest.mark.parametrize("batch", [None, 2])
+def test_features_bench_on_cuda_sets_reserved_memory_beside_the_plan(batch):
+    """tforce bench (and bench --batch) on CUDA: each run's allocator peaks, reserved >= allocated, beside
+    the plan's predicted peak less the CUDA context."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tforce.cli import app
+
+    args = ["bench", "--synthetic", "tiny", "--device", "cuda", "--dtype", "float32", "--prompt-len", "200",
+            "--gen-len", "8", "--temperature", "0", "--methods", "ar,triforce", "--budget", "32", "--chunk-size", "4",
+            "--draft-budget", "24", "--json"] + ([] if batch is None else ["--batch", str(batch)])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    for run in json.loads(result.stdout)["runs"]:
+        assert run["gpu_reserved_gib"] >= run["gpu_mem_gib"] > 0 and run["planned_peak_gib"] > 0, run

@@ -434,6 +434,10 @@ def _placement(plan: placement.Plan) -> dict:
         "kv_offloaded_layers": plan.offloaded,
         "kv_device_bytes": plan.gpu_bytes,  # on the model's device: the GPU, or host memory on a CPU run
         "kv_host_bytes": plan.host_bytes,
+        # The plan's predicted device peak (prefill or decode, the larger; everything, weights included) and
+        # its CUDA context share (measured on CUDA, 0 on a CPU run): bench sets the allocator's peaks beside them.
+        "plan_peak_bytes": plan.peak,
+        "plan_context_bytes": plan.item("CUDA context"),
     }
 
 

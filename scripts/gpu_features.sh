@@ -36,9 +36,14 @@ SUMMARY="$LOGS/steps.txt"
 : >"$SUMMARY"
 failed=()
 
-limit_for() {  # limit_for WANTED: seconds a step may take (its own limit, within the deadline), 0 when none
+start() {  # start NAME WANTED_S: LIMIT = the seconds the step may take within the deadline; false past it
     local left=$((DEADLINE_S - SECONDS))
-    if [ "$left" -lt 30 ]; then echo 0; elif [ "$1" -gt "$left" ]; then echo "$left"; else echo "$1"; fi
+    LIMIT=$(($2 < left ? $2 : left))
+    if [ "$left" -lt 30 ]; then
+        echo "== $1: not started (deadline)"
+        echo "$1 not started (deadline)" >>"$SUMMARY"
+        return 1
+    fi
 }
 
 finish() {  # finish NAME RC T0: record a step's outcome
@@ -48,22 +53,24 @@ finish() {  # finish NAME RC T0: record a step's outcome
 }
 
 step() {  # step NAME LIMIT_S COMMAND...: stdout and stderr to $LOGS/NAME.log (and here)
-    local name="$1" limit; limit=$(limit_for "$2"); shift 2
-    if [ "$limit" -eq 0 ]; then echo "== $name: not started (deadline)"; echo "$name not started (deadline)" >>"$SUMMARY"; return; fi
-    echo "== $name (limit $limit s): $*"
+    local name="$1"
+    start "$name" "$2" || return 0
+    shift 2
+    echo "== $name (limit $LIMIT s): $*"
     local t0=$SECONDS
-    timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
+    timeout "$LIMIT" "$@" 2>&1 | tee "$LOGS/$name.log"
     finish "$name" $? "$t0"
 }
 
 bench() {  # bench NAME LIMIT_S OPTIONS...: tforce bench --json to $LOGS/NAME.json, its stderr to NAME.log
-    local name="$1" limit; limit=$(limit_for "$2"); shift 2
-    if [ "$limit" -eq 0 ]; then echo "== $name: not started (deadline)"; echo "$name not started (deadline)" >>"$SUMMARY"; return; fi
+    local name="$1"
+    start "$name" "$2" || return 0
+    shift 2
     local cmd=("$PY" -m tforce bench --synthetic "$SYNTH" --device "$DEVICE" --prompt-len "$PROMPT_LEN"
                --gen-len "$GEN_LEN" --budget "$BUDGET" --draft-budget "$DRAFT_BUDGET" --temperature 0 "$@" --json)
-    echo "== $name (limit $limit s): ${cmd[*]}"
+    echo "== $name (limit $LIMIT s): ${cmd[*]}"
     local t0=$SECONDS
-    timeout "$limit" "${cmd[@]}" >"$LOGS/$name.json" 2>"$LOGS/$name.log"
+    timeout "$LIMIT" "${cmd[@]}" >"$LOGS/$name.json" 2>"$LOGS/$name.log"
     local rc=$?
     tail -n 5 "$LOGS/$name.log"
     finish "$name" "$rc" "$t0"
@@ -90,6 +97,7 @@ except Exception as e:
 if sys.argv[1] == "cuda" and not torch.cuda.is_available():
     raise SystemExit("no CUDA device")
 PY
+[ "${#failed[@]}" -eq 0 ] || DEADLINE_S=0  # no CUDA or no torch: start nothing else
 
 step cuda_tests 210 "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 -m cuda -k "features or peers_on_cuda" \
     tests/test_cuda.py tests/test_peers.py
@@ -104,7 +112,8 @@ for method in triforce ar; do
 done
 bench peers_hf 75 --methods ar --peers hf --offload off
 for mode in off on; do
-    bench "deterministic_offload_${mode}" 75 --methods ar,triforce,triforce+det,retrieval,retrieval+det --offload "$mode"
+    bench "deterministic_offload_${mode}" 75 --methods ar,triforce,triforce+det,retrieval,retrieval+det \
+        --offload "$mode"
 done
 for n in 1 4 8; do
     bench "batch${n}_host" 90 --batch "$n" --methods ar,triforce --offload on
@@ -119,7 +128,8 @@ def f(x, fmt=".2f"):
     return "-" if x is None else format(x, fmt)
 
 def memory(r):
-    return f"GPU GiB allocated {f(r.get('gpu_mem_gib'))} reserved {f(r.get('gpu_reserved_gib'))} planned {f(r.get('planned_peak_gib'))}"
+    return (f"GPU GiB allocated {f(r.get('gpu_mem_gib'))} reserved {f(r.get('gpu_reserved_gib'))} "
+            f"planned {f(r.get('planned_peak_gib'))}")
 
 for path in sorted(Path(sys.argv[1]).glob("*.json")):
     try:
@@ -152,4 +162,5 @@ if [ "${#failed[@]}" -ne 0 ]; then
     echo "gpu_features: FAILED: ${failed[*]} (logs in $OUT/gpu_features.tgz)" | tee -a "$OUT/summary.txt"
     exit 1
 fi
-echo "gpu_features: every step that started passed ($((SECONDS)) s; logs in $OUT/gpu_features.tgz)" | tee -a "$OUT/summary.txt"
+echo "gpu_features: every step that started passed ($SECONDS s; logs in $OUT/gpu_features.tgz)" \
+    | tee -a "$OUT/summary.txt"

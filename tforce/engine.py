@@ -434,11 +434,13 @@ def _placement(plan: placement.Plan) -> dict:
         "kv_offloaded_layers": plan.offloaded,
         "kv_device_bytes": plan.gpu_bytes,  # on the model's device: the GPU, or host memory on a CPU run
         "kv_host_bytes": plan.host_bytes,
-        # The plan's predicted device peak (prefill or decode, the larger; everything, weights included) and
-        # its CUDA context share (measured on CUDA, 0 on a CPU run): bench sets the allocator's peaks beside them.
-        "plan_peak_bytes": plan.peak,
-        "plan_context_bytes": plan.item("CUDA context"),
     }
+
+
+def _planned_peak(plan: placement.Plan) -> dict:
+    """The plan's predicted device peak (prefill or decode, the larger; everything, weights included) and its
+    CUDA context share (measured on CUDA, 0 on a CPU run): bench sets the allocator's peaks beside them."""
+    return {"plan_peak_bytes": plan.peak, "plan_context_bytes": plan.item("CUDA context")}
 
 
 def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, before: dict[str, int]) -> dict:
@@ -455,6 +457,7 @@ def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, befo
         "verifications": verifications,
         "forwards": forwards,  # per node while decoding: what each level's step costs is read that often
         **_placement(session.plan),
+        **_planned_peak(session.plan),
         # Retrieval rebuilds: the prefill's initial one, then those during decoding (their seconds are
         # part of decode_s). None without a retrieval cache.
         "prefill_rebuild_s": session.rebuild_times[0] if session.rebuild_times else None,

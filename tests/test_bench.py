@@ -15,7 +15,8 @@ from tforce.synthetic import make_checkpoint
 BENCH = ["bench", "--synthetic", "tiny", "--device", "cpu", "--prompt-len", "200", "--gen-len", "16"]
 RUN_FIELDS = {"method", "ms_per_token", "speedup_vs_ar", "acceptance", "tokens_per_verification", "prefill_s",
               "h2d_gbps", "gpu_mem_gib", "pinned_gib", "floor_ms_per_verification", "placement", "rebuild_s",
-              "rebuilds", "prefill_rebuild_s", "forwards", "stage_s", "projection"}
+              "rebuilds", "prefill_rebuild_s", "forwards", "stage_s", "projection", "gpu_reserved_gib",
+              "planned_peak_gib"}
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,7 @@ def test_bench_json_has_every_field(report):
         assert RUN_FIELDS <= set(r), RUN_FIELDS - set(r)
         assert r["ms_per_token"] > 0 and r["prefill_s"] >= 0 and r["tokens_per_verification"] >= 1
         assert r["h2d_gbps"] is None and r["gpu_mem_gib"] is None  # CPU: nothing crosses a PCIe bus
+        assert r["gpu_reserved_gib"] is None and r["planned_peak_gib"] > 0  # the plan for the CPU's memory
         assert r["speedup_vs_ar"] == pytest.approx(report["runs"][0]["ms_per_token"] / r["ms_per_token"])
     ar = report["runs"][0]
     assert ar["speedup_vs_ar"] == 1.0 and ar["tokens_per_verification"] == 1.0

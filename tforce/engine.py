@@ -475,6 +475,12 @@ def _placement(plan: placement.Plan) -> dict:
     }
 
 
+def _planned_peak(plan: placement.Plan) -> dict:
+    """The plan's predicted device peak (prefill or decode, the larger; everything, weights included) and its
+    CUDA context share (measured on CUDA, 0 on a CPU run): bench sets the allocator's peaks beside them."""
+    return {"plan_peak_bytes": plan.peak, "plan_context_bytes": plan.item("CUDA context")}
+
+
 def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, before: dict[str, int]) -> dict:
     """before: session.counts() when decoding began."""
     now = session.counts()
@@ -493,6 +499,7 @@ def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, befo
         "stage_s": stage_s,  # per node, seconds of those forwards (timing.py); the rest of decode_s is
         # sampling, verification, host syncs, rebuilds and Python between forwards
         **_placement(session.plan),
+        **_planned_peak(session.plan),
         # Retrieval rebuilds: the prefill's initial one, then those during decoding (their seconds are
         # part of decode_s). None without a retrieval cache.
         "prefill_rebuild_s": session.rebuild_times[0] if session.rebuild_times else None,

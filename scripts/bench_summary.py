@@ -5,7 +5,8 @@
 One table per record: per method, ms/token and the speed-up over ar (measured side by side in that
 record), the offloaded KV's floor per verification (bytes / pinned H2D peak) and the achieved H2D rate,
 each stage's measured ms per forward beside its floor (weights + attended KV / device memory rate), the
-prefill beside its FLOP floor, retrieval rebuild seconds, peak device memory, and, marked as such, the
+prefill beside its FLOP floor, retrieval rebuild seconds, peak device memory (allocated, reserved, and
+the memory plan's prediction), and, marked as such, the
 projection at the record's assumed acceptance. Records from older commits (no stage times) print what
 they have. Reads only what bench wrote: nothing here measures anything.
 """
@@ -35,7 +36,7 @@ def table(r: dict) -> str:
               f"{_f(r.get('device_gbps'), '.0f', ' GB/s')}, matmul {_f(r.get('matmul_tflops'), '.0f', ' TFLOP/s')}")
     at = "" if r.get("project") is None else f" @{r['project']}"
     cols = ["method", "ms/token", "vs ar", "tokens/verif", "H2D GB/s", "floor ms/verif (H2D)",
-            "ms/forward measured/floor", "prefill s (FLOP floor)", "rebuilds s (n)", "GPU GiB",
+            "ms/forward measured/floor", "prefill s (FLOP floor)", "rebuilds s (n)", "GPU GiB allocated/reserved/planned",
             f"projected ms/token{at}", f"projected vs ar{at}"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for run in r["runs"]:
@@ -45,7 +46,8 @@ def table(r: dict) -> str:
                  _f(run["tokens_per_verification"], ".2f"), _f(run["h2d_gbps"], ".1f"),
                  _f(run["floor_ms_per_verification"], ".1f"), _stages(run),
                  f"{run['prefill_s']:.2f} ({_f(fl.get('prefill_flop_floor_s'), '.2f')})", rebuilds,
-                 _f(run.get("gpu_mem_gib"), ".1f"), _f(p.get("ms_per_token"), ".1f"),
+                 "/".join(_f(run.get(k), ".1f") for k in ("gpu_mem_gib", "gpu_reserved_gib", "planned_peak_gib")),
+                 _f(p.get("ms_per_token"), ".1f"),
                  _f(p.get("speedup_vs_ar"), ".2f", "x")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -2,7 +2,9 @@
 this device, from bytes that must be read or FLOPs that must be done over a measured ceiling.
 
 - A decode step of a node reads its weights and its KV cache once: (weight bytes + layers x KV bytes per
-  token x tokens attended) / the device's measured memory rate. The full node attends the whole context,
+  token x tokens attended) / the device's measured memory rate. The weights a step reads are the layers,
+  the final norm and the output projection: of an untied input embedding table it reads one row per token
+  (a Llama-68M draft's table is a third of its bytes), so the table is not counted. The full node attends the whole context,
   the middle node its budget, the small draft its StreamingLLM budget. (The offloaded full cache's other
   floor, bytes over the PCIe copy rate, is bench's floor_ms_per_verification.)
 - A prefill of n tokens does 2 x (parameters in the layers) x n FLOPs in matrix products plus causal
@@ -62,13 +64,19 @@ def _kv_token_bytes(config, dtype_bytes: int) -> int:
     return config.num_hidden_layers * 2 * kv * d * dtype_bytes
 
 
+def step_weight_bytes(config, dtype_bytes: int) -> int:
+    """Weight bytes one decode step reads (module docstring): all of them but an untied input embedding table."""
+    tied = getattr(config, "tie_word_embeddings", False)
+    return weight_bytes(config, dtype_bytes) - (0 if tied else dtype_bytes * config.vocab_size * config.hidden_size)
+
+
 def step_floors_ms(config, draft_config, dtype_bytes: int, spec: Speculation, context: float,
                    bandwidth_gbps: float | None) -> dict[str, float] | None:
     """Per node of the method, the ms one decode step must take to read its weights and attended KV at
     the measured device rate; context: the full node's mean attended tokens. None without a rate."""
     if not bandwidth_gbps:
         return None
-    target = weight_bytes(config, dtype_bytes)
+    target = step_weight_bytes(config, dtype_bytes)
     per_token = _kv_token_bytes(config, dtype_bytes)
     floors = {"full": target + per_token * context}
     if spec.method in ("triforce", "retrieval"):
@@ -76,6 +84,6 @@ def step_floors_ms(config, draft_config, dtype_bytes: int, spec: Speculation, co
     if spec.method == "streaming":
         floors["streaming"] = target + per_token * min(spec.budget, context)
     if spec.uses_draft and draft_config is not None:
-        floors["draft"] = weight_bytes(draft_config, dtype_bytes) + \
+        floors["draft"] = step_weight_bytes(draft_config, dtype_bytes) + \
             _kv_token_bytes(draft_config, dtype_bytes) * min(spec.draft_budget, context)
     return {name: 1000 * b / (bandwidth_gbps * 1e9) for name, b in floors.items()}

@@ -22,6 +22,11 @@ def test_prefill_flops_of_llama2_7b():
     expected = 2 * layers * n + 32 * 2 * n * n * 4096 + 2 * 4096 * 32000
     assert prefill_flops(c, n) == expected
     assert prefill_flops(c, 2 * n) > 2 * prefill_flops(c, n)  # attention grows with the square
+    # Attention's width is heads x head_dim, which need not be the hidden size.
+    wide = make_config("llama2-7b", head_dim=256)
+    width = 32 * 256
+    layers = 32 * (2 * 4096 * width + 2 * 4096 * width + 3 * 4096 * 11008)
+    assert prefill_flops(wide, n) == 2 * layers * n + 32 * 2 * n * n * width + 2 * 4096 * 32000
 
 
 def test_step_floors_of_llama2_7b_at_122k():

@@ -3,13 +3,14 @@ this device, from bytes that must be read or FLOPs that must be done over a meas
 
 - A decode step of a node reads its weights and its KV cache once: (weight bytes + layers x KV bytes per
   token x tokens attended) / the device's measured memory rate. The weights a step reads are the layers,
-  the final norm and the output projection: of an untied input embedding table it reads one row per token
-  (a Llama-68M draft's table is a third of its bytes), so the table is not counted. The full node attends the whole context,
-  the middle node its budget, the small draft its StreamingLLM budget. (The offloaded full cache's other
-  floor, bytes over the PCIe copy rate, is bench's floor_ms_per_verification.)
+  the final norm and the output projection: of an untied input embedding table it reads one row per
+  token (a Llama-68M draft's table is a third of its bytes), so the table is not counted. The full node
+  attends the whole context, the middle node its budget, the small draft its StreamingLLM budget. (The
+  offloaded full cache's other floor, bytes over the PCIe copy rate, is bench's floor_ms_per_verification.)
 - A prefill of n tokens does 2 x (parameters in the layers) x n FLOPs in matrix products plus causal
-  attention's 2 x n^2 x hidden per layer (QK^T and PV, each n^2/2 x hidden multiply-adds), at the device's
-  measured dense matrix-product rate in the run's dtype. The vocabulary projection runs for one token.
+  attention's 2 x n^2 x heads x head_dim per layer (QK^T and PV, each n^2/2 x heads x head_dim
+  multiply-adds), at the device's measured dense matrix-product rate in the run's dtype. The vocabulary
+  projection is counted for one token.
 Ceilings are measured on CUDA only: on the CPU they return None and no floor is given.
 """
 from __future__ import annotations
@@ -52,7 +53,9 @@ def _layer_params(config) -> int:
 
 def prefill_flops(config, n: int) -> float:
     """FLOPs of a causal prefill of n tokens (module docstring)."""
-    attention = config.num_hidden_layers * 2 * n * n * config.hidden_size
+    heads = config.num_attention_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attention = config.num_hidden_layers * 2 * n * n * heads * d  # heads x head_dim: hidden in Llama-2
     return 2 * _layer_params(config) * n + attention + 2 * config.hidden_size * config.vocab_size
 
 

@@ -15,12 +15,11 @@ Ceilings are measured on CUDA only: on the CPU they return None and no floor is 
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from .config import Speculation
 from .placement import weight_bytes
+from .timing import median_ms
 
 
 def matmul_tflops(device, dtype: torch.dtype, n: int = 8192, repeats: int = 5) -> float | None:
@@ -30,17 +29,10 @@ def matmul_tflops(device, dtype: torch.dtype, n: int = 8192, repeats: int = 5) -
         return None
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    ms = median_ms(lambda: a @ b, device, repeats)
     del a, b
     torch.cuda.empty_cache()
-    return 2 * n ** 3 / (statistics.median(times[1:]) / 1000) / 1e12
+    return 2 * n ** 3 / (ms / 1000) / 1e12
 
 
 def _layer_params(config) -> int:

@@ -3,7 +3,6 @@ and bench's per-stage figures beside them."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import tforce
 from tforce import bench as b

@@ -10,8 +10,8 @@ Each figure is the median of REPEATS runs (CPU runs on a shared machine are nois
     (defaults: 900 tokens, triforce, 5 runs, the demo pair on the CPU in float32; the excerpt starts at the
     first occurrence of START, e.g. a chapter's first words, else at the beginning. --synthetic: random
     weights of a `tforce bench --synthetic` architecture and its draft, with the byte tokenizer, e.g.
-    llama2-7b on cuda in bfloat16: its times are real, its answers meaningless. --json: the medians as one
-    object, also written to FILE)
+    llama2-7b on cuda in bfloat16: its times are real, its answers meaningless. --json FILE: the medians
+    written to FILE as one JSON object, beside the lines printed)
 """
 from __future__ import annotations
 

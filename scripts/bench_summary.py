@@ -57,17 +57,19 @@ def main(paths: list[str]) -> int:
     if not paths:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
-    out = []
-    for path in paths:
+    out, bad = [], 0
+    for path in paths:  # a record that cannot be tabulated is one line: the others' tables still come
         try:
             with open(path, encoding="utf-8") as fh:
-                record = json.load(fh)
+                out.append(f"`{os.path.basename(path)}`\n\n" + table(json.load(fh)))
         except (OSError, ValueError) as e:
             out.append(f"{path}: not a bench record ({type(e).__name__}: {e})")
-            continue
-        out.append(f"`{os.path.basename(path)}`\n\n" + table(record))
+            bad += 1
+        except (KeyError, TypeError) as e:  # e.g. a --batch record: no per-method figures
+            out.append(f"{path}: not a record of single runs (no {e})")
+            bad += 1
     print("\n\n".join(out))
-    return 0
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -14,15 +14,17 @@
 #
 # Time: the script starts no step after DEADLINE_S seconds (default 460) and cuts each at its own limit, so it
 # ends inside one 10-minute call. Output: at most 8 files come back from a device call's $OUT, so logs and
-# JSON go to $OUT/features/ and end up in $OUT/gpu_features.tgz; $OUT/summary.txt holds each step's exit
-# status and seconds and the figures read from the JSON; $OUT/cuda_tests.log is the tests' log.
+# JSON go to a work folder that is packed into $OUT/gpu_features.tgz after every step (a call cut short
+# by its limit still brings back the steps done); at the end $OUT/summary.txt holds each step's exit status
+# and seconds and the figures read from the JSON, and $OUT/cuda_tests.log is the tests' log.
 # Installs nothing (PYTHONPATH=.). DEVICE=cpu SYNTH=tiny PROMPT_LEN=200 GEN_LEN=8 BUDGET=64 DRAFT_BUDGET=32
 # runs the same command lines on a CPU, to check that they parse and write their JSON.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./out}"
-LOGS="$OUT/features"
-mkdir -p "$LOGS"
+mkdir -p "$OUT"
+LOGS="$(mktemp -d)"  # logs and JSON, packed into $OUT/gpu_features.tgz after every step
+pack() { tar czf "$OUT/gpu_features.tgz" -C "$LOGS" . ; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
@@ -50,6 +52,7 @@ finish() {  # finish NAME RC T0: record a step's outcome
     echo "== $1: exit $2 after $((SECONDS - $3)) s"
     echo "$1 exit $2 $((SECONDS - $3)) s" >>"$SUMMARY"
     [ "$2" -eq 0 ] || failed+=("$1")
+    pack
 }
 
 step() {  # step NAME LIMIT_S COMMAND...: stdout and stderr to $LOGS/NAME.log (and here)
@@ -157,7 +160,7 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
 PY
 cat "$SUMMARY" "$LOGS/figures.txt" | tee "$OUT/summary.txt"
 [ -f "$LOGS/cuda_tests.log" ] && cp "$LOGS/cuda_tests.log" "$OUT/cuda_tests.log"
-tar czf "$OUT/gpu_features.tgz" -C "$OUT" features && rm -rf "$LOGS"
+pack && rm -rf "$LOGS"
 if [ "${#failed[@]}" -ne 0 ]; then
     echo "gpu_features: FAILED: ${failed[*]} (logs in $OUT/gpu_features.tgz)" | tee -a "$OUT/summary.txt"
     exit 1

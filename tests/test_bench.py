@@ -228,6 +228,25 @@ def test_bench_summary_tabulates_a_record(report, tmp_path):
     assert "draft " in rows[1] and "retrieval " in rows[1] and "full " in rows[1]  # triforce's three stages
 
 
+def test_bench_summary_tabulates_the_good_records_beside_a_bad_one(report, tmp_path):
+    """A record it cannot tabulate (a --batch record, an empty file from a bench cut short) is one line and
+    exit 1; the other records' tables still come."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    good, batch, empty = tmp_path / "good.json", tmp_path / "batch.json", tmp_path / "empty.json"
+    good.write_text(json.dumps(report))
+    batch.write_text(json.dumps({**report, "runs": [{"method": "ar", "batch_tokens_per_s": 1.0}]}))
+    empty.write_text("")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_summary.py"
+    done = subprocess.run([sys.executable, str(script), str(batch), str(empty), str(good)], capture_output=True,
+                          text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"{batch}: not a record of single runs" in done.stdout and f"{empty}: not a bench record" in done.stdout
+    assert "`good.json`" in done.stdout and "| triforce |" in done.stdout
+
+
 def test_bench_prefill_chunk_reaches_the_engine(runner, monkeypatch):
     import tforce.engine as engine
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import re
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +32,7 @@ from .model import Llama
 from .floors import matmul_tflops, prefill_flops, step_floors_ms
 from .projection import project
 from .synthetic import ARCHITECTURES, byte_tokenizer, make_config
+from .timing import median_ms
 
 GiB = placement.GiB
 
@@ -142,18 +142,6 @@ def prompt_ids(n: int, vocab: int, tokenizer=None, text: str | None = None, seed
 # ------------------------------------------------------------------------------------------ bandwidth
 
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[1:])  # the first is warm-up
-
-
 def h2d_peak_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
     """Pinned host -> device copy rate in GB/s (1e9 bytes/s), median of `repeats`, timed with CUDA events;
     None off CUDA."""
@@ -162,7 +150,7 @@ def h2d_peak_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
         return None
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    ms = _median_ms(lambda: dev.copy_(host, non_blocking=True), repeats)
+    ms = median_ms(lambda: dev.copy_(host, non_blocking=True), device, repeats)
     del host, dev
     torch.cuda.empty_cache()  # else the allocator keeps the buffer, and later free-memory figures lack it
     return nbytes / (ms / 1000) / 1e9
@@ -175,7 +163,7 @@ def device_bandwidth_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float 
         return None
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    ms = _median_ms(lambda: b.copy_(a), repeats)
+    ms = median_ms(lambda: b.copy_(a), device, repeats)
     del a, b
     torch.cuda.empty_cache()  # as in h2d_peak_gbps
     return 2 * nbytes / (ms / 1000) / 1e9

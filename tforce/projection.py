@@ -21,8 +21,6 @@ forward counts against the real levels driven by fixed distributions (independen
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 from .config import Speculation
 
 
@@ -74,12 +72,10 @@ def _round_tokens(level: tuple, rate) -> dict[int, float]:
 def _rounds_for(level: tuple, k: int, rate) -> float:
     """Expected rounds of `level` until it has yielded at least k tokens."""
     dist = _round_tokens(level, rate)
-
-    @lru_cache(maxsize=None)
-    def e(need: int) -> float:
-        return 0.0 if need <= 0 else 1.0 + sum(p * e(need - n) for n, p in dist.items())
-
-    return e(k)
+    e = [0.0] * (k + 1)  # e[need]: expected rounds until `need` more tokens (bottom up: k may be large)
+    for need in range(1, k + 1):
+        e[need] = 1.0 + sum(p * e[max(0, need - n)] for n, p in dist.items())
+    return e[k]
 
 
 def _round_forwards(level: tuple, rate) -> dict[str, float]:
@@ -105,10 +101,16 @@ def forwards_per_token(spec: Speculation, rate) -> dict[str, float]:
     return {name: f / tokens for name, f in per_round.items()}
 
 
-def rebuild_interval(spec: Speculation) -> int:
-    """Tokens between retrieval rebuilds while the middle level's acceptance stays above rebuild_below:
-    every rebuild_every tokens, or sooner when the new tokens crowd the budget (Session._maybe_rebuild)."""
-    return max(1, min(spec.rebuild_every, spec.budget - spec.chunk_size - spec.max_lookahead + 1))
+def rebuild_interval(spec: Speculation, rate) -> float:
+    """Expected tokens between retrieval rebuilds while the middle level's acceptance stays above
+    rebuild_below. Session._maybe_rebuild rebuilds before the first round that starts with at least
+    `threshold` tokens committed since the last rebuild (rebuild_every, or fewer when they would crowd the
+    budget); rounds commit several tokens, so the interval is the tokens of the rounds until the threshold
+    is reached or passed: E[rounds] x E[tokens per round] (Wald's identity)."""
+    threshold = max(1, min(spec.rebuild_every, spec.budget - spec.chunk_size - spec.max_lookahead + 1))
+    top = hierarchy(spec)
+    per_round = sum(n * p for n, p in _round_tokens(top, rate).items())
+    return _rounds_for(top, threshold, rate) * per_round
 
 
 def project(stats: dict, spec: Speculation, rate) -> dict | None:
@@ -126,7 +128,7 @@ def project(stats: dict, spec: Speculation, rate) -> dict | None:
     seconds = {name: f * (per_forward[name] + other) for name, f in need.items()}
     if stats["rebuild_s"] is not None:
         one = rebuild_s / stats["rebuilds"] if stats["rebuilds"] else stats["prefill_rebuild_s"]
-        seconds["rebuilds"] = (one or 0.0) / rebuild_interval(spec)
+        seconds["rebuilds"] = (one or 0.0) / rebuild_interval(spec, rate)
     return {
         "acceptance": rate,
         "ms_per_token": 1000 * sum(seconds.values()),

@@ -1,6 +1,8 @@
 """Seconds spent in a node's forwards, without making the device wait.
 
-On CUDA a forward is bracketed by two timing events recorded on the current stream; their elapsed time
+On CUDA a forward is bracketed by two timing events recorded on its device's current stream (where that
+device's kernels are queued; Event.record() without a stream would take the current device's, which a
+model on another device, e.g. --device cuda:1, never uses); their elapsed time
 is read only when asked (after the caller has synchronised the device), and pairs that have already
 completed are folded into a running total as the list grows, with Event.query(), which never blocks.
 On the CPU the forward has run when the call returns: perf_counter brackets it.
@@ -10,6 +12,7 @@ launch-bound forward counts its launch gaps): what the stage costs the decode lo
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -17,26 +20,40 @@ import torch
 FOLD_AT = 256  # pending event pairs before the completed ones are folded into the total
 
 
+def cuda_event(device: torch.device) -> torch.cuda.Event:
+    """A timing event recorded now on `device`'s current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def median_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median milliseconds of fn() on a CUDA device over `repeats` calls after one warm-up, CUDA events."""
+    times = []
+    for _ in range(repeats + 1):
+        start = cuda_event(device)
+        fn()
+        end = cuda_event(device)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])
+
+
 class ForwardTimer:
     def __init__(self, device: torch.device):
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.total = 0.0  # seconds of forwards already folded in
         self.pending: list[tuple] = []  # CUDA: (start, end) events not yet read
 
     def start(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return cuda_event(self.device) if self.cuda else time.perf_counter()
 
     def stop(self, start) -> None:
         if not self.cuda:
             self.total += time.perf_counter() - start
             return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self.pending.append((start, end))
+        self.pending.append((start, cuda_event(self.device)))
         if len(self.pending) >= FOLD_AT:
             self._fold(wait=False)
 

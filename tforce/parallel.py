@@ -175,7 +175,7 @@ def _portable(rank: int, e: BaseException) -> tuple[TforceError, str]:
     return err, text
 
 
-def _worker(rank, world, backend, port, threads, q, fn, args, emit_events, on_spawn):
+def _worker(rank, world, backend, port, threads, q, fn, args, emit_events, on_spawn, inbox=None):
     try:
         if on_spawn is not None:
             on_spawn(rank)
@@ -192,15 +192,40 @@ def _worker(rank, world, backend, port, threads, q, fn, args, emit_events, on_sp
         _check_link(rank, world, device)
         q.put(("joined", rank, None))
         kwargs = {"emit": lambda event: q.put(("event", rank, pickle.dumps(event)))} if emit_events else {}
-        # Plain pickle: tensors travel by value (a queue would share them through this process, which
-        # is about to exit).
-        value = pickle.dumps(fn(rank, world, *args, **kwargs))
+        if inbox is None:
+            # Plain pickle: tensors travel by value (a queue would share them through this process, which
+            # is about to exit).
+            q.put(("result", rank, pickle.dumps(fn(rank, world, *args, **kwargs))))
+        else:
+            _serve(rank, q, inbox, fn(rank, world, *args, **kwargs))
     except BaseException as e:
         q.put(("error", rank, (*_portable(rank, e), isinstance(e, TforceError))))
         _leave(q, 1)  # the parent ends the other ranks
-    q.put(("result", rank, value))
     dist.destroy_process_group()
     _leave(q, 0)
+
+
+def _serve(rank: int, q, inbox, server) -> None:
+    """Send the parent what the generator `server` yields, sending the generator the parent's next command
+    each time, until that command is None or the parent is gone (an orphan would hold its memory for ever)."""
+    value = next(server)
+    while True:
+        q.put(("result", rank, pickle.dumps(value)))
+        command = _next_command(inbox)
+        if command is None:
+            server.close()
+            return
+        value = server.send(command)
+
+
+def _next_command(inbox):
+    """The parent's next command, or None once the parent has exited."""
+    while True:
+        try:
+            return inbox.get(timeout=1.0)
+        except queue_mod.Empty:
+            if not mp.parent_process().is_alive():
+                return None
 
 
 def _check_link(rank: int, world: int, device: torch.device) -> None:
@@ -234,52 +259,111 @@ def launch(fn, world: int, backend: str, *args, on_event=None, all_ranks: bool =
     ended rather than left waiting. So is a start-up that takes over start_timeout_s (spawn, imports,
     the process group and one test all_reduce), naming the ranks that did not start. _on_spawn: a test
     hook, an importable callable run first in each worker with its rank."""
-    if backend not in ("gloo", "nccl"):
-        raise UsageError(f"backend must be gloo or nccl, got {backend!r}")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port, threads = _free_port(), max(1, torch.get_num_threads() // world)
-    procs = [ctx.Process(target=_worker, args=(r, world, backend, port, threads, q, fn, args, on_event is not None,
-                                               _on_spawn), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    start_by = time.monotonic() + start_timeout_s
-    results, errors, died, stop_at, late = {}, [], None, None, None
-    up, joined = set(), set()
-    ok = False
+    ranks = Ranks(fn, world, backend, *args, on_event=on_event, grace_s=grace_s, start_timeout_s=start_timeout_s,
+                  _on_spawn=_on_spawn)
     try:
-        while len(results) < world and (stop_at is None or time.monotonic() < stop_at):
-            if stop_at is None and len(joined) < world and time.monotonic() > start_by:
-                late = TforceError(_late_start(world, up, start_timeout_s, backend))
-                break
-            try:
-                kind, rank, payload = q.get(timeout=0.05)
-            except queue_mod.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead and died is None:  # its error message, if any, may still be in the pipe
-                    died = TforceError(f"rank {dead[0][0]} died (exit code {dead[0][1]})")
-                    stop_at = min(stop_at or float("inf"), time.monotonic() + grace_s)
-                continue
-            if kind == "up":
-                up.add(rank)
-            elif kind == "joined":
-                joined.add(rank)
-            elif kind == "event":
-                on_event(pickle.loads(payload))
-            elif kind == "result":
-                results[rank] = pickle.loads(payload)
-            else:  # wait a moment for the other ranks' errors: the root cause may come second
-                errors.append(payload)
-                stop_at = min(stop_at or float("inf"), time.monotonic() + 0.25)
-        ok = len(results) == world
+        results = ranks.collect()
     finally:
-        _end(procs, q, wait_s=10.0 if ok else 0.0)
-    if errors:  # a message meant for the user (a TforceError) beats fallout on the other ranks
-        err, text, _ = next((e for e in errors if e[2]), errors[0])
-        raise err from WorkerTraceback(text)
-    if not ok:
-        raise late or died or TforceError("the workers stopped without a result")
-    return [results[r] for r in range(world)] if all_ranks else results[0]
+        ranks.close()
+    return results if all_ranks else results[0]
+
+
+class Ranks:
+    """`world` spawned workers joined by a process group, from the parent's side (launch's machinery).
+
+    collect() waits for every rank's next result. Without serve, that is fn's return value (launch).
+    With serve, fn is a generator function and the workers persist: each rank sends what its generator
+    yields, and send(command) hands every rank's generator the next command (the value of its yield)
+    until close() sends None. Events (emit) reach on_event while collect() waits. Any failure (a
+    worker's error, a death, a start-up past its limit, an interrupt here) ends every worker at once
+    and is raised as one TforceError; close() (or leaving a `with` block) ends them too, waiting for
+    them to exit after a normal end."""
+
+    def __init__(self, fn, world: int, backend: str, *args, on_event=None, serve: bool = False,
+                 grace_s: float = 2.0, start_timeout_s: float = START_TIMEOUT_S, _on_spawn=None):
+        if backend not in ("gloo", "nccl"):
+            raise UsageError(f"backend must be gloo or nccl, got {backend!r}")
+        ctx = mp.get_context("spawn")
+        self.q = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)] if serve else []
+        port, threads = _free_port(), max(1, torch.get_num_threads() // world)
+        self.procs = [ctx.Process(target=_worker, args=(r, world, backend, port, threads, self.q, fn, args,
+                                                        on_event is not None, _on_spawn,
+                                                        self.inboxes[r] if serve else None), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.world, self.backend, self.on_event, self.grace_s = world, backend, on_event, grace_s
+        self.start_timeout_s, self.start_by = start_timeout_s, time.monotonic() + start_timeout_s
+        self.up, self.joined, self.closed = set(), set(), False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        self.close(wait_s=10.0 if kind is None else 0.0)
+
+    def send(self, command) -> None:
+        self._check_open()
+        for inbox in self.inboxes:
+            inbox.put(command)
+
+    def collect(self) -> list:
+        """Every rank's next result, in rank order."""
+        self._check_open()
+        world, procs = self.world, self.procs
+        results, errors, died, stop_at, late = {}, [], None, None, None
+        ok = False
+        try:
+            while len(results) < world and (stop_at is None or time.monotonic() < stop_at):
+                if stop_at is None and len(self.joined) < world and time.monotonic() > self.start_by:
+                    late = TforceError(_late_start(world, self.up, self.start_timeout_s, self.backend))
+                    break
+                try:
+                    kind, rank, payload = self.q.get(timeout=0.05)
+                except queue_mod.Empty:
+                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if dead and died is None:  # its error message, if any, may still be in the pipe
+                        died = TforceError(f"rank {dead[0][0]} died (exit code {dead[0][1]})")
+                        stop_at = min(stop_at or float("inf"), time.monotonic() + self.grace_s)
+                    continue
+                if kind == "up":
+                    self.up.add(rank)
+                elif kind == "joined":
+                    self.joined.add(rank)
+                elif kind == "event":
+                    self.on_event(pickle.loads(payload))
+                elif kind == "result":
+                    results[rank] = pickle.loads(payload)
+                else:  # wait a moment for the other ranks' errors: the root cause may come second
+                    errors.append(payload)
+                    stop_at = min(stop_at or float("inf"), time.monotonic() + 0.25)
+            ok = len(results) == world and not errors
+        finally:
+            if not ok:
+                self.close(wait_s=0.0)
+        if errors:  # a message meant for the user (a TforceError) beats fallout on the other ranks
+            err, text, _ = next((e for e in errors if e[2]), errors[0])
+            raise err from WorkerTraceback(text)
+        if not ok:
+            raise late or died or TforceError("the workers stopped without a result")
+        return [results[r] for r in range(world)]
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TforceError("the tensor-parallel ranks have ended (after an error or Ctrl-C): start again")
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Tell serving workers to stop, join every worker (up to wait_s in all), then end what still runs."""
+        if self.closed:
+            return
+        self.closed = True
+        for inbox in self.inboxes:
+            inbox.put(None)
+        _end(self.procs, self.q, wait_s)
+        for inbox in self.inboxes:
+            inbox.close()
+            inbox.cancel_join_thread()
 
 
 def _late_start(world: int, up: set, limit_s: float, backend: str) -> str:
@@ -311,23 +395,49 @@ def _generate_worker(rank, world, model_path, draft_path, prompt_ids, device, dt
                      emit=None):
     """One rank of generate_tp. free: one device_free figure per rank (tests give the ranks different ones)."""
     from .engine import generate
-    from .weights import load_model
 
-    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-    # Each rank reads only its shard of the target from the files, straight to its device.
-    target = load_model(model_path, device=str(dev), dtype=dtype, tokenizer=False, rank=rank, world=world).model
-    small = load_model(draft_path, device=str(dev), dtype=dtype, tokenizer=False).model if draft_path else None
-    callbacks = {}
-    if rank == 0 and emit is not None:
-        callbacks = {name: (lambda *a, name=name: emit((name, a))) for name in events}
+    target, small, dev = rank_models(model_path, draft_path, device, dtype, rank, world)
     options = dict(options)
     device_free = _agreed_free(dev, free[rank], options.pop("gpu_memory", None))
-    result = generate(target, prompt_ids, draft=small, device_free=device_free, **options, **callbacks)
+    result = generate(target, prompt_ids, draft=small, device_free=device_free, group=Group(), **options,
+                      **rank_callbacks(rank, emit, events))
     plan = (result.stats["kv_resident_layers"], result.stats["kv_offloaded_layers"])
     if not all_equal((result.tokens, plan)):
         raise TforceError("the tensor-parallel ranks generated different tokens or placed their KV caches "
                           "differently: please report this")
     return result
+
+
+def rank_models(model_path: str, draft_path: str | None, device: str, dtype, rank: int, world: int):
+    """(target shard, draft or None, device) of one rank: the rank reads only its shard of the target
+    from the files, straight to its device (cuda:rank on CUDA); the draft is replicated."""
+    from .weights import load_model
+
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    target = load_model(model_path, device=str(dev), dtype=dtype, tokenizer=False, rank=rank, world=world)
+    small = load_model(draft_path, device=str(dev), dtype=dtype, tokenizer=False) if draft_path else None
+    return target, small, dev
+
+
+def rank_callbacks(rank: int, emit, names) -> dict:
+    """The engine callbacks named, on rank 0 each sending its call to the parent (emit); none elsewhere."""
+    if rank != 0 or emit is None:
+        return {}
+    return {name: (lambda *a, name=name: emit((name, a))) for name in names}
+
+
+class Group:
+    """The process group as snapshot.py sees it (this rank, the world size, a gather), so that snapshot.py
+    need not touch torch.distributed. Gathers are collectives: every rank must make the same ones."""
+
+    def __init__(self):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def gather(self, obj) -> list:
+        """Every rank's (picklable) obj, in rank order."""
+        objs = [None] * self.world
+        dist.all_gather_object(objs, obj)
+        return objs
 
 
 def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
@@ -350,27 +460,37 @@ def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -
     return min(known) if known else None
 
 
+def tp_options(device: str, dtype, options: dict, world: int):
+    """The checked device, the dtype (default: bfloat16 on CUDA, float32 on CPU) and generate's options as
+    every rank gets them: a seed drawn here when none was given (every rank samples with the same one),
+    eager on CUDA (all_reduce inside a captured graph is untested here), device_free taken out as one
+    figure per rank (None: measured there). Returns (dtype, options, free)."""
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"tensor parallelism runs on cpu or cuda, got {device!r}")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    options = dict(options)
+    free = [options.pop("device_free", None)] * world
+    if options.get("seed") is None:
+        options["seed"] = secrets.randbits(63)
+    if device == "cuda":
+        options.setdefault("cuda_graphs", False)
+    return dtype or (torch.bfloat16 if device == "cuda" else torch.float32), options, free
+
+
 def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int, device: str = "cpu",
                 dtype: torch.dtype | str | None = None, **generate_kwargs):
     """tforce.generate with the target split over `world` processes (gloo on CPU, NCCL on CUDA, rank r
     on cuda:r); the draft is replicated. Returns rank 0's Result. on_token / on_prefill / on_round / on_plan
     callbacks run here, in this process, as rank 0 produces the events. A missing seed is drawn here,
     so every rank samples with the same one. Every rank plans its KV cache from the least free device
-    memory over the ranks (device_free, when given, stands for every rank's measure; _agreed_free)."""
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"tensor parallelism runs on cpu or cuda, got {device!r}")
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    memory over the ranks (device_free, when given, stands for every rank's measure; _agreed_free).
+    KV snapshots (load_kv, save_kv) hold each rank's KV heads in a folder of its own (snapshot.py)."""
     callbacks = {name: generate_kwargs.pop(name) for name in EVENTS if generate_kwargs.get(name) is not None}
-    free = [generate_kwargs.pop("device_free", None)] * world  # each rank's own figure (None: measured there)
     generate_kwargs.pop("draft", None)
     for name in EVENTS:
         generate_kwargs.pop(name, None)
-    if generate_kwargs.get("seed") is None:
-        generate_kwargs["seed"] = secrets.randbits(63)
-    if device == "cuda":  # all_reduce inside a captured graph is untested here: eager unless asked
-        generate_kwargs.setdefault("cuda_graphs", False)
+    dtype, generate_kwargs, free = tp_options(device, dtype, generate_kwargs, world)
 
     def on_event(event):
         name, args = event

@@ -1,0 +1,225 @@
+"""`tforce chat --tp 2` and KV snapshots over tensor-parallel ranks, on the CPU (gloo, 2 spawned
+processes): answers equal the single-process answers token for token (greedy; and sampled with a seed,
+as test_parallel asserts for run: the ranks' logits are bitwise equal, and differ from the unsharded
+model's only by summation order), with and without --keep-history; a snapshot written by 2 ranks loads
+into 2 ranks (chat and run) with a fresh prefill's answers, and is refused in one line by another world
+size; ranks that disagree fail the answer; a rank that fails to write leaves no snapshot; no worker
+process outlives the command.
+
+Every launch starts two workers that import torch and transformers (seconds each), so each test makes
+at most two."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from multiprocessing import resource_tracker
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import tforce
+from tforce import snapshot
+from tforce.cli import app
+from tforce.config import Sampling, Speculation
+from tforce.conversation_tp import _conversation_worker
+from tforce.engine import Session
+from tforce.errors import TforceError
+from tforce.parallel import Ranks
+from tforce.synthetic import make_checkpoint
+
+from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
+
+QUESTIONS = ["Who wrote this?", "What age was it?"]
+SAMPLED = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat-tp")
+    make_checkpoint(root / "tiny-target", seed=0, **TARGET)
+    make_checkpoint(root / "tiny-draft", seed=1, **DRAFT)
+    (root / "doc.txt").write_text(DOC)
+    return root
+
+
+@pytest.fixture(scope="module")
+def target(models):
+    return tforce.load_model(str(models / "tiny-target"))
+
+
+def _children() -> set[int]:
+    """This process's child processes (from /proc), after starting multiprocessing's resource tracker (a
+    child that the first spawn starts and that stays), so that only ranks come and go."""
+    resource_tracker.ensure_running()
+    me, out = str(os.getpid()), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:
+            out.add(int(stat.parent.name))
+    return out
+
+
+def _invoke(args, input=None):
+    """CliRunner's result; the command must leave no child process behind, however it ended."""
+    before = _children()
+    result = CliRunner().invoke(app, args, input=input)
+    assert _children() <= before, "worker processes outlived the command"
+    return result
+
+
+def _chat(models, *args, tp=True, input="\n".join(QUESTIONS) + "\n"):
+    base = ["chat", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST, "--json"]
+    return _invoke(base + list(args) + (["--tp", "2", "--device", "cpu"] if tp else []), input=input)
+
+
+def _tokens(result) -> list[list[int]]:
+    assert result.exit_code == 0, (result.output, result.exception)
+    return [json.loads(line)["tokens"] for line in result.stdout.splitlines()]
+
+
+def _question(target, q: str) -> list[int]:
+    return target.tokenizer.encode("\n\n" + q, add_special_tokens=False)
+
+
+def _greedy(target, ids: list[int]) -> list[int]:
+    return tforce.generate(target.model, ids, method="ar", max_new_tokens=12, temperature=0).tokens
+
+
+def test_chat_tp2_answers_and_saves_the_document(models, target, tmp_path):
+    """Each answer follows the document alone, as one process answers; the snapshot holds each rank's part."""
+    snap = tmp_path / "doc.kv"
+    r = _chat(models, str(models / "doc.txt"), "--save-kv", str(snap))
+    doc = target.tokenizer.encode(DOC)
+    assert _tokens(r) == [_greedy(target, doc + _question(target, q)) for q in QUESTIONS]
+    assert "snapshot written to" in r.stderr
+    manifest = json.loads((snap / "manifest.json").read_text())
+    assert manifest["world"] == 2 and manifest["tokens"] == doc
+    assert {name.split("/")[0] for name in manifest["files"]} == {"rank-0", "rank-1"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kv"]  # no temporary left
+
+
+@pytest.fixture(scope="module")
+def tp_snapshot(models, tmp_path_factory):
+    """A snapshot of the document written by `chat --tp 2` (greedy, so the one above is not repeated)."""
+    snap = tmp_path_factory.mktemp("tp-snap") / "doc.kv"
+    r = _chat(models, str(models / "doc.txt"), "--save-kv", str(snap), input=QUESTIONS[0] + "\n")
+    assert r.exit_code == 0, r.output
+    return snap
+
+
+def test_tp2_snapshot_loads_into_tp2_chat_with_fresh_answers(models, target, tp_snapshot):
+    """chat --tp 2 --load-kv (the document from the snapshot, not prefilled again) with --keep-history:
+    each answer follows the conversation so far, as a fresh single-process prefill answers."""
+    r = _chat(models, "--load-kv", str(tp_snapshot), "--keep-history")
+    history = target.tokenizer.encode(DOC)
+    for q, tokens in zip(QUESTIONS, _tokens(r), strict=True):
+        history += _question(target, q)
+        assert tokens == _greedy(target, history)
+        history += tokens
+    n = len(target.tokenizer.encode(DOC))
+    assert f"document: {n} tokens ({n} loaded from {tp_snapshot}, 0 prefilled)" in r.stderr
+
+
+def test_tp2_snapshot_loads_into_tp2_run(models, target, tp_snapshot):
+    r = _invoke(["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST,
+                 str(models / "doc.txt"), "-p", "And then?", "--json", "--tp", "2", "--device", "cpu",
+                 "--load-kv", str(tp_snapshot)])
+    assert r.exit_code == 0, r.output
+    record = json.loads(r.stdout)
+    assert record["tokens"] == _greedy(target, target.tokenizer.encode(DOC + "\n\nAnd then?"))
+    assert record["stats"]["kv_reused"] == len(target.tokenizer.encode(DOC))
+
+
+def test_snapshot_of_another_world_size_is_refused_in_one_line(models, tp_snapshot, tmp_path):
+    one = tmp_path / "one.kv"
+    assert _chat(models, str(models / "doc.txt"), "--save-kv", str(one), tp=False, input="").exit_code == 0
+    _one_error_line(_chat(models, "--load-kv", str(tp_snapshot), tp=False), 2,
+                    "made with --tp 2, this run has one process (no --tp): pass --tp 2")
+    _one_error_line(_invoke(["run", "-m", str(models / "tiny-target"), "--method", "ar", str(models / "doc.txt"),
+                             "--tp", "2", "--device", "cpu", "--load-kv", str(one)]), 2,
+                    "made with one process (no --tp), this run has --tp 2: drop --tp")
+
+
+def test_sampled_answers_equal_the_single_process_ones(models):
+    """Every rank samples with the seed the parent sends (the workers check per answer that all ranks
+    agree); with --seed, each answer is the single-process chat's."""
+    tp = _tokens(_chat(models, str(models / "doc.txt"), *SAMPLED))
+    assert tp == _tokens(_chat(models, str(models / "doc.txt"), *SAMPLED, tp=False))
+
+
+def _skewed_worker(rank, world, *args, emit=None):
+    """_conversation_worker whose rank 1 samples every answer with another seed."""
+    server = _conversation_worker(rank, world, *args, emit=emit)
+    command = yield next(server)
+    while True:
+        ids, max_new, seed, names = command
+        command = yield server.send((ids, max_new, seed + rank, names))
+
+
+def test_ranks_that_disagree_fail_the_answer_and_end(models, target):
+    """With --method ar every rank makes the same collectives whatever it samples (one token a forward,
+    EOS ignored), so ranks sampling with different seeds reach the end of the answer, and its check."""
+    doc = target.tokenizer.encode(DOC)
+    options = dict(method="ar", temperature=0.9, top_p=0.95, seed=5, budget=64, room=64, ignore_eos=True)
+    before = _children()
+    ranks = Ranks(_skewed_worker, 2, "gloo", str(models / "tiny-target"), None, doc, "cpu", torch.float32,
+                  options, [None, None], False, serve=True)
+    with ranks:
+        ranks.collect()
+        ranks.send((_question(target, QUESTIONS[0]), 12, 7, ()))
+        with pytest.raises(TforceError, match="^the tensor-parallel ranks answered with different tokens"):
+            ranks.collect()
+    assert _children() <= before
+    with pytest.raises(TforceError, match="have ended"):
+        ranks.send(None)
+
+
+class _ThreadGroup:
+    """Threads standing in for ranks (snapshot.py's view of parallel.Group): gather meets at a barrier."""
+
+    def __init__(self, rank: int, slots: list, barrier: threading.Barrier):
+        self.rank, self.world, self.slots, self.barrier = rank, len(slots), slots, barrier
+
+    def gather(self, obj) -> list:
+        self.slots[self.rank] = obj
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+
+def test_a_rank_that_fails_to_write_fails_every_rank_and_leaves_no_snapshot(tiny, tmp_path, monkeypatch):
+    prompt = torch.randint(3, 259, (20,), generator=torch.Generator().manual_seed(0))
+    session = Session(tiny["gqa"].model, None, 20, 4, Speculation(method="ar", budget=16), Sampling(temperature=0))
+    session.prefill(prompt)
+    ident = snapshot.identity(tiny["gqa"])
+    write = snapshot._write
+
+    def disk_full_on_rank_1(folder, name, tensors):
+        if folder.name == "rank-1" and name == "full-001.safetensors":
+            raise OSError(28, "No space left on device")
+        return write(folder, name, tensors)
+
+    monkeypatch.setattr(snapshot, "_write", disk_full_on_rank_1)
+    slots, barrier, errors = [None, None], threading.Barrier(2, timeout=30), [None, None]
+
+    def rank(r):
+        try:
+            snapshot.save(tmp_path / "s", session, ident, _ThreadGroup(r, slots, barrier))
+        except TforceError as e:
+            errors[r] = str(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors[0] == errors[1] and errors[0].endswith(
+        "rank 1 could not write its KV heads: OSError: [Errno 28] No space left on device")
+    assert list(tmp_path.iterdir()) == []

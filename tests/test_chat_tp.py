@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 import threading
+import time
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -24,14 +28,15 @@ import tforce
 from tforce import snapshot
 from tforce.cli import app
 from tforce.config import Sampling, Speculation
-from tforce.conversation_tp import _conversation_worker
+from tforce.conversation_tp import ParallelConversation, _conversation_worker
 from tforce.engine import Session
 from tforce.errors import TforceError
-from tforce.parallel import Ranks
+from tforce.ranks import Ranks
 from tforce.synthetic import make_checkpoint
 
 from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
 
+ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ["Who wrote this?", "What age was it?"]
 SAMPLED = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "5"]
 
@@ -91,26 +96,29 @@ def _greedy(target, ids: list[int]) -> list[int]:
     return tforce.generate(target.model, ids, method="ar", max_new_tokens=12, temperature=0).tokens
 
 
-def test_chat_tp2_answers_and_saves_the_document(models, target, tmp_path):
+@pytest.fixture(scope="module")
+def saving_chat(models, tmp_path_factory):
+    """(`chat --tp 2 BOOK --save-kv` answering both questions, the snapshot it wrote, its folder)."""
+    root = tmp_path_factory.mktemp("tp-snap")
+    return _chat(models, str(models / "doc.txt"), "--save-kv", str(root / "doc.kv")), root / "doc.kv", root
+
+
+@pytest.fixture(scope="module")
+def tp_snapshot(saving_chat):
+    assert saving_chat[0].exit_code == 0, saving_chat[0].output
+    return saving_chat[1]
+
+
+def test_chat_tp2_answers_and_saves_the_document(saving_chat, target):
     """Each answer follows the document alone, as one process answers; the snapshot holds each rank's part."""
-    snap = tmp_path / "doc.kv"
-    r = _chat(models, str(models / "doc.txt"), "--save-kv", str(snap))
+    r, snap, root = saving_chat
     doc = target.tokenizer.encode(DOC)
     assert _tokens(r) == [_greedy(target, doc + _question(target, q)) for q in QUESTIONS]
     assert "snapshot written to" in r.stderr
     manifest = json.loads((snap / "manifest.json").read_text())
     assert manifest["world"] == 2 and manifest["tokens"] == doc
     assert {name.split("/")[0] for name in manifest["files"]} == {"rank-0", "rank-1"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kv"]  # no temporary left
-
-
-@pytest.fixture(scope="module")
-def tp_snapshot(models, tmp_path_factory):
-    """A snapshot of the document written by `chat --tp 2` (greedy, so the one above is not repeated)."""
-    snap = tmp_path_factory.mktemp("tp-snap") / "doc.kv"
-    r = _chat(models, str(models / "doc.txt"), "--save-kv", str(snap), input=QUESTIONS[0] + "\n")
-    assert r.exit_code == 0, r.output
-    return snap
+    assert sorted(p.name for p in root.iterdir()) == ["doc.kv"]  # no temporary left
 
 
 def test_tp2_snapshot_loads_into_tp2_chat_with_fresh_answers(models, target, tp_snapshot):
@@ -151,6 +159,70 @@ def test_sampled_answers_equal_the_single_process_ones(models):
     agree); with --seed, each answer is the single-process chat's."""
     tp = _tokens(_chat(models, str(models / "doc.txt"), *SAMPLED))
     assert tp == _tokens(_chat(models, str(models / "doc.txt"), *SAMPLED, tp=False))
+
+
+def test_a_failing_rank_ends_the_chat_in_one_line(models, tp_snapshot, tmp_path):
+    """Rank 1 finds its part of the snapshot damaged while rank 0 goes on into the prefill's first
+    all_reduce: one line names rank 1's error, and no rank outlives the command (_invoke)."""
+    damaged = tmp_path / "damaged.kv"
+    shutil.copytree(tp_snapshot, damaged)
+    f = damaged / "rank-1" / "full-001.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-10] ^= 1
+    f.write_bytes(bytes(data))
+    _one_error_line(_chat(models, "--load-kv", str(damaged)), 1, "rank-1/full-001.safetensors is damaged")
+
+
+def test_an_interrupted_answer_ends_every_rank_at_once(models, target):
+    """ParallelConversation (the library's chat over ranks): an answer equals one process's; Ctrl-C while
+    an answer streams (here raised by its on_token) ends the ranks before it reaches the caller."""
+    doc = target.tokenizer.encode(DOC)
+    before = _children()
+    with ParallelConversation(models / "tiny-target", models / "tiny-draft", doc, 2, temperature=0, budget=64,
+                              draft_budget=32, sinks=4, room=64) as conv:
+        ids = doc + _question(target, QUESTIONS[0])
+        assert conv.ask(_question(target, QUESTIONS[0]), 12).tokens == _greedy(target, ids)
+
+        def ctrl_c(tokens):
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            conv.ask(_question(target, QUESTIONS[1]), 12, on_token=ctrl_c)
+        assert _children() <= before
+        with pytest.raises(TforceError, match="have ended"):
+            conv.ask(_question(target, QUESTIONS[1]), 12)
+
+
+def _idle(rank, world):
+    """A serving worker that answers every command with None."""
+    while True:
+        yield None
+
+
+def test_serving_ranks_exit_when_their_parent_is_killed(tmp_path):
+    code = ("import os, sys\n"
+            "from tforce.ranks import Ranks\n"
+            "from test_chat_tp import _idle\n"
+            "ranks = Ranks(_idle, 2, 'gloo', serve=True)\n"
+            "ranks.collect()\n"
+            "print(*(p.pid for p in ranks.procs), flush=True)\n"
+            "os.kill(os.getpid(), 9)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    pids = [int(x) for x in out.stdout.split()]
+    assert len(pids) == 2, out.stderr
+    deadline = time.monotonic() + 15
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in pids)
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live process (a zombie awaiting its reaper is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _skewed_worker(rank, world, *args, emit=None):

@@ -13,7 +13,8 @@ import secrets
 
 from .engine import Result
 from .errors import TforceError
-from .parallel import Group, Ranks, _agreed_free, all_equal, rank_callbacks, rank_models, tp_options
+from .parallel import Group, _agreed_free, all_equal, rank_callbacks, rank_models, tp_options
+from .ranks import Ranks
 
 
 class ParallelConversation:

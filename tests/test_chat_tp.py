@@ -161,6 +161,13 @@ def test_sampled_answers_equal_the_single_process_ones(models):
     assert tp == _tokens(_chat(models, str(models / "doc.txt"), *SAMPLED, tp=False))
 
 
+def test_unseeded_answers_agree_across_ranks(models):
+    """Without --seed each answer is sampled with a seed the parent draws and sends every rank (ranks
+    drawing their own would part ways: the per-answer check, or collectives out of step, would fail)."""
+    r = _chat(models, str(models / "doc.txt"), *SAMPLED[:4])
+    assert len(_tokens(r)) == 2
+
+
 def test_a_failing_rank_ends_the_chat_in_one_line(models, tp_snapshot, tmp_path):
     """Rank 1 finds its part of the snapshot damaged while rank 0 goes on into the prefill's first
     all_reduce: one line names rank 1's error, and no rank outlives the command (_invoke)."""

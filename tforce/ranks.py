@@ -180,7 +180,7 @@ class Ranks:
         return self
 
     def __exit__(self, kind, value, tb):
-        self.close(wait_s=10.0 if kind is None else 0.0)
+        self.close(wait_s=10.0 if kind is None else 2.0)  # after a failure here: a short wait, then kill
 
     def send(self, command) -> None:
         self._check_open()

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.tforce-installed
 MODELS := demo/models
 
-.PHONY: venv test demo demo-trained demo-random clean-demo
+.PHONY: venv test demo demo-trained demo-random clean-demo gpu-data
 
 venv: $(STAMP)
 
@@ -69,3 +69,9 @@ demo-random: $(MODELS)/tiny-target/config.json $(MODELS)/tiny-draft/config.json
 
 clean-demo:
 	rm -rf demo
+
+# The books, packed for a GPU call (git ignores gpu_data/; the device tool carries it: run(carry=["gpu_data"]));
+# scripts/gpu_train.sh unpacks them there.
+gpu-data:
+	mkdir -p gpu_data
+	tar czf gpu_data/books.tgz -C ../shared/data/books .

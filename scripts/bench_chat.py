@@ -3,14 +3,21 @@
 cold: generate() over document + the second question (the document prefilled again, as `tforce run` does);
 warm: Conversation.ask() of a second question after a first one, the document prefilled once (`tforce chat`);
 prefill vs load: a Conversation built by prefilling the document, or by loading its snapshot.
-Each figure is the median of REPEATS runs (CPU runs on a shared machine are noisy), one thread.
+Each figure is the median of REPEATS runs (CPU runs on a shared machine are noisy; one thread there).
 
-    python scripts/bench_chat.py BOOK.txt [TOKENS] [METHOD] [REPEATS] [START]
-    (defaults: 900 tokens, triforce, 5 runs; the excerpt starts at the first occurrence of START, e.g. a
-    chapter's first words, else at the beginning)
+    python scripts/bench_chat.py BOOK.txt [TOKENS] [METHOD] [REPEATS] [START] [--synthetic ARCH]
+        [--device cpu|cuda] [--dtype D] [--budget N] [--draft-budget N] [--json FILE]
+    (defaults: 900 tokens, triforce, 5 runs, the demo pair on the CPU in float32; the excerpt starts at the
+    first occurrence of START, e.g. a chapter's first words, else at the beginning. --synthetic: random
+    weights of a `tforce bench --synthetic` architecture and its draft, with the byte tokenizer, e.g.
+    llama2-7b on cuda in bfloat16: its times are real, its answers meaningless. --json: the medians as one
+    object, also written to FILE)
 """
 from __future__ import annotations
 
+import argparse
+import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -21,26 +28,55 @@ import torch
 
 sys.path.insert(0, ".")
 import tforce  # noqa: E402
+from tforce.bench import synthetic_pair  # noqa: E402
 from tforce.conversation import Conversation  # noqa: E402
 from tforce.demo import demo_pair  # noqa: E402
+from tforce.synthetic import byte_tokenizer  # noqa: E402
 
 QUESTIONS = ("\n\nQuestion: who is the narrator?", "\n\nWhere do the crowds of water-gazers stand?")
 
 
-def main() -> None:
-    book = Path(sys.argv[1]).read_text(encoding="utf-8")
-    if len(sys.argv) > 5:
-        book = book[max(0, book.find(sys.argv[5])):]
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 900
-    method = sys.argv[3] if len(sys.argv) > 3 else "triforce"
-    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 5
-    torch.set_num_threads(1)
+def arguments() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Time to first token with and without the document's KV kept.")
+    p.add_argument("book")
+    p.add_argument("tokens", nargs="?", type=int, default=900)
+    p.add_argument("method", nargs="?", default="triforce")
+    p.add_argument("repeats", nargs="?", type=int, default=5)
+    p.add_argument("start", nargs="?")
+    p.add_argument("--synthetic", help="random weights of this architecture (tforce bench's) and the byte tokenizer")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on the cpu")
+    p.add_argument("--budget", type=int, default=4096)
+    p.add_argument("--draft-budget", type=int, default=256)
+    p.add_argument("--json", help="write the medians to this file as one JSON object")
+    return p.parse_args()
+
+
+def models(a: argparse.Namespace, dtype: torch.dtype):
+    """(target, draft, tokenizer): the demo pair, or random weights of a synthetic architecture."""
+    if a.synthetic:
+        target, draft = synthetic_pair(a.synthetic, a.device, dtype)
+        return target, draft, byte_tokenizer()
     target_dir, draft_dir = demo_pair()
-    target, draft = tforce.load_model(target_dir), tforce.load_model(draft_dir, tokenizer=False)
-    tok = target.tokenizer
+    target = tforce.load_model(target_dir, device=a.device, dtype=dtype)
+    draft = tforce.load_model(draft_dir, device=a.device, dtype=dtype, tokenizer=False)
+    return target, draft, target.tokenizer
+
+
+def main() -> None:
+    a = arguments()
+    book = Path(a.book).read_text(encoding="utf-8")
+    if a.start:
+        book = book[max(0, book.find(a.start)):]
+    n, method, repeats = a.tokens, a.method, a.repeats
+    if a.device == "cpu":
+        torch.set_num_threads(1)
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
+    target, draft, tok = models(a, dtype)
     doc = tok.encode(book)[:n]
     q, q2 = (tok.encode(x, add_special_tokens=False) for x in QUESTIONS)
-    opts = dict(draft=draft, method=method, temperature=0, ignore_eos=True)
+    opts = dict(draft=draft, method=method, temperature=0, ignore_eos=True, budget=a.budget,
+                draft_budget=a.draft_budget)
     snap = Path(tempfile.mkdtemp()) / "doc.kv"
     Conversation(target, doc, room=64, save_kv=snap, **opts)
     cold, warm, warm_prefill, prefill, load = [], [], [], [], []
@@ -58,11 +94,19 @@ def main() -> None:
         warm_prefill.append(stats["prefill_s"])
         load.append(Conversation(target, None, room=64, load_kv=snap, **opts).prefill_s)
     size = sum(f.stat().st_size for f in snap.iterdir())
+    shutil.rmtree(snap.parent)
     med = statistics.median
     print(f"{method}, document {len(doc)} tokens, questions {len(q)} and {len(q2)} tokens, median of {repeats}:")
     print(f"  time to first token: cold {med(cold):.3f} s, warm {med(warm):.3f} s ({med(cold) / med(warm):.1f}x; "
           f"of which {med(warm_prefill):.3f} s returning to the document and prefilling the question)")
     print(f"  document: prefill {med(prefill):.3f} s, snapshot load {med(load):.3f} s ({size / 2**20:.1f} MiB)")
+    if a.json:
+        record = {"method": method, "model": a.synthetic or "demo pair", "device": a.device,
+                  "dtype": str(dtype).removeprefix("torch."),
+                  "document_tokens": len(doc), "repeats": repeats, "ttft_cold_s": med(cold), "ttft_warm_s": med(warm),
+                  "warm_prefill_s": med(warm_prefill), "document_prefill_s": med(prefill),
+                  "snapshot_load_s": med(load), "snapshot_mib": size / 2**20}
+        Path(a.json).write_text(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":

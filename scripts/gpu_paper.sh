@@ -7,7 +7,7 @@
 #
 #   PROMPT_LENS="32768 122880" PLACEMENTS="on 24GiB off" TEMPS="0 0.6" GEN_LEN=64 bash scripts/gpu_paper.sh
 #
-# SYNTH and DEVICE override the architecture and device (SYNTH=tiny DEVICE=cpu checks the script on a CPU).
+# EXTRA adds bench options (e.g. EXTRA="--prefill-chunk 4096"). SYNTH and DEVICE override the architecture and device (SYNTH=tiny DEVICE=cpu checks the script on a CPU).
 # Placements: on = KV fully offloaded to pinned host memory; 24GiB = --gpu-memory 24GiB --offload auto
 # (an RTX 4090's budget); off = on chip. Random weights: times are real, acceptance is meaningless.
 set -u -o pipefail
@@ -31,7 +31,7 @@ for n in ${PROMPT_LENS:-32768}; do
       t0=$SECONDS
       timeout "${BENCH_S:-300}" "$PY" -m tforce bench --synthetic "${SYNTH:-llama2-7b}" --device "${DEVICE:-cuda}" \
           --prompt-len "$n" \
-          --gen-len "${GEN_LEN:-64}" --methods "$METHODS" -t "$t" "${place[@]}" --json \
+          --gen-len "${GEN_LEN:-64}" --methods "$METHODS" -t "$t" "${place[@]}" ${EXTRA:-} --json \
           >"$WORK/$name.json" 2>"$WORK/$name.log"
       rc=$?
       tail -n 12 "$WORK/$name.log"

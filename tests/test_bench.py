@@ -15,7 +15,8 @@ from tforce.synthetic import make_checkpoint
 BENCH = ["bench", "--synthetic", "tiny", "--device", "cpu", "--prompt-len", "200", "--gen-len", "16"]
 RUN_FIELDS = {"method", "ms_per_token", "speedup_vs_ar", "acceptance", "tokens_per_verification", "prefill_s",
               "h2d_gbps", "gpu_mem_gib", "pinned_gib", "floor_ms_per_verification", "placement", "rebuild_s",
-              "rebuilds", "prefill_rebuild_s", "forwards", "stage_s", "projection"}
+              "rebuilds", "prefill_rebuild_s", "forwards", "stage_s", "projection", "gpu_reserved_gib",
+              "planned_peak_gib"}
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,7 @@ def test_bench_json_has_every_field(report):
         assert RUN_FIELDS <= set(r), RUN_FIELDS - set(r)
         assert r["ms_per_token"] > 0 and r["prefill_s"] >= 0 and r["tokens_per_verification"] >= 1
         assert r["h2d_gbps"] is None and r["gpu_mem_gib"] is None  # CPU: nothing crosses a PCIe bus
+        assert r["gpu_reserved_gib"] is None and r["planned_peak_gib"] > 0  # the plan for the CPU's memory
         assert r["speedup_vs_ar"] == pytest.approx(report["runs"][0]["ms_per_token"] / r["ms_per_token"])
     ar = report["runs"][0]
     assert ar["speedup_vs_ar"] == 1.0 and ar["tokens_per_verification"] == 1.0
@@ -86,6 +88,7 @@ def test_bench_offload_on_cpu(runner):
     (["--prompt-len", "4000", "--gen-len", "200"], "exceeds the model's context"),
     (["--project", "1.5"], "--project"),
     (["--project", "high"], "--project"),
+    (["--prefill-chunk", "0"], "--prefill-chunk"),
 ])
 def test_bench_bad_options_are_one_line(runner, args, needle):
     result = runner.invoke(app, BENCH + args)
@@ -223,3 +226,19 @@ def test_bench_summary_tabulates_a_record(report, tmp_path):
     assert [row.split(" | ")[0][2:] for row in rows] == [r["method"] for r in report["runs"]]
     assert "projected ms/token @0.92" in out and "SYNTHETIC" in out
     assert "draft " in rows[1] and "retrieval " in rows[1] and "full " in rows[1]  # triforce's three stages
+
+
+def test_bench_prefill_chunk_reaches_the_engine(runner, monkeypatch):
+    import tforce.engine as engine
+
+    seen = []
+    real = engine.Session.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(args[6] if len(args) > 6 else kwargs.get("prefill_chunk"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.Session, "__init__", spy)
+    result = runner.invoke(app, BENCH + ["--methods", "ar", "--gen-len", "2", "--prefill-chunk", "64"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert seen and set(seen) == {64}

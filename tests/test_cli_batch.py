@@ -78,9 +78,9 @@ def test_batch_refusals(runner, models, tmp_path):
 
 
 def test_bench_batch_against_one_at_a_time(runner):
-    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "3", "--prompt-len", "40", "--gen-len", "8",
-                            "--temperature", "0", "--draft-budget", "24", "--budget", "32", "--chunk-size", "4",
-                            "--json"])
+    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--device", "cpu", "--batch", "3", "--prompt-len", "40",
+                            "--gen-len", "8", "--temperature", "0", "--draft-budget", "24", "--budget", "32",
+                            "--chunk-size", "4", "--json"])
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
     assert obj["batch"] == 3 and obj["synthetic"]
@@ -91,8 +91,9 @@ def test_bench_batch_against_one_at_a_time(runner):
         assert run["ms_per_token"] == pytest.approx(1000 / run["batch_tokens_per_s"])
         assert len(run["tokens_per_verification"]) == 3 and min(run["tokens_per_verification"]) >= 1
         assert (run["rebuild_s"] is None) == (run["prefill_rebuild_s"] is None) == (run["method"] != "triforce")
-    text = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--prompt-len", "20", "--gen-len", "4",
-                               "--methods", "ar,triforce"], env={"COLUMNS": "200"})
+        assert run["gpu_mem_gib"] is None and run["gpu_reserved_gib"] is None and run["planned_peak_gib"] > 0
+    text = runner.invoke(app, ["bench", "--synthetic", "tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "20",
+                               "--gen-len", "4", "--methods", "ar,triforce"], env={"COLUMNS": "200"})
     assert text.exit_code == 0 and "tforce bench --batch 2" in text.stdout and "one at a time" in text.stdout
     assert "triforce" in text.stdout
 

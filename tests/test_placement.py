@@ -259,3 +259,16 @@ def test_info_plans_a_batch():
     assert four["plan"]["kv_bytes"] == 4 * one["plan"]["kv_bytes"] and four["plan"]["rows"] == 4
     assert four["plan"]["resident_layers"] < one["plan"]["resident_layers"] == 32
     assert "4 x 32768 tokens" in text
+
+
+def test_generate_reports_the_plans_peak_beside_its_placement(tiny, monkeypatch):
+    """stats carry the plan's predicted device peak and its CUDA-context share (none on a CPU run), which
+    bench sets beside torch.cuda.max_memory_reserved."""
+    import tforce
+    import tforce.engine
+
+    plans = []
+    real = tforce.engine._plan
+    monkeypatch.setattr(tforce.engine, "_plan", lambda *a: plans.append(real(*a)) or plans[-1])
+    stats = tforce.generate(tiny["gqa"], list(range(3, 40)), method="ar", max_new_tokens=2, temperature=0).stats
+    assert stats["plan_peak_bytes"] == plans[0].peak > 0 and stats["plan_context_bytes"] == 0

@@ -162,3 +162,18 @@ def test_new_tokens_wrap_as_a_single_caches_do(tiny):
     assert cache.key_pos[0, 0, 0, 15] == cache.base[0] + 16 and cache.key_pos[0, 0, 0, 14] == cache.base[0] + 17
     with pytest.raises(TforceError, match="17 tokens in one forward > its budget 16"):
         cache.begin(17)
+
+
+def test_offloaded_rows_are_gathered_into_one_reused_host_buffer(tiny):
+    """A rebuild's reads of an offloaded layer go through one reused host buffer for K and one for V
+    (page-locked on CUDA, so the rows cross by DMA rather than through a pageable bounce: tests/test_cuda.py),
+    each holding exactly the row's selected positions."""
+    from tforce.cache.full import gather_heads
+
+    full = filled(tiny["gqa"].model, LENGTHS, RowsOffloadedCache, resident=0)
+    idx = torch.tensor([[0, 1], [2, 3], [4, 4]])  # (n, H_kv) positions
+    k1, v1 = full.gather_row(0, 0, idx)
+    k2, v2 = full.gather_row(1, 2, idx[:2])
+    assert (k1.data_ptr(), v1.data_ptr()) == (k2.data_ptr(), v2.data_ptr())
+    assert torch.equal(k2, gather_heads(full.host_k[1][2:3], idx[:2]))
+    assert torch.equal(v2, gather_heads(full.host_v[1][2:3], idx[:2]))

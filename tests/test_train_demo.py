@@ -112,3 +112,21 @@ def test_extend_continues_a_pair(tmp_path):
     mod.CONFIGS["tiny"] = replace(mod.CONFIGS["tiny"], long=replace(mod.CONFIGS["tiny"].long, seq_len=192))
     with pytest.raises(SystemExit, match="already has a context of 256"):
         _run(mod, "--extend", str(tmp_path / "long"), "--out", str(tmp_path / "again"))
+
+
+def test_gpu_pair_fits_what_a_device_call_brings_back():
+    """The `gpu` configuration's pair in fp16 must come back through the device tool's $OUT (8 files of
+    16 MiB, 64 MiB in all; scripts/gpu_train.sh packs it in 15 MiB parts, its log and card beside)."""
+    from transformers import LlamaConfig
+
+    from tforce.placement import weight_bytes
+
+    setup = _script().CONFIGS["gpu"]
+    total = 0
+    for arch in (setup.target, setup.draft):
+        cfg = LlamaConfig(vocab_size=setup.vocab, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
+                          num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
+                          num_key_value_heads=arch.kv_heads, tie_word_embeddings=arch.tie)
+        total += weight_bytes(cfg, 2)
+    assert total <= 6 * 15 * 2**20 - 2 * 2**20  # six parts at most, room for tokenizers and the card
+    assert total <= 48 * 2**20  # with the repository and the books, a later call still carries it all

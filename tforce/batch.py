@@ -27,7 +27,7 @@ from .cache.policies import make_select
 from .cache.rows_offload import RowsOffloadedCache
 from .cache.rows_retrieval import RowsRetrievalCache
 from .config import Sampling, Speculation
-from .engine import Result, _eos_ids, _module, _placement, _plan, _sync_device, configuration
+from .engine import Result, _eos_ids, _module, _placement, _plan, _planned_peak, _sync_device, configuration
 from .errors import UsageError
 from .prefill import prefill_rows_layer_major
 from .rope import Rotary
@@ -132,7 +132,8 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
             batch.keep([i for i, d in enumerate(done) if not d])
     _sync_device(device)
     t2 = time.perf_counter()
-    return [Result(rows.out[r], {**batch.stats(r, t1 - t0, t2 - t1), **_placement(plan)}) for r in range(B)]
+    return [Result(rows.out[r], {**batch.stats(r, t1 - t0, t2 - t1), **_placement(plan), **_planned_peak(plan)})
+            for r in range(B)]
 
 
 def _finished(rows: _RowState, done: list[bool], on_row) -> None:

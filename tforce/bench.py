@@ -287,16 +287,33 @@ def _floors(models: Models, spec: Speculation, n_prompt: int, n_out: int, s: dic
     }
 
 
+def reset_peaks(device: torch.device, cuda: bool) -> None:
+    """Drop what earlier runs left and, with cuda, restart the device's peak-memory counts."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_record(device: torch.device, stats: dict, cuda: bool) -> dict:
+    """A run's device memory since reset_peaks: the caching allocator's allocated and reserved peaks
+    (torch.cuda.max_memory_*; None without cuda) beside the plan's predicted peak less the CUDA context
+    (placement.py: the bytes the allocator should need at most, weights included; on a CPU run the plan's
+    host-memory figure)."""
+    return {
+        "gpu_mem_gib": torch.cuda.max_memory_allocated(device) / GiB if cuda else None,
+        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else None,
+        "planned_peak_gib": (stats["plan_peak_bytes"] - stats["plan_context_bytes"]) / GiB,
+    }
+
+
 def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
             ceil: Ceilings) -> tuple[dict, list[int]]:
     """The run's record and its tokens."""
     h2d_peak = ceil.h2d_gbps
     device = models.device
     local_cuda = device.type == "cuda" and models.world == 1
-    gc.collect()
-    if local_cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peaks(device, local_cuda)
     result = models.generate(ids, method, **_options(cfg, cfg.gen_len))
     s = result.stats
     n = len(result.tokens)
@@ -327,7 +344,7 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
         "h2d_gbps": h2d,
         "h2d_bytes_per_verification": int(models.world * offloaded) if streamed else None,
         "floor_ms_per_verification": 1000 * offloaded / (h2d_peak * 1e9) if streamed and h2d_peak else None,
-        "gpu_mem_gib": torch.cuda.max_memory_allocated(device) / GiB if local_cuda else None,
+        **memory_record(device, s, local_cuda),
         "pinned_gib": models.world * s["kv_host_bytes"] / GiB,
         "forwards": s["forwards"],
         "stage_s": s["stage_s"],  # seconds in each node's forwards while decoding (within decode_s)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from .batch import BATCH_METHODS, generate_batch
-from .bench import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, prompt_ids
+from .bench import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, memory_record, prompt_ids, reset_peaks
 from .errors import UsageError
 
 BATCH_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "offload", "gpu_memory", "budget",
@@ -38,7 +38,10 @@ def _batch_options(cfg: BenchConfig, max_new: int) -> dict:
 
 def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchConfig) -> dict:
     draft = models.draft if method in DRAFTED else None
+    cuda = models.device.type == "cuda"
+    reset_peaks(models.device, cuda)
     rows = generate_batch(models.target, prompts, draft=draft, method=method, **_batch_options(cfg, cfg.gen_len))
+    memory = memory_record(models.device, rows[0].stats, cuda)  # the batch's, before the one-at-a-time runs
     alone = [models.generate(p, method, **_options(cfg, cfg.gen_len)) for p in prompts]
     n = sum(len(r.tokens) for r in rows)
     batch_s, alone_s = rows[0].stats["decode_s"], sum(r.stats["decode_s"] for r in alone)
@@ -60,6 +63,7 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
         "rows_equal_alone": [r.tokens for r in rows] == [r.tokens for r in alone] if cfg.temperature == 0
         else None,
         "kv_offloaded_layers": rows[0].stats["kv_offloaded_layers"],
+        **memory,  # gpu_mem_gib, gpu_reserved_gib, planned_peak_gib of the batch run
     }
 
 

@@ -6,6 +6,12 @@ the full cache rolls back to the document's end and takes only the question, the
 selected again for the question's last token, and the streaming caches restore their states marked at the
 document's end. Every answer is therefore exactly the answer generate() gives for the same prompt ids: the
 target's greedy tokens, or an exact sample (with a seed, drawn as generate would draw it).
+
+An ask() that stops part-way (an exception from a callback, Ctrl-C at any point) leaves no trace: its
+question and partial answer do not join the history, and the next ask() first rewinds the session to the
+history's end (engine.Session.rewind), so that it answers exactly as if the stopped one had never been
+asked. With keep_history the streaming caches' states are therefore marked at the history's end before
+each question (a copy of the draft's window; with method "streaming", of the target's window too).
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ class Conversation:
         self.session: Session = open_session(self.target, self.draft, len(doc), room, **options)
         self.document = doc.tolist()
         self.history = list(self.document)
+        self.marked = len(doc)  # the streaming caches' states are marked at history[:marked]
+        self.unfinished = False  # an ask() stopped part-way: the session must rewind to the history first
         device = next(self.target.parameters()).device
         t0 = time.perf_counter()
         self.kv_reused = 0
@@ -78,6 +86,13 @@ class Conversation:
                              f"({self.session.total} tokens with the document)")
         max_new = min(check_prompt(self.target, len(prompt), max_new_tokens), self.session.total - len(prompt))
         session = self.session
+        if self.unfinished:
+            session.rewind(len(self.history))
+            self.unfinished = False
+        if self.marked != len(self.history):
+            session.mark(torch.tensor(self.history))
+            self.marked = len(self.history)
+        self.unfinished = True
         device = next(self.target.parameters()).device
         session.reset_stats()
         first: list[float] = []
@@ -96,8 +111,8 @@ class Conversation:
         out = decode(session, len(prompt), max_new, generator(self.target, self.seed if seed is None else seed), self.eos, tokens_out, on_round)
         _sync_device(device)
         t2 = time.perf_counter()
-        if self.keep_history:
-            self.history = prompt + [t for t in out if t not in self.eos]
+        history = prompt + [t for t in out if t not in self.eos] if self.keep_history else self.history
+        self.history, self.unfinished = history, False
         stats = _stats(session, len(out), t1 - t0, t2 - t1, before)
         stats.update(ttft_s=(first[0] if first else t2) - t0, prompt_tokens=len(prompt),
                      prefilled_tokens=len(prompt) - 1 - kept)

@@ -129,6 +129,8 @@ class Session:
         m = n - 1 if upto is None else upto
         self.seq[:n] = prompt
         kept = self.full.sync(self.seq, m + 1)
+        if self.retrieval is not None:
+            self.retrieval.forget_rows(kept)  # what the full cache holds from `kept` on is fed again
         if isinstance(self.full.cache, OffloadedCache) and kept == 0 and m > 0:
             # PCIe traffic linear in the prompt
             chunk_rule = self.retrieval is not None and self.retrieval.select is None
@@ -174,10 +176,33 @@ class Session:
     marks: dict = {}  # node name -> (StreamingCache.state(), the tokens it holds)
     loaded_queries: tuple | None = None  # (length, per layer (H_q, D)): the last prefix token's, from a snapshot
 
-    def mark(self) -> None:
-        """Remember the streaming caches' states at what they hold now, for later prompts that extend it."""
-        self.marks = {node.name: (node.cache.state(), node.tokens[:node.cache.length].clone())
-                      for node in (self.middle, self.small) if node is not None and node.cache is not self.retrieval}
+    def _streaming_nodes(self) -> list[Node]:
+        return [node for node in (self.middle, self.small) if node is not None and node.cache is not self.retrieval]
+
+    def mark(self, prefix: torch.Tensor | None = None) -> None:
+        """Remember the streaming caches' states at what they hold now, for later prompts that extend it;
+        with prefix (a conversation's history), at what they hold of it: the speculation they hold beyond
+        it (within their reach) is rolled back first."""
+        marks = dict(self.marks)
+        if prefix is not None:
+            self.seq[:len(prefix)] = prefix
+        for node in self._streaming_nodes():
+            keep = node.cache.length if prefix is None else node.matching(self.seq, len(prefix) + 1)
+            if node.cache.reachable(keep):  # else the earlier mark stays
+                node.cache.truncate(keep)
+                marks[node.name] = (node.cache.state(), node.tokens[:keep].clone())
+        self.marks = marks
+
+    def rewind(self, n: int) -> None:
+        """Back to (at most) the prefix seq[:n] after a generation stopped at any point (an exception,
+        Ctrl-C), whatever it left half-done: the full cache keeps at most n tokens (it only ever wrote
+        prefix tokens below n), the streaming caches take their marked states (marked within the prefix);
+        the next prefill rebuilds the retrieval cache from the full cache."""
+        self.full.cache.truncate(min(self.full.cache.length, n))
+        for node in self._streaming_nodes():
+            state, tokens = self.marks.get(node.name, (None, self.seq[:0]))
+            node.cache.restore(state)
+            node.adopt(tokens, len(tokens))
 
     def _catch_up(self, node: Node, m: int) -> None:
         """Feed a streaming node seq[:m]: rolled back within reach, else from the marked state if seq extends
@@ -452,6 +477,12 @@ def _placement(plan: placement.Plan) -> dict:
     }
 
 
+def _planned_peak(plan: placement.Plan) -> dict:
+    """The plan's predicted device peak (prefill or decode, the larger; everything, weights included) and its
+    CUDA context share (measured on CUDA, 0 on a CPU run): bench sets the allocator's peaks beside them."""
+    return {"plan_peak_bytes": plan.peak, "plan_context_bytes": plan.item("CUDA context")}
+
+
 def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, before: dict[str, int]) -> dict:
     """before: session.counts() when decoding began."""
     now = session.counts()
@@ -470,6 +501,7 @@ def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, befo
         "stage_s": stage_s,  # per node, seconds of those forwards (timing.py); the rest of decode_s is
         # sampling, verification, host syncs, rebuilds and Python between forwards
         **_placement(session.plan),
+        **_planned_peak(session.plan),
         # Retrieval rebuilds: the prefill's initial one, then those during decoding (their seconds are
         # part of decode_s). None without a retrieval cache.
         "prefill_rebuild_s": session.rebuild_times[0] if session.rebuild_times else None,

@@ -16,7 +16,7 @@ import torch
 from ..errors import TforceError
 from ..rope import Rotary
 from .base import CacheView
-from .full import FullCache, gather_heads
+from .full import FullCache
 
 
 def host_tensor(shape: tuple, dtype: torch.dtype, pin_for: torch.device | None = None) -> torch.Tensor:
@@ -61,6 +61,29 @@ def _unregister(ptr: int, device: torch.device) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+class HostGather:
+    """gather_heads of host-memory K/V rows into reused host buffers (one per `which`: K and V), page-locked
+    with pin_for (a CUDA device) so that the rows cross to the device by DMA: gathered into fresh ordinary
+    memory they went through a pageable bounce ("Memcpy HtoD (Pageable -> Device)" in every rebuild of a
+    profile on an H100). The result is a view of the buffer: the caller copies the rows out before the
+    next call with the same `which` (the retrieval caches' _fill do, synchronously)."""
+
+    def __init__(self, pin_for: torch.device | None):
+        self.pin_for = pin_for
+        self.bufs: dict[int, torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
+        """x (B, S, H_kv, D) in host memory, idx (n, H_kv) host positions -> (B, n, H_kv, D)."""
+        B, _, H, D = x.shape
+        n = idx.shape[0]
+        buf = self.bufs.get(which)
+        if buf is None or buf.shape[1] < n:
+            buf = self.bufs[which] = host_tensor((B, n, H, D), x.dtype, self.pin_for)
+        out = buf[:, :n]
+        torch.gather(x, 1, idx[None, :, :, None].expand(B, n, H, D), out=out)
+        return out
+
+
 class StagedLayers:
     """The staging discipline the one-row and the batched offloaded caches share: two device buffers,
     offloaded layer i's committed prefix copied into buffer i % 2 on the copy stream (the class's _prefetch)
@@ -103,7 +126,7 @@ class OffloadedCache(StagedLayers, FullCache):
         self.stage_v = torch.zeros(stage_shape, dtype=dtype, device=device)
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
         self._ready = [None, None]  # events: staging buffer j holds its layer's prefix
-        self._gather_bufs = [None, None]  # page-locked K and V rows for rebuilds (_gathered)
+        self._gather = HostGather(pin)  # page-locked K and V rows for rebuilds
 
     @property
     def host_bytes(self) -> int:
@@ -183,19 +206,4 @@ class OffloadedCache(StagedLayers, FullCache):
             self.copy_stream.synchronize()
         h, idx = layer - self.resident, idx.cpu()
         self.host_rows_read += idx.shape[0]
-        return self._gathered(self.host_k[h], idx, 0), self._gathered(self.host_v[h], idx, 1)
-
-    def _gathered(self, x: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
-        """gather_heads into a reused host buffer, page-locked on CUDA so that the rows cross by DMA:
-        gathered into fresh ordinary memory they went through a pageable bounce ("Memcpy HtoD (Pageable
-        -> Device)" in every rebuild of a profile on an H100). The caller copies the rows out before the
-        next call (retrieval._fill does, synchronously)."""
-        B, _, H, D = x.shape
-        n = idx.shape[0]
-        buf = self._gather_bufs[which]
-        if buf is None or buf.shape[1] < n:
-            pin = self.stage_k.device if self.copy_stream is not None else None
-            buf = self._gather_bufs[which] = host_tensor((B, n, H, D), x.dtype, pin)
-        out = buf[:, :n]
-        torch.gather(x, 1, idx[None, :, :, None].expand(B, n, H, D), out=out)
-        return out
+        return self._gather(self.host_k[h], idx, 0), self._gather(self.host_v[h], idx, 1)

@@ -116,6 +116,12 @@ class RetrievalCache(StaticInputs):
             self.stats, self._stats_of = ChunkStats.for_cache(full, self.chunk_size), full
         return self.stats
 
+    def forget_rows(self, length: int) -> None:
+        """The full cache was rolled back to `length` and will be written again from there (a conversation's
+        next prompt): its chunk statistics above `length` no longer hold."""
+        if self.stats is not None:
+            self.stats.truncate(length)
+
     def observe(self, full: FullCache, layer: int, keys: torch.Tensor) -> None:
         """Layer-major prefill hands over a layer's keys (B, n, H_kv, D) of positions [full.length,
         full.length + n) while they are on the device: their chunk sums are taken now, not re-read later."""

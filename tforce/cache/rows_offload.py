@@ -19,8 +19,7 @@ import torch
 from ..rope import Rotary
 from .base import CacheView
 from .batched import RowsCache
-from .full import gather_heads
-from .offload import StagedLayers, copy_on, host_tensor
+from .offload import HostGather, StagedLayers, copy_on, host_tensor
 
 
 class RowsOffloadedCache(StagedLayers, RowsCache):
@@ -37,6 +36,7 @@ class RowsOffloadedCache(StagedLayers, RowsCache):
         self.stage_v = torch.zeros((2, *shape), dtype=dtype, device=device)
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
         self._ready = [None, None]  # events: staging buffer j holds its layer's prefixes
+        self._gather = HostGather(pin)  # page-locked K and V rows for rebuilds
 
     def _prefetch(self, layer: int) -> None:
         """Start copying offloaded `layer`'s committed K/V, row by row, into its staging buffer."""
@@ -111,7 +111,7 @@ class RowsOffloadedCache(StagedLayers, RowsCache):
             self.copy_stream.synchronize()
         h, idx = layer - self.resident, idx.cpu()
         self.host_rows_read += idx.shape[0]
-        return gather_heads(self.host_k[h][b:b + 1], idx), gather_heads(self.host_v[h][b:b + 1], idx)
+        return self._gather(self.host_k[h][b:b + 1], idx, 0), self._gather(self.host_v[h][b:b + 1], idx, 1)
 
     def keep(self, rows: list[int]) -> None:
         """RowsCache.keep; the host layers' rows follow, once no copy still reads or writes them."""

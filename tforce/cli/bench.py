@@ -44,6 +44,9 @@ def bench(
     gamma1: int = typer.Option(2, "--gamma1", help="Draft tokens per middle-level verification."),
     gamma2: int = typer.Option(6, "--gamma2", help="Tokens per full-cache verification."),
     draft_budget: int = typer.Option(256, "--draft-budget", help="StreamingLLM cache of the small draft."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward (larger: "
+                                                                 "fewer, bigger matrix products; more activation "
+                                                                 "memory, which the plan counts)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | "
@@ -87,6 +90,9 @@ def bench(
         engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget)
         for m in names:
             Speculation(method=b.split_method(m)[0], **engine).validate()
+        if prefill_chunk < 1:
+            raise UsageError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
+        engine["prefill_chunk"] = prefill_chunk
         Sampling(temperature=temperature, top_p=top_p, seed=seed).validate()
         project = _project_option(project_at)
         cfg = b.BenchConfig(methods=names, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,

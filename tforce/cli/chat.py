@@ -6,13 +6,16 @@ Where things come from:
 - the questions, one per line (blank lines skipped): --questions FILE ('-' = stdin); else stdin, unless
   the document came on stdin: then the terminal (/dev/tty), and without one a usage error. When the
   questions come from a terminal, they are read with a line editor (Python's readline: arrows, in-session
-  history) after a `> ` prompt.
+  history) after a `> ` prompt. There Ctrl-C stops the answer being written (the text so far stays; the
+  question and its partial answer do not join the history) or drops the line being typed, and a fresh
+  `> ` prompt comes; Ctrl-D ends the chat. With questions from a file or a pipe, and while the document
+  is prefilled, Ctrl-C ends tforce (exit 130).
 With --tp N (--gpus N) the target is split over N persistent rank processes that prefill the document
 once and answer every question (tforce/conversation_tp.py); they end with the chat.
 Each question is tokenized on its own after a blank line ("\\n\\n" + question) and appended to the
 document's tokens; the answer is the target's exact continuation (tforce/conversation.py). Answers go to
-stdout, each ended by a newline (--json: one object per question per line); the live status, the prompt
-and each answer's time to first token go to stderr.
+stdout, each ended by a newline (--json: one object per question per line, "interrupted": true for an answer
+stopped by Ctrl-C); the live status, the prompt and each answer's time to first token go to stderr.
 """
 from __future__ import annotations
 
@@ -84,11 +87,11 @@ def chat(
             raise UsageError(f"--room must be >= 2, got {room}")
         setup = _configure(params)
         text, from_stdin = _document(book, load_kv, model is None)
-        lines = _question_source(questions, from_stdin)
+        lines, from_terminal = _question_source(questions, from_stdin)
         _gpu_memory_note(gpu_memory, setup.device)
         _demo_notice(setup, draft)
         with ExitStack() as ranks:  # tensor-parallel ranks end with the chat, however it ends
-            _chat(text, lines, setup, room, keep_history, as_json, save_kv, load_kv, ranks)
+            _chat(text, lines, from_terminal, setup, room, keep_history, as_json, save_kv, load_kv, ranks)
 
     _guarded(body)
 
@@ -108,7 +111,8 @@ def _document(book: Optional[str], load_kv: Optional[str], demo: bool) -> tuple[
 
 
 def _question_source(questions: Optional[str], document_on_stdin: bool):
-    """An iterator of questions (stripped, non-empty) and, while reading a terminal, a `> ` prompt."""
+    """(an iterator of questions (stripped, non-empty), whether they come from a terminal: then after a `> `
+    prompt)."""
     if questions == "-" and document_on_stdin:
         raise UsageError("the document came on stdin: give the questions in a file (--questions FILE)")
     if questions is not None and questions != "-":
@@ -116,7 +120,8 @@ def _question_source(questions: Optional[str], document_on_stdin: bool):
             data = open(os.path.expanduser(questions), "rb").read()
         except OSError as e:
             raise UsageError(f"cannot read questions file {questions}: {e.strerror or e}") from e
-        return (q.strip() for q in _decode_text(data, f"questions file {questions}").splitlines() if q.strip())
+        text = _decode_text(data, f"questions file {questions}")
+        return (q.strip() for q in text.splitlines() if q.strip()), False
     if document_on_stdin:
         try:  # the terminal becomes stdin, so that readline edits the questions
             fd = _open_terminal()
@@ -126,7 +131,9 @@ def _question_source(questions: Optional[str], document_on_stdin: bool):
         os.dup2(fd, 0)
         os.close(fd)
         sys.stdin = open(0, closefd=False, encoding="utf-8", errors="replace")
-    return _terminal_questions() if sys.stdin.isatty() else (q.strip() for q in sys.stdin if q.strip())
+    if sys.stdin.isatty():
+        return _terminal_questions(), True
+    return (q.strip() for q in sys.stdin if q.strip()), False
 
 
 def _open_terminal() -> int:
@@ -137,21 +144,26 @@ def _terminal_questions():
     import readline  # noqa: F401  (input() then edits the line and keeps an in-session history)
 
     while True:
+        shown = sys.stdout if sys.stdout.isatty() else sys.stderr  # the prompt is not data: never on a file
         try:
-            if sys.stdout.isatty():
-                line = input("> ")
-            else:  # the prompt is not data: never on a redirected stdout
+            if shown is sys.stdout:
+                line = input("> ").strip()
+            else:
                 sys.stderr.write("> ")
                 sys.stderr.flush()
-                line = input()
+                line = input().strip()
         except EOFError:
             sys.stderr.write("\n")
             return
-        if line.strip():
-            yield line.strip()
+        except KeyboardInterrupt:  # as a shell does: the line typed so far is dropped, a fresh prompt comes
+            shown.write("\n")
+            shown.flush()
+            continue
+        if line:
+            yield line
 
 
-def _chat(text: Optional[str], questions, setup, room: int, keep_history: bool, as_json: bool,
+def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int, keep_history: bool, as_json: bool,
           save_kv: Optional[str], load_kv: Optional[str], ranks: ExitStack) -> None:
     from ..snapshot import read_manifest
 
@@ -181,13 +193,17 @@ def _chat(text: Optional[str], questions, setup, room: int, keep_history: bool, 
         if load_kv is not None else " prefilled"
     _say(f"tforce: document: {len(doc)} tokens{how} in {conv.prefill_s:.2f} s"
          + (f"; snapshot written to {save_kv}" if save_kv is not None else "")
-         + ("" if as_json or not sys.stdin.isatty() else "; ask a question (Ctrl-D ends)"))
+         + ("" if as_json or not from_terminal else "; ask a question (Ctrl-C stops an answer, Ctrl-D ends)"))
     for question in questions:
         ids = tok.encode(SEPARATOR + question, add_special_tokens=False)
         if len(ids) + 1 > conv.room_left:
             raise UsageError(f"the conversation has outgrown its room ({room} tokens after the document): "
                              "pass a larger --room" + (" or drop --keep-history" if keep_history else ""))
-        _answer(conv, question, ids, tok, max_new, method, as_json)
+        try:
+            _answer(conv, question, ids, tok, max_new, method, as_json, from_terminal)
+        except KeyboardInterrupt:  # a second Ctrl-C while the first was reported, or one after the answer
+            if not from_terminal:
+                raise
 
 
 def _conversation(setup, path, config, doc: list[int], ranks: ExitStack, room: int, **kwargs):
@@ -212,7 +228,11 @@ def _conversation(setup, path, config, doc: list[int], ranks: ExitStack, room: i
     return Conversation(target, doc, draft=small, room=room, **kwargs)
 
 
-def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str, as_json: bool) -> None:
+def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str, as_json: bool,
+            from_terminal: bool) -> None:
+    """Stream one answer. Ctrl-C while it is written (questions from a terminal): it stops there, the text so
+    far stays, its line is ended and one stderr line says so (Conversation.ask leaves the stopped question
+    out of the conversation)."""
     stream = TextStream(tok, sys.stdout, enabled=not as_json)
     progress = Progress(max_new, method, stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
@@ -220,22 +240,37 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
         result = conv.ask(ids, max_new, on_token=stream.add, on_prefill=progress.on_prefill if progress else None,
                           on_round=progress.on_round if progress else None)
         out = stream.finish()
-    except BaseException:
+    except BaseException as e:
         if progress:
             progress.close()
-        _end_line(stream.printed)
-        raise
+        if not (from_terminal and isinstance(e, KeyboardInterrupt)):
+            _end_line(stream.printed)
+            raise
+        _stopped(question, stream, as_json, conv.keep_history)
+        return
     if progress:
         progress.close()
     s = result.stats
     if as_json:
-        record = {"question": question, "answer": out, "tokens": result.tokens, "stats": s}
+        record = {"question": question, "answer": out, "tokens": result.tokens, "stats": s, "interrupted": False}
         sys.stdout.write(json.dumps(record) + "\n")
     elif not out.endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()
     if not as_json:
         _say(_turn_line(len(result.tokens), s))
+
+
+def _stopped(question: str, stream: TextStream, as_json: bool, keep_history: bool) -> None:
+    if as_json:
+        record = {"question": question, "answer": stream.text(), "tokens": stream.ids, "stats": None,
+                  "interrupted": True}
+        sys.stdout.write(json.dumps(record) + "\n")
+    elif stream.printed and not stream.printed.endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    _say(f"tforce: interrupted: the answer stopped after {len(stream.ids)} tokens"
+         + ("; the question and its partial answer are left out of the history" if keep_history else ""))
 
 
 def _turn_line(n: int, s: dict) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 import tforce
@@ -180,21 +182,35 @@ def test_a_failing_rank_ends_the_chat_in_one_line(models, tp_snapshot, tmp_path)
     _one_error_line(_chat(models, "--load-kv", str(damaged)), 1, "rank-1/full-001.safetensors is damaged")
 
 
-def test_an_interrupted_answer_ends_every_rank_at_once(models, target):
-    """ParallelConversation (the library's chat over ranks): an answer equals one process's; Ctrl-C while
-    an answer streams (here raised by its on_token) ends the ranks before it reaches the caller."""
+def test_ctrl_c_stops_an_answer_and_the_ranks_go_on(models, target):
+    """ParallelConversation (the library's chat over ranks): the ranks ignore SIGINT; Ctrl-C (to the
+    parent) while an answer streams stops it on every rank and the ranks wait for the next question, which
+    is answered as if the stopped one had never been asked (here with keep_history); an exception from a
+    callback ends every rank at once."""
     doc = target.tokenizer.encode(DOC)
     before = _children()
-    with ParallelConversation(models / "tiny-target", models / "tiny-draft", doc, 2, temperature=0, budget=64,
-                              draft_budget=32, sinks=4, room=64) as conv:
-        ids = doc + _question(target, QUESTIONS[0])
-        assert conv.ask(_question(target, QUESTIONS[0]), 12).tokens == _greedy(target, ids)
+    with ParallelConversation(models / "tiny-target", None, doc, 2, method="ar", temperature=0, ignore_eos=True,
+                              keep_history=True, room=400) as conv:
+        for p in conv.ranks.procs:  # a terminal's Ctrl-C reaches them too: only the parent may act on it
+            sigign = next(line for line in Path(f"/proc/{p.pid}/status").read_text().splitlines()
+                          if line.startswith("SigIgn:"))
+            assert int(sigign.split()[1], 16) & (1 << (signal.SIGINT - 1))
+        pressed = []
 
-        def ctrl_c(tokens):
-            raise KeyboardInterrupt
+        def ctrl_c(tokens):  # once: a second Ctrl-C would end the ranks
+            if not pressed:
+                pressed.append(os.kill(os.getpid(), signal.SIGINT))
 
-        with pytest.raises(KeyboardInterrupt):
-            conv.ask(_question(target, QUESTIONS[1]), 12, on_token=ctrl_c)
+        with pytest.raises(KeyboardInterrupt):  # 300 one-token rounds: the ranks see the stop long before
+            conv.ask(_question(target, QUESTIONS[0]), 300, on_token=ctrl_c)
+        ids = doc + _question(target, QUESTIONS[1])
+        assert conv.ask(_question(target, QUESTIONS[1]), 12).tokens == _greedy(target, ids)
+
+        def fail(tokens):
+            raise ValueError("a callback failed")
+
+        with pytest.raises(ValueError):
+            conv.ask(_question(target, QUESTIONS[0]), 12, on_token=fail)
         assert _children() <= before
         with pytest.raises(TforceError, match="have ended"):
             conv.ask(_question(target, QUESTIONS[1]), 12)
@@ -247,8 +263,9 @@ def test_ranks_that_disagree_fail_the_answer_and_end(models, target):
     doc = target.tokenizer.encode(DOC)
     options = dict(method="ar", temperature=0.9, top_p=0.95, seed=5, budget=64, room=64, ignore_eos=True)
     before = _children()
+    stop = mp.get_context("spawn").Event()  # referenced until the workers have it
     ranks = Ranks(_skewed_worker, 2, "gloo", str(models / "tiny-target"), None, doc, "cpu", torch.float32,
-                  options, [None, None], False, serve=True)
+                  options, [None, None], False, stop, serve=True)
     with ranks:
         ranks.collect()
         ranks.send((_question(target, QUESTIONS[0]), 12, 7, ()))

@@ -178,6 +178,19 @@ def rank_callbacks(rank: int, emit, names) -> dict:
     return {name: (lambda *a, name=name: emit((name, a))) for name in names}
 
 
+class AnyRank:
+    """Whether any rank says yes, all ranks asking at the same point (a collective): one all_reduce (MAX)
+    of a CPU integer over a gloo group of its own (an NCCL group would need a device tensor and a sync)."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+
+    def __call__(self, yes: bool) -> bool:
+        t = torch.tensor([int(yes)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+
 class Group:
     """The process group as snapshot.py sees it (this rank, the world size, a gather), so that snapshot.py
     need not touch torch.distributed. Gathers are collectives: every rank must make the same ones."""

@@ -7,17 +7,21 @@ parent's commands, each from the worker's own queue, until told to stop (Ranks(s
 over ranks). Events a worker emits reach the parent as they happen. Start-up has a limit (spawn, imports,
 the process group and one checked all_reduce). A worker's failure, a death, a start-up past its limit or
 an interrupt in the parent ends every worker at once and is raised as one TforceError (the worker's
-traceback chained); a serving worker whose parent has gone exits by itself.
+traceback chained); a serving worker whose parent has gone exits by itself. Workers ignore SIGINT (a
+terminal's Ctrl-C reaches every process of its group): the parent alone decides what Ctrl-C does.
 """
 from __future__ import annotations
 
 import os
 import pickle
 import queue as queue_mod
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -170,8 +174,9 @@ class Ranks:
                                                         on_event is not None, _on_spawn,
                                                         self.inboxes[r] if serve else None), daemon=True)
                       for r in range(world)]
-        for p in self.procs:
-            p.start()
+        with _sigint_ignored():  # inherited by the workers (SIG_IGN survives exec; Python then keeps it)
+            for p in self.procs:
+                p.start()
         self.world, self.backend, self.on_event, self.grace_s = world, backend, on_event, grace_s
         self.start_timeout_s, self.start_by = start_timeout_s, time.monotonic() + start_timeout_s
         self.up, self.joined, self.closed = set(), set(), False
@@ -187,40 +192,47 @@ class Ranks:
         for inbox in self.inboxes:
             inbox.put(command)
 
-    def collect(self) -> list:
-        """Every rank's next result, in rank order."""
+    def collect(self, on_interrupt=None) -> list:
+        """Every rank's next result, in rank order. on_interrupt: called at a first Ctrl-C (SIGINT, in the
+        main thread) while waiting, instead of the KeyboardInterrupt that ends the ranks; the results are
+        still collected and returned (on_interrupt is to make the ranks cut their work short, and its
+        caller to tell from the results what came of it); a second Ctrl-C ends the ranks."""
         self._check_open()
         world, procs = self.world, self.procs
         results, errors, died, stop_at, late = {}, [], None, None, None
-        ok = False
-        try:
-            while len(results) < world and (stop_at is None or time.monotonic() < stop_at):
-                if stop_at is None and len(self.joined) < world and time.monotonic() > self.start_by:
-                    late = TforceError(_late_start(world, self.up, self.start_timeout_s, self.backend))
-                    break
-                try:
-                    kind, rank, payload = self.q.get(timeout=0.05)
-                except queue_mod.Empty:
-                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                    if dead and died is None:  # its error message, if any, may still be in the pipe
-                        died = TforceError(f"rank {dead[0][0]} died (exit code {dead[0][1]})")
-                        stop_at = min(stop_at or float("inf"), time.monotonic() + self.grace_s)
-                    continue
-                if kind == "up":
-                    self.up.add(rank)
-                elif kind == "joined":
-                    self.joined.add(rank)
-                elif kind == "event":
-                    self.on_event(pickle.loads(payload))
-                elif kind == "result":
-                    results[rank] = pickle.loads(payload)
-                else:  # wait a moment for the other ranks' errors: the root cause may come second
-                    errors.append(payload)
-                    stop_at = min(stop_at or float("inf"), time.monotonic() + 0.25)
-            ok = len(results) == world and not errors
-        finally:
-            if not ok:
-                self.close(wait_s=0.0)
+        ok = told = False
+        with _sigint_counted(on_interrupt is not None) as pressed:
+            try:
+                while len(results) < world and (stop_at is None or time.monotonic() < stop_at):
+                    if pressed and not told:
+                        told = True
+                        on_interrupt()
+                    if stop_at is None and len(self.joined) < world and time.monotonic() > self.start_by:
+                        late = TforceError(_late_start(world, self.up, self.start_timeout_s, self.backend))
+                        break
+                    try:
+                        kind, rank, payload = self.q.get(timeout=0.05)
+                    except queue_mod.Empty:
+                        dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                        if dead and died is None:  # its error message, if any, may still be in the pipe
+                            died = TforceError(f"rank {dead[0][0]} died (exit code {dead[0][1]})")
+                            stop_at = min(stop_at or float("inf"), time.monotonic() + self.grace_s)
+                        continue
+                    if kind == "up":
+                        self.up.add(rank)
+                    elif kind == "joined":
+                        self.joined.add(rank)
+                    elif kind == "event":
+                        self.on_event(pickle.loads(payload))
+                    elif kind == "result":
+                        results[rank] = pickle.loads(payload)
+                    else:  # wait a moment for the other ranks' errors: the root cause may come second
+                        errors.append(payload)
+                        stop_at = min(stop_at or float("inf"), time.monotonic() + 0.25)
+                ok = len(results) == world and not errors
+            finally:
+                if not ok:
+                    self.close(wait_s=0.0)
         if errors:  # a message meant for the user (a TforceError) beats fallout on the other ranks
             err, text, _ = next((e for e in errors if e[2]), errors[0])
             raise err from WorkerTraceback(text)
@@ -243,6 +255,41 @@ class Ranks:
         for inbox in self.inboxes:
             inbox.close()
             inbox.cancel_join_thread()
+
+
+@contextmanager
+def _sigint_ignored():
+    """SIGINT ignored within (in the main thread; elsewhere signals cannot be set, nor arrive)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+@contextmanager
+def _sigint_counted(enabled: bool):
+    """Within, with enabled (in the main thread), a first SIGINT appends to the list yielded instead of
+    raising KeyboardInterrupt (which could land between taking a message off the queue and keeping it); a
+    second one raises it."""
+    pressed: list = []
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield pressed
+        return
+
+    def handler(signum, frame):
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(1)
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _late_start(world: int, up: set, limit_s: float, backend: str) -> str:

@@ -3,8 +3,9 @@ processes): answers equal the single-process answers token for token (greedy; an
 as test_parallel asserts for run: the ranks' logits are bitwise equal, and differ from the unsharded
 model's only by summation order), with and without --keep-history; a snapshot written by 2 ranks loads
 into 2 ranks (chat and run) with a fresh prefill's answers, and is refused in one line by another world
-size; ranks that disagree fail the answer; a rank that fails to write leaves no snapshot; no worker
-process outlives the command.
+size; ranks that disagree fail the answer; a rank that fails to write leaves no snapshot; Ctrl-C stops
+an answer on every rank and the ranks go on; no worker process outlives the command, an error in a rank
+or its parent's death.
 
 Every launch starts two workers that import torch and transformers (seconds each), so each test makes
 at most two."""

@@ -5,10 +5,11 @@ torch.distributed.
 A worker runs one function and sends back its result (launch), or serves: a generator that answers the
 parent's commands, each from the worker's own queue, until told to stop (Ranks(serve=True); a tforce chat
 over ranks). Events a worker emits reach the parent as they happen. Start-up has a limit (spawn, imports,
-the process group and one checked all_reduce). A worker's failure, a death, a start-up past its limit or
-an interrupt in the parent ends every worker at once and is raised as one TforceError (the worker's
-traceback chained); a serving worker whose parent has gone exits by itself. Workers ignore SIGINT (a
-terminal's Ctrl-C reaches every process of its group): the parent alone decides what Ctrl-C does.
+the process group and one checked all_reduce). A worker's failure, a death or a start-up past its limit
+ends every worker at once and is raised as one TforceError (the worker's traceback chained), and so does
+an exception in the parent while it waits (Ctrl-C included, unless the caller handles a first one:
+Ranks.collect's on_interrupt); a serving worker whose parent has gone exits by itself. Workers ignore
+SIGINT (a terminal's Ctrl-C reaches every process of its group): the parent alone decides what it does.
 """
 from __future__ import annotations
 

@@ -217,6 +217,33 @@ def test_ctrl_c_stops_an_answer_and_the_ranks_go_on(models, target):
             conv.ask(_question(target, QUESTIONS[1]), 12)
 
 
+def test_ctrl_c_at_a_terminal_stops_an_answer_as_in_one_process(models, target, monkeypatch):
+    """test_chat_interrupt's terminal session (a pty as the chat's controlling terminal: Ctrl-C reaches
+    the ranks too), with --tp 2: Ctrl-C stops the first answer, drops a half-typed line, and the second
+    answer is the clean one."""
+    import test_chat_interrupt as ti
+
+    monkeypatch.setattr(ti, "ARGS", ti.ARGS + ["--tp", "2", "--device", "cpu"])
+    first, second = (ti._clean_text(models, target, q) for q in QUESTIONS)
+    chat = ti.Chat(models, stdout_tty=False)
+    chat.expect(b"> ")
+    chat.type((QUESTIONS[0] + "\n").encode())
+    chat.expect(first[:3].encode(), where="out")
+    chat.type(b"\x03")
+    chat.expect(b"tforce: interrupted: the answer stopped after")
+    chat.expect(b"> ")
+    chat.type(b"half a question")
+    chat.expect(b"half a question")
+    chat.ctrl_c_at_prompt()
+    chat.type((QUESTIONS[1] + "\n").encode())
+    chat.expect(b"time to first token", timeout=120)
+    chat.expect(b"> ")
+    assert chat.end() == 0
+    out = chat.seen["out"].decode()
+    assert out.endswith("\n" + second + ("" if second.endswith("\n") else "\n"))
+    assert "Traceback" not in chat.seen["tty"].decode(errors="replace")
+
+
 def _idle(rank, world):
     """A serving worker that answers every command with None."""
     while True:

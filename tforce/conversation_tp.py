@@ -35,8 +35,9 @@ class ParallelConversation:
                  room: int | None = None, keep_history: bool = False, ignore_eos: bool = False, load_kv=None,
                  save_kv=None, on_prefill=None, **options):
         """As Conversation's arguments, with the models given as folders (each rank loads its part), the
-        world size, and the device ("cpu": gloo; "cuda": NCCL, rank r on cuda:r). Without a seed, each
-        answer is sampled with one drawn here for it, the same on every rank."""
+        world size, and the device ("cpu": gloo; "cuda": NCCL, rank r on cuda:r); document_ids is always
+        given (with load_kv, snapshot.read_manifest(load_kv)["tokens"] is the snapshot's document). Without
+        a seed, each answer is sampled with one drawn here for it, the same on every rank."""
         self.seed, self.keep_history = options.get("seed"), keep_history
         dtype, options, free = tp_options(device, dtype, options, world)
         self._callbacks = {"on_prefill": on_prefill}

@@ -131,7 +131,7 @@ def test_snapshot_refusals_are_one_line(models, tmp_path):
     _one_error_line(_chat(models, "--load-kv", str(tmp_path / "none"), input="q\n"), 2, "no such snapshot")
     base = ["run", "-m", str(models / "tiny-target"), "--method", "ar", str(models / "doc.txt")]
     _one_error_line(CliRunner().invoke(app, base + ["--tp", "2", "--device", "cpu", "--save-kv", str(mine)]), 2,
-                    "tensor parallelism")
+                    "refusing")  # before any rank starts
     _one_error_line(_chat(models, str(models / "doc.txt"), "--room", "1", input="q\n"), 2, "--room")
 
 

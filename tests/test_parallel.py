@@ -19,7 +19,8 @@ from model_helpers import forward, full_cache, random_ids
 from tforce.cli import app
 from tforce.errors import TforceError, UsageError
 from tforce import placement
-from tforce.parallel import _generate_worker, apply_tp, check_tp, launch
+from tforce.parallel import _generate_worker, apply_tp, check_tp
+from tforce.ranks import launch
 from tforce.synthetic import make_checkpoint
 
 TARGET = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

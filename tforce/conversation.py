@@ -27,12 +27,13 @@ from .errors import UsageError
 
 class Conversation:
     def __init__(self, target, document_ids=None, *, draft=None, room: int | None = None, keep_history: bool = False,
-                 ignore_eos: bool = False, load_kv=None, save_kv=None, on_prefill=None, **options):
+                 ignore_eos: bool = False, load_kv=None, save_kv=None, group=None, on_prefill=None, **options):
         """document_ids: the prefix every question follows (None with load_kv: the snapshot's prefix).
         room: tokens after the document for questions and answers (and, with keep_history, the whole
         conversation); default: the rest of the model's context. options: generate()'s (method, sampling,
-        budgets, placement). load_kv / save_kv: KV snapshots of the document (snapshot.py)."""
-        ident = snapshot.identity(target, draft) if load_kv is not None or save_kv is not None else None
+        budgets, placement). load_kv / save_kv: KV snapshots of the document (snapshot.py); group: the
+        tensor-parallel ranks (parallel.Group) when target is one rank's shard (conversation_tp.py)."""
+        ident = snapshot.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
         self.target, self.draft = _module(target), (_module(draft) if draft is not None else None)
         if document_ids is None:
             if load_kv is None:
@@ -58,13 +59,13 @@ class Conversation:
         t0 = time.perf_counter()
         self.kv_reused = 0
         if load_kv is not None:
-            self.kv_reused = snapshot.load(load_kv, self.session, doc, len(doc), ident)[0]
+            self.kv_reused = snapshot.load(load_kv, self.session, doc, len(doc), ident, group)[0]
         self.session.prefill(doc, on_prefill, upto=len(doc))
         self.session.mark()
         _sync_device(device)
         self.prefill_s = time.perf_counter() - t0
         if save_kv is not None:
-            snapshot.save(save_kv, self.session, ident)
+            snapshot.save(save_kv, self.session, ident, group)
 
     @property
     def room_left(self) -> int:

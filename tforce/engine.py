@@ -378,8 +378,8 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
              gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
              rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
              gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
-             deterministic: bool = False, load_kv=None, save_kv=None, on_token=None, on_prefill=None,
-             on_round=None, on_plan=None) -> Result:
+             deterministic: bool = False, load_kv=None, save_kv=None, group=None, on_token=None,
+             on_prefill=None, on_round=None, on_plan=None) -> Result:
     """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
     or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
     on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each
@@ -397,10 +397,11 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     prompt after its prefix is prefilled (a prompt that leaves the prefix keeps the common part;
     stats["kv_reused"] says how many of the snapshot's stats["kv_snapshot_tokens"] were reused); save_kv, a
     folder: the caches after prefill (the prompt but its last token) are written there. A snapshot loads only
-    into the same model, tokenizer and dtype."""
+    into the same model, tokenizer and dtype. group: the tensor-parallel ranks (parallel.Group) when target
+    is one rank's shard: each rank's snapshot part holds its own KV heads."""
     from . import snapshot
 
-    identity = snapshot.identity(target, draft) if load_kv is not None or save_kv is not None else None
+    identity = snapshot.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
     target, draft = _module(target), (_module(draft) if draft is not None else None)
     prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
     max_new = check_prompt(target, len(prompt), max_new_tokens)
@@ -419,14 +420,15 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     t0 = time.perf_counter()
     kv = {}
     if load_kv is not None:
-        kv["kv_reused"], kv["kv_snapshot_tokens"] = snapshot.load(load_kv, session, prompt, len(prompt) - 1, identity)
+        kv["kv_reused"], kv["kv_snapshot_tokens"] = snapshot.load(load_kv, session, prompt, len(prompt) - 1, identity,
+                                                                 group)
         _sync_device(device)
         kv["load_kv_s"] = time.perf_counter() - t0
     session.prefill(prompt, on_prefill)
     _sync_device(device)
     t1 = time.perf_counter()
     if save_kv is not None:
-        snapshot.save(save_kv, session, identity)
+        snapshot.save(save_kv, session, identity, group)
         kv["save_kv_s"] = time.perf_counter() - t1
     eos = set() if ignore_eos else _eos_ids(target.config)
     before = session.counts()

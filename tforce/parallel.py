@@ -1,5 +1,5 @@
-"""Tensor parallelism, applied from outside to a built model (gpt-fast's `apply_tp`); the only file that
-touches torch.distributed.
+"""Tensor parallelism, applied from outside to a built model (gpt-fast's `apply_tp`); with ranks.py (the
+worker processes), the only file that touches torch.distributed.
 
 Layout (Megatron): each rank holds a contiguous block of KV heads together with the query heads of their
 GQA groups (q/k/v_proj column-parallel), the matching input columns of o_proj (row-parallel), and a block
@@ -21,31 +21,22 @@ plans as well as the tokens.
 
 Loading: each rank reads from the safetensors files only its slice of every sharded weight
 (`tp_slices`, used by weights.load_model(rank=, world=)); embeddings, norms and lm_head whole.
-Start-up has a limit (`launch`'s start_timeout_s) and ends in one all_reduce whose sums are checked.
+
+The processes (ranks.py): generate_tp runs one generation in workers started for it (launch);
+conversation_tp.py keeps workers serving a chat's questions (Ranks).
 """
 from __future__ import annotations
 
-import os
-import pickle
-import queue as queue_mod
 import secrets
-import socket
-import sys
-import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from .errors import TforceError, UsageError
+from .ranks import launch
 
 EVENTS = ("on_token", "on_prefill", "on_round", "on_plan")
-START_TIMEOUT_S = 120.0  # spawn, imports, process group and a test all_reduce (launch's start_timeout_s)
-COLLECTIVE_TIMEOUT_S = 600  # a worker waiting this long in one collective (or the rendezvous) fails itself
-P2P_HINT = "GPUs without working peer-to-peer access (e.g. RTX 4090 pairs) need NCCL_P2P_DISABLE=1"
 
 
 def check_tp(config, world: int) -> None:
@@ -149,161 +140,6 @@ def all_equal(obj) -> bool:
     return all(o == objs[0] for o in objs)
 
 
-# ----------------------------------------------------------------------------------------- processes
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class WorkerTraceback(Exception):
-    """A worker's traceback as text, chained under the parent's one-line error (seen with TFORCE_DEBUG=1)."""
-
-
-def _portable(rank: int, e: BaseException) -> tuple[TforceError, str]:
-    """A worker's exception -> (a picklable one-line TforceError, the traceback text)."""
-    text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    if isinstance(e, TforceError):
-        err = (UsageError if isinstance(e, UsageError) else TforceError)(str(e))
-    elif isinstance(e, KeyboardInterrupt):
-        err = TforceError(f"rank {rank}: interrupted")
-    else:
-        msg = (str(e).strip().splitlines() or [""])[0]
-        err = TforceError(f"rank {rank}: {type(e).__name__}: {msg}")
-    return err, text
-
-
-def _worker(rank, world, backend, port, threads, q, fn, args, emit_events, on_spawn):
-    try:
-        if on_spawn is not None:
-            on_spawn(rank)
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-            extra = {"device_id": device}
-        else:
-            torch.set_num_threads(threads)
-            device, extra = torch.device("cpu"), {}
-        q.put(("up", rank, None))
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **extra)
-        _check_link(rank, world, device)
-        q.put(("joined", rank, None))
-        kwargs = {"emit": lambda event: q.put(("event", rank, pickle.dumps(event)))} if emit_events else {}
-        # Plain pickle: tensors travel by value (a queue would share them through this process, which
-        # is about to exit).
-        value = pickle.dumps(fn(rank, world, *args, **kwargs))
-    except BaseException as e:
-        q.put(("error", rank, (*_portable(rank, e), isinstance(e, TforceError))))
-        _leave(q, 1)  # the parent ends the other ranks
-    q.put(("result", rank, value))
-    dist.destroy_process_group()
-    _leave(q, 0)
-
-
-def _check_link(rank: int, world: int, device: torch.device) -> None:
-    """One 1 MiB all_reduce before any work, checked: a link that hangs does so inside the start-up
-    limit, and one that corrupts data fails here instead of in the model's sums."""
-    x = torch.arange(1 << 18, dtype=torch.float32, device=device)
-    expected = world * x + world * (world - 1) // 2  # exact in float32: every value stays below 2 ** 24
-    x += rank
-    dist.all_reduce(x)
-    if not torch.equal(x, expected):
-        raise TforceError(f"rank {rank}: a test all_reduce returned wrong sums: {P2P_HINT}")
-
-
-def _leave(q, code: int) -> None:
-    """Flush what this worker sent, then exit at once (skipping a slow interpreter teardown; after an
-    error, also any teardown that would wait on ranks stuck in a collective)."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    q.close()
-    q.join_thread()
-    os._exit(code)
-
-
-def launch(fn, world: int, backend: str, *args, on_event=None, all_ranks: bool = False, grace_s: float = 2.0,
-           start_timeout_s: float = START_TIMEOUT_S, _on_spawn=None):
-    """Run fn(rank, world, *args) in `world` spawned processes joined by a process group (gloo on CPU,
-    nccl on CUDA with rank r on cuda:r); return rank 0's return value (every rank's, in order, with
-    all_ranks). fn must be importable (module level). With on_event, fn also gets emit=callable, and
-    every emit(event) in a worker calls on_event(event) here, in order. A worker's failure is raised
-    here as one TforceError (its message; the worker's traceback chained), and the other workers are
-    ended rather than left waiting. So is a start-up that takes over start_timeout_s (spawn, imports,
-    the process group and one test all_reduce), naming the ranks that did not start. _on_spawn: a test
-    hook, an importable callable run first in each worker with its rank."""
-    if backend not in ("gloo", "nccl"):
-        raise UsageError(f"backend must be gloo or nccl, got {backend!r}")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port, threads = _free_port(), max(1, torch.get_num_threads() // world)
-    procs = [ctx.Process(target=_worker, args=(r, world, backend, port, threads, q, fn, args, on_event is not None,
-                                               _on_spawn), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    start_by = time.monotonic() + start_timeout_s
-    results, errors, died, stop_at, late = {}, [], None, None, None
-    up, joined = set(), set()
-    ok = False
-    try:
-        while len(results) < world and (stop_at is None or time.monotonic() < stop_at):
-            if stop_at is None and len(joined) < world and time.monotonic() > start_by:
-                late = TforceError(_late_start(world, up, start_timeout_s, backend))
-                break
-            try:
-                kind, rank, payload = q.get(timeout=0.05)
-            except queue_mod.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead and died is None:  # its error message, if any, may still be in the pipe
-                    died = TforceError(f"rank {dead[0][0]} died (exit code {dead[0][1]})")
-                    stop_at = min(stop_at or float("inf"), time.monotonic() + grace_s)
-                continue
-            if kind == "up":
-                up.add(rank)
-            elif kind == "joined":
-                joined.add(rank)
-            elif kind == "event":
-                on_event(pickle.loads(payload))
-            elif kind == "result":
-                results[rank] = pickle.loads(payload)
-            else:  # wait a moment for the other ranks' errors: the root cause may come second
-                errors.append(payload)
-                stop_at = min(stop_at or float("inf"), time.monotonic() + 0.25)
-        ok = len(results) == world
-    finally:
-        _end(procs, q, wait_s=10.0 if ok else 0.0)
-    if errors:  # a message meant for the user (a TforceError) beats fallout on the other ranks
-        err, text, _ = next((e for e in errors if e[2]), errors[0])
-        raise err from WorkerTraceback(text)
-    if not ok:
-        raise late or died or TforceError("the workers stopped without a result")
-    return [results[r] for r in range(world)] if all_ranks else results[0]
-
-
-def _late_start(world: int, up: set, limit_s: float, backend: str) -> str:
-    """The one-line message for a start-up past its limit: the ranks that never ran, else the group."""
-    missing = [str(r) for r in range(world) if r not in up]
-    if missing:
-        return f"rank{'s' if len(missing) > 1 else ''} {', '.join(missing)} did not start within {limit_s:g} s"
-    hint = f"; {P2P_HINT}" if backend == "nccl" else ""
-    return f"the {world} ranks did not join their process group within {limit_s:g} s{hint}"
-
-
-def _end(procs, q, wait_s: float) -> None:
-    """Join the workers (up to wait_s in all), then end whatever still runs."""
-    deadline = time.monotonic() + wait_s
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    q.close()
-    q.cancel_join_thread()
-
-
 # ---------------------------------------------------------------------------------------- generation
 
 
@@ -311,23 +147,62 @@ def _generate_worker(rank, world, model_path, draft_path, prompt_ids, device, dt
                      emit=None):
     """One rank of generate_tp. free: one device_free figure per rank (tests give the ranks different ones)."""
     from .engine import generate
-    from .weights import load_model
 
-    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-    # Each rank reads only its shard of the target from the files, straight to its device.
-    target = load_model(model_path, device=str(dev), dtype=dtype, tokenizer=False, rank=rank, world=world).model
-    small = load_model(draft_path, device=str(dev), dtype=dtype, tokenizer=False).model if draft_path else None
-    callbacks = {}
-    if rank == 0 and emit is not None:
-        callbacks = {name: (lambda *a, name=name: emit((name, a))) for name in events}
+    target, small, dev = rank_models(model_path, draft_path, device, dtype, rank, world)
     options = dict(options)
     device_free = _agreed_free(dev, free[rank], options.pop("gpu_memory", None))
-    result = generate(target, prompt_ids, draft=small, device_free=device_free, **options, **callbacks)
+    result = generate(target, prompt_ids, draft=small, device_free=device_free, group=Group(), **options,
+                      **rank_callbacks(rank, emit, events))
     plan = (result.stats["kv_resident_layers"], result.stats["kv_offloaded_layers"])
     if not all_equal((result.tokens, plan)):
         raise TforceError("the tensor-parallel ranks generated different tokens or placed their KV caches "
                           "differently: please report this")
     return result
+
+
+def rank_models(model_path: str, draft_path: str | None, device: str, dtype, rank: int, world: int):
+    """(target shard, draft or None, device) of one rank: the rank reads only its shard of the target
+    from the files, straight to its device (cuda:rank on CUDA); the draft is replicated."""
+    from .weights import load_model
+
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    target = load_model(model_path, device=str(dev), dtype=dtype, tokenizer=False, rank=rank, world=world)
+    small = load_model(draft_path, device=str(dev), dtype=dtype, tokenizer=False) if draft_path else None
+    return target, small, dev
+
+
+def rank_callbacks(rank: int, emit, names) -> dict:
+    """The engine callbacks named, on rank 0 each sending its call to the parent (emit); none elsewhere."""
+    if rank != 0 or emit is None:
+        return {}
+    return {name: (lambda *a, name=name: emit((name, a))) for name in names}
+
+
+class AnyRank:
+    """Whether any rank says yes, all ranks asking at the same point (a collective): one all_reduce (MAX)
+    of a CPU integer over a gloo group of its own (an NCCL group would need a device tensor and a sync)."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+
+    def __call__(self, yes: bool) -> bool:
+        t = torch.tensor([int(yes)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+
+class Group:
+    """The process group as snapshot.py sees it (this rank, the world size, a gather), so that snapshot.py
+    need not touch torch.distributed. Gathers are collectives: every rank must make the same ones."""
+
+    def __init__(self):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def gather(self, obj) -> list:
+        """Every rank's (picklable) obj, in rank order."""
+        objs = [None] * self.world
+        dist.all_gather_object(objs, obj)
+        return objs
 
 
 def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
@@ -350,27 +225,37 @@ def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -
     return min(known) if known else None
 
 
+def tp_options(device: str, dtype, options: dict, world: int):
+    """The checked device, the dtype (default: bfloat16 on CUDA, float32 on CPU) and generate's options as
+    every rank gets them: a seed drawn here when none was given (every rank samples with the same one),
+    eager on CUDA (all_reduce inside a captured graph is untested here), device_free taken out as one
+    figure per rank (None: measured there). Returns (dtype, options, free)."""
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"tensor parallelism runs on cpu or cuda, got {device!r}")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    options = dict(options)
+    free = [options.pop("device_free", None)] * world
+    if options.get("seed") is None:
+        options["seed"] = secrets.randbits(63)
+    if device == "cuda":
+        options.setdefault("cuda_graphs", False)
+    return dtype or (torch.bfloat16 if device == "cuda" else torch.float32), options, free
+
+
 def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int, device: str = "cpu",
                 dtype: torch.dtype | str | None = None, **generate_kwargs):
     """tforce.generate with the target split over `world` processes (gloo on CPU, NCCL on CUDA, rank r
     on cuda:r); the draft is replicated. Returns rank 0's Result. on_token / on_prefill / on_round / on_plan
     callbacks run here, in this process, as rank 0 produces the events. A missing seed is drawn here,
     so every rank samples with the same one. Every rank plans its KV cache from the least free device
-    memory over the ranks (device_free, when given, stands for every rank's measure; _agreed_free)."""
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"tensor parallelism runs on cpu or cuda, got {device!r}")
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    memory over the ranks (device_free, when given, stands for every rank's measure; _agreed_free).
+    KV snapshots (load_kv, save_kv) hold each rank's KV heads in a folder of its own (snapshot.py)."""
     callbacks = {name: generate_kwargs.pop(name) for name in EVENTS if generate_kwargs.get(name) is not None}
-    free = [generate_kwargs.pop("device_free", None)] * world  # each rank's own figure (None: measured there)
     generate_kwargs.pop("draft", None)
     for name in EVENTS:
         generate_kwargs.pop(name, None)
-    if generate_kwargs.get("seed") is None:
-        generate_kwargs["seed"] = secrets.randbits(63)
-    if device == "cuda":  # all_reduce inside a captured graph is untested here: eager unless asked
-        generate_kwargs.setdefault("cuda_graphs", False)
+    dtype, generate_kwargs, free = tp_options(device, dtype, generate_kwargs, world)
 
     def on_event(event):
         name, args = event

@@ -9,13 +9,18 @@ A snapshot is a folder:
                           (H_q, D), the last prefix token's rotated query (what a retrieval rebuild scores with)
   draft.safetensors       the small draft's StreamingCache ("k", "v" rows), when the method had one;
   streaming.safetensors   likewise the middle level's StreamingCache of --method streaming
+With the target split over tensor-parallel ranks (--tp N), each rank writes those files for its own KV
+heads (and its copy of the replicated draft's cache) in a folder rank-R/, and the manifest records the
+world size N; such a snapshot loads only into N ranks, and a single-process one only into one process.
 What is not saved is rebuilt: the retrieval cache from the full cache (its chunk statistics are summed
 again from the keys at the first rebuild, one read of each layer's keys); a streaming cache the snapshot
 lacks or cannot restore (another method's, another draft, other --sinks or budgets) by prefilling it over
 the prefix.
 
 Writing streams one layer at a time (never the whole cache in an extra copy) into a temporary sibling
-folder that is renamed into place once complete: a killed run leaves no snapshot, never a partial one. An
+folder that is renamed into place once complete (under TP: once every rank has written its part; a rank
+that fails makes every rank fail, and rank 0 removes the folder): a failed or killed run leaves no
+snapshot, never a partial one (a killed one may leave the hidden temporary folder behind). An
 existing snapshot at the path is replaced; anything else there is refused. Reading checks the manifest
 against the running model first (a one-line refusal on any mismatch), then each file's checksum as it is
 read, before its tensors are used.
@@ -87,10 +92,15 @@ def _model_id(m) -> dict:
             "config_sha256": _config_sha(module.config), "weights": _weights_fingerprint(module)}
 
 
-def identity(target, draft=None) -> dict:
-    """What a snapshot must match: target (a tforce.LoadedModel or a bare model), draft, tokenizer."""
-    return {"target": _model_id(target), "draft": _model_id(draft) if draft is not None else None,
-            "tokenizer_sha256": _tokenizer_sha(getattr(target, "path", None))}
+def identity(target, draft=None, group=None) -> dict:
+    """What a snapshot must match: target (a tforce.LoadedModel or a bare model), draft, tokenizer.
+    group: the tensor-parallel ranks (parallel.Group) when target is one rank's shard; the target's
+    fingerprint is then that of every rank's shard together (a collective)."""
+    ident = {"target": _model_id(target), "draft": _model_id(draft) if draft is not None else None,
+             "tokenizer_sha256": _tokenizer_sha(getattr(target, "path", None))}
+    if group is not None and group.world > 1:
+        ident["target"]["weights"] = _sha(" ".join(group.gather(ident["target"]["weights"])).encode())
+    return ident
 
 
 # ------------------------------------------------------------------------------------------------- write
@@ -119,50 +129,99 @@ def _streaming_nodes(session):
     return [n for n in (session.middle, session.small) if n is not None and n.cache is not session.retrieval]
 
 
-def save(path, session, ident: dict) -> None:
-    """Write the caches' prefix (what the full cache holds) to `path`, atomically."""
+def save(path, session, ident: dict, group=None) -> None:
+    """Write the caches' prefix (what the full cache holds) to `path`, atomically. group: the
+    tensor-parallel ranks (parallel.Group), every one of which calls save with its own session."""
     check_target(path)
     p = Path(path).expanduser()
-    p.parent.mkdir(parents=True, exist_ok=True)
+    rank, world = (group.rank, group.world) if group is not None else (0, 1)
+    tmp = None
+    if rank == 0:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent))
+    try:
+        if world == 1:
+            files, streaming = _write_part(tmp, session, ident)
+        else:
+            tmp = Path(group.gather(str(tmp) if tmp is not None else None)[0])
+            files, streaming = _gather_parts(path, tmp, session, ident, group)
+        if rank == 0:
+            full = session.full.cache
+            P = full.length
+            manifest = {"format": FORMAT, "version": VERSION, "tforce": _version(), "target": ident["target"],
+                        "tokenizer_sha256": ident["tokenizer_sha256"],
+                        "dtype": str(full.k.dtype).replace("torch.", ""), "layers": len(full.queries),
+                        "tokens": session.seq[:P].tolist(), "queries": P > 0, "streaming": streaming,
+                        "files": files}
+            if world > 1:
+                manifest["world"] = world
+            manifest["manifest_sha256"] = _manifest_sha(manifest)
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _replace(tmp, p)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_part(folder: Path, session, ident: dict) -> tuple[dict, dict]:
+    """Write this process's caches into `folder`, layer by layer: (file name -> sha256, the streaming
+    caches' manifest entries)."""
     full = session.full.cache
     P = full.length
-    tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent))
+    files = {}
+    queries = session.last_queries(P) if P else None
+    for layer in range(len(full.queries)):
+        t = {"k": full.layer_keys(layer)[:, :P], "v": full.layer_values(layer)[:, :P]}
+        if queries is not None:
+            t["q"] = queries[layer]
+        name = f"full-{layer:03d}.safetensors"
+        files[name] = _write(folder, name, t)
+    streaming = {}
+    for node in _streaming_nodes(session):
+        state, c = node.cache.state(), node.cache
+        name = f"{node.name}.safetensors"
+        files[name] = _write(folder, name, {"k": state["k"], "v": state["v"]})
+        model = ident["draft"] if node.name == "draft" else ident["target"]
+        streaming[node.name] = {"length": state["length"], "offset": state["offset"], "sinks": c.sinks,
+                                "window": c.window, "model": model}
+    return files, streaming
+
+
+def _gather_parts(path, tmp: Path, session, ident: dict, group) -> tuple[dict, dict]:
+    """Every rank writes its part into tmp/rank-R/; then all learn every rank's files (named by their
+    folder) or, if any rank failed, all raise that rank's error (so that none waits for the others)."""
     try:
-        files = {}
-        queries = session.last_queries(P) if P else None
-        for layer in range(len(full.queries)):
-            t = {"k": full.layer_keys(layer)[:, :P], "v": full.layer_values(layer)[:, :P]}
-            if queries is not None:
-                t["q"] = queries[layer]
-            name = f"full-{layer:03d}.safetensors"
-            files[name] = _write(tmp, name, t)
-        streaming = {}
-        for node in _streaming_nodes(session):
-            state, c = node.cache.state(), node.cache
-            name = f"{node.name}.safetensors"
-            files[name] = _write(tmp, name, {"k": state["k"], "v": state["v"]})
-            model = ident["draft"] if node.name == "draft" else ident["target"]
-            streaming[node.name] = {"length": state["length"], "offset": state["offset"], "sinks": c.sinks,
-                                    "window": c.window, "model": model}
-        manifest = {"format": FORMAT, "version": VERSION, "tforce": _version(), "target": ident["target"],
-                    "tokenizer_sha256": ident["tokenizer_sha256"], "dtype": str(full.k.dtype).replace("torch.", ""),
-                    "layers": len(full.queries), "tokens": session.seq[:P].tolist(), "queries": P > 0,
-                    "streaming": streaming, "files": files}
-        manifest["manifest_sha256"] = _manifest_sha(manifest)
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        old = None
-        if p.exists():
-            old = p.with_name(f".{p.name}.old-{os.getpid()}")
-            os.rename(p, old)
-        os.rename(tmp, p)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        folder = tmp / _rank_folder(group.rank)
+        folder.mkdir()
+        part = _write_part(folder, session, ident)
+    except Exception as e:
+        part = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    parts = group.gather(part)
+    failed = next(((r, x) for r, x in enumerate(parts) if isinstance(x, str)), None)
+    if failed is not None:
+        raise TforceError(f"--save-kv {path}: rank {failed[0]} could not write its KV heads: {failed[1]}")
+    files = {f"{_rank_folder(r)}/{name}": sha for r, (part_files, _) in enumerate(parts)
+             for name, sha in part_files.items()}
+    return files, parts[0][1]
+
+
+def _rank_folder(rank: int) -> str:
+    return f"rank-{rank}"
+
+
+def _replace(tmp: Path, p: Path) -> None:
+    """Rename the complete snapshot `tmp` to `p`, replacing a snapshot there."""
+    old = None
+    if p.exists():
+        old = p.with_name(f".{p.name}.old-{os.getpid()}")
+        os.rename(p, old)
+    os.rename(tmp, p)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def _version() -> str:
@@ -209,6 +268,16 @@ def _read(path: Path, manifest: dict, name: str) -> dict:
     return st_load(data)
 
 
+def check_world(path, manifest: dict, world: int) -> None:
+    """Refuse, in one line, a snapshot made over another number of tensor-parallel ranks."""
+    saved = manifest.get("world", 1)
+    if saved != world:
+        runs = {n: f"--tp {n}" if n > 1 else "one process (no --tp)" for n in (saved, world)}
+        fix = f"pass --tp {saved}" if saved > 1 else "drop --tp"
+        raise UsageError(f"--load-kv {path}: made with {runs[saved]}, this run has {runs[world]}: {fix} or make "
+                         "the snapshot again")
+
+
 def check(path, manifest: dict, ident: dict, dtype: torch.dtype) -> None:
     """Refuse a snapshot of another model, tokenizer or dtype, in one line."""
     saved, now = manifest["target"], ident["target"]
@@ -231,19 +300,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def load(path, session, prompt: torch.Tensor, upto: int, ident: dict) -> tuple[int, int]:
+def load(path, session, prompt: torch.Tensor, upto: int, ident: dict, group=None) -> tuple[int, int]:
     """Fill a fresh session's caches from the snapshot at `path`, as far as its prefix matches prompt[:upto];
-    returns (that many tokens, the prefix's length). session.prefill(prompt) then feeds only the rest."""
+    returns (that many tokens, the prefix's length). session.prefill(prompt) then feeds only the rest.
+    group: the tensor-parallel ranks (parallel.Group); each loads its own KV heads."""
     p = Path(path).expanduser()
     manifest = read_manifest(p)
     full = session.full.cache
+    world = group.world if group is not None else 1
+    check_world(path, manifest, world)
     check(path, manifest, ident, full.k.dtype)
+    part = f"{_rank_folder(group.rank)}/" if world > 1 else ""
     prefix = manifest["tokens"]
     c = common_prefix(prefix, prompt[:upto].tolist())
     device = full.k.device
     queries = []
     for layer in range(manifest["layers"]):
-        t = _read(p, manifest, f"full-{layer:03d}.safetensors")
+        t = _read(p, manifest, f"{part}full-{layer:03d}.safetensors")
         full.write_layer(layer, t["k"][:, :c], t["v"][:, :c])  # copied where the layer lives
         if "q" in t:
             queries.append(t["q"].to(device))
@@ -260,7 +333,7 @@ def load(path, session, prompt: torch.Tensor, upto: int, ident: dict) -> tuple[i
         if (not same or info["sinks"] != node.cache.sinks
                 or info["window"] != node.cache.window or info["length"] > len(node.tokens)):
             continue  # session.prefill feeds it from the start
-        t = _read(p, manifest, f"{node.name}.safetensors")
+        t = _read(p, manifest, f"{part}{node.name}.safetensors")
         state = {"k": t["k"], "v": t["v"], "length": info["length"], "offset": info["offset"]}
         if node.cache.fits(state):
             node.cache.restore(state)

@@ -10,6 +10,8 @@ Where things come from:
   question and its partial answer do not join the history) or drops the line being typed, and a fresh
   `> ` prompt comes; Ctrl-D ends the chat. With questions from a file or a pipe, and while the document
   is prefilled, Ctrl-C ends tforce (exit 130).
+With --tp N (--gpus N) the target is split over N persistent rank processes that prefill the document
+once and answer every question (tforce/conversation_tp.py); they end with the chat.
 Each question is tokenized on its own after a blank line ("\\n\\n" + question) and appended to the
 document's tokens; the answer is the target's exact continuation (tforce/conversation.py). Answers go to
 stdout, each ended by a newline (--json: one object per question per line, "interrupted": true for an answer
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import ExitStack
 from typing import Optional
 
 import typer
@@ -73,9 +76,11 @@ def chat(
     save_kv: Optional[str] = o.SAVE_KV,
     load_kv: Optional[str] = o.LOAD_KV,
     as_json: bool = flag("--json", "One JSON object per question (question, answer, tokens, stats) per line."),
+    tp: int = o.TP,
+    gpus: Optional[int] = o.GPUS,
 ) -> None:
     """Ask questions about a document, which is prefilled once (or loaded from a KV snapshot)."""
-    params = dict(locals(), tp=1, gpus=None)
+    params = dict(locals())
 
     def body():
         if room < 2:
@@ -85,7 +90,8 @@ def chat(
         lines, from_terminal = _question_source(questions, from_stdin)
         _gpu_memory_note(gpu_memory, setup.device)
         _demo_notice(setup, draft)
-        _chat(text, lines, from_terminal, setup, room, keep_history, as_json, save_kv, load_kv)
+        with ExitStack() as ranks:  # tensor-parallel ranks end with the chat, however it ends
+            _chat(text, lines, from_terminal, setup, room, keep_history, as_json, save_kv, load_kv, ranks)
 
     _guarded(body)
 
@@ -158,12 +164,10 @@ def _terminal_questions():
 
 
 def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int, keep_history: bool, as_json: bool,
-          save_kv: Optional[str], load_kv: Optional[str]) -> None:
-    from ..conversation import Conversation
+          save_kv: Optional[str], load_kv: Optional[str], ranks: ExitStack) -> None:
     from ..snapshot import read_manifest
-    from ..weights import load_model
 
-    path, config, tok = _tp_target(setup.target, 1)
+    path, config, tok = _tp_target(setup.target, setup.world)
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
     doc = list(tok.encode(text)) if text is not None else read_manifest(load_kv)["tokens"]
@@ -172,14 +176,6 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
         raise UsageError(f"the document is {len(doc)} tokens; the model's context ({context}) leaves no room "
                          "for a question")
     room = min(room, context - len(doc))
-    draft_config = _read_config(setup.draft, "draft model")[1] if setup.draft else None
-    _check_memory(config, draft_config, len(doc) + room, _dtype_bytes(setup.dtype, setup.device), setup.device,
-                  setup.options["offload"], setup.options["gpu_memory"], setup.options["budget"],
-                  setup.options["method"])
-    target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
-                      tokenizer=False)
-    small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,
-                     tokenizer=False) if setup.draft else None
     options = dict(setup.options)
     max_new = options.pop("max_new_tokens")
     ignore_eos = options.pop("ignore_eos")
@@ -187,9 +183,9 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
     live = sys.stderr.isatty() and not as_json
     progress = Progress(0, method, TextStream(tok, sys.stdout, enabled=False), shared=False) if live else None
     try:
-        conv = Conversation(target, doc, draft=small, room=room, keep_history=keep_history, ignore_eos=ignore_eos,
-                            load_kv=load_kv, save_kv=save_kv, on_prefill=progress.on_prefill if progress else None,
-                            **options)
+        conv = _conversation(setup, path, config, doc, ranks, room=room, keep_history=keep_history,
+                             ignore_eos=ignore_eos, load_kv=load_kv, save_kv=save_kv,
+                             on_prefill=progress.on_prefill if progress else None, **options)
     finally:
         if progress:
             progress.close()
@@ -208,6 +204,28 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
         except KeyboardInterrupt:  # a second Ctrl-C while the first was reported, or one after the answer
             if not from_terminal:
                 raise
+
+
+def _conversation(setup, path, config, doc: list[int], ranks: ExitStack, room: int, **kwargs):
+    """A Conversation in this process, or over setup.world ranks (entered on `ranks`, which ends them);
+    kwargs: Conversation's."""
+    from ..conversation import Conversation
+    from ..conversation_tp import ParallelConversation
+    from ..weights import load_model, resolve
+
+    if setup.world > 1:  # the ranks load their parts of the models
+        draft = str(resolve(setup.draft)) if setup.draft else None
+        return ranks.enter_context(ParallelConversation(path, draft, doc, setup.world, setup.device, setup.dtype,
+                                                        room=room, **kwargs))
+    draft_config = _read_config(setup.draft, "draft model")[1] if setup.draft else None
+    _check_memory(config, draft_config, len(doc) + room, _dtype_bytes(setup.dtype, setup.device), setup.device,
+                  setup.options["offload"], setup.options["gpu_memory"], setup.options["budget"],
+                  setup.options["method"])
+    target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
+                      tokenizer=False)
+    small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,
+                     tokenizer=False) if setup.draft else None
+    return Conversation(target, doc, draft=small, room=room, **kwargs)
 
 
 def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str, as_json: bool,

@@ -36,6 +36,8 @@ SAVE_KV = typer.Option(None, "--save-kv", metavar="DIR",
                        help="Write the prefilled KV cache there (a snapshot folder; an existing snapshot is replaced).")
 LOAD_KV = typer.Option(None, "--load-kv", metavar="DIR",
                        help="Start from a snapshot: only the prompt after its prefix is prefilled.")
+TP = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo.")
+GPUS = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda).")
 
 # The parameters above that go to the engine as they are (generate's keyword arguments).
 ENGINE = ("method", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "budget", "chunk_size",

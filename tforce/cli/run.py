@@ -102,8 +102,7 @@ def _configure(p: dict) -> Setup:
     placement_options = _placement_options(p["offload"], p["gpu_memory"])
     _threads(p["threads"])
     world, dev = _parallel(p["tp"], p["gpus"], p["device"])
-    if world > 1 and (p["save_kv"] is not None or p["load_kv"] is not None):
-        raise UsageError("KV snapshots (--save-kv, --load-kv) are not supported with tensor parallelism yet")
+    _check_snapshots(p["save_kv"], p["load_kv"], world)
     model, draft, demo_draft = p["model"], p["draft"], None
     target_name = model
     if model is None:
@@ -118,6 +117,17 @@ def _configure(p: dict) -> Setup:
     options = {k: p[k] for k in ENGINE}
     return Setup(target_name, draft_name if spec.uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
                  world, {**options, **placement_options}, demo_draft)
+
+
+def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int) -> None:
+    """Refuse a --save-kv path that is not a snapshot and a --load-kv snapshot of another world size (or
+    none) before any weights are read or ranks started; the engine checks the model's identity."""
+    from ..snapshot import check_target, check_world, read_manifest
+
+    if save_kv is not None:
+        check_target(save_kv)
+    if load_kv is not None:
+        check_world(load_kv, read_manifest(load_kv), world)
 
 
 def _demo_notice(setup: Setup, draft: Optional[str]) -> None:
@@ -159,8 +169,8 @@ def run(
     save_kv: Optional[str] = o.SAVE_KV,
     load_kv: Optional[str] = o.LOAD_KV,
     as_json: bool = flag("--json", "Print one JSON object instead of streaming text."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
-    gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda)."),
+    tp: int = o.TP,
+    gpus: Optional[int] = o.GPUS,
     batch: Optional[str] = typer.Option(None, "--batch", help="JSON-lines file of prompts ('-' = stdin), one "
                                         "{\"prompt\" and/or \"file\", \"id\", \"max_new_tokens\"} a line, run as "
                                         "one batch; one JSON line out per prompt (every --method; no --deterministic, "
@@ -276,9 +286,8 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
         if world > 1:
             from ..parallel import generate_tp
 
-            engine = {k: v for k, v in options.items() if k not in ("save_kv", "load_kv")}
             result = generate_tp(str(path), str(resolve(draft)) if draft else None, ids, world, device, dtype,
-                                 **callbacks, **engine)
+                                 **callbacks, **options)
         else:
             result = generate(target, ids, draft=small, **callbacks, **options)
         out = stream.finish()

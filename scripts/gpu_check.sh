@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT  # everything kept is packed into $OUT
 pack() { tar czf "$OUT/gpu_check.tgz" -C "$WORK" . ; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"

@@ -24,6 +24,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 LOGS="$(mktemp -d)"  # logs and JSON, packed into $OUT/gpu_features.tgz after every step
+trap 'rm -rf "$LOGS"' EXIT
 pack() { tar czf "$OUT/gpu_features.tgz" -C "$LOGS" . ; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"

@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT  # everything kept is packed into $OUT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 METHODS="${METHODS:-ar,triforce,naive,retrieval,streaming}"

@@ -16,6 +16,7 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT  # everything kept is packed into $OUT
 BOOKS_TGZ="${BOOKS_TGZ:-gpu_data/books.tgz}"
 [ -f "$BOOKS_TGZ" ] || { echo "gpu_train: no $BOOKS_TGZ (run 'make gpu-data' and carry gpu_data)"; exit 2; }
 mkdir -p "$WORK/books" "$WORK/pair"

@@ -64,3 +64,14 @@ def test_bench_gives_each_stage_its_measured_step_beside_its_floor(tiny):
     assert got["prefill_flop_floor_s"] == pytest.approx(prefill_flops(target.config, 200) / 2e12)
     none = b._floors(models, spec, len(ids), 16, r.stats, b.Ceilings())  # the CPU: no ceilings measured
     assert none["step_floor_ms"] is None and none["prefill_flop_floor_s"] is None
+
+
+def test_info_floor_reads_the_weights_a_step_reads():
+    """tforce info's floor of plain decoding: the same weight bytes as a bench stage's floor, plus the
+    resident KV (on chip: all of it)."""
+    from tforce.floors import step_weight_bytes
+
+    c = make_config("llama2-7b")
+    record = b.info_plan(c, 8192, 2, None, 2**40, offload="off", device_gbps=1000.0)
+    kv = 32 * 2 * 4096 * 2 * 8192
+    assert record["floor_device_s_per_token"] == pytest.approx((step_weight_bytes(c, 2) + kv) / 1e12)

@@ -394,3 +394,24 @@ def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ACTIVE"
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_prefill_chunk_reaches_the_engine(runner, models, monkeypatch, command):
+    """--prefill-chunk: the prompt's tokens per prefill forward, in run and chat alike; 0 refused in one line."""
+    import tforce.engine as engine
+
+    seen = []
+    real = engine.Session.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(args[6])  # Session(target, draft, prompt_len, max_new, spec, sampling, prefill_chunk, ...)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.Session, "__init__", spy)
+    base = [command, "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST]
+    source = ["--prompt", DOC] if command == "run" else [str(models / "doc.txt"), "--questions", "-"]
+    result = runner.invoke(app, base + source + ["--prefill-chunk", "16"], input="Who?\n")
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert seen == [16]
+    _one_error_line(runner.invoke(app, base + source + ["--prefill-chunk", "0"], input="Who?\n"), 2, "--prefill-chunk")

@@ -63,6 +63,7 @@ def chat(
     gamma1: int = o.GAMMA1,
     gamma2: int = o.GAMMA2,
     draft_budget: int = o.DRAFT_BUDGET,
+    prefill_chunk: int = o.PREFILL_CHUNK,
     sinks: int = o.SINKS,
     rebuild_every: int = o.REBUILD_EVERY,
     rebuild_below: float = o.REBUILD_BELOW,

@@ -21,6 +21,9 @@ GAMMA1 = typer.Option(2, "--gamma1", help="Draft tokens per middle-level verific
 GAMMA2 = typer.Option(6, "--gamma2", help="Tokens per full-cache verification.")
 DRAFT_BUDGET = typer.Option(256, "--draft-budget", help="StreamingLLM cache of the small draft.")
 SINKS = typer.Option(16, "--sinks", help="Attention-sink tokens of streaming caches.")
+PREFILL_CHUNK = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward (larger: fewer, "
+                                                          "bigger matrix products and more activation memory, "
+                                                          "which the plan counts).")
 REBUILD_EVERY = typer.Option(128, "--rebuild-every", help="Rebuild the retrieval cache every N tokens.")
 REBUILD_BELOW = typer.Option(0.3, "--rebuild-below", help="... or when acceptance falls below this.")
 POLICY = typer.Option("retrieval", "--policy", help="Middle cache's selection: retrieval, shared, topk, streaming, h2o.")
@@ -41,4 +44,5 @@ GPUS = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N -
 
 # The parameters above that go to the engine as they are (generate's keyword arguments).
 ENGINE = ("method", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "budget", "chunk_size",
-          "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "deterministic")
+          "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "deterministic",
+          "prefill_chunk")

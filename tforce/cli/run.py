@@ -97,6 +97,8 @@ def _configure(p: dict) -> Setup:
     Sampling(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"], seed=p["seed"]).validate()
     if p["max_new_tokens"] < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {p['max_new_tokens']}")
+    if p["prefill_chunk"] < 1:
+        raise UsageError(f"--prefill-chunk must be >= 1, got {p['prefill_chunk']}")
     if p["dtype"] not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {p['dtype']!r}")
     placement_options = _placement_options(p["offload"], p["gpu_memory"])
@@ -156,6 +158,7 @@ def run(
     gamma1: int = o.GAMMA1,
     gamma2: int = o.GAMMA2,
     draft_budget: int = o.DRAFT_BUDGET,
+    prefill_chunk: int = o.PREFILL_CHUNK,
     sinks: int = o.SINKS,
     rebuild_every: int = o.REBUILD_EVERY,
     rebuild_below: float = o.REBUILD_BELOW,

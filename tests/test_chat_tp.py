@@ -119,7 +119,7 @@ def test_chat_tp2_answers_and_saves_the_document(saving_chat, target):
     assert _tokens(r) == [_greedy(target, doc + _question(target, q)) for q in QUESTIONS]
     assert "snapshot written to" in r.stderr
     manifest = json.loads((snap / "manifest.json").read_text())
-    assert manifest["world"] == 2 and manifest["tokens"] == doc
+    assert manifest["world"] == 2 and manifest["version"] == 2 and manifest["tokens"] == doc
     assert {name.split("/")[0] for name in manifest["files"]} == {"rank-0", "rank-1"}
     assert sorted(p.name for p in root.iterdir()) == ["doc.kv"]  # no temporary left
 

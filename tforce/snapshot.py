@@ -41,7 +41,8 @@ from safetensors.torch import save as st_save
 from .errors import TforceError, UsageError
 
 FORMAT = "tforce-kv"
-VERSION = 1
+VERSION = 1  # one process
+TP_VERSION = 2  # per-rank parts (rank-R/): a tforce that reads only format 1 refuses it in one line
 MANIFEST = "manifest.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt")
@@ -148,7 +149,8 @@ def save(path, session, ident: dict, group=None) -> None:
         if rank == 0:
             full = session.full.cache
             P = full.length
-            manifest = {"format": FORMAT, "version": VERSION, "tforce": _version(), "target": ident["target"],
+            manifest = {"format": FORMAT, "version": VERSION if world == 1 else TP_VERSION, "tforce": _version(),
+                        "target": ident["target"],
                         "tokenizer_sha256": ident["tokenizer_sha256"],
                         "dtype": str(full.k.dtype).replace("torch.", ""), "layers": len(full.queries),
                         "tokens": session.seq[:P].tolist(), "queries": P > 0, "streaming": streaming,
@@ -245,9 +247,10 @@ def read_manifest(path) -> dict:
         raise TforceError(f"--load-kv {path}: not a tforce KV snapshot")
     if manifest.get("manifest_sha256") != _manifest_sha(manifest):
         raise TforceError(f"--load-kv {path}: {MANIFEST} is damaged (checksum mismatch): make the snapshot again")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") != (VERSION if manifest.get("world", 1) == 1 else TP_VERSION):
         raise UsageError(f"--load-kv {path}: snapshot format {manifest.get('version')} (tforce "
-                         f"{manifest.get('tforce')}); this tforce reads format {VERSION}: make it again")
+                         f"{manifest.get('tforce')}); this tforce reads formats {VERSION} and {TP_VERSION} "
+                         f"(split over ranks): make it again")
     return manifest
 
 

@@ -29,7 +29,7 @@ from . import placement
 from .config import METHODS, Speculation
 from .errors import TforceError, UsageError
 from .model import Llama
-from .floors import matmul_tflops, prefill_flops, step_floors_ms
+from .floors import matmul_tflops, prefill_flops, step_floors_ms, step_weight_bytes
 from .projection import project
 from .synthetic import ARCHITECTURES, byte_tokenizer, make_config
 from .timing import median_ms
@@ -431,10 +431,8 @@ def info_plan(config, context: int, dtype_bytes: int, gpu_budget: int | None, ho
     record.update(resident_layers=p.resident, offloaded_layers=p.offloaded, gpu_kv_bytes=p.gpu_bytes,
                   host_kv_bytes=p.host_bytes, host_fits=world * p.host_bytes <= host_free, describe=p.describe())
     h2d_s = p.host_bytes / (h2d_gbps * 1e9) if h2d_gbps else (0.0 if p.host_bytes == 0 else None)
-    # A step reads every weight of this rank but an untied input embedding table (one row per token;
-    # floors.step_weight_bytes), which every rank holds whole.
-    table = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * config.hidden_size * dtype_bytes
-    dev_s = (shape.weights - table + p.resident * layer) / (device_gbps * 1e9) if device_gbps else None
+    read = step_weight_bytes(config, dtype_bytes, world) + p.resident * layer
+    dev_s = read / (device_gbps * 1e9) if device_gbps else None
     record.update(floor_h2d_s_per_token=h2d_s, floor_device_s_per_token=dev_s,
                   floor_s_per_token=h2d_s + dev_s if h2d_s is not None and dev_s is not None else None)
     return record

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .config import Speculation
-from .placement import weight_bytes
+from .placement import Shape, weight_bytes
 from .timing import median_ms
 
 
@@ -35,34 +35,20 @@ def matmul_tflops(device, dtype: torch.dtype, n: int = 8192, repeats: int = 5) -
     return 2 * n ** 3 / (ms / 1000) / 1e12
 
 
-def _layer_params(config) -> int:
-    h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    d = getattr(config, "head_dim", None) or h // heads
-    return n * (2 * h * heads * d + 2 * h * kv * d + 3 * h * i)
-
-
 def prefill_flops(config, n: int) -> float:
     """FLOPs of a causal prefill of n tokens (module docstring)."""
-    heads = config.num_attention_heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // heads
-    attention = config.num_hidden_layers * 2 * n * n * heads * d  # heads x head_dim: hidden in Llama-2
-    return 2 * _layer_params(config) * n + attention + 2 * config.hidden_size * config.vocab_size
+    s = Shape.of(config, 1)
+    layer_params = 2 * s.hidden * (s.heads + s.kv_heads) * s.head_dim + 3 * s.hidden * s.intermediate
+    attention = 2 * n * n * s.heads * s.head_dim  # per layer; heads x head_dim is the hidden size in Llama-2
+    return s.layers * (2 * layer_params * n + attention) + 2 * s.hidden * s.vocab
 
 
-def _kv_token_bytes(config, dtype_bytes: int) -> int:
-    """K and V of one token in every layer."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers * 2 * kv * d * dtype_bytes
-
-
-def step_weight_bytes(config, dtype_bytes: int) -> int:
-    """Weight bytes one decode step reads (module docstring): all of them but an untied input embedding table."""
+def step_weight_bytes(config, dtype_bytes: int, world: int = 1) -> int:
+    """Weight bytes one decode step reads on one of `world` ranks (module docstring): all of that rank's
+    but an untied input embedding table, which every rank holds whole."""
     tied = getattr(config, "tie_word_embeddings", False)
-    return weight_bytes(config, dtype_bytes) - (0 if tied else dtype_bytes * config.vocab_size * config.hidden_size)
+    table = 0 if tied else dtype_bytes * config.vocab_size * config.hidden_size
+    return weight_bytes(config, dtype_bytes, world) - table
 
 
 def step_floors_ms(config, draft_config, dtype_bytes: int, spec: Speculation, context: float,
@@ -82,3 +68,9 @@ def step_floors_ms(config, draft_config, dtype_bytes: int, spec: Speculation, co
         floors["draft"] = step_weight_bytes(draft_config, dtype_bytes) + \
             _kv_token_bytes(draft_config, dtype_bytes) * min(spec.draft_budget, context)
     return {name: 1000 * b / (bandwidth_gbps * 1e9) for name, b in floors.items()}
+
+
+def _kv_token_bytes(config, dtype_bytes: int) -> int:
+    """K and V of one token in every layer."""
+    s = Shape.of(config, dtype_bytes)
+    return s.layers * s.layer_kv_per_token

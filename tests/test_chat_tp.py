@@ -35,27 +35,11 @@ from tforce.conversation_tp import ParallelConversation, _conversation_worker
 from tforce.engine import Session
 from tforce.errors import TforceError
 from tforce.ranks import Ranks
-from tforce.synthetic import make_checkpoint
 
-from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
+from test_chat import QUESTIONS, ROOT, models, target  # noqa: F401  (fixtures)
+from test_cli import DOC, FAST, _one_error_line
 
-ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = ["Who wrote this?", "What age was it?"]
 SAMPLED = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "5"]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat-tp")
-    make_checkpoint(root / "tiny-target", seed=0, **TARGET)
-    make_checkpoint(root / "tiny-draft", seed=1, **DRAFT)
-    (root / "doc.txt").write_text(DOC)
-    return root
-
-
-@pytest.fixture(scope="module")
-def target(models):
-    return tforce.load_model(str(models / "tiny-target"))
 
 
 def _children() -> set[int]:

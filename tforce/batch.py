@@ -111,8 +111,8 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     gen.manual_seed(seed if seed is not None else torch.seed())
 
     B, total = len(prompts), max(len(p) + m for p, m in zip(prompts, max_new))
-    spec = spec.fitted(total + spec.max_lookahead + 1)
-    work = placement.Work.of(spec, total + spec.max_lookahead + 1, max(map(len, prompts)) - 1, prefill_chunk,
+    spec = spec.fitted(spec.capacity(total))
+    work = placement.Work.of(spec, spec.capacity(total), max(map(len, prompts)) - 1, prefill_chunk,
                              False, "sdpa" if device.type == "cuda" else "math", rows=B)
     plan = _plan(target, draft, work, offload, gpu_memory, device_free)  # raises when the batch does not fit
     rows = _RowState(prompts, max_new)
@@ -152,7 +152,7 @@ class _Batch:
                  resident: int, prefill_chunk: int):
         self.spec, self.rows, self.target = spec, rows, target
         B, cfg, p = len(rows.seq), target.config, next(target.parameters())
-        capacity = total + spec.max_lookahead + 1
+        capacity = spec.capacity(total)
         rotary = Rotary(cfg, max_len=total, device=p.device)
         dims = (cfg.num_hidden_layers, B, target.n_kv_heads, target.head_dim)
         if resident == cfg.num_hidden_layers:

@@ -307,7 +307,7 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
     n = len(result.tokens)
     spec = Speculation(method=split_method(method)[0],
                        **{k: v for k, v in cfg.engine.items() if k in Speculation.__dataclass_fields__})
-    spec = spec.fitted(len(ids) + cfg.gen_len + spec.max_lookahead + 1)  # as the Session fitted it
+    spec = spec.fitted(spec.capacity(len(ids) + cfg.gen_len))  # as the Session fitted it
     # Bytes of offloaded KV one rank streams per full-cache verification: only committed rows are
     # copied, so at the mean context length over the decode (about prompt + half the generated tokens).
     # The ranks stream in parallel, each over its own link: the achieved rate is their sum.

@@ -88,3 +88,15 @@ class Speculation:
     def max_lookahead(self) -> int:
         """Most tokens any cache holds beyond the committed sequence within one full verification."""
         return self.gamma2 + self.gamma1 + 2
+
+    def capacity(self, total: int) -> int:
+        """Cache slots of a generation of `total` tokens (prompt and new): one verification's lookahead
+        beyond them, and one."""
+        return total + self.max_lookahead + 1
+
+    @property
+    def rebuild_after(self) -> int:
+        """New committed tokens after which a single sequence's retrieval cache is rebuilt before the next
+        round (engine.Session._maybe_rebuild): rebuild_every, or fewer when one more verification's
+        lookahead would crowd the budget (new + lookahead > budget - chunk_size)."""
+        return min(self.rebuild_every, self.budget - self.chunk_size - self.max_lookahead + 1)

@@ -57,7 +57,7 @@ class Session:
         self.target, self.draft = target, draft
         cfg = target.config
         self.total = prompt_len + max_new
-        capacity = self.total + spec.max_lookahead + 1
+        capacity = spec.capacity(self.total)
         spec = spec.fitted(capacity)
         self.spec, self.sampling = spec, sampling
         self.seq = torch.zeros(capacity, dtype=torch.long)
@@ -263,8 +263,7 @@ class Session:
         new = self.full.cache.length - self.retrieval.base
         recent = self.middle_level.stats.recent
         low = len(recent) == self.middle_level.window and sum(recent) / len(recent) < self.spec.rebuild_below
-        crowded = new + self.spec.max_lookahead > self.spec.budget - self.spec.chunk_size
-        if crowded or new >= self.spec.rebuild_every or low:
+        if new >= self.spec.rebuild_after or low:
             self._rebuild()
 
     def round(self, n: int, gen: torch.Generator) -> list[int]:

@@ -69,6 +69,11 @@ def _round_tokens(level: tuple, rate) -> dict[int, float]:
     return dist
 
 
+def _mean_tokens(level: tuple, rate) -> float:
+    """Expected tokens one round of `level` yields."""
+    return sum(n * p for n, p in _round_tokens(level, rate).items())
+
+
 def _rounds_for(level: tuple, k: int, rate) -> float:
     """Expected rounds of `level` until it has yielded at least k tokens."""
     dist = _round_tokens(level, rate)
@@ -96,27 +101,24 @@ def forwards_per_token(spec: Speculation, rate) -> dict[str, float]:
         if a is not None and not 0 <= a <= 1:
             raise ValueError(f"acceptance must be in [0, 1], got {a}")
     top = hierarchy(spec)
-    per_round = _round_forwards(top, rate)
-    tokens = sum(n * p for n, p in _round_tokens(top, rate).items())
-    return {name: f / tokens for name, f in per_round.items()}
+    tokens = _mean_tokens(top, rate)
+    return {name: f / tokens for name, f in _round_forwards(top, rate).items()}
 
 
 def rebuild_interval(spec: Speculation, rate) -> float:
     """Expected tokens between retrieval rebuilds while the middle level's acceptance stays above
     rebuild_below. Session._maybe_rebuild rebuilds before the first round that starts with at least
-    `threshold` tokens committed since the last rebuild (rebuild_every, or fewer when they would crowd the
-    budget); rounds commit several tokens, so the interval is the tokens of the rounds until the threshold
+    spec.rebuild_after tokens committed since the last rebuild (at least one: with a threshold of zero or
+    less it rebuilds before every round); rounds commit several tokens, so the interval is the tokens of the rounds until the threshold
     is reached or passed: E[rounds] x E[tokens per round] (Wald's identity)."""
-    threshold = max(1, min(spec.rebuild_every, spec.budget - spec.chunk_size - spec.max_lookahead + 1))
     top = hierarchy(spec)
-    per_round = sum(n * p for n, p in _round_tokens(top, rate).items())
-    return _rounds_for(top, threshold, rate) * per_round
+    return _rounds_for(top, max(1, spec.rebuild_after), rate) * _mean_tokens(top, rate)
 
 
 def project(stats: dict, spec: Speculation, rate) -> dict | None:
     """The projected decode cost at acceptance `rate` (forwards_per_token's) from one run's statistics
-    (engine._stats), or None
-    when the run timed too little to project from (a node that ran no forward while decoding)."""
+    (engine._stats), or None when the run timed too little to project from (a node that ran no forward
+    while decoding)."""
     forwards, stage_s = stats["forwards"], stats["stage_s"]
     if any(n == 0 for n in forwards.values()) or not stats["decode_s"]:
         return None

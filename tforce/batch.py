@@ -116,7 +116,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
                              False, "sdpa" if device.type == "cuda" else "math", rows=B)
     plan = _plan(target, draft, work, offload, gpu_memory, device_free)  # raises when the batch does not fit
     rows = _RowState(prompts, max_new)
-    batch = _Batch(target, draft, spec, sampling, rows, total, plan.resident, prefill_chunk)
+    batch = _Batch(target, draft, spec, sampling, rows, total, plan.resident, prefill_chunk, plan.recompute_stats)
     t0 = time.perf_counter()
     batch.prefill(prompts)
     _sync_device(device)
@@ -149,7 +149,7 @@ class _Batch:
     per-row retrieval rebuilds (Session._maybe_rebuild's rules, per row)."""
 
     def __init__(self, target, draft, spec: Speculation, sampling: Sampling, rows: _RowState, total: int,
-                 resident: int, prefill_chunk: int):
+                 resident: int, prefill_chunk: int, recompute_stats: bool = False):
         self.spec, self.rows, self.target = spec, rows, target
         B, cfg, p = len(rows.seq), target.config, next(target.parameters())
         capacity = spec.capacity(total)
@@ -164,7 +164,8 @@ class _Batch:
         if spec.method in ("triforce", "retrieval"):
             self.retrieval = RowsRetrievalCache(*dims, spec.budget, spec.chunk_size, rotary, dtype=p.dtype,
                                                 device=p.device, shared=spec.policy == "shared",
-                                                select=make_select(spec.policy, spec.sinks))
+                                                select=make_select(spec.policy, spec.sinks),
+                                                recompute_stats=recompute_stats)
             self.middle = RowsNode("retrieval", target, self.retrieval, sampling, prefill_chunk)
         elif spec.method == "streaming":
             cache = RowsStreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,

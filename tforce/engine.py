@@ -85,7 +85,8 @@ class Session:
             self.retrieval = RetrievalCache(*dims, budget=spec.budget, chunk_size=spec.chunk_size,
                                             rotary=rotary, dtype=p.dtype, device=p.device,
                                             select=make_select(spec.policy, spec.sinks),
-                                            shared=spec.policy == "shared")
+                                            shared=spec.policy == "shared",
+                                            recompute_stats=self.plan.recompute_stats)
             self.middle = Node("retrieval", target, self.retrieval, sampling, capacity, prefill_chunk,
                                _runner(target, self.retrieval, graphs, pool))
         elif method == "streaming":
@@ -473,6 +474,7 @@ def _placement(plan: placement.Plan) -> dict:
         "kv_offloaded_layers": plan.offloaded,
         "kv_device_bytes": plan.gpu_bytes,  # on the model's device: the GPU, or host memory on a CPU run
         "kv_host_bytes": plan.host_bytes,
+        "chunk_stats_recomputed": plan.recompute_stats,  # no room to keep the resident layers' (placement.py)
     }
 
 

@@ -9,6 +9,13 @@ planner keeps as many of its layers on the device as the peak allows and the res
 (allocated per layer and page-locked as is, without the caching allocator's power-of-two rounding, so
 the host bytes checked are the bytes pinned).
 
+The retrieval cache's chunk statistics (cache/chunkstats.py: float32 key sums, a quarter of the keys'
+bfloat16 bytes) are given up before a layer is offloaded: when the plan with them kept does not fit, the
+plan without them for the resident layers (`recompute_stats`: each rebuild sums those layers' chunks from
+their keys on the device, bit-identical means) is tried with the same resident layers. Rebuilding so
+reads a resident layer's keys once per rebuild, a device read every few tokens; offloading a layer
+instead would move its KV over PCIe at every verification.
+
 What is an estimate and says so: the CUDA context on paper (CONTEXT_BYTES; on a CUDA device the engine
 measures it), CUDA graph pools (GRAPH_POOL_BYTES), and the activations of one forward.
 """
@@ -137,6 +144,7 @@ class Plan:
     budget: int | None = None  # device bytes allowed (None: no device)
     host_bytes: int = 0  # pinned host memory for the offloaded layers, exactly as allocated
     notes: dict = field(default_factory=dict)
+    recompute_stats: bool = False  # no chunk statistics kept for resident layers (summed at each rebuild)
 
     @property
     def offloaded(self) -> int:
@@ -173,12 +181,14 @@ class Plan:
         return {"items": [{"name": i.name, "bytes": i.bytes, "phase": i.phase} for i in self.items],
                 "prefill_peak_bytes": self.prefill_peak, "decode_peak_bytes": self.decode_peak,
                 "peak_bytes": self.peak, "budget_bytes": self.budget, "resident_layers": self.resident,
-                "offloaded_layers": self.offloaded, "host_pinned_bytes": self.host_bytes, **self.notes}
+                "offloaded_layers": self.offloaded, "host_pinned_bytes": self.host_bytes,
+                "recompute_stats": self.recompute_stats, **self.notes}
 
 
 def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
-          context: int = CONTEXT_BYTES) -> tuple[Item, ...]:
-    """Every device allocation of one rank with `resident` layers of the full cache on the device."""
+          context: int = CONTEXT_BYTES, recompute_stats: bool = False) -> tuple[Item, ...]:
+    """Every device allocation of one rank with `resident` layers of the full cache on the device (with
+    recompute_stats, their chunk statistics not kept)."""
     s, w, e = shape, work, shape.dtype_bytes
     n, kv, d, b = s.layers, s.kv_heads, s.head_dim, work.rows
     layer = b * kv_layer_bytes(kv, d, w.capacity, e)
@@ -193,9 +203,11 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
         chunks = n_chunks(w.capacity, w.chunk_size)
         out += [Item("retrieval cache and key positions",
                      b * n * (kv_layer_bytes(kv, d, w.budget, e) + kv * w.budget * 8), "both"),
-                # Resident layers keep theirs on the device; an offloaded layer is scored in one scratch.
-                Item("retrieval chunk statistics",
-                     b * (resident + offloaded) * chunk_stat_bytes(w.capacity, w.chunk_size, kv, d), "both"),
+                # Resident layers keep theirs on the device (unless recomputed); an offloaded layer's, or a
+                # recomputed layer's, are scored in one scratch, a layer at a time.
+                Item("retrieval chunk statistics", b * ((0 if recompute_stats else resident)
+                                                        + (offloaded or recompute_stats))
+                     * chunk_stat_bytes(w.capacity, w.chunk_size, kv, d), "both"),
                 # One layer at a time: budget rows of K and V gathered, their positions, float32 scores.
                 Item("rebuild scratch", kv_layer_bytes(kv, d, w.budget, e) + 2 * kv * w.budget * 8 + kv * chunks * 4,
                      "decode")]
@@ -236,12 +248,12 @@ def _activations(s: Shape, w: Work, rows: int, keys: int) -> int:
 
 
 def layout(shape: Shape, work: Work, resident: int, draft: Shape | None = None, context: int = CONTEXT_BYTES,
-           budget: int | None = None) -> Plan:
+           budget: int | None = None, recompute_stats: bool = False) -> Plan:
     """The plan with `resident` layers of KV on the device, unchecked."""
     layer = work.rows * kv_layer_bytes(shape.kv_heads, shape.head_dim, work.capacity, shape.dtype_bytes)
-    return Plan(shape.layers, resident, layer, items(shape, work, resident, draft, context), budget,
+    return Plan(shape.layers, resident, layer, items(shape, work, resident, draft, context, recompute_stats), budget,
                 (shape.layers - resident) * layer,
-                {"context_tokens": work.capacity, "attention": work.attention})
+                {"context_tokens": work.capacity, "attention": work.attention}, recompute_stats)
 
 
 def plan(shape: Shape, work: Work, offload: str, budget: int | None, host_free: int, draft: Shape | None = None,
@@ -257,10 +269,15 @@ def plan(shape: Shape, work: Work, offload: str, budget: int | None, host_free: 
         choices = [0]
     else:
         choices = range(n, -1, -1)
+    retrieval = work.method in ("triforce", "retrieval")
     for r in choices:
         p = layout(shape, work, r, draft, context, budget)
         if budget is None or p.peak <= budget:
             break
+        if retrieval and r:  # before offloading a layer: the resident layers' chunk statistics
+            p = layout(shape, work, r, draft, context, budget, recompute_stats=True)
+            if p.peak <= budget:
+                break
     else:
         raise TforceError(_shortage(p, budget))
     if p.host_bytes > host_free:

@@ -88,8 +88,10 @@ def chunk_positions(stats: ChunkStats, full, queries: list[torch.Tensor], L: int
 
 class RetrievalCache(StaticInputs):
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, budget: int, chunk_size: int,
-                 rotary: Rotary, dtype=torch.float32, device="cpu", select=None, shared: bool = False):
+                 rotary: Rotary, dtype=torch.float32, device="cpu", select=None, shared: bool = False,
+                 recompute_stats: bool = False):
         self.select = select  # None: the chunk rule; else a policies.py rule
+        self.recompute_stats = recompute_stats  # no chunk sums kept for layers on `device` (placement.Plan)
         self.shared = shared  # the chunk rule with one selection for all layers and heads
         shape = (n_layers, 1, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -113,7 +115,8 @@ class RetrievalCache(StaticInputs):
     def stats_for(self, full: FullCache) -> ChunkStats:
         """The chunk statistics of `full` (allocated at first use, next to each layer's KV)."""
         if self._stats_of is not full:
-            self.stats, self._stats_of = ChunkStats.for_cache(full, self.chunk_size), full
+            self.stats = ChunkStats.for_cache(full, self.chunk_size, self.recompute_stats)
+            self._stats_of = full
         return self.stats
 
     def forget_rows(self, length: int) -> None:

@@ -38,7 +38,7 @@ from ..rope import Rotary
 from ..sync import to_device
 from .base import CacheView
 from .batched import _Rows, _rotation
-from .chunkstats import ChunkStats
+from .chunkstats import ChunkStats, kept_homes
 from .retrieval import chunk_positions
 
 
@@ -60,13 +60,15 @@ class _Row:
 
 class RowsRetrievalCache(_Rows):
     def __init__(self, n_layers: int, n_rows: int, n_kv: int, head_dim: int, budget: int, chunk_size: int,
-                 rotary: Rotary, dtype=torch.float32, device="cpu", shared: bool = False, select=None):
+                 rotary: Rotary, dtype=torch.float32, device="cpu", shared: bool = False, select=None,
+                 recompute_stats: bool = False):
         shape = (n_layers, n_rows, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.key_pos = torch.full((n_layers, n_rows, n_kv, budget), -1, dtype=torch.long, device=device)
         self.budget, self.chunk_size, self.rotary, self.shared = budget, chunk_size, rotary, shared
         self.select = select  # None: the chunk rule; else a policies.py rule
+        self.recompute_stats = recompute_stats  # no chunk sums kept for layers on `device` (placement.Plan)
         self._init_rows(n_rows)
         self.base = torch.zeros(n_rows, dtype=torch.long)  # each row's length at its last rebuild
         self.stats: list[ChunkStats | None] = [None] * n_rows  # each row's chunk sums of the full cache
@@ -81,6 +83,7 @@ class RowsRetrievalCache(_Rows):
         if self.stats[b] is None:
             homes = [full.kv_home(layer) for layer in range(full.n_layers)]
             n_kv, head_dim = self.k.shape[-2:]
+            homes = kept_homes(homes, self.k.device, self.recompute_stats)
             self.stats[b] = ChunkStats(homes, full.capacity, self.chunk_size, n_kv, head_dim,
                                        pin=self.k.device.type == "cuda")
         return self.stats[b]

@@ -205,6 +205,8 @@ def _plan_rows(t, p: dict) -> None:
     t.add_row("memory plan", f"device bytes{ranks}; attention {p['attention']}, CUDA context {context}")
     for item in p["items"]:
         t.add_row(f"  {item['name']}", f"{_gib(item['bytes'])}  ({_PHASES[item['phase']]})")
+        if item["name"] == "retrieval chunk statistics" and p.get("recompute_stats"):
+            t.add_row("", "not kept for the resident layers (no room): summed from their keys at each rebuild")
     t.add_row("  prefill peak", _gib(p["prefill_peak_bytes"]))
     t.add_row("  decode peak", _gib(p["decode_peak_bytes"]))
     t.add_row("  budget", budget)

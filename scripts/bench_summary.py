@@ -32,6 +32,8 @@ def table(r: dict) -> str:
     head = (f"**{r['model']}** on {r['device']}, {r['prompt_tokens']} prompt + {r['gen_len']} tokens, {r['dtype']}, "
             f"temperature {r['temperature']}, --offload {r['offload']}"
             + (" — SYNTHETIC (random weights: acceptance meaningless)" if r["synthetic"] else "")
+            + (f" — CUT SHORT: {len(r['runs'])} of {len(r.get('methods') or [])} methods finished"
+               if r.get("complete") is False else "")
             + f"; ceilings: pinned H2D {_f(r.get('h2d_peak_gbps'), '.1f', ' GB/s')}, device memory "
               f"{_f(r.get('device_gbps'), '.0f', ' GB/s')}, matmul {_f(r.get('matmul_tflops'), '.0f', ' TFLOP/s')}")
     at = "" if r.get("project") is None else f" @{r['project']}"

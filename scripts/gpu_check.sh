@@ -78,7 +78,7 @@ for mode in off on; do
     echo "== $name"
     t0=$SECONDS
     "$PY" -m tforce bench --synthetic llama2-7b --device cuda --prompt-len "$PROMPT_LEN" \
-        --gen-len "$GEN_LEN" --offload "$mode" --json >"$WORK/$name.json" 2>"$WORK/$name.log"
+        --gen-len "$GEN_LEN" --offload "$mode" --record "$WORK/$name.json" >"$WORK/$name.log" 2>&1
     rc=$?
     tail -n 20 "$WORK/$name.log"
     "$PY" scripts/bench_summary.py "$WORK/$name.json" || rc=1

@@ -66,15 +66,16 @@ step() {  # step NAME LIMIT_S COMMAND...: stdout and stderr to $LOGS/NAME.log (a
     finish "$name" $? "$t0"
 }
 
-bench() {  # bench NAME LIMIT_S OPTIONS...: tforce bench --json to $LOGS/NAME.json, its stderr to NAME.log
+bench() {  # bench NAME LIMIT_S OPTIONS...: tforce bench --record $LOGS/NAME.json (written after every method), output to NAME.log
     local name="$1"
     start "$name" "$2" || return 0
     shift 2
     local cmd=("$PY" -m tforce bench --synthetic "$SYNTH" --device "$DEVICE" --prompt-len "$PROMPT_LEN"
-               --gen-len "$GEN_LEN" --budget "$BUDGET" --draft-budget "$DRAFT_BUDGET" --temperature 0 "$@" --json)
+               --gen-len "$GEN_LEN" --budget "$BUDGET" --draft-budget "$DRAFT_BUDGET" --temperature 0 "$@"
+               --record "$LOGS/$name.json")
     echo "== $name (limit $LIMIT s): ${cmd[*]}"
     local t0=$SECONDS
-    timeout "$LIMIT" "${cmd[@]}" >"$LOGS/$name.json" 2>"$LOGS/$name.log"
+    timeout "$LIMIT" "${cmd[@]}" >"$LOGS/$name.log" 2>&1
     local rc=$?
     tail -n 5 "$LOGS/$name.log"
     finish "$name" "$rc" "$t0"

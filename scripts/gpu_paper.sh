@@ -3,7 +3,8 @@
 # (prompt length, placement, temperature), each time-boxed. The JSON and logs are packed into
 # $OUT/gpu_paper.tgz after every bench (at most 8 files come back from the device tool, and a call cut
 # short by its limit keeps what finished); $OUT/gpu_paper_summary.md tabulates every figure beside its
-# floor and the projection at acceptance 0.92 (scripts/bench_summary.py).
+# floor and the projection at acceptance 0.92 (scripts/bench_summary.py). Each bench's JSON is written after
+# every method (--record), so a bench cut by BENCH_S keeps the methods that finished.
 #
 #   PROMPT_LENS="32768 122880" PLACEMENTS="on 24GiB off" TEMPS="0 0.6" GEN_LEN=64 bash scripts/gpu_paper.sh
 #
@@ -32,8 +33,8 @@ for n in ${PROMPT_LENS:-32768}; do
       t0=$SECONDS
       timeout "${BENCH_S:-300}" "$PY" -m tforce bench --synthetic "${SYNTH:-llama2-7b}" --device "${DEVICE:-cuda}" \
           --prompt-len "$n" \
-          --gen-len "${GEN_LEN:-64}" --methods "$METHODS" -t "$t" "${place[@]}" ${EXTRA:-} --json \
-          >"$WORK/$name.json" 2>"$WORK/$name.log"
+          --gen-len "${GEN_LEN:-64}" --methods "$METHODS" -t "$t" "${place[@]}" ${EXTRA:-} \
+          --record "$WORK/$name.json" >"$WORK/$name.log" 2>&1
       rc=$?
       tail -n 12 "$WORK/$name.log"
       "$PY" scripts/bench_summary.py "$WORK/$name.json" || rc=1

@@ -39,3 +39,16 @@ def test_gpu_features_cut_short_still_brings_back_its_steps(tmp_path):
         steps = tar.extractfile("./steps.txt").read().decode()
     assert {"versions.log", "steps.txt"} <= names
     assert steps.startswith("versions exit 0")
+
+
+def test_gpu_paper_in_its_cpu_mode_records_and_summarises(tmp_path):
+    """SYNTH=tiny DEVICE=cpu: the bench's record (written with --record) and the summary come back."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, SYNTH="tiny", DEVICE="cpu", PROMPT_LENS="200",
+               PLACEMENTS="on", GEN_LEN="4", METHODS="ar,retrieval", BENCH_S="120", TMPDIR=str(tmp_path))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_paper.sh")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_paper.tgz", "gpu_paper_summary.md"]
+    summary = (out / "gpu_paper_summary.md").read_text()
+    assert "`paper_200_on_t0.json`" in summary and "| retrieval |" in summary and "CUT SHORT" not in summary

@@ -346,43 +346,23 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
 
 
 def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, model_name: str,
-          progress=None) -> dict:
-    """Every method of cfg over the same prompt; the one JSON object `tforce bench --json` prints."""
+          progress=None, on_run=None) -> dict:
+    """Every method of cfg over the same prompt; the one JSON object `tforce bench --json` prints.
+    on_run(report) after each method: the report so far, "complete": false (tforce bench --record)."""
     device = models.device
     if progress:
         progress(f"measuring pinned host-to-device copies, device memory and matrix products on {device}"
                  if device.type == "cuda"
                  else "no CUDA device: no host-to-device figures")
     ceil = Ceilings.measure(device, models.dtype)
-    peak = ceil.h2d_gbps
     if progress:
         progress(f"warm-up: every method on the first {min(WARMUP_TOKENS, len(ids))} prompt tokens (not timed)"
                  if models.world == 1
                  else f"{models.world} ranks: fresh worker processes per method, no warm-up (cold runs)")
     warmup_s = warm_up(models, ids, cfg)
-    runs, outputs = [], {}
-    for method in cfg.methods:
-        if progress:
-            progress(f"{method}: {len(ids)} prompt tokens, {cfg.gen_len} new tokens")
-        record, outputs[method] = run_one(models, ids, method, cfg, ceil)
-        runs.append(record)
-    others = []
-    if cfg.peers:
-        from . import peers
-
-        others = peers.run(models, ids, cfg, outputs.get("ar"), WARMUP_TOKENS, progress)
-    ar = next((r["ms_per_token"] for r in runs if r["method"] == "ar"), None)
-    for r in runs + others:
-        r["speedup_vs_ar"] = ar / r["ms_per_token"] if ar and r["ms_per_token"] else None
-    ar_projected = next((r["projection"]["ms_per_token"] for r in runs if r["method"] == "ar" and r["projection"]),
-                        None)
-    for r in runs:
-        if r["projection"] is not None:
-            r["projection"]["speedup_vs_ar"] = ar_projected / r["projection"]["ms_per_token"] if ar_projected \
-                else None
-    return {
+    head = {
         "device": device_name(device) + (f" x {models.world} ranks" if models.world > 1 else ""),
-        "h2d_peak_gbps": peak,
+        "h2d_peak_gbps": ceil.h2d_gbps,
         "device_gbps": ceil.device_gbps,
         "matmul_tflops": ceil.tflops,
         "synthetic": synthetic,
@@ -395,9 +375,36 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
         "ranks": models.world,
         "warmup_s": warmup_s,
         "project": cfg.project,
-        "runs": runs,
-        "peers": others,
+        "methods": list(cfg.methods),
     }
+    runs, outputs = [], {}
+    for method in cfg.methods:
+        if progress:
+            progress(f"{method}: {len(ids)} prompt tokens, {cfg.gen_len} new tokens")
+        record, outputs[method] = run_one(models, ids, method, cfg, ceil)
+        runs.append(record)
+        if on_run:
+            on_run(_report(head, runs, [], complete=False))
+    others = []
+    if cfg.peers:
+        from . import peers
+
+        others = peers.run(models, ids, cfg, outputs.get("ar"), WARMUP_TOKENS, progress)
+    return _report(head, runs, others, complete=True)
+
+
+def _report(head: dict, runs: list[dict], others: list[dict], complete: bool) -> dict:
+    """The report of the runs so far: speed-ups over ar (measured and projected) where ar has run."""
+    ar = next((r["ms_per_token"] for r in runs if r["method"] == "ar"), None)
+    for r in runs + others:
+        r["speedup_vs_ar"] = ar / r["ms_per_token"] if ar and r["ms_per_token"] else None
+    ar_projected = next((r["projection"]["ms_per_token"] for r in runs if r["method"] == "ar" and r["projection"]),
+                        None)
+    for r in runs:
+        if r["projection"] is not None:
+            r["projection"]["speedup_vs_ar"] = ar_projected / r["projection"]["ms_per_token"] if ar_projected \
+                else None
+    return {**head, "complete": complete, "runs": runs, "peers": others}
 
 
 # ------------------------------------------------------------------------------------------ info plan

@@ -68,8 +68,9 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
 
 
 def bench_batch(models: Models, prompts: list[list[int]], cfg: BenchConfig, synthetic: bool, model_name: str,
-                progress=None) -> dict:
-    """The one JSON object `tforce bench --batch N --json` prints."""
+                progress=None, on_run=None) -> dict:
+    """The one JSON object `tforce bench --batch N --json` prints; on_run(report so far, "complete": false)
+    after each method (tforce bench --record)."""
     if progress:
         progress(f"warm-up: every method on {len(prompts)} prompts of {WARMUP_TOKENS} tokens (not timed)")
     t0 = time.perf_counter()
@@ -78,16 +79,19 @@ def bench_batch(models: Models, prompts: list[list[int]], cfg: BenchConfig, synt
                        draft=models.draft if method in DRAFTED else None, method=method,
                        **_batch_options(cfg, 4))
     warmup_s = time.perf_counter() - t0
+    head = {"device": device_name(models.device), "synthetic": synthetic, "model": model_name,
+            "dtype": str(models.dtype).removeprefix("torch."), "batch": len(prompts),
+            "prompt_tokens": len(prompts[0]), "gen_len": cfg.gen_len, "temperature": cfg.temperature,
+            "offload": cfg.offload, "warmup_s": warmup_s, "methods": list(cfg.methods)}
     runs = []
     for method in cfg.methods:
         if progress:
             progress(f"{method}: {len(prompts)} prompts of {len(prompts[0])} tokens, {cfg.gen_len} new tokens each, "
                      "as one batch and one at a time")
         runs.append(run_batch(models, prompts, method, cfg))
-    return {"device": device_name(models.device), "synthetic": synthetic, "model": model_name,
-            "dtype": str(models.dtype).removeprefix("torch."), "batch": len(prompts),
-            "prompt_tokens": len(prompts[0]), "gen_len": cfg.gen_len, "temperature": cfg.temperature,
-            "offload": cfg.offload, "warmup_s": warmup_s, "runs": runs}
+        if on_run and len(runs) < len(cfg.methods):
+            on_run({**head, "complete": False, "runs": runs})
+    return {**head, "complete": True, "runs": runs}
 
 
 def print_batch(r: dict) -> None:

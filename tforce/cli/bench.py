@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from .. import bench_record
 from ..config import Sampling, Speculation
 from ..errors import UsageError
 from .app import app
@@ -65,6 +66,10 @@ def bench(
                                         "in --json; default: the paper's 0.92; 'measured': each run's own "
                                         "acceptance, which checks the model). A projection, not a measurement."),
     as_json: bool = flag("--json", "Print one JSON object."),
+    record_to: Optional[str] = typer.Option(None, "--record", metavar="FILE",
+                                            help="Also write the JSON report to FILE after every method "
+                                                 "(\"complete\": false until the last), so a run cut short "
+                                                 "keeps the methods that finished."),
 ) -> None:
     """Time every method on one prompt: ms/token, speed-up over ar, acceptance, H2D GB/s, memory."""
     def body():
@@ -108,7 +113,11 @@ def bench(
         if batch is not None and (world > 1 or peer_names):
             raise UsageError("--batch runs in one process, without --peers, so far")
         _gpu_memory_note(gpu_memory, dev)
-        record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text, world, batch)
+        path = None if record_to is None else bench_record.check(record_to)
+        on_run = None if path is None else (lambda report: bench_record.write(path, report))
+        record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text, world, batch, on_run)
+        if path is not None:
+            bench_record.write(path, record)
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
@@ -139,7 +148,7 @@ def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str, ro
 
 
 def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Optional[str], device: str,
-           dtype: str, text: Optional[str], world: int = 1, batch: Optional[int] = None) -> dict:
+           dtype: str, text: Optional[str], world: int = 1, batch: Optional[int] = None, on_run=None) -> dict:
     import torch
 
     from ..synthetic import ARCHITECTURES, make_config
@@ -191,10 +200,10 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
 
         prompts = batch_prompts(batch, cfg.prompt_len, config.vocab_size, tokenizer, text, cfg.seed)
         return bench_batch(models, prompts, cfg, synthetic is not None, name,
-                           progress=lambda line: _say(f"tforce: bench: {line}"))
+                           progress=lambda line: _say(f"tforce: bench: {line}"), on_run=on_run)
     ids = b.prompt_ids(cfg.prompt_len, config.vocab_size, tokenizer, text, cfg.seed)
     return b.bench(models, ids, cfg, synthetic is not None, name,
-                   progress=lambda line: _say(f"tforce: bench: {line}"))
+                   progress=lambda line: _say(f"tforce: bench: {line}"), on_run=on_run)
 
 
 def _project_option(text: str) -> float | str:

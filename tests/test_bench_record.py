@@ -1,0 +1,86 @@
+"""`tforce bench --record FILE`: the report written after every method, so a bench cut short keeps the
+methods that finished; whole JSON objects only; bad paths refused before anything runs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import tforce.bench
+from tforce.cli import app
+from test_bench import BENCH
+
+SUMMARY = Path(__file__).resolve().parents[1] / "scripts" / "bench_summary.py"
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return CliRunner()
+
+
+def test_the_record_is_what_json_prints(runner, tmp_path):
+    path = tmp_path / "r.json"
+    result = runner.invoke(app, BENCH + ["--methods", "ar,retrieval", "--gen-len", "4", "--json", "--record",
+                                         str(path)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    printed, recorded = json.loads(result.stdout), json.loads(path.read_text())
+    assert recorded == printed and recorded["complete"] is True
+    assert [r["method"] for r in recorded["runs"]] == recorded["methods"] == ["ar", "retrieval"]
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left beside it
+
+
+def test_a_bench_cut_short_keeps_the_methods_that_finished(runner, tmp_path, monkeypatch):
+    """The third method dies (as a time limit or an out-of-memory error would end it): FILE holds the
+    first two, marked incomplete, with ar's speed-up over itself; bench_summary says it was cut short."""
+    run_one = tforce.bench.run_one
+
+    def dies_third(models, ids, method, *a, **k):
+        if method == "streaming":
+            raise KeyboardInterrupt
+        return run_one(models, ids, method, *a, **k)
+
+    monkeypatch.setattr(tforce.bench, "run_one", dies_third)
+    path = tmp_path / "r.json"
+    path.write_text("an older record, replaced by the first whole one\n")
+    result = runner.invoke(app, BENCH + ["--methods", "ar,naive,streaming", "--gen-len", "4", "--record",
+                                         str(path)])
+    assert result.exit_code == 130, (result.output, result.exception)
+    rec = json.loads(path.read_text())
+    assert rec["complete"] is False and [r["method"] for r in rec["runs"]] == ["ar", "naive"]
+    assert rec["runs"][0]["speedup_vs_ar"] == 1.0 and rec["runs"][1]["speedup_vs_ar"] > 0
+    done = subprocess.run([sys.executable, str(SUMMARY), str(path)], capture_output=True, text=True)
+    assert done.returncode == 0 and "CUT SHORT: 2 of 3 methods finished" in done.stdout
+    assert "| naive |" in done.stdout
+
+
+@pytest.mark.parametrize("where,needle", [("dir", "is a directory"), ("missing/r.json", "no such directory")])
+def test_an_unwritable_record_is_refused_before_the_bench(runner, tmp_path, monkeypatch, where, needle):
+    (tmp_path / "dir").mkdir()
+    monkeypatch.setattr(tforce.bench, "bench", lambda *a, **k: pytest.fail("the bench ran"))
+    result = runner.invoke(app, BENCH + ["--record", str(tmp_path / where)])
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tforce: error: --record") and needle in lines[0]
+
+
+def test_a_batch_bench_cut_short_keeps_its_finished_methods(runner, tmp_path, monkeypatch):
+    import tforce.bench_batch
+
+    run_batch = tforce.bench_batch.run_batch
+
+    def dies_second(models, prompts, method, cfg):
+        if method == "naive":
+            raise KeyboardInterrupt
+        return run_batch(models, prompts, method, cfg)
+
+    monkeypatch.setattr(tforce.bench_batch, "run_batch", dies_second)
+    path = tmp_path / "b.json"
+    result = runner.invoke(app, BENCH + ["--batch", "2", "--methods", "ar,naive", "--gen-len", "4", "--record",
+                                         str(path)])
+    assert result.exit_code == 130, (result.output, result.exception)
+    rec = json.loads(path.read_text())
+    assert rec["complete"] is False and rec["batch"] == 2 and [r["method"] for r in rec["runs"]] == ["ar"]

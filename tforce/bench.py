@@ -341,7 +341,7 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
         "floors": _floors(models, spec, len(ids), n, s, ceil),
         "placement": {"resident_layers": s["kv_resident_layers"], "offloaded_layers": s["kv_offloaded_layers"],
                       "device_kv_gib": s["kv_device_bytes"] / GiB, "host_kv_gib": s["kv_host_bytes"] / GiB,
-                      "chunk_stats_recomputed": s["chunk_stats_recomputed"], "ranks": models.world},
+                      "chunk_stats_recomputed": s["kv_chunk_stats_recomputed"], "ranks": models.world},
     }, result.tokens
 
 

@@ -474,7 +474,7 @@ def _placement(plan: placement.Plan) -> dict:
         "kv_offloaded_layers": plan.offloaded,
         "kv_device_bytes": plan.gpu_bytes,  # on the model's device: the GPU, or host memory on a CPU run
         "kv_host_bytes": plan.host_bytes,
-        "chunk_stats_recomputed": plan.recompute_stats,  # no room to keep the resident layers' (placement.py)
+        "kv_chunk_stats_recomputed": plan.recompute_stats,  # no room to keep the resident layers' (placement.py)
     }
 
 

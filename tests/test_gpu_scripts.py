@@ -39,3 +39,30 @@ def test_gpu_features_cut_short_still_brings_back_its_steps(tmp_path):
         steps = tar.extractfile("./steps.txt").read().decode()
     assert {"versions.log", "steps.txt"} <= names
     assert steps.startswith("versions exit 0")
+
+
+def test_sdpa_probe_restricts_attend_itself_to_the_efficient_backend(monkeypatch):
+    # attend() enters sdpa_kernel(attention._CUDA_BACKENDS) on CUDA, which replaces the backends an outer
+    # sdpa_kernel allowed: the probe's "efficient backend alone accepts" check must restrict that list,
+    # else attend() always finds MATH and the check can never say no.
+    import importlib.util
+
+    from torch.nn.attention import SDPBackend
+
+    from tforce import attention
+
+    spec = importlib.util.spec_from_file_location("gpu_sdpa_probe", ROOT / "scripts" / "gpu_sdpa_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    seen = []
+
+    def fake_attend(q, view, use_flash=True):
+        seen.append(list(attention._CUDA_BACKENDS))
+        if SDPBackend.EFFICIENT_ATTENTION not in attention._CUDA_BACKENDS or len(attention._CUDA_BACKENDS) > 1:
+            return None  # MATH (or another backend) would take the call: no error
+        raise RuntimeError("No available kernel")  # the efficient backend alone refuses this input
+
+    monkeypatch.setattr(probe, "attend", fake_attend)
+    assert probe.efficient_alone(None, None) is False
+    assert seen == [[SDPBackend.EFFICIENT_ATTENTION]]
+    assert attention._CUDA_BACKENDS[0] == SDPBackend.FLASH_ATTENTION  # restored

@@ -64,10 +64,13 @@ if [ "${#failed[@]}" -ne 0 ]; then
     exit 1
 fi
 
-# SKIP_TESTS=1 skips the CUDA tests (for a second call on a machine where they already ran).
-[ "${SKIP_TESTS:-0}" = 1 ] || step cuda_tests "$PY" -m pytest -q -m cuda -rs -p no:cacheprovider
+# SKIP_TESTS=1 skips the CUDA tests (for a second call on a machine where they already ran). Each long step
+# has a limit of its own (CUDA_TESTS_S, PROBE_S, BENCH_S seconds) below the device call's 600: a step cut by
+# the call's limit would bring back nothing of its log (logs are packed when a step ends).
+[ "${SKIP_TESTS:-0}" = 1 ] || step cuda_tests timeout "${CUDA_TESTS_S:-420}" "$PY" -m pytest -q -m cuda -rs \
+    -p no:cacheprovider
 # Does SDPA (the path without flash-attn) materialise scores? The planner assumes it does.
-step sdpa_probe "$PY" scripts/gpu_sdpa_probe.py
+step sdpa_probe timeout "${PROBE_S:-120}" "$PY" scripts/gpu_sdpa_probe.py
 
 step info "$PY" -m tforce info --synthetic llama2-7b --context 131072 --json
 cp "$WORK/info.log" "$WORK/info.json" 2>/dev/null
@@ -77,7 +80,7 @@ for mode in off on; do
     name="bench_llama2-7b_${PROMPT_LEN}_offload_${mode}"
     echo "== $name"
     t0=$SECONDS
-    "$PY" -m tforce bench --synthetic llama2-7b --device cuda --prompt-len "$PROMPT_LEN" \
+    timeout "${BENCH_S:-300}" "$PY" -m tforce bench --synthetic llama2-7b --device cuda --prompt-len "$PROMPT_LEN" \
         --gen-len "$GEN_LEN" --offload "$mode" --record "$WORK/$name.json" >"$WORK/$name.log" 2>&1
     rc=$?
     tail -n 20 "$WORK/$name.log"

@@ -12,9 +12,10 @@ import json
 import sys
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, ".")
+from tforce import attention  # noqa: E402
 from tforce.attention import attend, attend_reference  # noqa: E402
 from tforce.cache.base import CacheView  # noqa: E402
 
@@ -43,16 +44,26 @@ def probe(T, S, h_q, h_kv, D=128, dtype=torch.bfloat16):
         attend(q, view, use_flash=False)
     end.record()
     torch.cuda.synchronize()
-    try:
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            attend(q, view, use_flash=False)
-        efficient = True
-    except RuntimeError:
-        efficient = False
+    efficient = efficient_alone(q, view)
     scores = h_q * T * S * 4
     return {"T": T, "S": S, "h_q": h_q, "h_kv": h_kv, "dtype": str(dtype).split(".")[-1],
             "extra_bytes": extra, "float32_scores_bytes": scores, "ms": start.elapsed_time(end) / 5,
             "efficient_backend_accepts": efficient}
+
+
+def efficient_alone(q, view) -> bool:
+    """Whether attend() runs with SDPA limited to the memory-efficient backend. attend() enters
+    sdpa_kernel(attention._CUDA_BACKENDS) itself, which replaces whatever an outer sdpa_kernel allowed (MATH
+    among them, so the call never failed): the list it enters is what is restricted here."""
+    saved = attention._CUDA_BACKENDS
+    attention._CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION]
+    try:
+        attend(q, view, use_flash=False)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        attention._CUDA_BACKENDS = saved
 
 
 def check_exact():

@@ -87,6 +87,20 @@ def test_offloaded_batch_on_cuda_equals_on_chip(tiny_dir, method):
     assert [r.tokens for r in on] == [r.tokens for r in off]
 
 
+def test_a_failed_host_registration_leaves_no_stale_cuda_error():
+    """cudaHostRegister's error stays the runtime's last error until read; PyTorch reads it after the next
+    kernel launch. host_tensor reads it when registration fails (offload._clear_last_error): registering
+    pinned memory again fails (already registered), and the next kernel must still run."""
+    from tforce.cache import offload
+
+    t = offload.host_tensor((1024,), torch.float32, pin_for=torch.device("cuda"))
+    assert int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)) != 0
+    offload._clear_last_error()
+    x = torch.ones(4, device="cuda") + 1  # raises the stale error if it was not cleared
+    torch.cuda.synchronize()
+    assert x.sum().item() == 8
+
+
 def _nccl_tokens(rank, world, target_path, draft_path, prompt):
     from tforce.parallel import apply_tp
 

@@ -52,3 +52,61 @@ def test_gpu_paper_in_its_cpu_mode_records_and_summarises(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu_paper.tgz", "gpu_paper_summary.md"]
     summary = (out / "gpu_paper_summary.md").read_text()
     assert "`paper_200_on_t0.json`" in summary and "| retrieval |" in summary and "CUT SHORT" not in summary
+
+
+def test_sdpa_probe_restricts_attend_itself_to_the_efficient_backend(monkeypatch):
+    # attend() enters sdpa_kernel(attention._CUDA_BACKENDS) on CUDA, which replaces the backends an outer
+    # sdpa_kernel allowed: the probe's "efficient backend alone accepts" check must restrict that list,
+    # else attend() always finds MATH and the check can never say no.
+    import importlib.util
+
+    from torch.nn.attention import SDPBackend
+
+    from tforce import attention
+
+    spec = importlib.util.spec_from_file_location("gpu_sdpa_probe", ROOT / "scripts" / "gpu_sdpa_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    seen = []
+
+    def fake_attend(q, view, use_flash=True):
+        seen.append(list(attention._CUDA_BACKENDS))
+        if SDPBackend.EFFICIENT_ATTENTION not in attention._CUDA_BACKENDS or len(attention._CUDA_BACKENDS) > 1:
+            return None  # MATH (or another backend) would take the call: no error
+        raise RuntimeError("No available kernel")  # the efficient backend alone refuses this input
+
+    monkeypatch.setattr(probe, "attend", fake_attend)
+    assert probe.efficient_alone(None, None) is False
+    assert seen == [[SDPBackend.EFFICIENT_ATTENTION]]
+    assert attention._CUDA_BACKENDS[0] == SDPBackend.FLASH_ATTENTION  # restored
+
+
+def test_gpu_check_bounds_its_cuda_tests_and_brings_back_their_log(tmp_path):
+    # The CUDA tests step had no limit of its own: past the device call's limit the whole call is killed, and
+    # its log (kept in a work folder that is packed only after a step ends) never came back. The stand-in
+    # python passes the versions step and hangs in every later one.
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "-" ]; then cat >/dev/null; echo "torch stand-in"; exit 0; fi\n'
+                    'echo "stand-in started: $*"\nexec sleep 60\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(fake), CUDA_TESTS_S="2", TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    guard = threading.Timer(30, os.killpg, (proc.pid, signal.SIGKILL))  # never a hung test
+    guard.start()
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("== sdpa_probe"):  # the CUDA tests step has ended
+                break
+    finally:
+        guard.cancel()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert any(line.startswith("== cuda_tests: exit 124") for line in seen), "".join(seen)
+    with tarfile.open(out / "gpu_check.tgz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+        log = tar.extractfile("./cuda_tests.log").read().decode()
+    assert {"versions.log", "cuda_tests.log"} <= names and "stand-in started: -m pytest" in log

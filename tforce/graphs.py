@@ -20,6 +20,12 @@ from dataclasses import dataclass
 import torch
 
 
+def _graphable(ids: torch.Tensor) -> bool:
+    """Whether a forward of these ids may run from a graph: on CUDA only (tests/test_gpu_semantics.py
+    replays graphs on the CPU through a stand-in for torch.cuda.graph)."""
+    return ids.is_cuda
+
+
 @dataclass
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
@@ -37,7 +43,7 @@ class GraphRunner:
         """Same contract as model(ids, cache, last_n) after cache.begin(T); the returned logits are a
         static buffer, valid until the next call."""
         shape_key = self.cache.graph_key()
-        if not ids.is_cuda or shape_key is None or last_n == 0:
+        if not _graphable(ids) or shape_key is None or last_n == 0:
             return self.model(ids, self.cache, last_n=last_n)
         key = (ids.shape[1], last_n, shape_key)
         captured = self.graphs.get(key)

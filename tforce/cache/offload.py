@@ -31,10 +31,26 @@ def host_tensor(shape: tuple, dtype: torch.dtype, pin_for: torch.device | None =
         ptr = t.data_ptr()
         err = int(torch.cuda.cudart().cudaHostRegister(ptr, t.nbytes, 0))
         if err:
+            _clear_last_error()
             raise TforceError(f"cannot pin {t.nbytes / 2**30:.2f} GiB of host memory "
                               f"(cudaHostRegister error {err})")
         weakref.finalize(t, _unregister, ptr, pin_for).atexit = False  # at exit the process frees it all
     return t
+
+
+def _clear_last_error() -> None:
+    """Read (and so reset) the CUDA runtime's last error after a failed cudaHostRegister: left set, PyTorch's
+    check after the next kernel launch (cudaGetLastError) would report it as that kernel's failure. torch's
+    cudart binding may lack cudaGetLastError; the runtime torch loaded is then reached through ctypes."""
+    get = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if get is None:
+        import ctypes
+
+        try:
+            get = ctypes.CDLL(None).cudaGetLastError  # libcudart, loaded by torch into the global namespace
+        except (AttributeError, OSError):
+            return
+    get()
 
 
 def copy_on(stream: "torch.cuda.Stream | None", pairs, record: bool = False) -> "torch.cuda.Event | None":

@@ -144,11 +144,15 @@ def prompt_ids(n: int, vocab: int, tokenizer=None, text: str | None = None, seed
 
 def h2d_peak_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
     """Pinned host -> device copy rate in GB/s (1e9 bytes/s), median of `repeats`, timed with CUDA events;
-    None off CUDA."""
+    None off CUDA. The host buffer is pinned as the offloaded KV cache's are (cache/offload.host_tensor),
+    which also unpins it when freed: PyTorch's pinned allocator would keep 1 GiB page-locked for the rest
+    of the process (empty_cache does not release it)."""
+    from .cache.offload import host_tensor
+
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host = host_tensor((nbytes,), torch.uint8, device)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     ms = median_ms(lambda: dev.copy_(host, non_blocking=True), device, repeats)
     del host, dev

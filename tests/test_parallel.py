@@ -154,7 +154,7 @@ def test_rank_that_never_starts_is_one_line_within_the_limit():
 def test_bandwidth_probes_leave_no_cached_device_memory():
     """bench measures H2D peak in the parent before launching ranks; memory its allocator kept on cuda:0
     would shrink rank 0's free-memory figure (and so every rank's agreed plan)."""
-    from tforce.bench import device_bandwidth_gbps, h2d_peak_gbps
+    from tforce.ceilings import device_bandwidth_gbps, h2d_peak_gbps
 
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(0)

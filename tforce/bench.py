@@ -29,10 +29,10 @@ from . import placement
 from .config import METHODS, Speculation
 from .errors import TforceError, UsageError
 from .model import Llama
-from .floors import matmul_tflops, prefill_flops, step_floors_ms, step_weight_bytes
+from .ceilings import Ceilings
+from .floors import prefill_flops, step_floors_ms, step_weight_bytes
 from .projection import project
 from .synthetic import ARCHITECTURES, byte_tokenizer, make_config
-from .timing import median_ms
 
 GiB = placement.GiB
 
@@ -139,40 +139,6 @@ def prompt_ids(n: int, vocab: int, tokenizer=None, text: str | None = None, seed
     return torch.randint(3, vocab, (n,), generator=gen).tolist()  # 0-2: <unk>, <s>, </s> in our vocabularies
 
 
-# ------------------------------------------------------------------------------------------ bandwidth
-
-
-def h2d_peak_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
-    """Pinned host -> device copy rate in GB/s (1e9 bytes/s), median of `repeats`, timed with CUDA events;
-    None off CUDA. The host buffer is pinned as the offloaded KV cache's are (cache/offload.host_tensor),
-    which also unpins it when freed: PyTorch's pinned allocator would keep 1 GiB page-locked for the rest
-    of the process (empty_cache does not release it)."""
-    from .cache.offload import host_tensor
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    host = host_tensor((nbytes,), torch.uint8, device)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    ms = median_ms(lambda: dev.copy_(host, non_blocking=True), device, repeats)
-    del host, dev
-    torch.cuda.empty_cache()  # else the allocator keeps the buffer, and later free-memory figures lack it
-    return nbytes / (ms / 1000) / 1e9
-
-
-def device_bandwidth_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
-    """Device memory rate in GB/s from a device-to-device copy (bytes read + written); None off CUDA."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    ms = median_ms(lambda: b.copy_(a), device, repeats)
-    del a, b
-    torch.cuda.empty_cache()  # as in h2d_peak_gbps
-    return 2 * nbytes / (ms / 1000) / 1e9
-
-
 def device_name(device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
@@ -247,20 +213,6 @@ def warm_up(models: Models, ids: list[int], cfg: BenchConfig) -> float | None:
     for method in cfg.methods:
         models.generate(ids[:WARMUP_TOKENS], method, **_options(cfg, 4))
     return time.perf_counter() - t0
-
-
-@dataclass
-class Ceilings:
-    """Measured once per bench on CUDA (None elsewhere): pinned host -> device copies, device memory,
-    dense matrix products in the run's dtype."""
-
-    h2d_gbps: float | None = None
-    device_gbps: float | None = None
-    tflops: float | None = None
-
-    @classmethod
-    def measure(cls, device, dtype: torch.dtype) -> "Ceilings":
-        return cls(h2d_peak_gbps(device), device_bandwidth_gbps(device), matmul_tflops(device, dtype))
 
 
 def _floors(models: Models, spec: Speculation, n_prompt: int, n_out: int, s: dict, ceil: Ceilings) -> dict | None:

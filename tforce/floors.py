@@ -11,28 +11,12 @@ this device, from bytes that must be read or FLOPs that must be done over a meas
   attention's 2 x n^2 x heads x head_dim per layer (QK^T and PV, each n^2/2 x heads x head_dim
   multiply-adds), at the device's measured dense matrix-product rate in the run's dtype. The vocabulary
   projection is counted for one token.
-Ceilings are measured on CUDA only: on the CPU they return None and no floor is given.
+The ceilings (ceilings.py) are measured on CUDA only: on the CPU they are None and no floor is given.
 """
 from __future__ import annotations
 
-import torch
-
 from .config import Speculation
 from .placement import Shape, weight_bytes
-from .timing import median_ms
-
-
-def matmul_tflops(device, dtype: torch.dtype, n: int = 8192, repeats: int = 5) -> float | None:
-    """Dense n x n x n matrix-product rate in TFLOP/s (median of `repeats`, CUDA events); None off CUDA."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = median_ms(lambda: a @ b, device, repeats)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n ** 3 / (ms / 1000) / 1e12
 
 
 def prefill_flops(config, n: int) -> float:

@@ -51,7 +51,8 @@ def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, of
 
     from .. import placement
     from ..attention import flash_attn_func
-    from ..bench import device_bandwidth_gbps, h2d_peak_gbps, info_plan
+    from ..bench import info_plan
+    from ..ceilings import device_bandwidth_gbps, h2d_peak_gbps
 
     cuda = torch.cuda.is_available()
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()

@@ -110,3 +110,30 @@ def test_gpu_check_bounds_its_cuda_tests_and_brings_back_their_log(tmp_path):
         names = {Path(n).name for n in tar.getnames()}
         log = tar.extractfile("./cuda_tests.log").read().decode()
     assert {"versions.log", "cuda_tests.log"} <= names and "stand-in started: -m pytest" in log
+
+
+def test_sdpa_probe_lower_right_candidate_is_attend_on_the_cpu():
+    """The probe's causal_lower_right form (item c's candidate) computes what attend() does for a plain
+    causal view (checked here in float32 on the CPU, MHA and GQA, one and several queries), so its GPU
+    timings compare like with like."""
+    import importlib.util
+
+    import torch
+
+    from tforce.attention import attend
+    from tforce.cache.base import CacheView
+
+    spec = importlib.util.spec_from_file_location("gpu_sdpa_probe", ROOT / "scripts" / "gpu_sdpa_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    gen = torch.Generator().manual_seed(0)
+    for h_q, h_kv in ((4, 4), (8, 2)):
+        for T, S in ((1, 33), (5, 40), (16, 16)):
+            k, v = torch.randn(2, 1, S, h_kv, 16, generator=gen)
+            q = torch.randn(1, T, h_q, 16, generator=gen)
+            mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)[None]
+            view = CacheView(k, v, mask, causal=True)
+            torch.testing.assert_close(probe.lower_right(q, view), attend(q, view), rtol=1e-5, atol=1e-6)
+            shifted = CacheView(k, v, torch.ones(T, S, dtype=torch.bool).tril(S - T - 1)[None], causal=True)
+            if T > 1:  # a top-left or off-by-one alignment would not match
+                assert not torch.allclose(probe.lower_right(q, view), attend(q, shifted), atol=1e-4)

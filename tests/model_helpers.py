@@ -58,7 +58,7 @@ def hf_logits(hf: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
 
 def count_rowwise_runners(monkeypatch) -> list:
     """Patch the engine so every RowwiseRunner it builds (deterministic=True) appends to the returned list."""
-    import tforce.engine
+    import tforce.session
     from tforce.rowwise import RowwiseRunner
 
     built = []
@@ -68,7 +68,7 @@ def count_rowwise_runners(monkeypatch) -> list:
             built.append(1)
             super().__init__(*a)
 
-    monkeypatch.setattr(tforce.engine, "RowwiseRunner", Counted)
+    monkeypatch.setattr(tforce.session, "RowwiseRunner", Counted)
     return built
 
 

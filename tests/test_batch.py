@@ -14,7 +14,7 @@ import tforce.batch_levels
 from tforce import placement
 from tforce.config import Speculation
 from tforce.batch import generate_batch
-from tforce.engine import _plan, model_shape
+from tforce.session import _plan, model_shape
 from tforce.speculative import verify_rows
 from tforce.synthetic import make_checkpoint
 

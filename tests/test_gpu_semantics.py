@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 import tforce
 import tforce.batch
 import tforce.conversation
-import tforce.engine
+import tforce.session
 import tforce.graphs
 from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
@@ -251,7 +251,7 @@ def cpu_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", _SideStream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _SideStream(device))
-    monkeypatch.setattr(tforce.engine, "_runner", runner)
+    monkeypatch.setattr(tforce.session, "_runner", runner)
     monkeypatch.setattr(tforce.graphs, "_graphable", lambda ids: True)
     return runners
 

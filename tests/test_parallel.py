@@ -125,7 +125,7 @@ def test_ranks_with_different_free_memory_plan_alike(tmp_path):
     # Each rank's room beside its weights, from the planner itself for one rank's shard (engine._plan on
     # a CPU run: budget = weights + device_free, no CUDA context).
     from tforce.config import Speculation
-    from tforce.engine import model_shape
+    from tforce.session import model_shape
 
     shard = model_shape(apply_tp(tforce.load_model(str(path), tokenizer=False).model, 0, 2))
     spec = Speculation(method="ar", budget=kw["budget"])

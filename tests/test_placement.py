@@ -9,7 +9,8 @@ import torch
 from tforce import placement
 from tforce.bench import LLAMA_68M, synthetic_pair
 from tforce.config import Sampling, Speculation
-from tforce.engine import Session, model_shape
+from tforce.engine import Session
+from tforce.session import model_shape
 from tforce.errors import TforceError, UsageError
 from tforce.placement import GiB
 from tforce.prefill import prefill_layer_major
@@ -265,10 +266,10 @@ def test_generate_reports_the_plans_peak_beside_its_placement(tiny, monkeypatch)
     """stats carry the plan's predicted device peak and its CUDA-context share (none on a CPU run), which
     bench sets beside torch.cuda.max_memory_reserved."""
     import tforce
-    import tforce.engine
+    import tforce.session
 
     plans = []
-    real = tforce.engine._plan
-    monkeypatch.setattr(tforce.engine, "_plan", lambda *a: plans.append(real(*a)) or plans[-1])
+    real = tforce.session._plan
+    monkeypatch.setattr(tforce.session, "_plan", lambda *a: plans.append(real(*a)) or plans[-1])
     stats = tforce.generate(tiny["gqa"], list(range(3, 40)), method="ar", max_new_tokens=2, temperature=0).stats
     assert stats["plan_peak_bytes"] == plans[0].peak > 0 and stats["plan_context_bytes"] == 0

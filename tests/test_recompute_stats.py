@@ -10,7 +10,7 @@ import torch
 
 import tforce
 import tforce.batch
-import tforce.engine
+import tforce.session
 from model_helpers import forward, random_ids
 from tforce import placement
 from tforce.cache.chunkstats import ChunkStats
@@ -120,7 +120,7 @@ def test_generation_with_recomputed_statistics_is_the_kept_one(tiny, monkeypatch
     kw = dict(max_new_tokens=40, temperature=temperature, seed=11, ignore_eos=True)
     spec = dict(draft=tiny["draft"], method="triforce", budget=16, chunk_size=4, rebuild_every=8, **kw)
     kept = tforce.generate(tiny["gqa"], prompt, **spec)
-    made = recompute_everything(monkeypatch, tforce.engine)
+    made = recompute_everything(monkeypatch, tforce.session)
     redone = tforce.generate(tiny["gqa"], prompt, **spec)
     assert made and all(home is None for homes in made for home in homes)
     assert redone.tokens == kept.tokens and redone.stats["acceptance"] == kept.stats["acceptance"]

@@ -149,7 +149,7 @@ def test_the_plan_counts_the_rows_prefill_hidden_states(tiny, resident):
     """Offloaded: the batch's prefill allocates every row's hidden states (the K/V scratch is a staging
     slot), which placement.py counts for B rows."""
     from tforce import placement
-    from tforce.engine import model_shape
+    from tforce.session import model_shape
 
     model = tiny["gqa"].model
     seqs = prompts_of(HEADS)

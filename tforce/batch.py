@@ -4,7 +4,7 @@ Every forward feeds all live rows at once (the weights are read once per step fo
 each row keeps its own length in the caches (cache/batched.py, cache/rows_retrieval.py, the rule in
 cache/base.py), accepts its own number of drafted tokens, and leaves the batch when it reaches EOS or
 its token budget (its cache rows are compacted away, so it costs no further work). Every method of
-`generate`, composed as engine.Session composes it, from the batched levels of batch_levels.py: `ar`,
+`generate`, composed as session.Session composes it, from the batched levels of batch_levels.py: `ar`,
 `naive`, `retrieval` (the target with a per-row retrieval cache drafts gamma2 tokens per row),
 `streaming` and `triforce` (the small draft, then the target with a per-row StreamingLLM or retrieval
 cache verifying gamma1 tokens per row, until every row has gamma2 middle-level tokens, then the full
@@ -27,7 +27,8 @@ from .cache.policies import make_select
 from .cache.rows_offload import RowsOffloadedCache
 from .cache.rows_retrieval import RowsRetrievalCache
 from .config import Sampling, Speculation
-from .engine import Result, _eos_ids, _module, _placement, _plan, _planned_peak, _sync_device, configuration
+from .engine import Result, _eos_ids, _module, _placement, _planned_peak, configuration
+from .session import _plan, _sync_device
 from .errors import UsageError
 from .prefill import prefill_rows_layer_major
 from .rope import Rotary
@@ -145,7 +146,7 @@ def _finished(rows: _RowState, done: list[bool], on_row) -> None:
 
 
 class _Batch:
-    """The nodes and levels of one batch, composed as engine.Session composes them for one prompt, and the
+    """The nodes and levels of one batch, composed as session.Session composes them for one prompt, and the
     per-row retrieval rebuilds (Session._maybe_rebuild's rules, per row)."""
 
     def __init__(self, target, draft, spec: Speculation, sampling: Sampling, rows: _RowState, total: int,

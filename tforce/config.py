@@ -97,6 +97,6 @@ class Speculation:
     @property
     def rebuild_after(self) -> int:
         """New committed tokens after which a single sequence's retrieval cache is rebuilt before the next
-        round (engine.Session._maybe_rebuild): rebuild_every, or fewer when one more verification's
+        round (session.Session._maybe_rebuild): rebuild_every, or fewer when one more verification's
         lookahead would crowd the budget (new + lookahead > budget - chunk_size)."""
         return min(self.rebuild_every, self.budget - self.chunk_size - self.max_lookahead + 1)

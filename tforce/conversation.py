@@ -1,7 +1,7 @@
 """A document prefilled once, then questions about it, each answered without prefilling the document again.
 
 Each question's prompt is the document followed by the question's tokens (with keep_history, by the
-earlier questions and answers too). The session's nodes keep what they hold of it (engine.Session.prefill):
+earlier questions and answers too). The session's nodes keep what they hold of it (session.Session.prefill):
 the full cache rolls back to the document's end and takes only the question, the retrieval cache is
 selected again for the question's last token, and the streaming caches restore their states marked at the
 document's end. Every answer is therefore exactly the answer generate() gives for the same prompt ids: the
@@ -9,7 +9,7 @@ target's greedy tokens, or an exact sample (with a seed, drawn as generate would
 
 An ask() that stops part-way (an exception from a callback, Ctrl-C at any point) leaves no trace: its
 question and partial answer do not join the history, and the next ask() first rewinds the session to the
-history's end (engine.Session.rewind), so that it answers exactly as if the stopped one had never been
+history's end (session.Session.rewind), so that it answers exactly as if the stopped one had never been
 asked. With keep_history the streaming caches' states are therefore marked at the history's end before
 each question (a copy of the draft's window; with method "streaming", of the target's window too).
 """
@@ -20,9 +20,9 @@ import time
 import torch
 
 from . import snapshot
-from .engine import (Result, Session, _eos_ids, _module, _stats, _sync_device, check_prompt, decode, generator,
-                     open_session)
+from .engine import Result, _eos_ids, _module, _stats, check_prompt, decode, generator, open_session
 from .errors import UsageError
+from .session import Session, _sync_device
 
 
 class Conversation:

@@ -11,7 +11,7 @@ a round counting all gamma of its drafted tokens, so a level's rounds yield 1 + 
 tokens on average, exactly. How those tokens spread over rounds follows the usual model of
 speculative decoding (Leviathan et al., 2023): each drafted token accepted independently with the
 probability alpha that gives that mean, so a round yields a + 1 tokens with P(a = k) = alpha^k (1 - alpha)
-for k < gamma and alpha^gamma for a = gamma. The hierarchy is engine.Session._compose's: a Drafter feeds
+for k < gamma and alpha^gamma for a = gamma. The hierarchy is session.Session._compose's: a Drafter feeds
 its node once per token; a SpecLevel round asks its proposer for gamma tokens (rounds until it has at
 least that many: the surplus is dropped, its forwards still paid) and runs its node once. Expected
 forwards per round follow from Wald's identity. What the model leaves out: real acceptance comes in

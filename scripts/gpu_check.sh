@@ -84,7 +84,7 @@ for mode in off on; do
         --gen-len "$GEN_LEN" --offload "$mode" --record "$WORK/$name.json" >"$WORK/$name.log" 2>&1
     rc=$?
     tail -n 20 "$WORK/$name.log"
-    "$PY" scripts/bench_summary.py "$WORK/$name.json" || rc=1
+    "$PY" scripts/bench_summary.py "$WORK/$name.json" || { [ "$rc" -ne 0 ] || rc=1; }  # keeps a limit's 124
     echo "== $name: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || failed+=("$name")
     "$PY" scripts/bench_summary.py "$WORK"/bench_*.json >"$OUT/gpu_check_summary.md"

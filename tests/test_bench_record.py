@@ -2,7 +2,10 @@
 methods that finished; whole JSON objects only; bad paths refused before anything runs."""
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +87,42 @@ def test_a_batch_bench_cut_short_keeps_its_finished_methods(runner, tmp_path, mo
     assert result.exit_code == 130, (result.output, result.exception)
     rec = json.loads(path.read_text())
     assert rec["complete"] is False and rec["batch"] == 2 and [r["method"] for r in rec["runs"]] == ["ar"]
+
+
+def test_a_record_through_a_symlink_writes_its_target_with_ordinary_permissions(tmp_path):
+    """The rename lands on the link's target (the link stays a link), and FILE gets the umask's mode, not
+    mkstemp's 0600."""
+    from tforce import bench_record
+
+    (tmp_path / "runs").mkdir()
+    target, link = tmp_path / "runs" / "r.json", tmp_path / "latest.json"
+    target.write_text("{}\n")
+    link.symlink_to(target)
+    old = os.umask(0o022)
+    try:
+        bench_record.write(bench_record.check(str(link)), {"complete": True})
+    finally:
+        os.umask(old)
+    assert link.is_symlink() and json.loads(target.read_text()) == {"complete": True}
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.json", "runs"]
+
+
+def test_a_record_that_cannot_be_written_loses_neither_the_bench_nor_its_output(runner, tmp_path, monkeypatch):
+    """Disk full at every write: every method still runs, --json still prints the whole report, and the
+    failure is one line with exit 1 (the record was asked for and is not there)."""
+    from tforce import bench_record
+
+    def full(path, report):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bench_record, "write", full)
+    path = tmp_path / "r.json"
+    result = runner.invoke(app, BENCH + ["--methods", "ar,naive", "--gen-len", "4", "--json", "--record",
+                                         str(path)])
+    assert result.exit_code == 1, (result.output, result.exception)
+    printed = json.loads(result.stdout)
+    assert printed["complete"] is True and [r["method"] for r in printed["runs"]] == ["ar", "naive"]
+    errors = [line for line in result.stderr.splitlines() if "--record" in line]
+    assert errors and all("No space left" in line for line in errors)
+    assert errors[-1].startswith("tforce: error: --record")

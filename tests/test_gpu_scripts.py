@@ -137,3 +137,18 @@ def test_sdpa_probe_lower_right_candidate_is_attend_on_the_cpu():
             shifted = CacheView(k, v, torch.ones(T, S, dtype=torch.bool).tril(S - T - 1)[None], causal=True)
             if T > 1:  # a top-left or off-by-one alignment would not match
                 assert not torch.allclose(probe.lower_right(q, view), attend(q, shifted), atol=1e-4)
+
+
+def test_gpu_paper_says_a_bench_was_killed_by_its_limit(tmp_path):
+    """A bench killed by BENCH_S before its first method ends leaves no record, so the summary of it fails
+    too: the step must still read exit 124 (its limit), not the summary's 1."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\n[ "$1" = "-m" ] && exec sleep 60\nexec "{sys.executable}" "$@"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(fake), PROMPT_LENS="200", PLACEMENTS="on", BENCH_S="1",
+               TMPDIR=str(tmp_path))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_paper.sh")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1 and "gpu_paper: FAILED: paper_200_on_t0" in done.stdout, done.stdout + done.stderr
+    assert "== paper_200_on_t0: exit 124 after" in done.stdout, done.stdout

@@ -239,8 +239,7 @@ def test_a_batch_is_planned_with_every_per_row_item_times_its_rows():
 
 
 @pytest.mark.parametrize("method, items", [
-    ("triforce", ("retrieval cache and key positions", "retrieval chunk statistics", "stored queries",
-                  "draft StreamingLLM cache")),
+    ("triforce", ("retrieval cache and key positions", "stored queries", "draft StreamingLLM cache")),
     ("streaming", ("middle StreamingLLM cache", "stored queries"))])
 def test_a_batch_counts_the_middle_caches_and_queries_of_every_row(method, items):
     """batch.py keeps a retrieval (or streaming) cache, chunk statistics and stored queries per row."""
@@ -249,6 +248,10 @@ def test_a_batch_counts_the_middle_caches_and_queries_of_every_row(method, items
     four = placement.layout(shape, placement.Work(capacity=32768, prompt=32767, method=method, rows=4), 20, draft)
     for name in items:
         assert four.item(name) == 4 * one.item(name) > 0, name
+    if method == "triforce":  # every row's kept statistics; one layer of means, the rows rebuilt in turn
+        scratch = placement.chunk_stat_bytes(32768, 8, 32, 128)
+        assert four.item("retrieval chunk statistics") - scratch == 4 * (one.item("retrieval chunk statistics")
+                                                                         - scratch) == 4 * 20 * scratch
 
 
 def test_info_plans_a_batch():

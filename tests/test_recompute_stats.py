@@ -83,8 +83,8 @@ def test_the_planner_drops_resident_statistics_before_it_offloads_a_layer():
         assert (p.resident, p.recompute_stats) == (32, True) and p.peak <= 78 * GiB
         kept = placement.layout(target, work(122880), 32, draft, budget=78 * GiB)
         assert kept.peak > 78 * GiB and not kept.recompute_stats
-        # one scratch layer of sums instead of 32 kept ones
-        assert p.item("retrieval chunk statistics") * 32 == kept.item("retrieval chunk statistics")
+        # one scratch layer of means instead of 32 kept layers of sums beside it
+        assert p.item("retrieval chunk statistics") * 33 == kept.item("retrieval chunk statistics")
     half = placement.plan(target, work(65536), "off", 78 * GiB, 1024 * GiB, draft)
     assert (half.resident, half.recompute_stats) == (32, False)
 
@@ -138,3 +138,29 @@ def test_batch_rows_with_recomputed_statistics_equal_plain_decoding(tiny, monkey
     assert len(made) == 3 and all(home is None for homes in made for home in homes)
     for prompt, row in zip(prompts, rows):
         assert row.tokens == tforce.generate(tiny["gqa"], prompt, method="ar", **kw).tokens
+
+
+def test_the_plan_counts_the_means_scratch_every_rebuild_allocates(tiny):
+    """ChunkStats.means allocates one layer's float32 means on the device at every rebuild, kept statistics
+    or not, and chunk_positions holds every layer's scores before it selects: the planner counts both
+    (it counted no scratch for an all-resident plan with kept statistics, and one layer of scores)."""
+    model = tiny["mha"].model
+    full = make_full(model, 64, offloaded=False)
+    forward(model, full, random_ids(64, seed=3))
+    kept = ChunkStats.for_cache(full, 8)
+    kept.update(0, full, 64)
+    means = kept.means(0, full, 64, full.k.device)
+    assert means.data_ptr() != kept.sums[0].data_ptr()  # a fresh layer of means beside the kept sums
+
+    target, draft = shapes("llama2-7b")
+    w = work(65536)
+    layer_stats = placement.chunk_stat_bytes(w.capacity, w.chunk_size, target.kv_heads, target.head_dim)
+    scores = target.layers * target.kv_heads * placement.n_chunks(w.capacity, w.chunk_size) * 4
+    for recompute, kept_layers in ((False, 32), (True, 0)):
+        p = placement.layout(target, w, 32, draft, recompute_stats=recompute)
+        assert p.item("retrieval chunk statistics") == (kept_layers + 1) * layer_stats
+        assert p.item("rebuild scratch") >= scores
+    # rows keep their own statistics but are rebuilt one after another: one scratch layer, not one per row
+    rows = dataclasses.replace(w, rows=3)
+    p = placement.layout(target, rows, 20, draft)
+    assert p.item("retrieval chunk statistics") == (3 * 20 + 1) * layer_stats

@@ -203,14 +203,15 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
         chunks = n_chunks(w.capacity, w.chunk_size)
         out += [Item("retrieval cache and key positions",
                      b * n * (kv_layer_bytes(kv, d, w.budget, e) + kv * w.budget * 8), "both"),
-                # Resident layers keep theirs on the device (unless recomputed); an offloaded layer's, or a
-                # recomputed layer's, are scored in one scratch, a layer at a time.
-                Item("retrieval chunk statistics", b * ((0 if recompute_stats else resident)
-                                                        + (offloaded or recompute_stats))
+                # Each row's resident layers keep theirs on the device (unless recomputed); every rebuild
+                # scores from one layer's means at a time (ChunkStats.means: a fresh device tensor, kept
+                # statistics or not), the rows one after another: one scratch layer.
+                Item("retrieval chunk statistics", (b * (0 if recompute_stats else resident) + 1)
                      * chunk_stat_bytes(w.capacity, w.chunk_size, kv, d), "both"),
-                # One layer at a time: budget rows of K and V gathered, their positions, float32 scores.
-                Item("rebuild scratch", kv_layer_bytes(kv, d, w.budget, e) + 2 * kv * w.budget * 8 + kv * chunks * 4,
-                     "decode")]
+                # One layer at a time: budget rows of K and V gathered, their positions; float32 scores of
+                # every layer (chunk_positions scores all layers before it selects).
+                Item("rebuild scratch", kv_layer_bytes(kv, d, w.budget, e) + 2 * kv * w.budget * 8
+                     + n * kv * chunks * 4, "decode")]
     elif w.method == "streaming":
         cap = streaming_capacity(w.budget, w.sinks, w.lookahead, w.prefill_chunk + w.lookahead)
         out.append(Item("middle StreamingLLM cache", b * n * kv_layer_bytes(kv, d, cap, e), "both"))

@@ -10,7 +10,7 @@ import typer
 
 from .. import bench_record
 from ..config import Sampling, Speculation
-from ..errors import UsageError
+from ..errors import TforceError, UsageError
 from .app import app
 from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory,
                      _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
@@ -114,20 +114,32 @@ def bench(
             raise UsageError("--batch runs in one process, without --peers, so far")
         _gpu_memory_note(gpu_memory, dev)
         path = None if record_to is None else bench_record.check(record_to)
-        on_run = None if path is None else (lambda report: bench_record.write(path, report))
-        record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text, world, batch, on_run)
+        failed: list[str] = []  # a record write that failed (a full disk): the bench goes on
+
+        def save(report: dict) -> None:
+            try:
+                bench_record.write(path, report)
+            except OSError as e:
+                failed.append(f"--record {record_to}: {e.strerror or e}")
+                _say(f"tforce: warning: {failed[-1]} (the bench goes on)")
+            else:
+                failed.clear()
+
+        record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text, world, batch,
+                        None if path is None else save)
         if path is not None:
-            bench_record.write(path, record)
+            save(record)
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
-            return
-        if batch is not None:
+        elif batch is not None:
             from ..bench_batch import print_batch
 
             print_batch(record)
-            return
-        _print_bench(record)
+        else:
+            _print_bench(record)
+        if failed:  # the report is out; the whole record is not in FILE
+            raise TforceError(failed[-1])
 
     _guarded(body)
 

@@ -120,15 +120,10 @@ def info(
                   "transformers": transformers.__version__, "cpu_cores": os.cpu_count(), "cuda_devices": gpus,
                   "host_memory_bytes": mem.total, "host_memory_available_bytes": mem.available}
         if model is not None:
-            from transformers import AutoConfig
-
-            from ..weights import resolve
+            from ..weights import read_config, resolve
 
             path = resolve(model)
-            try:
-                config = AutoConfig.from_pretrained(path)
-            except Exception as e:
-                raise UsageError(f"cannot read {path / 'config.json'}: {e}") from e
+            config = read_config(path)
             record["model"] = {"name": model, "path": str(path),
                                **_arch(config, context or config.max_position_embeddings, dtype)}
         if synthetic is not None:

@@ -227,16 +227,10 @@ def _parallel(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:
 
 def _read_config(name: str, role: str):
     """(folder, config) of a model without reading its weights; errors name the role."""
-    from transformers import AutoConfig
-
-    from ..weights import resolve
+    from ..weights import read_config, resolve
 
     path = _as_role(role, resolve, name)
-    try:
-        return path, AutoConfig.from_pretrained(path)
-    except Exception as e:
-        reason = (str(e).strip().splitlines() or [""])[0]
-        raise UsageError(f"{role}: cannot read {path / 'config.json'}: {reason}") from e
+    return path, _as_role(role, read_config, path)
 
 
 def _tp_target(model: str, world: int):

@@ -55,3 +55,45 @@ def test_unsupported_architecture_is_a_usage_error(runner, models, args, role):
     r = runner.invoke(app, [a.format(**paths) for a in args])
     _one_error_line(r, 2, f"{role}: {paths['gpt2']}: model type 'gpt2' is not a Llama-family model".lstrip(": "))
 
+
+def _run(runner, models, *args):
+    return runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"),
+                               "-p", "hi", "-n", "2", "-t", "0", *args])
+
+
+def test_save_kv_keeps_a_folder_whose_manifest_is_not_tforces(runner, models, tmp_path):
+    """A folder holding some other program's manifest.json is not a snapshot: it was taken for one and
+    replaced, everything in it deleted."""
+    app_folder = tmp_path / "extension"
+    app_folder.mkdir()
+    (app_folder / "manifest.json").write_text('{"name": "my extension", "version": "1.0"}')
+    (app_folder / "background.js").write_text("keep me")
+    _one_error_line(_run(runner, models, "--save-kv", str(app_folder)), 2, "not a tforce KV snapshot; refusing")
+    assert sorted(p.name for p in app_folder.iterdir()) == ["background.js", "manifest.json"]
+    assert (app_folder / "background.js").read_text() == "keep me"
+
+
+def test_save_kv_where_no_folder_can_be_made_is_refused_before_the_run(runner, models, tmp_path):
+    """A path under a file cannot become a folder: one usage line before any weights are read (it was a
+    FileExistsError after the prefill), and the file is untouched."""
+    (tmp_path / "notes.txt").write_text("keep me")
+    r = _run(runner, models, "--save-kv", str(tmp_path / "notes.txt" / "snap"))
+    _one_error_line(r, 2, f"--save-kv {tmp_path / 'notes.txt' / 'snap'}: {tmp_path / 'notes.txt'} is not a folder")
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_a_disk_error_while_saving_is_one_line(runner, models, tmp_path, monkeypatch):
+    """A snapshot the disk refuses (full, read-only, /proc) was an OSError with the debugging hint: now one
+    line naming --save-kv, exit 1, and no temporary folder left behind."""
+    import errno
+
+    from tforce import snapshot
+
+    def full(folder, name, tensors):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(snapshot, "_write", full)
+    r = _run(runner, models, "--save-kv", str(tmp_path / "snap"))
+    _one_error_line(r, 1, f"--save-kv {tmp_path / 'snap'}: cannot write the snapshot: No space left on device")
+    assert list(tmp_path.iterdir()) == []
+

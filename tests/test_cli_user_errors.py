@@ -97,3 +97,17 @@ def test_a_disk_error_while_saving_is_one_line(runner, models, tmp_path, monkeyp
     _one_error_line(r, 1, f"--save-kv {tmp_path / 'snap'}: cannot write the snapshot: No space left on device")
     assert list(tmp_path.iterdir()) == []
 
+
+def test_batch_without_a_model_says_it_uses_the_demo_pair(runner, models, tmp_path):
+    """README: without --model, the demo pair, said on stderr; a batch ran it without a word."""
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_text('{"prompt": "Hello"}\n')
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    for role in ("target", "draft"):
+        (demo / f"demo-{role}").symlink_to(models / f"tiny-{role}")
+    env = {"TFORCE_DEMO_MODELS": str(demo)}
+    r = runner.invoke(app, ["run", "--batch", str(batch), "-n", "2", "-t", "0"], env=env)
+    assert r.exit_code == 0, r.output
+    assert f"no --model given: using the trained demo pair {demo / 'demo-target'}" in r.stderr.splitlines()[0]
+    assert json.loads(r.stdout)["id"] == 1

@@ -189,13 +189,16 @@ def run(
             given = (prompt_file_arg, prompt_file, prompt)
             check_options(method, gpus or tp, given != (None,) * 3, deterministic, (save_kv, load_kv) != (None, None))
         setup = _configure(params)
+        # the prompts before any notice, so that a bad prompt is the only line
         if batch is not None:
-            return run_batch(read_batch(batch), setup.target, setup.draft, setup.device, setup.dtype, setup.options)
-        # the prompt before any notice, so that a bad prompt is the only line
-        text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
-                            demo_prompt() if model is None else None)
+            items = read_batch(batch)
+        else:
+            text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
+                                demo_prompt() if model is None else None)
         _gpu_memory_note(gpu_memory, setup.device)
         _demo_notice(setup, draft)
+        if batch is not None:
+            return run_batch(items, setup.target, setup.draft, setup.device, setup.dtype, setup.options)
         _run(text, setup.target, setup.draft, setup.device, setup.dtype, as_json,
              dict(setup.options, save_kv=save_kv, load_kv=load_kv), setup.world)
 

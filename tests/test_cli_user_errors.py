@@ -111,3 +111,18 @@ def test_batch_without_a_model_says_it_uses_the_demo_pair(runner, models, tmp_pa
     assert r.exit_code == 0, r.output
     assert f"no --model given: using the trained demo pair {demo / 'demo-target'}" in r.stderr.splitlines()[0]
     assert json.loads(r.stdout)["id"] == 1
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n\n"])
+def test_chat_with_no_questions_in_the_file_is_refused(runner, models, tmp_path, content):
+    """An empty questions file prefilled the document, answered nothing and exited 0; now one usage line
+    before any weights are read. With --save-kv the snapshot is the point: it is written."""
+    questions = tmp_path / "questions.txt"
+    questions.write_text(content)
+    pair = ["-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft")]
+    r = runner.invoke(app, ["chat", str(models / "doc.txt"), "-q", str(questions), *pair])
+    _one_error_line(r, 2, f"questions file {questions} holds no questions")
+    r = runner.invoke(app, ["chat", str(models / "doc.txt"), "-q", str(questions), *pair,
+                            "--save-kv", str(tmp_path / "snap")])
+    assert r.exit_code == 0 and r.stdout == "", r.output
+    assert (tmp_path / "snap" / "manifest.json").is_file()

@@ -126,3 +126,21 @@ def test_chat_with_no_questions_in_the_file_is_refused(runner, models, tmp_path,
                             "--save-kv", str(tmp_path / "snap")])
     assert r.exit_code == 0 and r.stdout == "", r.output
     assert (tmp_path / "snap" / "manifest.json").is_file()
+
+
+def test_chat_names_the_demo_excerpt_as_run_does(monkeypatch, capsys):
+    """chat called the excerpt 'chapter 1'; it holds chapters 1-2, as run says."""
+    import io
+
+    from tforce.cli.chat import _document
+    from tforce.demo import EXCERPT
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal())
+    text, from_stdin = _document(None, None, True)
+    assert text == EXCERPT.read_text(encoding="utf-8").strip() and not from_stdin
+    assert capsys.readouterr().err == ("tforce: no document given: using the demo's excerpt (Great Expectations, "
+                                       "chapters 1-2)\n")

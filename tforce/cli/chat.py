@@ -27,7 +27,7 @@ from typing import Optional
 
 import typer
 
-from ..demo import EXCERPT
+from ..demo import EXCERPT, NAME
 from ..errors import UsageError
 from . import options as o
 from .app import app
@@ -107,7 +107,7 @@ def _document(book: Optional[str], load_kv: Optional[str], demo: bool) -> tuple[
         return _read_prompt(None, None), True
     if not demo:
         raise UsageError("no document: give BOOK (a file, '-' for stdin), pipe it on stdin, or --load-kv DIR")
-    _say("tforce: no document given: using the demo's excerpt (Great Expectations, chapter 1)")
+    _say(f"tforce: no document given: using {NAME}")
     return EXCERPT.read_text(encoding="utf-8").strip(), False
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from ..config import Sampling, Speculation
-from ..demo import demo_pair, demo_prompt
+from ..demo import NAME, demo_pair, demo_prompt
 from ..errors import UsageError
 from .app import app
 from . import options as o
@@ -45,7 +45,7 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Opt
         document = _decode_text(data, f"prompt file {prompt_file}")
     parts = [p for p in (document, prompt or "") if p.strip()]
     if not parts and default is not None and prompt is None and prompt_file is None:
-        _say("tforce: no prompt given: using the demo's excerpt (Great Expectations, chapters 1-2) and a question")
+        _say(f"tforce: no prompt given: using {NAME} and a question")
         return default
     if not parts:
         raise UsageError("the prompt is empty: give a prompt file, --prompt TEXT or text on stdin")

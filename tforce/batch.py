@@ -27,7 +27,8 @@ from .cache.policies import make_select
 from .cache.rows_offload import RowsOffloadedCache
 from .cache.rows_retrieval import RowsRetrievalCache
 from .config import Sampling, Speculation
-from .engine import Result, _eos_ids, _module, _placement, _plan, _planned_peak, _sync_device, configuration
+from .engine import (Result, _eos_ids, _module, _placement, _plan, _planned_peak, _sync_device, check_ids,
+                     configuration)
 from .errors import UsageError
 from .prefill import prefill_rows_layer_major
 from .rope import Rotary
@@ -97,6 +98,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
             raise UsageError(f"prompt {i + 1} of the batch is empty")
         if len(p) >= context:
             raise UsageError(f"prompt {i + 1} of the batch is {len(p)} tokens; the model's context is {context}")
+        check_ids(target, p, f"prompt {i + 1} of the batch")
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(budgets) != len(prompts):
         raise UsageError(f"max_new_tokens: {len(budgets)} budgets for {len(prompts)} prompts")

@@ -144,3 +144,10 @@ def test_chat_names_the_demo_excerpt_as_run_does(monkeypatch, capsys):
     assert text == EXCERPT.read_text(encoding="utf-8").strip() and not from_stdin
     assert capsys.readouterr().err == ("tforce: no document given: using the demo's excerpt (Great Expectations, "
                                        "chapters 1-2)\n")
+
+
+@pytest.mark.parametrize("args", [["--batch", "4"], ["--context", "1000"], ["--gpu-memory", "24GiB"], ["--gpus", "2"]])
+def test_info_planning_options_without_a_model_are_refused(runner, args):
+    """`tforce info --batch 4` printed the versions alone, as if the plan asked for fitted: the planning
+    options need a model to plan."""
+    _one_error_line(runner.invoke(app, ["info", *args]), 2, f"{args[0]} plans a model: give --model or --synthetic")

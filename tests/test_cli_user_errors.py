@@ -151,3 +151,14 @@ def test_info_planning_options_without_a_model_are_refused(runner, args):
     """`tforce info --batch 4` printed the versions alone, as if the plan asked for fitted: the planning
     options need a model to plan."""
     _one_error_line(runner.invoke(app, ["info", *args]), 2, f"{args[0]} plans a model: give --model or --synthetic")
+
+
+def test_load_kv_of_what_is_not_a_snapshot_is_a_usage_error(runner, models, tmp_path):
+    """A folder without a manifest was exit 1 with '(FileNotFoundError)'; a file was 'no such snapshot
+    folder' though it exists: both are bad input, said plainly."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    _one_error_line(_run(runner, models, "--load-kv", str(tmp_path / "notes")), 2,
+                    "not a readable tforce KV snapshot (no manifest.json)")
+    _one_error_line(_run(runner, models, "--load-kv", str(tmp_path / "notes.txt")), 2,
+                    f"--load-kv {tmp_path / 'notes.txt'}: a file, not a snapshot folder")

@@ -250,8 +250,12 @@ def _version() -> str:
 def read_manifest(path) -> dict:
     """The manifest of a snapshot folder, its format checked."""
     p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"--load-kv {path}: a file, not a snapshot folder")
     if not p.is_dir():
         raise UsageError(f"--load-kv {path}: no such snapshot folder")
+    if not (p / MANIFEST).is_file():
+        raise UsageError(f"--load-kv {path}: not a readable tforce KV snapshot (no {MANIFEST})")
     try:
         manifest = json.loads((p / MANIFEST).read_text())
     except (OSError, ValueError) as e:

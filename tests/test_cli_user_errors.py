@@ -162,3 +162,15 @@ def test_load_kv_of_what_is_not_a_snapshot_is_a_usage_error(runner, models, tmp_
                     "not a readable tforce KV snapshot (no manifest.json)")
     _one_error_line(_run(runner, models, "--load-kv", str(tmp_path / "notes.txt")), 2,
                     f"--load-kv {tmp_path / 'notes.txt'}: a file, not a snapshot folder")
+
+
+@pytest.mark.parametrize("seed", [str(2**64), str(-2**63 - 1)])
+def test_a_seed_torch_cannot_take_is_a_usage_error(runner, models, seed):
+    """--seed 99999999999999999999 loaded the models, then failed with 'ValueError: Overflow when unpacking
+    long long' (exit 1)."""
+    _one_error_line(_run(runner, models, "--seed", seed), 2, f"--seed must be in [-2**63, 2**64), got {seed}")
+
+
+def test_the_extreme_seeds_torch_takes_still_run(runner, models):
+    for seed in (str(2**64 - 1), str(-2**63)):
+        assert _run(runner, models, "--seed", seed).exit_code == 0

@@ -174,3 +174,18 @@ def test_a_seed_torch_cannot_take_is_a_usage_error(runner, models, seed):
 def test_the_extreme_seeds_torch_takes_still_run(runner, models):
     for seed in (str(2**64 - 1), str(-2**63)):
         assert _run(runner, models, "--seed", seed).exit_code == 0
+
+
+def test_batch_refuses_the_h2o_policy_before_loading(runner, models, tmp_path, monkeypatch):
+    """README: options are checked before any model is loaded; --batch --policy h2o was refused by
+    generate_batch, after both models' weights were read."""
+    import tforce.weights
+
+    def no_loading(*a, **k):
+        raise AssertionError("weights read before the options were checked")
+
+    monkeypatch.setattr(tforce.weights, "load_model", no_loading)
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_text('{"prompt": "Hello"}\n')
+    r = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "--batch", str(batch), "--policy", "h2o"])
+    _one_error_line(r, 2, "batches run --policy retrieval|shared|topk|streaming so far, not 'h2o'")

@@ -187,7 +187,8 @@ def run(
             raise UsageError("give the prompt file once: as an argument or with --prompt-file")
         if batch is not None:
             given = (prompt_file_arg, prompt_file, prompt)
-            check_options(method, gpus or tp, given != (None,) * 3, deterministic, (save_kv, load_kv) != (None, None))
+            check_options(method, policy, gpus or tp, given != (None,) * 3, deterministic,
+                          (save_kv, load_kv) != (None, None))
         setup = _configure(params)
         # the prompts before any notice, so that a bad prompt is the only line
         if batch is not None:

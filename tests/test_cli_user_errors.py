@@ -189,3 +189,19 @@ def test_batch_refuses_the_h2o_policy_before_loading(runner, models, tmp_path, m
     batch.write_text('{"prompt": "Hello"}\n')
     r = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "--batch", str(batch), "--policy", "h2o"])
     _one_error_line(r, 2, "batches run --policy retrieval|shared|topk|streaming so far, not 'h2o'")
+
+
+def test_eval_out_that_is_a_file_is_refused_before_the_work(runner, models, tmp_path, monkeypatch):
+    """tforce eval --out FILE ran the whole evaluation, then lost it to a FileExistsError when writing;
+    the file is refused first, and kept."""
+    import tforce.weights
+
+    def no_loading(*a, **k):
+        raise AssertionError("the evaluation started before --out was checked")
+
+    monkeypatch.setattr(tforce.weights, "load_model", no_loading)
+    (tmp_path / "notes.txt").write_text("keep me")
+    r = runner.invoke(app, ["eval", "-m", str(models / "tiny-target"), "--books", str(models / "doc.txt"),
+                            "--out", str(tmp_path / "notes.txt")])
+    _one_error_line(r, 2, f"--out {tmp_path / 'notes.txt'}: a file, not a folder")
+    assert (tmp_path / "notes.txt").read_text() == "keep me"

@@ -205,3 +205,19 @@ def test_eval_out_that_is_a_file_is_refused_before_the_work(runner, models, tmp_
                             "--out", str(tmp_path / "notes.txt")])
     _one_error_line(r, 2, f"--out {tmp_path / 'notes.txt'}: a file, not a folder")
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_a_closed_stdin_reads_as_empty(models):
+    """Started with stdin closed (`tforce run ... <&-`, some service managers) every command failed with
+    "AttributeError: 'NoneType' object has no attribute 'isatty'": a closed stdin is an empty one."""
+    import os
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "tforce", "run", "-m", str(models / "tiny-target"), "--method", "ar", "-n", "2"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for extra, code, needle in ((["-p", "hi", "--json"], 0, ""), ([], 2, "tforce: error: the prompt is empty")):
+        r = subprocess.run(base + extra, capture_output=True, text=True, env=env, timeout=120,
+                           preexec_fn=lambda: os.close(0))
+        assert r.returncode == code and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert code or json.loads(r.stdout)["prompt_tokens"] > 0

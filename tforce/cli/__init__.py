@@ -1,6 +1,7 @@
 """The `tforce` command line: run, chat, info, bench, eval (one module each; shared parts in common.py)."""
 from __future__ import annotations
 
+import os
 import sys
 
 from . import bench, chat, eval, info, run  # noqa: F401  (registers the commands)
@@ -17,6 +18,8 @@ def main() -> None:
     except ImportError:
         from click import exceptions as cx
 
+    if sys.stdin is None:  # started with stdin closed (`<&-`, some service managers): read it as empty
+        sys.stdin = open(os.open(os.devnull, os.O_RDONLY), encoding="utf-8")
     try:
         code = app(standalone_mode=False)
     except getattr(cx, "NoArgsIsHelpError", ()) as e:  # `tforce` alone: the help, on stderr

@@ -207,17 +207,32 @@ def test_eval_out_that_is_a_file_is_refused_before_the_work(runner, models, tmp_
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
-def test_a_closed_stdin_reads_as_empty(models):
-    """Started with stdin closed (`tforce run ... <&-`, some service managers) every command failed with
-    "AttributeError: 'NoneType' object has no attribute 'isatty'": a closed stdin is an empty one."""
+def _closed(models, fd: int, *args):
     import os
     import subprocess
     import sys
 
     base = [sys.executable, "-m", "tforce", "run", "-m", str(models / "tiny-target"), "--method", "ar", "-n", "2"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    for extra, code, needle in ((["-p", "hi", "--json"], 0, ""), ([], 2, "tforce: error: the prompt is empty")):
-        r = subprocess.run(base + extra, capture_output=True, text=True, env=env, timeout=120,
-                           preexec_fn=lambda: os.close(0))
-        assert r.returncode == code and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
-        assert code or json.loads(r.stdout)["prompt_tokens"] > 0
+    return subprocess.run(base + list(args), capture_output=fd == 0, stdout=None if fd == 0 else subprocess.PIPE,
+                          stderr=None if fd == 0 else subprocess.PIPE, text=True, env=env, timeout=120,
+                          preexec_fn=lambda: os.close(fd))
+
+
+def test_a_closed_stdin_reads_as_empty(models):
+    """Started with stdin closed (`tforce run ... <&-`, some service managers) every command failed with
+    "AttributeError: 'NoneType' object has no attribute 'isatty'": a closed stdin is an empty one."""
+    r = _closed(models, 0, "-p", "hi", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["prompt_tokens"] > 0, r.stderr
+    r = _closed(models, 0)
+    assert r.returncode == 2 and r.stderr == "tforce: error: the prompt is empty: give a prompt file, --prompt " \
+        "TEXT or text on stdin\n", r.stderr
+
+
+def test_a_closed_stderr_drops_the_diagnostics_and_a_closed_stdout_is_said(models):
+    """2>&- made every run fail (exit 1, silently: the error had nowhere to go either); >&- was an
+    AttributeError. Without stderr the run still writes its data; without stdout it says why it stops."""
+    r = _closed(models, 2, "-p", "hi", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["prompt_tokens"] > 0
+    r = _closed(models, 1, "-p", "hi")
+    assert r.returncode == 1 and r.stderr == "tforce: error: stdout is closed: the output has nowhere to go\n", r.stderr

@@ -236,3 +236,17 @@ def test_a_closed_stderr_drops_the_diagnostics_and_a_closed_stdout_is_said(model
     assert r.returncode == 0 and json.loads(r.stdout)["prompt_tokens"] > 0
     r = _closed(models, 1, "-p", "hi")
     assert r.returncode == 1 and r.stderr == "tforce: error: stdout is closed: the output has nowhere to go\n", r.stderr
+
+
+def test_non_utf8_prompt_argument_and_piped_questions_read_as_files_do(runner, models):
+    """README: bytes that are not UTF-8 become U+FFFD with one warning. From a Latin-1 terminal, -p 'caf\\xe9'
+    (which Python hands over as a lone surrogate) and questions piped to chat were TypeErrors in the tokenizer."""
+    pair = ["-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), "-n", "2", "-t", "0"]
+    r = runner.invoke(app, ["run", *pair, "-p", "caf\udce9", "--json"])
+    assert r.exit_code == 0, r.output
+    assert r.stderr.startswith("tforce: warning: --prompt is not valid UTF-8") and len(r.stderr.splitlines()) == 1
+    same = runner.invoke(app, ["run", *pair, "-p", "caf\ufffd", "--json"])
+    assert json.loads(r.stdout)["tokens"] == json.loads(same.stdout)["tokens"]
+    r = runner.invoke(app, ["chat", str(models / "doc.txt"), *pair, "--json"], input=b"Who \xe9?\n")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["question"] == "Who \ufffd?" and "not valid UTF-8" in r.stderr

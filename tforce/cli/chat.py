@@ -136,7 +136,8 @@ def _question_source(questions: Optional[str], document_on_stdin: bool, saving: 
         sys.stdin = open(0, closefd=False, encoding="utf-8", errors="replace")
     if sys.stdin.isatty():
         return _terminal_questions(), True
-    return (q.strip() for q in sys.stdin if q.strip()), False
+    lines = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else (q.encode() for q in sys.stdin)
+    return (q for q in (_decode_text(b, "stdin").strip() for b in lines) if q), False
 
 
 def _open_terminal() -> int:

@@ -43,6 +43,8 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Opt
                 if prompt_file.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0") else ""
             raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror or e}{hint}") from e
         document = _decode_text(data, f"prompt file {prompt_file}")
+    if prompt is not None:  # an argument's bytes that are not UTF-8 reach Python as lone surrogates
+        prompt = _decode_text(prompt.encode("utf-8", "surrogateescape"), "--prompt")
     parts = [p for p in (document, prompt or "") if p.strip()]
     if not parts and default is not None and prompt is None and prompt_file is None:
         _say(f"tforce: no prompt given: using {NAME} and a question")

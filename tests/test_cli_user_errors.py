@@ -250,3 +250,19 @@ def test_non_utf8_prompt_argument_and_piped_questions_read_as_files_do(runner, m
     r = runner.invoke(app, ["chat", str(models / "doc.txt"), *pair, "--json"], input=b"Who \xe9?\n")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["question"] == "Who \ufffd?" and "not valid UTF-8" in r.stderr
+
+
+def test_a_question_typed_in_latin1_reads_as_piped_ones_do(monkeypatch, capsys):
+    """At a Latin-1 terminal, input() hands over the bytes that are not UTF-8 as lone surrogates."""
+    from tforce.cli import chat
+
+    typed = ["Who \udce9?"]
+
+    def typing(*_):
+        if not typed:
+            raise EOFError  # Ctrl-D
+        return typed.pop()
+
+    monkeypatch.setattr("builtins.input", typing)
+    assert list(chat._terminal_questions()) == ["Who \ufffd?"]
+    assert "not valid UTF-8" in capsys.readouterr().err

@@ -163,8 +163,8 @@ def _terminal_questions():
             shown.write("\n")
             shown.flush()
             continue
-        if line:
-            yield line
+        if line:  # a Latin-1 terminal's bytes come as lone surrogates: read as piped questions are
+            yield _decode_text(line.encode("utf-8", "surrogateescape"), "the question")
 
 
 def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int, keep_history: bool, as_json: bool,

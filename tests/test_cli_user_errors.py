@@ -266,3 +266,11 @@ def test_a_question_typed_in_latin1_reads_as_piped_ones_do(monkeypatch, capsys):
     monkeypatch.setattr("builtins.input", typing)
     assert list(chat._terminal_questions()) == ["Who \ufffd?"]
     assert "not valid UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "bench"])
+def test_draft_help_names_the_sibling_default(runner, command):
+    """--help said the draft defaults to 'the registry's' only; a folder X-target takes its sibling X-draft
+    (and run and chat without --model, the demo pair's draft)."""
+    r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "300"})
+    assert "sibling X-draft" in r.stdout, r.stdout

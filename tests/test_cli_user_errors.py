@@ -274,3 +274,14 @@ def test_draft_help_names_the_sibling_default(runner, command):
     (and run and chat without --model, the demo pair's draft)."""
     r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "300"})
     assert "sibling X-draft" in r.stdout, r.stdout
+
+
+def test_a_config_transformers_refuses_says_why(runner, models, tmp_path):
+    """transformers' message ends its first line at 'validator ...:' and gives the reason on the next:
+    the one line kept both (it showed only 'Class validation error for validator ...:')."""
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({**json.loads((models / "tiny-target" / "config.json").read_text()),
+                                                 "num_attention_heads": 3}))
+    _one_error_line(runner.invoke(app, ["info", "-m", str(odd)]), 2,
+                    "is not a multiple of the number of attention heads (3)")

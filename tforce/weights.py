@@ -64,8 +64,10 @@ def read_config(path: Path):
     memory plan, `tforce info`) reads a Llama's fields from it."""
     try:
         config = AutoConfig.from_pretrained(path)
-    except Exception as e:  # transformers' messages run to several lines: keep the first (errors.py: one line)
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    except Exception as e:  # transformers' messages run to several lines: keep the first (errors.py: one line),
+        # and the second where the first only introduces it ("Class validation error for validator ...:")
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        reason = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
         raise UsageError(f"cannot read {path / 'config.json'}: {reason}") from e
     if config.model_type not in SUPPORTED:
         raise UsageError(f"{path}: model type {config.model_type!r} is not a Llama-family model")

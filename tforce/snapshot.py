@@ -298,15 +298,19 @@ def check_world(path, manifest: dict, world: int) -> None:
                          "the snapshot again")
 
 
+def check_dtype(path, manifest: dict, want: str) -> None:
+    """The cache's dtype (e.g. "float32") against the run's: known before any weights are read."""
+    if manifest["dtype"] != want:
+        raise UsageError(f"--load-kv {path}: its cache is {manifest['dtype']}, this run's is {want} "
+                         f"(pass --dtype {manifest['dtype']})")
+
+
 def check(path, manifest: dict, ident: dict, dtype: torch.dtype) -> None:
     """Refuse a snapshot of another model, tokenizer or dtype, in one line."""
     saved, now = manifest["target"], ident["target"]
     if saved["config_sha256"] != now["config_sha256"]:
         raise UsageError(f"--load-kv {path}: made with another model ({saved['name']}; its config differs)")
-    want = str(dtype).replace("torch.", "")
-    if manifest["dtype"] != want:
-        raise UsageError(f"--load-kv {path}: its cache is {manifest['dtype']}, this run's is {want} "
-                         f"(pass --dtype {manifest['dtype']})")
+    check_dtype(path, manifest, str(dtype).replace("torch.", ""))
     if saved["weights"] != now["weights"]:
         raise UsageError(f"--load-kv {path}: made with another model ({saved['name']}; same config, other weights)")
     a, b = manifest["tokenizer_sha256"], ident["tokenizer_sha256"]

@@ -106,7 +106,8 @@ def _configure(p: dict) -> Setup:
     placement_options = _placement_options(p["offload"], p["gpu_memory"])
     _threads(p["threads"])
     world, dev = _parallel(p["tp"], p["gpus"], p["device"])
-    _check_snapshots(p["save_kv"], p["load_kv"], world)
+    dtype = p["dtype"] if p["dtype"] != "auto" else "bfloat16" if dev == "cuda" else "float32"  # as load_model
+    _check_snapshots(p["save_kv"], p["load_kv"], world, dtype)
     model, draft, demo_draft = p["model"], p["draft"], None
     target_name = model
     if model is None:
@@ -123,15 +124,17 @@ def _configure(p: dict) -> Setup:
                  world, {**options, **placement_options}, demo_draft)
 
 
-def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int) -> None:
-    """Refuse a --save-kv path that is not a snapshot and a --load-kv snapshot of another world size (or
-    none) before any weights are read or ranks started; the engine checks the model's identity."""
-    from ..snapshot import check_target, check_world, read_manifest
+def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int, dtype: str) -> None:
+    """Refuse a --save-kv path that is not a snapshot and a --load-kv snapshot of another world size or
+    dtype (or none) before any weights are read or ranks started; the engine checks the model's identity."""
+    from ..snapshot import check_dtype, check_target, check_world, read_manifest
 
     if save_kv is not None:
         check_target(save_kv)
     if load_kv is not None:
-        check_world(load_kv, read_manifest(load_kv), world)
+        manifest = read_manifest(load_kv)
+        check_world(load_kv, manifest, world)
+        check_dtype(load_kv, manifest, dtype)
 
 
 def _demo_notice(setup: Setup, draft: Optional[str]) -> None:

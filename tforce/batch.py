@@ -27,7 +27,7 @@ from .cache.policies import make_select
 from .cache.rows_offload import RowsOffloadedCache
 from .cache.rows_retrieval import RowsRetrievalCache
 from .config import Sampling, Speculation
-from .engine import Result, _eos_ids, _module, _placement, _planned_peak, configuration
+from .engine import Result, _eos_ids, _module, _placement, _planned_peak, check_ids, configuration
 from .session import _plan, _sync_device
 from .errors import UsageError
 from .prefill import prefill_rows_layer_major
@@ -60,6 +60,14 @@ class _RowState:
         return stop is not None or len(self.out[r]) >= self.max_new[r]
 
 
+def check_batchable(method: str, policy: str) -> None:
+    """What batches do not run yet (the command line asks before loading any weights)."""
+    if method not in BATCH_METHODS:
+        raise UsageError(f"batches run --method {'|'.join(BATCH_METHODS)} so far, not {method!r}")
+    if method in ("triforce", "retrieval") and policy not in BATCH_POLICIES:
+        raise UsageError(f"batches run --policy {'|'.join(BATCH_POLICIES)} so far, not {policy!r}")
+
+
 def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_tokens: int | list[int] = 256,
                    temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
                    ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
@@ -85,10 +93,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
                                    seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
                                    draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                                    rebuild_below=rebuild_below, policy=policy)
-    if method not in BATCH_METHODS:
-        raise UsageError(f"batches run --method {'|'.join(BATCH_METHODS)} so far, not {method!r}")
-    if method in ("triforce", "retrieval") and policy not in BATCH_POLICIES:
-        raise UsageError(f"batches run --policy {'|'.join(BATCH_POLICIES)} so far, not {policy!r}")
+    check_batchable(method, policy)
     prompts = [list(map(int, p)) for p in prompts]
     context = target.config.max_position_embeddings
     if not prompts:
@@ -98,6 +103,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
             raise UsageError(f"prompt {i + 1} of the batch is empty")
         if len(p) >= context:
             raise UsageError(f"prompt {i + 1} of the batch is {len(p)} tokens; the model's context is {context}")
+        check_ids(target, p, f"prompt {i + 1} of the batch")
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(budgets) != len(prompts):
         raise UsageError(f"max_new_tokens: {len(budgets)} budgets for {len(prompts)} prompts")

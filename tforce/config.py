@@ -34,6 +34,8 @@ class Sampling:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise UsageError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise UsageError(f"--seed must be in [-2**63, 2**64), got {self.seed}")
 
 
 @dataclass(frozen=True)

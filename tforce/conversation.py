@@ -20,7 +20,7 @@ import time
 import torch
 
 from . import snapshot
-from .engine import Result, _eos_ids, _module, _stats, check_prompt, decode, generator, open_session
+from .engine import Result, _eos_ids, _module, _stats, check_ids, check_prompt, decode, generator, open_session
 from .errors import UsageError
 from .session import Session, _sync_device
 
@@ -43,6 +43,7 @@ class Conversation:
         context = self.target.config.max_position_embeddings
         room = context - len(doc) if room is None else min(room, context - len(doc))
         check_prompt(self.target, len(doc), 0)
+        check_ids(self.target, doc, "the document")
         if room < 2:
             raise UsageError(f"the document is {len(doc)} tokens; the model's context ({context}) leaves no room "
                              f"for a question")
@@ -81,6 +82,7 @@ class Conversation:
         prompt = self.history + list(question_ids)
         if len(question_ids) == 0:
             raise UsageError("the question is empty")
+        check_ids(self.target, list(question_ids), "the question")
         if len(prompt) >= self.session.total:
             raise UsageError(f"the conversation ({len(prompt)} tokens) has outgrown its room "
                              f"({self.session.total} tokens with the document)")

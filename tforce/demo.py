@@ -14,6 +14,7 @@ from .errors import UsageError
 
 EXCERPT = Path(__file__).resolve().parent / "data" / "demo_excerpt.txt"
 QUESTION = "Question: what did the narrator call himself?"
+NAME = "the demo's excerpt (Great Expectations, chapters 1-2)"  # as the notices name it
 
 
 def models_dir() -> Path:

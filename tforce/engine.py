@@ -85,6 +85,16 @@ def check_prompt(target, n: int, max_new_tokens: int) -> int:
     return min(max_new_tokens, context - n)
 
 
+def check_ids(target, ids, what: str = "the prompt") -> None:
+    """Refuses ids outside the target's vocabulary: they would index past its embedding table, an
+    IndexError from inside a forward (on CUDA a device-side assert), not the bad argument they are."""
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    vocab = target.config.vocab_size
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if bad.numel():
+        raise UsageError(f"{what} holds token id {int(bad[0])}, outside the model's vocabulary (0 to {vocab - 1})")
+
+
 def generator(target, seed: int | None) -> torch.Generator:
     gen = torch.Generator(device=next(target.parameters()).device)
     gen.manual_seed(seed if seed is not None else torch.seed())
@@ -124,6 +134,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     target, draft = _module(target), (_module(draft) if draft is not None else None)
     prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
     max_new = check_prompt(target, len(prompt), max_new_tokens)
+    check_ids(target, prompt)
     session = open_session(target, draft, len(prompt), max_new, method=method, temperature=temperature,
                            top_p=top_p, top_k=top_k, seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1,
                            gamma2=gamma2, draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,

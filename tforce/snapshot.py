@@ -107,14 +107,25 @@ def identity(target, draft=None, group=None) -> dict:
 # ------------------------------------------------------------------------------------------------- write
 
 def is_snapshot(path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
+    """A folder whose manifest is tforce's: another program's manifest.json does not make its folder one
+    (a snapshot is replaced whole)."""
+    try:
+        return json.loads((Path(path).expanduser() / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def check_target(path) -> None:
-    """Refuse to write over anything but a snapshot or an empty folder."""
-    p = Path(path)
+    """Refuse to write over anything but a snapshot or an empty folder, or where no folder can be made
+    (before the work, not after it)."""
+    p = Path(path).expanduser()
     if p.exists() and not is_snapshot(p) and not (p.is_dir() and not any(p.iterdir())):
         raise UsageError(f"--save-kv {path}: exists and is not a tforce KV snapshot; refusing to overwrite it")
+    ancestor = next(a for a in p.absolute().parents if a.exists())  # the folders below it are made
+    if not ancestor.is_dir():
+        raise UsageError(f"--save-kv {path}: {ancestor} is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"--save-kv {path}: cannot write in {ancestor}")
 
 
 def _write(folder: Path, name: str, tensors: dict) -> str:
@@ -137,10 +148,10 @@ def save(path, session, ident: dict, group=None) -> None:
     p = Path(path).expanduser()
     rank, world = (group.rank, group.world) if group is not None else (0, 1)
     tmp = None
-    if rank == 0:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent))
     try:
+        if rank == 0:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent))
         if world == 1:
             files, streaming = _write_part(tmp, session, ident)
         else:
@@ -163,9 +174,11 @@ def save(path, session, ident: dict, group=None) -> None:
                 f.flush()
                 os.fsync(f.fileno())
             _replace(tmp, p)
-    except BaseException:
-        if rank == 0:
+    except BaseException as e:
+        if rank == 0 and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # a full disk, a folder the system refuses: the user's problem, one line
+            raise TforceError(f"--save-kv {path}: cannot write the snapshot: {e.strerror or e}") from e
         raise
 
 
@@ -237,8 +250,12 @@ def _version() -> str:
 def read_manifest(path) -> dict:
     """The manifest of a snapshot folder, its format checked."""
     p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"--load-kv {path}: a file, not a snapshot folder")
     if not p.is_dir():
         raise UsageError(f"--load-kv {path}: no such snapshot folder")
+    if not (p / MANIFEST).is_file():
+        raise UsageError(f"--load-kv {path}: not a readable tforce KV snapshot (no {MANIFEST})")
     try:
         manifest = json.loads((p / MANIFEST).read_text())
     except (OSError, ValueError) as e:
@@ -281,15 +298,19 @@ def check_world(path, manifest: dict, world: int) -> None:
                          "the snapshot again")
 
 
+def check_dtype(path, manifest: dict, want: str) -> None:
+    """The cache's dtype (e.g. "float32") against the run's: known before any weights are read."""
+    if manifest["dtype"] != want:
+        raise UsageError(f"--load-kv {path}: its cache is {manifest['dtype']}, this run's is {want} "
+                         f"(pass --dtype {manifest['dtype']})")
+
+
 def check(path, manifest: dict, ident: dict, dtype: torch.dtype) -> None:
     """Refuse a snapshot of another model, tokenizer or dtype, in one line."""
     saved, now = manifest["target"], ident["target"]
     if saved["config_sha256"] != now["config_sha256"]:
         raise UsageError(f"--load-kv {path}: made with another model ({saved['name']}; its config differs)")
-    want = str(dtype).replace("torch.", "")
-    if manifest["dtype"] != want:
-        raise UsageError(f"--load-kv {path}: its cache is {manifest['dtype']}, this run's is {want} "
-                         f"(pass --dtype {manifest['dtype']})")
+    check_dtype(path, manifest, str(dtype).replace("torch.", ""))
     if saved["weights"] != now["weights"]:
         raise UsageError(f"--load-kv {path}: made with another model ({saved['name']}; same config, other weights)")
     a, b = manifest["tokenizer_sha256"], ident["tokenizer_sha256"]

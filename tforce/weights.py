@@ -59,6 +59,24 @@ def resolve(name_or_path: str) -> Path:
                           f"download it elsewhere and pass its folder with --model") from e
 
 
+def read_config(path: Path):
+    """The config of a model folder, refused unless tforce runs it: checked here, before anything (the
+    memory plan, `tforce info`) reads a Llama's fields from it."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers' messages run to several lines: keep the first (errors.py: one line),
+        # and the second where the first only introduces it ("Class validation error for validator ...:")
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        reason = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+        raise UsageError(f"cannot read {path / 'config.json'}: {reason}") from e
+    if config.model_type not in SUPPORTED:
+        raise UsageError(f"{path}: model type {config.model_type!r} is not a Llama-family model")
+    window = getattr(config, "sliding_window", None)
+    if window and window < config.max_position_embeddings:
+        raise UsageError(f"{path}: sliding-window attention ({window} tokens) is not supported")
+    return config
+
+
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -77,16 +95,7 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
     world > 1: the model of tensor-parallel rank `rank` (parallel.apply_tp's layout), reading from the
     files only that rank's slice of each sharded weight (safetensors get_slice), the rest whole."""
     path = resolve(name_or_path)
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as e:  # transformers' messages run to several lines: keep the first (errors.py: one line)
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UsageError(f"cannot read {path / 'config.json'}: {reason}") from e
-    if config.model_type not in SUPPORTED:
-        raise UsageError(f"{path}: model type {config.model_type!r} is not a Llama-family model")
-    window = getattr(config, "sliding_window", None)
-    if window and window < config.max_position_embeddings:
-        raise UsageError(f"{path}: sliding-window attention ({window} tokens) is not supported")
+    config = read_config(path)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..batch import BATCH_METHODS
+from ..batch import BATCH_METHODS, check_batchable
 from ..errors import UsageError
 from .common import _as_role, _check_memory, _decode_text, _say
 
@@ -80,10 +80,12 @@ def _document(path: Optional[str], where: str) -> str:
     return _decode_text(data, f"{path} ({where})")
 
 
-def check_options(method: str, world: int, prompt_given: bool, deterministic: bool, snapshots: bool) -> None:
+def check_options(method: str, policy: str, world: int, prompt_given: bool, deterministic: bool,
+                  snapshots: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
     if method not in BATCH_METHODS:
         raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)}, not {method!r}")
+    check_batchable(method, policy)
     if world > 1:
         raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
     if deterministic:

@@ -20,7 +20,8 @@ from .run import _check_local, _default_draft, _parallel, _read_config, _read_pr
 @app.command()
 def bench(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: a folder, hub id or short name."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Small draft model (default: the registry's)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Small draft model (default: the registry's, or the "
+                                                               "sibling X-draft of a folder X-target)."),
     synthetic: Optional[str] = typer.Option(None, "--synthetic",
                                             help="Random weights of an architecture: llama2-7b | llama2-13b | "
                                                  "llama3.1-8b | tiny (results are labelled synthetic)."),

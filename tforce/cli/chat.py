@@ -27,7 +27,7 @@ from typing import Optional
 
 import typer
 
-from ..demo import EXCERPT
+from ..demo import EXCERPT, NAME
 from ..errors import UsageError
 from . import options as o
 from .app import app
@@ -88,7 +88,7 @@ def chat(
             raise UsageError(f"--room must be >= 2, got {room}")
         setup = _configure(params)
         text, from_stdin = _document(book, load_kv, model is None)
-        lines, from_terminal = _question_source(questions, from_stdin)
+        lines, from_terminal = _question_source(questions, from_stdin, save_kv is not None)
         _gpu_memory_note(gpu_memory, setup.device)
         _demo_notice(setup, draft)
         with ExitStack() as ranks:  # tensor-parallel ranks end with the chat, however it ends
@@ -107,13 +107,13 @@ def _document(book: Optional[str], load_kv: Optional[str], demo: bool) -> tuple[
         return _read_prompt(None, None), True
     if not demo:
         raise UsageError("no document: give BOOK (a file, '-' for stdin), pipe it on stdin, or --load-kv DIR")
-    _say("tforce: no document given: using the demo's excerpt (Great Expectations, chapter 1)")
+    _say(f"tforce: no document given: using {NAME}")
     return EXCERPT.read_text(encoding="utf-8").strip(), False
 
 
-def _question_source(questions: Optional[str], document_on_stdin: bool):
+def _question_source(questions: Optional[str], document_on_stdin: bool, saving: bool = False):
     """(an iterator of questions (stripped, non-empty), whether they come from a terminal: then after a `> `
-    prompt)."""
+    prompt). A questions file without one is refused unless the chat is `saving` a snapshot."""
     if questions == "-" and document_on_stdin:
         raise UsageError("the document came on stdin: give the questions in a file (--questions FILE)")
     if questions is not None and questions != "-":
@@ -121,8 +121,10 @@ def _question_source(questions: Optional[str], document_on_stdin: bool):
             data = open(os.path.expanduser(questions), "rb").read()
         except OSError as e:
             raise UsageError(f"cannot read questions file {questions}: {e.strerror or e}") from e
-        text = _decode_text(data, f"questions file {questions}")
-        return (q.strip() for q in text.splitlines() if q.strip()), False
+        lines = [q.strip() for q in _decode_text(data, f"questions file {questions}").splitlines() if q.strip()]
+        if not lines and not saving:
+            raise UsageError(f"questions file {questions} holds no questions (one a line)")
+        return iter(lines), False
     if document_on_stdin:
         try:  # the terminal becomes stdin, so that readline edits the questions
             fd = _open_terminal()
@@ -134,7 +136,8 @@ def _question_source(questions: Optional[str], document_on_stdin: bool):
         sys.stdin = open(0, closefd=False, encoding="utf-8", errors="replace")
     if sys.stdin.isatty():
         return _terminal_questions(), True
-    return (q.strip() for q in sys.stdin if q.strip()), False
+    lines = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else (q.encode() for q in sys.stdin)
+    return (q for q in (_decode_text(b, "stdin").strip() for b in lines) if q), False
 
 
 def _open_terminal() -> int:
@@ -160,8 +163,8 @@ def _terminal_questions():
             shown.write("\n")
             shown.flush()
             continue
-        if line:
-            yield line
+        if line:  # a Latin-1 terminal's bytes come as lone surrogates: read as piped questions are
+            yield _decode_text(line.encode("utf-8", "surrogateescape"), "the question")
 
 
 def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int, keep_history: bool, as_json: bool,

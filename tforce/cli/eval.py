@@ -95,6 +95,8 @@ def eval_(
         files = sorted(glob.glob(str(Path(books).expanduser())))
         if not files:
             raise UsageError(f"--books {books!r} matches no files")
+        if Path(out).expanduser().exists() and not Path(out).expanduser().is_dir():  # before the work, not after
+            raise UsageError(f"--out {out}: a file, not a folder")
         cfg.books = [Path(f).stem for f in files]
         texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
         _threads(threads)

@@ -112,6 +112,11 @@ def info(
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES[1:])}, got {dtype!r}")
         if model is not None and synthetic is not None:
             raise UsageError("give --model or --synthetic, not both")
+        if model is None and synthetic is None:  # ignored, they would read as a plan that fits
+            given = [name for name, v in (("--context", context is not None), ("--gpu-memory", gpu_memory is not None),
+                                          ("--gpus", ranks != 1), ("--batch", batch != 1)) if v]
+            if given:
+                raise UsageError(f"{given[0]} plans a model: give --model or --synthetic ARCH")
         placement_options = _placement_options(offload, gpu_memory)
         gpus = [{"name": torch.cuda.get_device_name(i),
                  "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
@@ -121,15 +126,10 @@ def info(
                   "transformers": transformers.__version__, "cpu_cores": os.cpu_count(), "cuda_devices": gpus,
                   "host_memory_bytes": mem.total, "host_memory_available_bytes": mem.available}
         if model is not None:
-            from transformers import AutoConfig
-
-            from ..weights import resolve
+            from ..weights import read_config, resolve
 
             path = resolve(model)
-            try:
-                config = AutoConfig.from_pretrained(path)
-            except Exception as e:
-                raise UsageError(f"cannot read {path / 'config.json'}: {e}") from e
+            config = read_config(path)
             record["model"] = {"name": model, "path": str(path),
                                **_arch(config, context or config.max_position_embeddings, dtype)}
         if synthetic is not None:

@@ -7,7 +7,8 @@ import typer
 from .common import GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, flag
 
 MODEL = typer.Option(None, "--model", "-m", help="Target: a folder, hub id or short name (default: the demo pair).")
-DRAFT = typer.Option(None, "--draft", help="Small draft model (default: the registry's).")
+DRAFT = typer.Option(None, "--draft", help="Small draft model (default: the registry's, or the sibling X-draft "
+                                            "of a folder X-target; without --model, the demo's).")
 METHOD = typer.Option("triforce", "--method", help="triforce | ar | retrieval | streaming | naive")
 MAX_NEW_TOKENS = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")
 TEMPERATURE = typer.Option(0.6, "--temperature", "-t", help="0 = greedy.")

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from ..config import Sampling, Speculation
-from ..demo import demo_pair, demo_prompt
+from ..demo import NAME, demo_pair, demo_prompt
 from ..errors import UsageError
 from .app import app
 from . import options as o
@@ -43,9 +43,11 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Opt
                 if prompt_file.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0") else ""
             raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror or e}{hint}") from e
         document = _decode_text(data, f"prompt file {prompt_file}")
+    if prompt is not None:  # an argument's bytes that are not UTF-8 reach Python as lone surrogates
+        prompt = _decode_text(prompt.encode("utf-8", "surrogateescape"), "--prompt")
     parts = [p for p in (document, prompt or "") if p.strip()]
     if not parts and default is not None and prompt is None and prompt_file is None:
-        _say("tforce: no prompt given: using the demo's excerpt (Great Expectations, chapters 1-2) and a question")
+        _say(f"tforce: no prompt given: using {NAME} and a question")
         return default
     if not parts:
         raise UsageError("the prompt is empty: give a prompt file, --prompt TEXT or text on stdin")
@@ -104,7 +106,8 @@ def _configure(p: dict) -> Setup:
     placement_options = _placement_options(p["offload"], p["gpu_memory"])
     _threads(p["threads"])
     world, dev = _parallel(p["tp"], p["gpus"], p["device"])
-    _check_snapshots(p["save_kv"], p["load_kv"], world)
+    dtype = p["dtype"] if p["dtype"] != "auto" else "bfloat16" if dev == "cuda" else "float32"  # as load_model
+    _check_snapshots(p["save_kv"], p["load_kv"], world, dtype)
     model, draft, demo_draft = p["model"], p["draft"], None
     target_name = model
     if model is None:
@@ -121,15 +124,17 @@ def _configure(p: dict) -> Setup:
                  world, {**options, **placement_options}, demo_draft)
 
 
-def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int) -> None:
-    """Refuse a --save-kv path that is not a snapshot and a --load-kv snapshot of another world size (or
-    none) before any weights are read or ranks started; the engine checks the model's identity."""
-    from ..snapshot import check_target, check_world, read_manifest
+def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int, dtype: str) -> None:
+    """Refuse a --save-kv path that is not a snapshot and a --load-kv snapshot of another world size or
+    dtype (or none) before any weights are read or ranks started; the engine checks the model's identity."""
+    from ..snapshot import check_dtype, check_target, check_world, read_manifest
 
     if save_kv is not None:
         check_target(save_kv)
     if load_kv is not None:
-        check_world(load_kv, read_manifest(load_kv), world)
+        manifest = read_manifest(load_kv)
+        check_world(load_kv, manifest, world)
+        check_dtype(load_kv, manifest, dtype)
 
 
 def _demo_notice(setup: Setup, draft: Optional[str]) -> None:
@@ -187,15 +192,19 @@ def run(
             raise UsageError("give the prompt file once: as an argument or with --prompt-file")
         if batch is not None:
             given = (prompt_file_arg, prompt_file, prompt)
-            check_options(method, gpus or tp, given != (None,) * 3, deterministic, (save_kv, load_kv) != (None, None))
+            check_options(method, policy, gpus or tp, given != (None,) * 3, deterministic,
+                          (save_kv, load_kv) != (None, None))
         setup = _configure(params)
+        # the prompts before any notice, so that a bad prompt is the only line
         if batch is not None:
-            return run_batch(read_batch(batch), setup.target, setup.draft, setup.device, setup.dtype, setup.options)
-        # the prompt before any notice, so that a bad prompt is the only line
-        text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
-                            demo_prompt() if model is None else None)
+            items = read_batch(batch)
+        else:
+            text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
+                                demo_prompt() if model is None else None)
         _gpu_memory_note(gpu_memory, setup.device)
         _demo_notice(setup, draft)
+        if batch is not None:
+            return run_batch(items, setup.target, setup.draft, setup.device, setup.dtype, setup.options)
         _run(text, setup.target, setup.draft, setup.device, setup.dtype, as_json,
              dict(setup.options, save_kv=save_kv, load_kv=load_kv), setup.world)
 
@@ -227,16 +236,10 @@ def _parallel(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:
 
 def _read_config(name: str, role: str):
     """(folder, config) of a model without reading its weights; errors name the role."""
-    from transformers import AutoConfig
-
-    from ..weights import resolve
+    from ..weights import read_config, resolve
 
     path = _as_role(role, resolve, name)
-    try:
-        return path, AutoConfig.from_pretrained(path)
-    except Exception as e:
-        reason = (str(e).strip().splitlines() or [""])[0]
-        raise UsageError(f"{role}: cannot read {path / 'config.json'}: {reason}") from e
+    return path, _as_role(role, read_config, path)
 
 
 def _tp_target(model: str, world: int):

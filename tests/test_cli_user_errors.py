@@ -285,3 +285,22 @@ def test_a_config_transformers_refuses_says_why(runner, models, tmp_path):
                                                  "num_attention_heads": 3}))
     _one_error_line(runner.invoke(app, ["info", "-m", str(odd)]), 2,
                     "is not a multiple of the number of attention heads (3)")
+
+
+def test_version_prints_one_line():
+    from tforce import __version__
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout == f"tforce {__version__}\n"
+
+
+def test_a_plan_for_no_device_does_not_claim_a_gpu():
+    """`tforce info -m MODEL` on a machine without CUDA plans for the CPU: its line says so."""
+    from tforce import placement
+
+    target = placement.Shape(4, 64, 128, 4, 2, 16, 100, 4, 10_000)
+    work = placement.Work(capacity=64, prompt=32)
+    cpu = placement.plan(target, work, "auto", None, 2**40)
+    assert cpu.describe() == "4/4 layers of KV in the CPU's memory (no GPU)"
+    gpu = placement.plan(target, work, "auto", 2**30, 2**40)
+    assert gpu.describe().startswith("4/4 layers of KV on the GPU")

@@ -174,6 +174,8 @@ class Plan:
         return max(self.prefill_peak, self.decode_peak)
 
     def describe(self) -> str:
+        if self.budget is None:  # planned for no device: everything stays where the model is
+            return f"{self.n_layers}/{self.n_layers} layers of KV in the CPU's memory (no GPU)"
         return (f"{self.resident}/{self.n_layers} layers of KV on the GPU ({self.gpu_bytes / GiB:.1f} GiB), "
                 f"{self.offloaded} in pinned host memory ({self.host_bytes / GiB:.1f} GiB)")
 

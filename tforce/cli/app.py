@@ -6,3 +6,17 @@ import typer
 # Python type, `<bool>` on --help and on flags declared without common.flag among them.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Lossless hierarchical speculative decoding (TriForce) for long-context Llama models.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        print(f"tforce {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print tforce's version and exit.",
+                                       is_eager=True, callback=_version)) -> None:
+    """Lossless hierarchical speculative decoding (TriForce) for long-context Llama models."""

@@ -13,26 +13,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_features_cut_short_still_brings_back_its_steps(tmp_path):
-    # The versions step runs (real python, `python -`); every later one hangs, and the call is killed
-    # there, as the device tool kills one past its limit: what was done must already be in one file.
+def stand_in(tmp_path, script: str) -> Path:
+    """An executable `python` in tmp_path running the shell `script` (a stand-in for the GPU machine's)."""
     fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\n[ "$1" = "-" ] && exec "{sys.executable}" "$@"\nexec sleep 60\n')
+    fake.write_text(script)
     fake.chmod(0o755)
-    out = tmp_path / "out"
-    env = dict(os.environ, OUT=str(out), PYTHON=str(fake), DEVICE="cpu", TMPDIR=str(tmp_path))
-    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_features.sh")], env=env, stdout=subprocess.PIPE,
+    return fake
+
+
+def run_until(script: str, env: dict, marker: str, limit: float) -> list[str]:
+    """Run scripts/SCRIPT, read its output until a line starts with `marker`, then kill it (and its steps)
+    as the device tool kills a call past its limit; the lines seen. `limit` seconds at most: never a hung test."""
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / script)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    guard = threading.Timer(60, os.killpg, (proc.pid, signal.SIGKILL))  # never a hung test
+    guard = threading.Timer(limit, os.killpg, (proc.pid, signal.SIGKILL))
     guard.start()
+    seen = []
     try:
         for line in proc.stdout:
-            if line.startswith("== cuda_tests (limit"):  # the versions step is done, the next one hangs
+            seen.append(line)
+            if line.startswith(marker):
                 break
     finally:
         guard.cancel()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    return seen
+
+
+def test_gpu_features_cut_short_still_brings_back_its_steps(tmp_path):
+    # The versions step runs (real python, `python -`); every later one hangs, and the call is killed
+    # there, as the device tool kills one past its limit: what was done must already be in one file.
+    fake = stand_in(tmp_path, f'#!/bin/sh\n[ "$1" = "-" ] && exec "{sys.executable}" "$@"\nexec sleep 60\n')
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(fake), DEVICE="cpu", TMPDIR=str(tmp_path))
+    run_until("gpu_features.sh", env, "== cuda_tests (limit", 60)  # the versions step is done, the next hangs
     assert sorted(p.name for p in out.iterdir()) == ["gpu_features.tgz"]
     with tarfile.open(out / "gpu_features.tgz") as tar:
         names = {Path(n).name for n in tar.getnames()}
@@ -85,26 +100,11 @@ def test_gpu_check_bounds_its_cuda_tests_and_brings_back_their_log(tmp_path):
     # The CUDA tests step had no limit of its own: past the device call's limit the whole call is killed, and
     # its log (kept in a work folder that is packed only after a step ends) never came back. The stand-in
     # python passes the versions step and hangs in every later one.
-    fake = tmp_path / "python"
-    fake.write_text('#!/bin/sh\nif [ "$1" = "-" ]; then cat >/dev/null; echo "torch stand-in"; exit 0; fi\n'
-                    'echo "stand-in started: $*"\nexec sleep 60\n')
-    fake.chmod(0o755)
+    fake = stand_in(tmp_path, '#!/bin/sh\nif [ "$1" = "-" ]; then cat >/dev/null; echo "torch stand-in"; exit 0; fi\n'
+                              'echo "stand-in started: $*"\nexec sleep 60\n')
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), PYTHON=str(fake), CUDA_TESTS_S="2", TMPDIR=str(tmp_path))
-    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    guard = threading.Timer(30, os.killpg, (proc.pid, signal.SIGKILL))  # never a hung test
-    guard.start()
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("== sdpa_probe"):  # the CUDA tests step has ended
-                break
-    finally:
-        guard.cancel()
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    seen = run_until("gpu_check.sh", env, "== sdpa_probe", 30)  # the CUDA tests step has ended
     assert any(line.startswith("== cuda_tests: exit 124") for line in seen), "".join(seen)
     with tarfile.open(out / "gpu_check.tgz") as tar:
         names = {Path(n).name for n in tar.getnames()}
@@ -142,9 +142,7 @@ def test_sdpa_probe_lower_right_candidate_is_attend_on_the_cpu():
 def test_gpu_paper_says_a_bench_was_killed_by_its_limit(tmp_path):
     """A bench killed by BENCH_S before its first method ends leaves no record, so the summary of it fails
     too: the step must still read exit 124 (its limit), not the summary's 1."""
-    fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\n[ "$1" = "-m" ] && exec sleep 60\nexec "{sys.executable}" "$@"\n')
-    fake.chmod(0o755)
+    fake = stand_in(tmp_path, f'#!/bin/sh\n[ "$1" = "-m" ] && exec sleep 60\nexec "{sys.executable}" "$@"\n')
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), PYTHON=str(fake), PROMPT_LENS="200", PLACEMENTS="on", BENCH_S="1",
                TMPDIR=str(tmp_path))

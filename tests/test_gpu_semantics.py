@@ -22,12 +22,13 @@ from torch.utils._pytree import tree_flatten
 import tforce
 import tforce.batch
 import tforce.conversation
-import tforce.session
 import tforce.graphs
+import tforce.session
 from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
 from tforce.cache.rows_offload import RowsOffloadedCache
 from tforce.rope import Rotary
+from test_offload import run_steps
 
 # ---- copy stream ---------------------------------------------------------------------------------
 
@@ -113,22 +114,13 @@ def copy_stream(monkeypatch):
     return copies
 
 
-def _steps(model, cache, ids):
-    out = []
-    for a, b, keep in [(0, 17, 17), (17, 18, 1), (18, 22, 2), (20, 21, 1)]:
-        cache.begin(b - a)
-        out.append(model(ids[:, a:b], cache))
-        cache.commit(keep)
-    return out
-
-
 def _offloaded_steps(tiny, resident):
     model = tiny["gqa"].model
     dims = (model.config.num_hidden_layers, model.n_kv_heads, model.head_dim)
     rotary = Rotary(model.config, 64)
     ids = torch.randint(3, 259, (1, 22), generator=torch.Generator().manual_seed(0))
-    ref = _steps(model, FullCache(*dims, capacity=64, rotary=rotary), ids)
-    got = _steps(model, OffloadedCache(*dims, capacity=64, rotary=rotary, resident=resident), ids)
+    ref = run_steps(model, FullCache(*dims, capacity=64, rotary=rotary), ids)
+    got = run_steps(model, OffloadedCache(*dims, capacity=64, rotary=rotary, resident=resident), ids)
     return all(torch.equal(r, g) for r, g in zip(ref, got))
 
 

@@ -96,21 +96,24 @@ def check_options(method: str, policy: str, world: int, prompt_given: bool, dete
         raise UsageError("--batch takes its prompts from the batch file: no PROMPT_FILE or --prompt")
 
 
-def run_batch(items: list[tuple[object, str, Optional[int]]], model: str, draft: Optional[str], device: str,
-              dtype: Optional[str], options: dict) -> None:
+def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: dict) -> None:
+    """setup: run.Setup (the models, device, dtype and prompt format)."""
     from ..batch import generate_batch
     from ..weights import load_model
-    from .run import _dtype_bytes, _read_config, _tp_target
+    from .run import _dtype_bytes, _read_config, _tp_target, template_note
 
+    model, draft, device, dtype = setup.target, setup.draft, setup.device, setup.dtype
     path, config, tok = _tp_target(model, 1)
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
-    prompts = [list(tok.encode(text)) for _, text, _ in items]
+    fmt = setup.prompt_format(tok, path)
+    prompts = [fmt.prompt_ids(text) for _, text, _ in items]
     budgets = [options["max_new_tokens"] if n is None else n for _, _, n in items]
     context = config.max_position_embeddings
     for (key, _, _), ids in zip(items, prompts):
         if len(ids) >= context:
             raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
+    template_note(fmt, path)
     short = [f"{key!r} gets {context - len(ids)}" for (key, _, _), ids, n in zip(items, prompts, budgets)
              if n > context - len(ids)]
     if short:  # as `tforce run` notes it for one prompt

@@ -12,8 +12,9 @@ Where things come from:
   is prefilled, Ctrl-C ends tforce (exit 130).
 With --tp N (--gpus N) the target is split over N persistent rank processes that prefill the document
 once and answer every question (tforce/conversation_tp.py); they end with the chat.
-Each question is tokenized on its own after a blank line ("\\n\\n" + question) and appended to the
-document's tokens; the answer is the target's exact continuation (tforce/conversation.py). Answers go to
+Each question's tokens (a blank line and the question, in the model's chat template when its tokenizer
+has one: tforce/prompt_format.py) are appended to the document's; the answer is the target's exact
+continuation (tforce/conversation.py). Answers go to
 stdout, each ended by a newline (--json: one object per question per line, "interrupted": true for an answer
 stopped by Ctrl-C); the live status, the prompt and each answer's time to first token go to stderr.
 """
@@ -34,9 +35,7 @@ from .app import app
 from .common import _as_role, _check_memory, _decode_text, _gpu_memory_note, _guarded, _say, flag
 from .live import Progress, TextStream
 from .run import (_configure, _demo_notice, _dtype_bytes, _end_line, _read_config, _read_prompt, _shared_with_stderr,
-                  _tp_target)
-
-SEPARATOR = "\n\n"  # between the document (or the previous answer) and a question
+                  _tp_target, template_note)
 
 
 @app.command()
@@ -76,6 +75,8 @@ def chat(
     gpu_memory: Optional[str] = o.GPU_MEMORY,
     save_kv: Optional[str] = o.SAVE_KV,
     load_kv: Optional[str] = o.LOAD_KV,
+    template: str = o.TEMPLATE,
+    system: Optional[str] = o.SYSTEM,
     as_json: bool = flag("--json", "One JSON object per question (question, answer, tokens, stats) per line."),
     tp: int = o.TP,
     gpus: Optional[int] = o.GPUS,
@@ -174,11 +175,17 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
     path, config, tok = _tp_target(setup.target, setup.world)
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
-    doc = list(tok.encode(text)) if text is not None else read_manifest(load_kv)["tokens"]
+    fmt = setup.prompt_format(tok, path)
+    if text is not None:
+        doc = fmt.document_ids(text)
+    else:
+        doc = read_manifest(load_kv)["tokens"]
+        fmt.check_document(doc, f"the KV snapshot {load_kv}")
     context = config.max_position_embeddings
     if len(doc) + 2 > context:
         raise UsageError(f"the document is {len(doc)} tokens; the model's context ({context}) leaves no room "
                          "for a question")
+    template_note(fmt, path)
     room = min(room, context - len(doc))
     options = dict(setup.options)
     max_new = options.pop("max_new_tokens")
@@ -198,13 +205,15 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
     _say(f"tforce: document: {len(doc)} tokens{how} in {conv.prefill_s:.2f} s"
          + (f"; snapshot written to {save_kv}" if save_kv is not None else "")
          + ("" if as_json or not from_terminal else "; ask a question (Ctrl-C stops an answer, Ctrl-D ends)"))
+    answer = None  # the last whole answer, which a question follows with --keep-history
     for question in questions:
-        ids = tok.encode(SEPARATOR + question, add_special_tokens=False)
+        ids = fmt.question_ids(question, answer if keep_history else None)
         if len(ids) + 1 > conv.room_left:
             raise UsageError(f"the conversation has outgrown its room ({room} tokens after the document): "
                              "pass a larger --room" + (" or drop --keep-history" if keep_history else ""))
         try:
-            _answer(conv, question, ids, tok, max_new, method, as_json, from_terminal)
+            tokens = _answer(conv, question, ids, tok, max_new, method, as_json, from_terminal)
+            answer = answer if tokens is None else tokens
         except KeyboardInterrupt:  # a second Ctrl-C while the first was reported, or one after the answer
             if not from_terminal:
                 raise
@@ -233,10 +242,10 @@ def _conversation(setup, path, config, doc: list[int], ranks: ExitStack, room: i
 
 
 def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str, as_json: bool,
-            from_terminal: bool) -> None:
-    """Stream one answer. Ctrl-C while it is written (questions from a terminal): it stops there, the text so
-    far stays, its line is ended and one stderr line says so (Conversation.ask leaves the stopped question
-    out of the conversation)."""
+            from_terminal: bool) -> Optional[list[int]]:
+    """Stream one answer; its tokens. Ctrl-C while it is written (questions from a terminal): it stops there,
+    the text so far stays, its line is ended and one stderr line says so, and None (Conversation.ask leaves
+    the stopped question out of the conversation)."""
     stream = TextStream(tok, sys.stdout, enabled=not as_json)
     progress = Progress(max_new, method, stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
@@ -251,7 +260,7 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
             _end_line(stream.printed)
             raise
         _stopped(question, stream, as_json, conv.keep_history)
-        return
+        return None
     if progress:
         progress.close()
     s = result.stats
@@ -263,6 +272,7 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
     sys.stdout.flush()
     if not as_json:
         _say(_turn_line(len(result.tokens), s))
+    return result.tokens
 
 
 def _stopped(question: str, stream: TextStream, as_json: bool, keep_history: bool) -> None:

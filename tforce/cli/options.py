@@ -40,6 +40,10 @@ SAVE_KV = typer.Option(None, "--save-kv", metavar="DIR",
                        help="Write the prefilled KV cache there (a snapshot folder; an existing snapshot is replaced).")
 LOAD_KV = typer.Option(None, "--load-kv", metavar="DIR",
                        help="Start from a snapshot: only the prompt after its prefix is prefilled.")
+TEMPLATE = typer.Option("auto", "--template", help="auto: lay the prompt out in the model's chat template when its "
+                                                   "tokenizer has one (instruction-tuned models) | none: the text "
+                                                   "as it is.")
+SYSTEM = typer.Option(None, "--system", help="A system message (needs a chat template).")
 TP = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo.")
 GPUS = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda).")
 

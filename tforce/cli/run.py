@@ -89,6 +89,21 @@ class Setup:
     world: int
     options: dict  # generate's keyword arguments
     demo: Optional[str]  # the demo's draft when no --model was given (for the notice)
+    template: str = "auto"  # prompt_format.PromptFormat's
+    system: Optional[str] = None
+
+    def prompt_format(self, tok, path):
+        """How this command's text becomes tokens (the target's tokenizer `tok`, from folder `path`)."""
+        from ..prompt_format import PromptFormat
+
+        return PromptFormat(tok, self.template, self.system, name=str(path))
+
+
+def template_note(fmt, path) -> None:
+    """Says on stderr that the chat template laid the prompt out: after the prompt's checks, so that a
+    refused prompt's error is the only line."""
+    if fmt.templated:
+        _say(f"tforce: the prompt follows {path}'s chat template (--template none: the text as it is)")
 
 
 def _configure(p: dict) -> Setup:
@@ -103,6 +118,7 @@ def _configure(p: dict) -> Setup:
         raise UsageError(f"--prefill-chunk must be >= 1, got {p['prefill_chunk']}")
     if p["dtype"] not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {p['dtype']!r}")
+    system = _check_template(p["template"], p["system"])
     placement_options = _placement_options(p["offload"], p["gpu_memory"])
     _threads(p["threads"])
     world, dev = _parallel(p["tp"], p["gpus"], p["device"])
@@ -121,7 +137,20 @@ def _configure(p: dict) -> Setup:
         raise UsageError(f"method {spec.method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
     options = {k: p[k] for k in ENGINE}
     return Setup(target_name, draft_name if spec.uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
-                 world, {**options, **placement_options}, demo_draft)
+                 world, {**options, **placement_options}, demo_draft, p["template"], system)
+
+
+def _check_template(template: str, system: Optional[str]) -> Optional[str]:
+    """--template and --system checked before anything is read; the system message as text."""
+    from ..prompt_format import TEMPLATES
+
+    if template not in TEMPLATES:
+        raise UsageError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+    if system is None:
+        return None
+    if template == "none":
+        raise UsageError("--system needs a chat template (not --template none)")
+    return _decode_text(system.encode("utf-8", "surrogateescape"), "--system")
 
 
 def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int, dtype: str) -> None:
@@ -176,6 +205,8 @@ def run(
     gpu_memory: Optional[str] = o.GPU_MEMORY,
     save_kv: Optional[str] = o.SAVE_KV,
     load_kv: Optional[str] = o.LOAD_KV,
+    template: str = o.TEMPLATE,
+    system: Optional[str] = o.SYSTEM,
     as_json: bool = flag("--json", "Print one JSON object instead of streaming text."),
     tp: int = o.TP,
     gpus: Optional[int] = o.GPUS,
@@ -204,9 +235,8 @@ def run(
         _gpu_memory_note(gpu_memory, setup.device)
         _demo_notice(setup, draft)
         if batch is not None:
-            return run_batch(items, setup.target, setup.draft, setup.device, setup.dtype, setup.options)
-        _run(text, setup.target, setup.draft, setup.device, setup.dtype, as_json,
-             dict(setup.options, save_kv=save_kv, load_kv=load_kv), setup.world)
+            return run_batch(items, setup, setup.options)
+        _run(text, setup, as_json, dict(setup.options, save_kv=save_kv, load_kv=load_kv))
 
     _guarded(body)
 
@@ -260,18 +290,20 @@ def _dtype_bytes(dtype: Optional[str], device: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype or ("bfloat16" if device == "cuda" else "float32"))).element_size()
 
 
-def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Optional[str], as_json: bool,
-         options: dict, world: int = 1) -> None:
+def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
     from ..engine import generate
     from ..weights import load_model, resolve
 
+    model, draft, device, dtype, world = setup.target, setup.draft, setup.device, setup.dtype, setup.world
     path, config, tok = _tp_target(model, world)  # no weights yet: the prompt and memory are checked first
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
-    ids = list(tok.encode(text))
+    fmt = setup.prompt_format(tok, path)
+    ids = fmt.prompt_ids(text)
     context = config.max_position_embeddings
     if len(ids) >= context:
         raise UsageError(f"the prompt is {len(ids)} tokens; the model's context is {context}")
+    template_note(fmt, path)
     max_new = min(options["max_new_tokens"], context - len(ids))
     if max_new < options["max_new_tokens"]:
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for {max_new} new tokens after "
@@ -307,6 +339,7 @@ def _run(text: str, model: str, draft: Optional[str], device: str, dtype: Option
     _kv_notes(options, result.stats, len(ids) - 1)
     if as_json:
         record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
+                  "chat_template": fmt.templated,
                   "device": device, "stats": result.stats}
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()

@@ -1,0 +1,218 @@
+"""prompt_format.PromptFormat: text -> prompt tokens, raw or in a chat template; and the same through
+`tforce run` and `tforce chat` on a tiny model whose tokenizer carries a template (greedy answers equal
+plain decoding of the templated ids, chat's pieces equal run's whole prompt)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+import tforce
+from tforce.cli import app
+from tforce.errors import UsageError
+from tforce.prompt_format import PromptFormat
+from tforce.synthetic import byte_tokenizer, make_checkpoint
+
+from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
+
+LLAMA2_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "models" / "llama2-tokenizer"
+# Llama 2 chat's layout ([INST] turns, ' </s>' after an answer), as its tokenizer_config.json writes it
+LLAMA2_CHAT = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+# Llama 3's layout (headers, a trimmed message, an end-of-turn token, the assistant's header last)
+HEADERS = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n\n{{ m['content'] | trim }}<|eot|>{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>\n\n{% endif %}")
+
+
+def _byte(template: str | None):
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot|>", "<|user|>", "<|assistant|>", "<|system|>"]})
+    tok.chat_template = template
+    return tok
+
+
+def _llama2(template: str | None = None):
+    if not LLAMA2_TOKENIZER.is_dir():
+        pytest.skip(f"the Llama 2 tokenizer is absent ({LLAMA2_TOKENIZER})")
+    tok = AutoTokenizer.from_pretrained(LLAMA2_TOKENIZER)
+    tok.chat_template = template
+    return tok
+
+
+def _render(tok, messages) -> list[int]:
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+
+
+def test_raw_text_is_tokenized_as_before():
+    tok = _byte(None)
+    fmt = PromptFormat(tok)
+    assert not fmt.templated
+    assert fmt.prompt_ids(DOC + "\n\nWho?") == tok.encode(DOC + "\n\nWho?")
+    assert fmt.document_ids(DOC) == tok.encode(DOC)
+    assert not PromptFormat(_byte(HEADERS), "none").templated
+
+
+@pytest.mark.parametrize("template", [None, LLAMA2_CHAT])
+def test_chat_pieces_are_run_prompt_tokens_with_sentencepiece(template):
+    """Tokenized alone, "\\n\\nWho?" gets SentencePiece's leading space ('▁'), which the whole prompt
+    does not have: chat's question pieces are tokenized as they come after the document."""
+    tok = _llama2(template)
+    fmt = PromptFormat(tok)
+    assert fmt.templated == (template is not None)
+    for doc, q in [(DOC, "Who?"), ("Call me Ishmael", "Why the sea?"), ("x\n", "  spaced")]:
+        whole = fmt.prompt_ids(doc + "\n\n" + q)
+        assert fmt.document_ids(doc) + fmt.question_ids(q) == whole
+    if template is None:  # the old chat pieces differ here; the test would catch going back to them
+        assert tok.encode("\n\nWho?", add_special_tokens=False) != fmt.question_ids("Who?")
+
+
+@pytest.mark.parametrize("template", [HEADERS, LLAMA2_CHAT])
+def test_templated_prompt_is_the_rendered_conversation(template):
+    tok = _byte(template)
+    fmt = PromptFormat(tok, system="Answer briefly.")
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": DOC + "\n\nWho?"}]
+    assert fmt.prompt_ids(DOC + "\n\nWho?") == _render(tok, messages)
+    assert fmt.document_ids(DOC) + fmt.question_ids("Who?") == _render(tok, messages)
+    assert tok.decode(fmt.prompt_ids("x")).count("Answer briefly.") == 1
+
+
+def test_a_later_question_follows_the_answer_without_a_second_turn_end():
+    tok = _byte(HEADERS)
+    fmt = PromptFormat(tok)
+    eot = tok.convert_tokens_to_ids("<|eot|>")
+    answer = tok.encode("Dickens.", add_special_tokens=False)
+    closed = fmt.question_ids("When?", answer + [eot])
+    assert tok.decode(closed) == "<|user|>\n\nWhen?<|eot|><|assistant|>\n\n"
+    # the whole conversation, as the template lays it out, is the history's tokens
+    history = fmt.document_ids(DOC) + fmt.question_ids("Who?") + answer + [eot] + closed
+    assert history == _render(tok, [{"role": "user", "content": DOC + "\n\nWho?"},
+                                    {"role": "assistant", "content": "Dickens."}, {"role": "user", "content": "When?"}])
+    # an answer cut by --max-new-tokens has not closed its turn: the template's end comes first
+    assert tok.decode(fmt.question_ids("When?", answer)) == "<|eot|><|user|>\n\nWhen?<|eot|><|assistant|>\n\n"
+    # Llama 2 writes ' </s>' after an answer: an answer ending in </s> is not given another
+    tok2 = _byte(LLAMA2_CHAT)
+    fmt2 = PromptFormat(tok2)
+    assert tok2.decode(fmt2.question_ids("When?", answer + [tok2.eos_token_id])) == "<s>[INST] When? [/INST]"
+    assert tok2.decode(fmt2.question_ids("When?", answer)) == " </s><s>[INST] When? [/INST]"
+
+
+def test_refusals_are_usage_errors():
+    with pytest.raises(UsageError, match="--system needs a chat template"):
+        PromptFormat(_byte(None), system="x")
+    with pytest.raises(UsageError, match="--system needs a chat template"):
+        PromptFormat(_byte(HEADERS), "none", system="x")
+    with pytest.raises(UsageError, match="--template must be one of"):
+        PromptFormat(_byte(HEADERS), "chatml")
+    refuses = "{{ raise_exception('System role not supported') if messages[0]['role'] == 'system' }}" + HEADERS
+    with pytest.raises(UsageError, match="System role not supported"):
+        PromptFormat(_byte(refuses), system="x")
+    shouting = HEADERS.replace("m['content'] | trim", "m['content'] | upper")
+    with pytest.raises(UsageError, match="does not keep a message's text"):
+        PromptFormat(_byte(shouting))
+    fmt = PromptFormat(_byte(HEADERS))
+    fmt.check_document(fmt.document_ids(DOC), "the snapshot")
+    with pytest.raises(UsageError, match="does not begin with"):
+        fmt.check_document(_byte(None).encode(DOC), "the snapshot")
+
+
+# ----------------------------------------------------------------------------------- the commands
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny pair of 263 ids (the byte tokenizer's 259 and the template's four special tokens)."""
+    root = tmp_path_factory.mktemp("template")
+    make_checkpoint(root / "chat-target", seed=0, tokenizer=False, **{**TARGET, "vocab_size": 263})
+    make_checkpoint(root / "chat-draft", seed=1, tokenizer=False, **{**DRAFT, "vocab_size": 263})
+    _byte(HEADERS).save_pretrained(root / "chat-target")
+    (root / "doc.txt").write_text(DOC)
+    return root
+
+
+def _cli(models, command, *args, input=None):
+    base = [command, "-m", str(models / "chat-target"), "--draft", str(models / "chat-draft"), *FAST]
+    return CliRunner().invoke(app, base + list(args), input=input)
+
+
+def _greedy(models, ids: list[int]) -> list[int]:
+    target = tforce.load_model(str(models / "chat-target"))
+    return tforce.generate(target.model, ids, method="ar", max_new_tokens=12, temperature=0).tokens
+
+
+def _templated(models, *messages) -> list[int]:
+    tok = AutoTokenizer.from_pretrained(models / "chat-target")
+    return _render(tok, list(messages))
+
+
+@pytest.mark.parametrize("method", ["triforce", "ar"])
+def test_run_lays_the_prompt_out_in_the_template(models, method):
+    r = _cli(models, "run", str(models / "doc.txt"), "-p", "Who?", "--system", "Be brief.", "--json",
+             "--method", method)
+    assert r.exit_code == 0, (r.output, r.exception)
+    obj = json.loads(r.stdout)
+    ids = _templated(models, {"role": "system", "content": "Be brief."}, {"role": "user", "content": DOC + "\n\nWho?"})
+    assert obj["chat_template"] is True and obj["prompt_tokens"] == len(ids)
+    assert obj["tokens"] == _greedy(models, ids)
+    assert "chat template" in r.stderr
+    raw = _cli(models, "run", str(models / "doc.txt"), "-p", "Who?", "--json", "--template", "none")
+    assert raw.exit_code == 0, (raw.output, raw.exception)
+    obj = json.loads(raw.stdout)
+    assert obj["chat_template"] is False and obj["tokens"] == _greedy(models, byte_tokenizer().encode(DOC + "\n\nWho?"))
+
+
+def test_chat_answers_are_run_answers_in_the_template(models):
+    r = _cli(models, "chat", str(models / "doc.txt"), "--json", "--keep-history", input="Who?\nWhen?\n")
+    assert r.exit_code == 0, (r.output, r.exception)
+    first, second = [json.loads(line) for line in r.stdout.splitlines()]
+    ids = _templated(models, {"role": "user", "content": DOC + "\n\nWho?"})
+    assert first["tokens"] == _greedy(models, ids)
+    fmt = PromptFormat(AutoTokenizer.from_pretrained(models / "chat-target"))
+    assert second["tokens"] == _greedy(models, ids + first["tokens"] + fmt.question_ids("When?", first["tokens"]))
+    alone = _cli(models, "chat", str(models / "doc.txt"), "--json", input="When?\n")
+    assert json.loads(alone.stdout)["tokens"] == _greedy(
+        models, _templated(models, {"role": "user", "content": DOC + "\n\nWhen?"}))
+
+
+def test_batch_lines_are_laid_out_in_the_template(models, tmp_path):
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"prompt": "Who?", "file": str(models / "doc.txt")}) + "\n")
+    r = _cli(models, "run", "--batch", str(batch), "--method", "ar")
+    assert r.exit_code == 0, (r.output, r.exception)
+    ids = _templated(models, {"role": "user", "content": DOC + "\n\nWho?"})
+    assert json.loads(r.stdout.splitlines()[0])["tokens"] == _greedy(models, ids)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--template", "chatml"], "--template must be one of"),
+    (["--template", "none", "--system", "x"], "--system needs a chat template"),
+])
+def test_template_options_refused_in_one_line(models, args, needle):
+    _one_error_line(_cli(models, "run", str(models / "doc.txt"), *args), 2, needle)
+
+
+def test_system_without_a_template_refused_in_one_line(tmp_path):
+    make_checkpoint(tmp_path / "base", seed=0, **TARGET)
+    r = CliRunner().invoke(app, ["run", "-m", str(tmp_path / "base"), "-p", "hi", "--method", "ar", "--system", "x"])
+    _one_error_line(r, 2, "has no chat template")
+
+
+def test_templated_chat_refuses_a_raw_snapshot(models, tmp_path):
+    raw = _cli(models, "run", str(models / "doc.txt"), "--template", "none", "--method", "ar", "-n", "1",
+               "--save-kv", str(tmp_path / "kv"))
+    assert raw.exit_code == 0, (raw.output, raw.exception)
+    _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), "--method", "ar", input="Who?\n"), 2,
+                    "does not begin with")
+    ok = _cli(models, "chat", "--load-kv", str(tmp_path / "kv"), "--method", "ar", "--template", "none",
+              "--json", input="Who?\n")
+    assert ok.exit_code == 0, (ok.output, ok.exception)

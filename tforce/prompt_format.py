@@ -1,0 +1,136 @@
+"""How text becomes the target's prompt tokens: raw, or in the model's chat template.
+
+An instruction-tuned model (Llama-3.1-8B-Instruct, LWM-Text-Chat) answers well only when the prompt is
+laid out as it was trained: role headers, turn ends, the assistant's header last. Its tokenizer carries
+that layout as a Jinja chat template, which transformers renders (`apply_chat_template`); a base model's
+tokenizer has none and gets the text as it is.
+
+- `run` (and each `--batch` line): the document and the question, joined by a blank line, are one user
+  message. Raw: `tokenizer.encode(text)` (its BOS added). Templated: the rendered conversation, ending
+  in the assistant's header, tokenized whole without adding special tokens (the template writes them).
+- `chat`: the document is prefilled once, each question appended to its tokens. So the template is cut
+  into pieces that do not depend on the question: it is rendered around marker strings standing for the
+  questions and the answer, and split at them. The document's piece ends where the document's text ends;
+  a question's piece is the blank line, the question and what closes the user's turn (through the
+  assistant's header). With --keep-history a later question's piece starts with what follows an
+  assistant's answer in the template (its turn end, then the next user header); when the answer already
+  ended with the special token the template writes there, that token is not written twice.
+  Raw: the document's tokens with BOS, then "\\n\\n" + question without special tokens, every turn.
+"""
+from __future__ import annotations
+
+from .errors import UsageError
+
+TEMPLATES = ("auto", "none")
+SEPARATOR = "\n\n"  # between the document (or the previous answer) and a question
+# Stand-ins for text that is not known when the template is cut: no template writes these.
+_ANCHOR = "a"  # what a piece is tokenized after (_encode_after)
+_Q1, _ANSWER, _Q2 = "\x00tforce-question-1\x00", "\x00tforce-answer\x00", "\x00tforce-question-2\x00"
+
+
+class PromptFormat:
+    def __init__(self, tokenizer, template: str = "auto", system: str | None = None, name: str = "the model"):
+        """template: auto (the tokenizer's chat template when it has one) or none (the text as it is).
+        system: a system message, which needs a template. name: the model, for messages."""
+        if template not in TEMPLATES:
+            raise UsageError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+        self.tok, self.name = tokenizer, name
+        self.templated = template == "auto" and bool(getattr(tokenizer, "chat_template", None))
+        if system is not None and not self.templated:
+            why = "--template none" if template == "none" else f"{name}'s tokenizer has no chat template"
+            raise UsageError(f"--system needs a chat template ({why})")
+        self.system = system
+        if self.templated:
+            self._cut()
+
+    # ------------------------------------------------------------------------------------------ run
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """The tokens of one prompt (document and question already joined)."""
+        if not self.templated:
+            return list(self.tok.encode(text))
+        return self._encode(self._render([{"role": "user", "content": text}]))
+
+    # ----------------------------------------------------------------------------------------- chat
+
+    def document_ids(self, document: str) -> list[int]:
+        if not self.templated:
+            return list(self.tok.encode(document))
+        return self._encode(self._head + document)
+
+    def check_document(self, ids: list[int], source: str) -> None:
+        """Refuse a document's tokens (a KV snapshot's prefix, from `source`) that were not laid out in
+        this format's template: questions in the template after a raw document (or the reverse) are a
+        prompt the model was not trained on. The head's last token is not compared: it may merge with the
+        document's first characters."""
+        if not self.templated:
+            return
+        head = self._encode(self._head)[:-1]
+        if list(ids[:len(head)]) != head:
+            raise UsageError(f"{source} does not begin with {self.name}'s chat template (made with --template none "
+                             "or another --system?): give the same --template and --system as when it was made")
+
+    def question_ids(self, question: str, answer: list[int] | None = None) -> list[int]:
+        """The tokens of a question after the document (answer None) or after an answer's tokens
+        (--keep-history)."""
+        if not self.templated:
+            return self._encode_after(SEPARATOR + question)
+        if answer is None:
+            return self._encode_after(SEPARATOR + question + self._close)
+        return self._encode_after(self._after(answer) + question + self._close_later)
+
+    # ------------------------------------------------------------------------------------- internals
+
+    def _messages(self, content: str) -> list[dict]:
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return system + [{"role": "user", "content": content}]
+
+    def _render(self, messages: list[dict]) -> str:
+        if self.system is not None and messages[0]["role"] != "system":
+            messages = self._messages(messages[0]["content"]) + messages[1:]
+        try:
+            return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template may refuse a layout (e.g. no system role): its message, one line
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"{self.name}'s chat template refused the prompt ({reason}); "
+                             "--template none gives the text as it is") from e
+
+    def _after(self, answer: list[int]) -> str:
+        """What the template writes between an answer and the next question, less the special token the
+        answer ended with when the template writes that token there (after its own spacing, as Llama 2's
+        ' </s>'): the model has already closed its turn, and a second end token is not what it was trained on."""
+        between = self._between
+        if answer and answer[-1] in set(getattr(self.tok, "all_special_ids", ())):
+            end = self.tok.convert_ids_to_tokens(answer[-1])
+            rest = between.lstrip()
+            if end and rest.startswith(end):
+                return rest[len(end):]
+        return between
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def _encode_after(self, piece: str) -> list[int]:
+        """The tokens of text that follows other text, as they come when the whole is tokenized: after a
+        letter, then without the letter's tokens. Tokenized alone, a piece gets what starts a text (a
+        SentencePiece tokenizer writes a space before "\n\nWho?"), which `run` does not give the same
+        document and question. A letter does not merge with the newlines or special tokens that start a
+        piece; where the boundary still differs (a document ending in characters that merge with them),
+        the piece is tokenized alone."""
+        anchor = self._encode(_ANCHOR)
+        ids = self._encode(_ANCHOR + piece)
+        return ids[len(anchor):] if ids[:len(anchor)] == anchor else self._encode(piece)
+
+    def _cut(self) -> None:
+        """The template's pieces around the document and the questions (see the module's docstring)."""
+        one = self._render([{"role": "user", "content": "D" + SEPARATOR + _Q1}])
+        two = self._render([{"role": "user", "content": "D" + SEPARATOR + _Q1},
+                            {"role": "assistant", "content": _ANSWER}, {"role": "user", "content": _Q2}])
+        cut = f"D{SEPARATOR}{_Q1}"
+        if one.count(cut) != 1 or two.count(_ANSWER) != 1 or two.count(_Q2) != 1:
+            raise UsageError(f"{self.name}'s chat template does not keep a message's text as it is, so tforce "
+                             "cannot place the document and questions in it; --template none gives the text as it is")
+        self._head = one[:one.index(cut)]
+        self._close = one[one.index(cut) + len(cut):]
+        self._between = two[two.index(_ANSWER) + len(_ANSWER):two.index(_Q2)]
+        self._close_later = two[two.index(_Q2) + len(_Q2):]

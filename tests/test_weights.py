@@ -199,3 +199,23 @@ def test_missing_shard_names_the_file(tiny_dir, tmp_path):
     with pytest.raises(tforce.TforceError) as info:
         tforce.load_model(str(tmp_path))
     assert str(shard) in str(info.value)
+
+
+def test_generation_config_end_of_sequence_stops_the_run(tiny_dir, tmp_path):
+    """An end-of-turn id listed only in generation_config.json (as instruction-tuned models do) ends the
+    run, as transformers' generate ends it; config.json's own id still does."""
+    import shutil
+
+    shutil.copytree(tiny_dir / "mha", tmp_path / "m")
+    ids = list(range(3, 40))
+    free = tforce.generate(tforce.load_model(str(tmp_path / "m")).model, ids, method="ar", max_new_tokens=12,
+                           temperature=0, ignore_eos=True).tokens
+    stop = free[4]
+    assert stop not in free[:4] and stop != 2
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop]}))
+    model = tforce.load_model(str(tmp_path / "m")).model
+    assert model.config.eos_token_id == [2, stop]
+    assert tforce.generate(model, ids, method="ar", max_new_tokens=12, temperature=0).tokens == free[:5]
+    (tmp_path / "m" / "generation_config.json").write_text("[")
+    with pytest.raises(tforce.errors.UsageError, match="generation_config.json"):
+        tforce.load_model(str(tmp_path / "m"))

@@ -74,7 +74,28 @@ def read_config(path: Path):
     window = getattr(config, "sliding_window", None)
     if window and window < config.max_position_embeddings:
         raise UsageError(f"{path}: sliding-window attention ({window} tokens) is not supported")
+    _add_generation_eos(config, path)
     return config
+
+
+def _add_generation_eos(config, path: Path) -> None:
+    """Adds generation_config.json's end-of-sequence ids to config.eos_token_id, which the engine stops at.
+    transformers' generate stops at generation_config's; an instruction-tuned model may list its end of
+    turn only there, and a run that goes on past it is not what the model alone gives."""
+    f = path / "generation_config.json"
+    if not f.is_file():
+        return
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise UsageError(f"cannot read {f}: not a JSON object") from e
+    ids = []
+    for value in (config.eos_token_id, eos):
+        for i in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
+                ids.append(i)
+    if ids:
+        config.eos_token_id = ids if len(ids) > 1 else ids[0]
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -416,3 +416,16 @@ def test_prefill_chunk_reaches_the_engine(runner, models, monkeypatch, command):
     assert result.exit_code == 0, (result.output, result.exception)
     assert seen == [16]
     _one_error_line(runner.invoke(app, base + source + ["--prefill-chunk", "0"], input="Who?\n"), 2, "--prefill-chunk")
+
+
+@pytest.mark.parametrize("args, noted", [
+    (["--dtype", "bfloat16"], True),
+    (["--dtype", "float16", "--method", "retrieval"], True),
+    (["--dtype", "bfloat16", "--deterministic"], False),
+    (["--dtype", "bfloat16", "--method", "ar"], False),
+    (["--dtype", "float32"], False),
+])
+def test_greedy_in_16_bits_says_what_exact_means(runner, models, args, noted):
+    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--device", "cpu", *args)
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert ("except where its two best logits nearly tie" in r.stderr) == noted, r.stderr

@@ -34,8 +34,8 @@ from . import options as o
 from .app import app
 from .common import _as_role, _check_memory, _decode_text, _gpu_memory_note, _guarded, _say, flag
 from .live import Progress, TextStream
-from .run import (_configure, _demo_notice, _dtype_bytes, _end_line, _read_config, _read_prompt, _shared_with_stderr,
-                  _tp_target, template_note)
+from .run import (_configure, _demo_notice, _dtype_bytes, _end_line, _exactness_note, _read_config, _read_prompt,
+                  _shared_with_stderr, _tp_target, template_note)
 
 
 @app.command()
@@ -92,6 +92,7 @@ def chat(
         lines, from_terminal = _question_source(questions, from_stdin, save_kv is not None)
         _gpu_memory_note(gpu_memory, setup.device)
         _demo_notice(setup, draft)
+        _exactness_note(setup)
         with ExitStack() as ranks:  # tensor-parallel ranks end with the chat, however it ends
             _chat(text, lines, from_terminal, setup, room, keep_history, as_json, save_kv, load_kv, ranks)
 

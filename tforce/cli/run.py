@@ -166,6 +166,16 @@ def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int,
         check_dtype(load_kv, manifest, dtype)
 
 
+def _exactness_note(setup: Setup) -> None:
+    """Greedy speculation in a 16-bit dtype, said where it is run: a verification's logits round differently
+    from one-token decoding's (README, Exactness), so a near-tie can flip a token."""
+    o = setup.options
+    dtype = setup.dtype or ("bfloat16" if setup.device == "cuda" else "float32")
+    if o["temperature"] == 0 and o["method"] != "ar" and not o["deterministic"] and dtype != "float32":
+        _say(f"tforce: note: greedy in {dtype}: the tokens are plain decoding's (--method ar) except where its "
+             "two best logits nearly tie; --deterministic makes them plain decoding's bit for bit")
+
+
 def _demo_notice(setup: Setup, draft: Optional[str]) -> None:
     if setup.demo is not None:
         _say(f"tforce: no --model given: using the trained demo pair {setup.target} (draft: {draft or setup.demo}; "
@@ -234,6 +244,7 @@ def run(
                                 demo_prompt() if model is None else None)
         _gpu_memory_note(gpu_memory, setup.device)
         _demo_notice(setup, draft)
+        _exactness_note(setup)
         if batch is not None:
             return run_batch(items, setup, setup.options)
         _run(text, setup, as_json, dict(setup.options, save_kv=save_kv, load_kv=load_kv))

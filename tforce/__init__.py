@@ -12,8 +12,9 @@ from .batch import generate_batch
 from .conversation import Conversation
 from .engine import Result, generate
 from .errors import TforceError, UsageError
+from .prompt_format import PromptFormat
 from .weights import LoadedModel, load_model
 
-__all__ = ["generate", "generate_batch", "Conversation", "load_model", "LoadedModel", "Result", "TforceError",
-           "UsageError"]
+__all__ = ["generate", "generate_batch", "Conversation", "load_model", "LoadedModel", "PromptFormat", "Result",
+           "TforceError", "UsageError"]
 __version__ = "0.1.0"

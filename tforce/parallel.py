@@ -16,8 +16,15 @@ exactly anyway), and everything after the last all_reduce is replicated, determi
 `generate_tp` checks the assumption at the end (all ranks' tokens must agree) instead of trusting it.
 Against the unsharded model the logits differ only by summation order (allclose, not bitwise).
 The same holds only if every rank runs the same code path, so all ranks place their KV caches from one
-figure, the least free device memory over the ranks (`_agreed_free`), and the end check compares the
-plans as well as the tokens.
+figure, the least free device memory over the ranks (`_agreed_free`). The plans are then equal: each
+rank's planner (session._plan) compares the plan's peak with a budget that both count this rank's own
+measured CUDA context and loaded weight bytes (row-parallel biases stay on rank 0), so those terms
+cancel and the comparison reads only the agreed figure and shapes that every rank shares (tested on the
+CPU in test_placement.py, with the context and weights made to differ). Session still compares the
+ranks' plans before it allocates a cache or runs the model (Group.check_plan) and refuses a
+difference rather than merging the plans: a difference means that argument broke, and a merged plan
+(the fewest resident layers) need not fit every rank, since the peak is not monotone in resident layers
+(offloading the first layer adds two staging layers and the prefill's hidden states).
 
 Loading: each rank reads from the safetensors files only its slice of every sharded weight
 (`tp_slices`, used by weights.load_model(rank=, world=)); embeddings, norms and lm_head whole.
@@ -153,10 +160,8 @@ def _generate_worker(rank, world, model_path, draft_path, prompt_ids, device, dt
     device_free = _agreed_free(dev, free[rank], options.pop("gpu_memory", None))
     result = generate(target, prompt_ids, draft=small, device_free=device_free, group=Group(), **options,
                       **rank_callbacks(rank, emit, events))
-    plan = (result.stats["kv_resident_layers"], result.stats["kv_offloaded_layers"])
-    if not all_equal((result.tokens, plan)):
-        raise TforceError("the tensor-parallel ranks generated different tokens or placed their KV caches "
-                          "differently: please report this")
+    if not all_equal(result.tokens):  # the plans were compared before prefill (Group.check_plan)
+        raise TforceError("the tensor-parallel ranks generated different tokens: please report this")
     return result
 
 
@@ -192,8 +197,9 @@ class AnyRank:
 
 
 class Group:
-    """The process group as snapshot.py sees it (this rank, the world size, a gather), so that snapshot.py
-    need not touch torch.distributed. Gathers are collectives: every rank must make the same ones."""
+    """The process group as snapshot.py and session.py see it (this rank, the world size, a gather, the plan
+    check), so that they need not touch torch.distributed. Gathers are collectives: every rank must make
+    the same ones."""
 
     def __init__(self):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -203,6 +209,17 @@ class Group:
         objs = [None] * self.world
         dist.all_gather_object(objs, obj)
         return objs
+
+    def check_plan(self, plan) -> None:
+        """One TforceError line on every rank unless all ranks' memory plans (placement.Plan) keep the same
+        layers resident and the same chunk statistics (see the module's docstring for why not a merge)."""
+        plans = self.gather((plan.resident, plan.recompute_stats))
+        if len(set(plans)) > 1:
+            each = "; ".join(f"rank {r}: {resident}/{plan.n_layers} layers resident"
+                             + (", chunk statistics recomputed" if recompute else "")
+                             for r, (resident, recompute) in enumerate(plans))
+            raise TforceError(f"the tensor-parallel ranks planned different KV caches ({each}): "
+                              f"please report this")
 
 
 def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:

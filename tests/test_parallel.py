@@ -19,7 +19,7 @@ from model_helpers import forward, full_cache, random_ids
 from tforce.cli import app
 from tforce.errors import TforceError, UsageError
 from tforce import placement
-from tforce.parallel import _generate_worker, apply_tp, check_tp
+from tforce.parallel import _generate_worker, _rank_room, apply_tp, check_tp
 from tforce.ranks import launch
 from tforce.synthetic import make_checkpoint
 
@@ -183,6 +183,23 @@ def test_ranks_that_plan_differently_refuse_before_prefill(five, method, rooms, 
         launch(_unagreed_worker, 2, "gloo", str(path), None, prompt, "cpu", torch.float32,
                dict(FIVE, method=method, seed=0), (), free)
     assert str(info.value) == f"the tensor-parallel ranks planned different KV caches ({plans}): please report this"
+
+
+def test_gpu_memory_caps_a_ranks_room_with_its_context_as_in_one_process(monkeypatch):
+    """--gpu-memory caps everything on the device, the CUDA context included: one process plans with
+    budget = min(weights + context + room, gpu_memory) (session._plan), so its caches and activations get
+    at most gpu_memory - weights - context. A rank's figure must leave it the same (not the context more).
+    torch.cuda's memory queries are stood in for (no GPU): 80 GiB, 60 free, 15 reserved, 14 allocated."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 15 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 14 * gib)
+    dev, weights, context = torch.device("cuda", 0), 14 * gib, 80 * gib - 60 * gib - 15 * gib
+    one_process = min(weights + context + 60 * gib, 30 * gib) - weights - context
+    assert _rank_room(dev, None, 30 * gib) == one_process == 11 * gib
+    assert _rank_room(dev, None, None) == 60 * gib
+    assert _rank_room(dev, 8 * gib, 30 * gib) == 8 * gib  # a given figure under the cap stands
+    assert _rank_room(torch.device("cpu"), 8 * gib, 6 * gib) == 6 * gib  # no context on the CPU
 
 
 def test_rank_that_never_starts_is_one_line_within_the_limit():

@@ -227,19 +227,28 @@ def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -
 
     A rank that plans from its own free memory may offload where another does not; the two then run
     different prefill paths and their all_reduces pair up wrongly (gloo: an error or the same wrong
-    tokens on every rank; NCCL: a hang or silent corruption). So each rank measures (or takes `given`),
-    applies gpu_memory as the engine would (less what this rank has allocated, which differs by the
-    row-parallel biases), and all plan with the minimum, gpu_memory already folded in. None: no rank
-    has a figure (a CPU run), which plans the whole cache as resident."""
-    free = given
-    if free is None and dev.type == "cuda":
-        free = torch.cuda.mem_get_info(dev)[0]
-    if free is not None and gpu_memory is not None:
-        free = min(free, gpu_memory - (torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0))
+    tokens on every rank; NCCL: a hang or silent corruption). So every rank plans with the minimum of
+    the ranks' figures (_rank_room), gpu_memory already folded in. None: no rank has a figure (a CPU
+    run), which plans the whole cache as resident."""
     frees = [None] * dist.get_world_size()
-    dist.all_gather_object(frees, free)
+    dist.all_gather_object(frees, _rank_room(dev, given, gpu_memory))
     known = [f for f in frees if f is not None]
     return min(known) if known else None
+
+
+def _rank_room(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
+    """This rank's room for the caches and activations beside what it holds: its free memory (or `given`),
+    and with gpu_memory, no more than gpu_memory less what this rank has allocated (its shard: row-parallel
+    biases make it differ) and, on CUDA, less its context, as session._plan caps one process: gpu_memory
+    bounds everything on the device, the context included."""
+    if dev.type != "cuda":
+        room, cap = given, gpu_memory
+    else:
+        free, total = torch.cuda.mem_get_info(dev)
+        context = total - free - torch.cuda.memory_reserved(dev)  # as session._plan measures it
+        room = free if given is None else given
+        cap = None if gpu_memory is None else gpu_memory - torch.cuda.memory_allocated(dev) - context
+    return room if room is None or cap is None else min(room, cap)
 
 
 def tp_options(device: str, dtype, options: dict, world: int):

@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU (gloo, 2 spawned processes): a sharded forward's logits match the
 unsharded model's, a rank loading only its slices equals load-then-apply_tp, greedy tokens with --tp 2
 equal --tp 1 (ar and triforce), sampled tokens agree across ranks, ranks measuring different free memory
-still plan alike, worker failures and a rank that never starts surface as one line, and bad --tp /
+still plan alike, ranks whose plans differ anyway refuse before prefill, worker failures and a rank that never starts surface as one line, and bad --tp /
 --gpus values are one usage line.
 
 Starting workers costs seconds (each imports torch and transformers), so one launch runs every
@@ -19,7 +19,7 @@ from model_helpers import forward, full_cache, random_ids
 from tforce.cli import app
 from tforce.errors import TforceError, UsageError
 from tforce import placement
-from tforce.parallel import _generate_worker, apply_tp, check_tp
+from tforce.parallel import _generate_worker, _rank_room, apply_tp, check_tp
 from tforce.ranks import launch
 from tforce.synthetic import make_checkpoint
 
@@ -112,35 +112,94 @@ def test_worker_error_is_one_line_not_a_hang():
     assert "Traceback" in str(info.value.__cause__)  # the worker's traceback, for TFORCE_DEBUG=1
 
 
-def test_ranks_with_different_free_memory_plan_alike(tmp_path):
-    """Rank 0 measures room for 2 of 5 KV layers (plus staging), rank 1 for all 5: alone, rank 0 would
-    offload 3 layers (layer-major prefill) and rank 1 none (token-major), and their all_reduces would
-    pair up wrongly. Both must plan with the smaller figure and produce ar's tokens."""
-    path = make_checkpoint(tmp_path / "five-layers", seed=13, num_hidden_layers=5, **TARGET)
-    target = tforce.load_model(str(path), tokenizer=False).model
-    prompt = random_ids(49, seed=8)[0].tolist()  # 48 prefill tokens: 3 chunks of 16
-    kw = dict(method="ar", temperature=0, max_new_tokens=12, ignore_eos=True, budget=32, prefill_chunk=16)
-    expected = tforce.generate(target, prompt, **kw)
-    assert expected.stats["kv_offloaded_layers"] == 0
-    # Each rank's room beside its weights, from the planner itself for one rank's shard (engine._plan on
-    # a CPU run: budget = weights + device_free, no CUDA context).
+FIVE = dict(temperature=0, max_new_tokens=12, ignore_eos=True, budget=32, prefill_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def five(tmp_path_factory):
+    """A 5-layer target, a prompt of 48 prefill tokens (3 chunks of 16), and room(method, resident,
+    recompute): the device_free that leaves one rank's shard room for exactly that plan, from the planner
+    itself (engine._plan on a CPU run: budget = weights + device_free, no CUDA context)."""
     from tforce.config import Speculation
     from tforce.session import model_shape
 
+    path = make_checkpoint(tmp_path_factory.mktemp("five") / "five-layers", seed=13, num_hidden_layers=5, **TARGET)
+    prompt = random_ids(49, seed=8)[0].tolist()
     shard = model_shape(apply_tp(tforce.load_model(str(path), tokenizer=False).model, 0, 2))
-    spec = Speculation(method="ar", budget=kw["budget"])
-    capacity = len(prompt) + kw["max_new_tokens"] + spec.max_lookahead + 1
-    work = placement.Work.of(spec, capacity, len(prompt) - 1, kw["prefill_chunk"], False, "math")
 
-    def room(resident):
-        return placement.layout(shard, work, resident, None, 0).peak - shard.weights
+    def room(method, resident, recompute=False):
+        spec = Speculation(method=method, budget=FIVE["budget"])
+        capacity = spec.capacity(len(prompt) + FIVE["max_new_tokens"])
+        work = placement.Work.of(spec.fitted(capacity), capacity, len(prompt) - 1, FIVE["prefill_chunk"], False,
+                                 "math")
+        return placement.layout(shard, work, resident, None, 0, recompute_stats=recompute).peak - shard.weights
 
-    free = [room(2), room(5)]  # rank 0: 2 staging + 2 layers; rank 1: all 5
+    return path, prompt, room
+
+
+def test_ranks_with_different_free_memory_plan_alike(five):
+    """Rank 0 measures room for 2 of 5 KV layers (plus staging), rank 1 for all 5: alone, rank 0 would
+    offload 3 layers (layer-major prefill) and rank 1 none (token-major), and their all_reduces would
+    pair up wrongly. Both must plan with the smaller figure and produce ar's tokens."""
+    path, prompt, room = five
+    kw = dict(FIVE, method="ar")
+    expected = tforce.generate(tforce.load_model(str(path), tokenizer=False).model, prompt, **kw)
+    assert expected.stats["kv_offloaded_layers"] == 0
+    free = [room("ar", 2), room("ar", 5)]  # rank 0: 2 staging + 2 layers; rank 1: all 5
     results = launch(_generate_worker, 2, "gloo", str(path), None, prompt, "cpu", torch.float32,
                      dict(kw, seed=0), (), free, all_ranks=True)
     for result in results:
         assert (result.stats["kv_resident_layers"], result.stats["kv_offloaded_layers"]) == (2, 3)
         assert result.tokens == expected.tokens
+
+
+def _unagreed_worker(rank, world, *args):
+    """_generate_worker with each rank planning from its own figure (_agreed_free bypassed), as ranks whose
+    plans differ despite it would, and a prefill that only fails, naming the rank that reached it."""
+    import tforce.parallel
+    import tforce.session
+
+    def prefill(self, *a, **k):
+        raise RuntimeError(f"rank {rank} reached prefill")
+
+    tforce.parallel._agreed_free = lambda dev, given, gpu_memory: given
+    tforce.session.Session.prefill = prefill
+    return _generate_worker(rank, world, *args)
+
+
+@pytest.mark.parametrize("method, rooms, plans", [
+    ("ar", ((2, False), (5, False)), "rank 0: 2/5 layers resident; rank 1: 5/5 layers resident"),
+    ("retrieval", ((5, True), (5, False)),
+     "rank 0: 5/5 layers resident, chunk statistics recomputed; rank 1: 5/5 layers resident"),
+])
+def test_ranks_that_plan_differently_refuse_before_prefill(five, method, rooms, plans):
+    """Different resident layers (different prefill paths: mismatched all_reduces) or different chunk
+    statistics: every rank refuses with one line naming each rank's plan before any rank prefills. (Before
+    the check ran in Session, the ranks reached prefill and only the end of generation compared them, and
+    not the chunk statistics.)"""
+    path, prompt, room = five
+    free = [room(method, *r) for r in rooms]
+    with pytest.raises(TforceError) as info:
+        launch(_unagreed_worker, 2, "gloo", str(path), None, prompt, "cpu", torch.float32,
+               dict(FIVE, method=method, seed=0), (), free)
+    assert str(info.value) == f"the tensor-parallel ranks planned different KV caches ({plans}): please report this"
+
+
+def test_gpu_memory_caps_a_ranks_room_with_its_context_as_in_one_process(monkeypatch):
+    """--gpu-memory caps everything on the device, the CUDA context included: one process plans with
+    budget = min(weights + context + room, gpu_memory) (session._plan), so its caches and activations get
+    at most gpu_memory - weights - context. A rank's figure must leave it the same (not the context more).
+    torch.cuda's memory queries are stood in for (no GPU): 80 GiB, 60 free, 15 reserved, 14 allocated."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 15 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 14 * gib)
+    dev, weights, context = torch.device("cuda", 0), 14 * gib, 80 * gib - 60 * gib - 15 * gib
+    one_process = min(weights + context + 60 * gib, 30 * gib) - weights - context
+    assert _rank_room(dev, None, 30 * gib) == one_process == 11 * gib
+    assert _rank_room(dev, None, None) == 60 * gib
+    assert _rank_room(dev, 8 * gib, 30 * gib) == 8 * gib  # a given figure under the cap stands
+    assert _rank_room(torch.device("cpu"), 8 * gib, 6 * gib) == 6 * gib  # no context on the CPU
 
 
 def test_rank_that_never_starts_is_one_line_within_the_limit():

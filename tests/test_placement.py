@@ -1,6 +1,7 @@
 """The memory plan: its items, peaks and placement decisions for given GPU and host memory sizes, and on a
 tiny model on the CPU, its items against the bytes the engine's objects really allocate."""
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,32 @@ def test_tensor_parallel_ranks_hold_half_the_kv_and_layers_but_all_embeddings():
     embeddings = 2 * 32000 * 5120 * 2  # embed_tokens + lm_head, on every rank
     assert two.kv_heads == 20 and two.heads == 20 and two.intermediate == 13824 // 2
     assert 2 * two.weights - embeddings == pytest.approx(one.weights, rel=1e-4)
+
+
+def test_ranks_with_different_contexts_and_weights_plan_alike_from_one_room():
+    """Why tensor-parallel ranks planning from one agreed room (parallel._agreed_free) plan alike: on CUDA
+    each rank's budget is its loaded weights + its measured CUDA context + the room (session._plan), and
+    the plan's peak counts those same two, so they cancel. Rank 1 here has 300 MiB more context and
+    1 MiB less weights (row-parallel biases stay on rank 0); for every room around each boundary between
+    plans (resident layers, chunk statistics kept or recomputed, none fitting), both pick the same."""
+    target, draft = shapes("llama2-7b", world=2)
+    w = work(65536)
+    ranks = [(target, 600 * 2**20), (replace(target, weights=target.weights - 2**20), 900 * 2**20)]
+
+    def choice(shape, context, room):
+        try:
+            p = placement.plan(shape, w, "auto", shape.weights + draft.weights + context + room, 2**50, draft,
+                               context)
+        except TforceError:
+            return None
+        return p.resident, p.recompute_stats
+
+    edges = [placement.layout(target, w, r, draft, 0, recompute_stats=rec).peak - target.weights - draft.weights
+             for r in range(target.layers + 1) for rec in (False, True)]
+    rooms = [e + d for e in edges for d in (-1, 0, 1)]
+    choices = {room: [choice(shape, context, room) for shape, context in ranks] for room in rooms}
+    assert all(a == b for a, b in choices.values())
+    assert {a for a, _ in choices.values()} >= {None, (0, False), (target.layers, False), (target.layers, True)}
 
 
 def test_forced_modes():

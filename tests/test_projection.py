@@ -4,6 +4,8 @@ acceptance rates those levels report; its hierarchy against the engine's composi
 projection at the measured acceptance against a run's own stage times."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,7 +13,8 @@ import tforce
 from tforce.config import METHODS, Sampling, Speculation
 from tforce.engine import Session, decode, open_session
 from tforce.levels import Drafter, Node, SpecLevel
-from tforce.projection import forwards_per_token, hierarchy, per_token, project, rebuild_interval
+from tforce.projection import (forwards_per_token, hierarchy, low_acceptance_rule, per_token, project,
+                               rebuild_interval)
 
 # Fixed next-token distributions over 4 tokens: sum(min(DRAFT, MIDDLE)) = sum(MIDDLE, FULL) = alpha,
 # whatever came before, so every drafted token is accepted independently with probability alpha.
@@ -169,6 +172,49 @@ def test_rebuild_interval_is_the_sessions(tiny, every, budget, n_prompt, n_new, 
     spec = Speculation(method="triforce", budget=budget, chunk_size=4, draft_budget=512, sinks=4,
                        rebuild_every=every, rebuild_below=0.0)
     assert rebuild_interval(spec, 1.0) == pytest.approx(interval)
+
+
+@pytest.mark.parametrize("method", ["triforce", "retrieval"])
+def test_projected_rebuilds_at_a_low_measured_acceptance_are_the_runs(tiny, method):
+    """The random tiny pair, greedy: the retrieval level accepts almost nothing (measured under 0.05), so
+    Session._maybe_rebuild rebuilds every 8 verifications (its low-acceptance rule) rather than every 51
+    tokens (the budget's rule). Projected at the measured acceptance, the rebuilds per token times the
+    tokens is the run's count within one (a long-run rate: the run's first interval starts at its
+    prefill, its last is cut off by its end), and so are the rebuild seconds."""
+    ids = torch.randint(0, 259, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    opts = dict(budget=64, chunk_size=4, draft_budget=32, sinks=4)
+    r = tforce.generate(tiny["gqa"], ids, draft=tiny["draft"], method=method, max_new_tokens=96, temperature=0.0,
+                        ignore_eos=True, **opts)
+    s, n = r.stats, len(r.tokens)
+    spec = Speculation(method=method, **opts)
+    spec = spec.fitted(spec.capacity(300 + 96))  # as the Session fitted it
+    assert s["acceptance"]["retrieval"] < 0.05 and spec.rebuild_after == 51
+    assert s["rebuilds"] >= 8  # the budget's rule alone: at most one in 96 tokens
+    p = project(s, spec, s["acceptance"])
+    assert p["low_acceptance_rebuilds"] == {"active": True, "rebuild_below": 0.3, "window_rounds": 8,
+                                            "window_below_p": pytest.approx(1.0)}
+    assert abs(p["rebuilds_per_token"] * n - s["rebuilds"]) <= 1
+    one_ms = 1000 * s["rebuild_s"] / s["rebuilds"]
+    assert abs(p["ms_per_token_by_stage"]["rebuilds"] * n - 1000 * s["rebuild_s"]) <= one_ms * 1.0001
+
+
+def test_the_low_acceptance_rule_is_inactive_at_the_papers_acceptance():
+    """At 0.92 a window of 8 verifications averages under 0.3 with a chance under one in a million: the rule is reported
+    inactive and the rebuilds come every rebuild_after tokens; just under 0.3 it is active and a rebuild
+    comes at the latest 8 rounds after the last."""
+    spec = Speculation()
+    high = low_acceptance_rule(spec, 0.92)
+    assert high["active"] is False and high["window_below_p"] < 1e-6
+    assert rebuild_interval(spec, 0.92) == pytest.approx(rebuild_interval(replace(spec, rebuild_below=0.0), 0.92))
+    assert low_acceptance_rule(spec, 0.29)["active"] is True
+    assert rebuild_interval(spec, 0.29) == pytest.approx(8 * (1 + 6 * 0.29))  # 8 rounds well within 128 tokens
+    assert rebuild_interval(spec, 0.0) == pytest.approx(8)
+    # One drafted token a round (gamma2 = 1), accepted half the time: a window of 2 rounds averages under
+    # 0.3 only when neither is accepted, a quarter of the time.
+    half = low_acceptance_rule(Speculation(method="retrieval", gamma2=1), 0.5, window=2)
+    assert half == {"active": False, "rebuild_below": 0.3, "window_rounds": 2, "window_below_p": pytest.approx(0.25)}
+    # The rule reads the acceptance of the level verifying the middle level's tokens, not the draft's.
+    assert low_acceptance_rule(spec, {"draft": 0.0, "retrieval": 0.9})["active"] is False
 
 
 def test_rebuild_interval_averages_over_round_sizes():

@@ -51,7 +51,7 @@ class Conversation:
             snapshot.check_target(save_kv)
         self.seed, self.keep_history = options.get("seed"), keep_history
         self.eos = set() if ignore_eos else _eos_ids(self.target.config)
-        self.session: Session = open_session(self.target, self.draft, len(doc), room, **options)
+        self.session: Session = open_session(self.target, self.draft, len(doc), room, group=group, **options)
         self.document = doc.tolist()
         self.history = list(self.document)
         self.marked = len(doc)  # the streaming caches' states are marked at history[:marked]

@@ -2,7 +2,8 @@
 
 Each rank is a persistent worker (ranks.Ranks, serving): it loads its shard of the target (and the
 replicated draft), builds a Conversation once, so that the document is prefilled once over the ranks, and
-then answers every question the parent sends it until told to stop. Rank 0's events (on_token, on_prefill,
+then answers every question the parent sends it until told to stop. The ranks' memory plans are compared
+before the document's prefill (session.Session, parallel.Group.check_plan). Rank 0's events (on_token, on_prefill,
 on_round) come back to the parent as they happen, so answers stream as with one process. After every
 answer all ranks compare their tokens (as generate_tp does at the end of a run) and fail together if
 they differ; any failure ends every rank and the conversation with it.
@@ -100,9 +101,6 @@ def _conversation_worker(rank, world, model_path, draft_path, document_ids, devi
     callbacks = rank_callbacks(rank, emit, ("on_token", "on_prefill", "on_round"))
     conv = Conversation(target, document_ids, draft=small, device_free=device_free, group=Group(),
                         on_prefill=callbacks.get("on_prefill") if prefill_events else None, **options)
-    plan = conv.session.plan
-    if not all_equal((plan.resident, plan.offloaded)):
-        raise TforceError("the tensor-parallel ranks placed their KV caches differently: please report this")
     any_rank = AnyRank()
     command = yield conv.kv_reused, conv.prefill_s, conv.room_left
     while True:

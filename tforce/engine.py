@@ -63,14 +63,14 @@ def open_session(target, draft, prompt_len: int, max_new: int, *, method: str = 
                  gamma1: int = 2, gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
                  rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
                  gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
-                 deterministic: bool = False) -> Session:
+                 deterministic: bool = False, group=None) -> Session:
     """The checked configuration's Session for prompt_len + max_new tokens (options: generate's)."""
     spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
                                    seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
                                    draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                                    rebuild_below=rebuild_below, policy=policy)
     return Session(target, draft, prompt_len, max_new, spec, sampling, prefill_chunk, offload, gpu_memory,
-                   cuda_graphs, device_free, deterministic)
+                   cuda_graphs, device_free, deterministic, group)
 
 
 def check_prompt(target, n: int, max_new_tokens: int) -> int:
@@ -127,7 +127,8 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     stats["kv_reused"] says how many of the snapshot's stats["kv_snapshot_tokens"] were reused); save_kv, a
     folder: the caches after prefill (the prompt but its last token) are written there. A snapshot loads only
     into the same model, tokenizer and dtype. group: the tensor-parallel ranks (parallel.Group) when target
-    is one rank's shard: each rank's snapshot part holds its own KV heads."""
+    is one rank's shard: their memory plans must agree before any cache is allocated, and each rank's
+    snapshot part holds its own KV heads."""
     from . import snapshot
 
     identity = snapshot.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
@@ -140,7 +141,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
                            gamma2=gamma2, draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                            rebuild_below=rebuild_below, policy=policy, prefill_chunk=prefill_chunk, offload=offload,
                            gpu_memory=gpu_memory, cuda_graphs=cuda_graphs, device_free=device_free,
-                           deterministic=deterministic)
+                           deterministic=deterministic, group=group)
     if on_plan:
         on_plan(_placement(session.plan))
     if save_kv is not None:

@@ -142,8 +142,11 @@ class Drafter(Level):
         return [token], p
 
 
+REBUILD_WINDOW = 8  # rounds whose mean acceptance the low-acceptance rebuild rule reads (Session._maybe_rebuild)
+
+
 class SpecLevel(Level):
-    def __init__(self, proposer: Level, node: Node, gamma: int, window: int = 8):
+    def __init__(self, proposer: Level, node: Node, gamma: int, window: int = REBUILD_WINDOW):
         self.proposer, self.node, self.gamma, self.window = proposer, node, gamma, window
         self.stats = LevelStats()
 

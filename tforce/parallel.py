@@ -16,8 +16,15 @@ exactly anyway), and everything after the last all_reduce is replicated, determi
 `generate_tp` checks the assumption at the end (all ranks' tokens must agree) instead of trusting it.
 Against the unsharded model the logits differ only by summation order (allclose, not bitwise).
 The same holds only if every rank runs the same code path, so all ranks place their KV caches from one
-figure, the least free device memory over the ranks (`_agreed_free`), and the end check compares the
-plans as well as the tokens.
+figure, the least free device memory over the ranks (`_agreed_free`). The plans are then equal: each
+rank's planner (session._plan) compares the plan's peak with a budget that both count this rank's own
+measured CUDA context and loaded weight bytes (row-parallel biases stay on rank 0), so those terms
+cancel and the comparison reads only the agreed figure and shapes that every rank shares (tested on the
+CPU in test_placement.py, with the context and weights made to differ). Session still compares the
+ranks' plans before it allocates a cache or runs the model (Group.check_plan) and refuses a
+difference rather than merging the plans: a difference means that argument broke, and a merged plan
+(the fewest resident layers) need not fit every rank, since the peak is not monotone in resident layers
+(offloading the first layer adds two staging layers and the prefill's hidden states).
 
 Loading: each rank reads from the safetensors files only its slice of every sharded weight
 (`tp_slices`, used by weights.load_model(rank=, world=)); embeddings, norms and lm_head whole.
@@ -153,10 +160,8 @@ def _generate_worker(rank, world, model_path, draft_path, prompt_ids, device, dt
     device_free = _agreed_free(dev, free[rank], options.pop("gpu_memory", None))
     result = generate(target, prompt_ids, draft=small, device_free=device_free, group=Group(), **options,
                       **rank_callbacks(rank, emit, events))
-    plan = (result.stats["kv_resident_layers"], result.stats["kv_offloaded_layers"])
-    if not all_equal((result.tokens, plan)):
-        raise TforceError("the tensor-parallel ranks generated different tokens or placed their KV caches "
-                          "differently: please report this")
+    if not all_equal(result.tokens):  # the plans were compared before prefill (Group.check_plan)
+        raise TforceError("the tensor-parallel ranks generated different tokens: please report this")
     return result
 
 
@@ -192,8 +197,9 @@ class AnyRank:
 
 
 class Group:
-    """The process group as snapshot.py sees it (this rank, the world size, a gather), so that snapshot.py
-    need not touch torch.distributed. Gathers are collectives: every rank must make the same ones."""
+    """The process group as snapshot.py and session.py see it (this rank, the world size, a gather, the plan
+    check), so that they need not touch torch.distributed. Gathers are collectives: every rank must make
+    the same ones."""
 
     def __init__(self):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -204,25 +210,45 @@ class Group:
         dist.all_gather_object(objs, obj)
         return objs
 
+    def check_plan(self, plan) -> None:
+        """One TforceError line on every rank unless all ranks' memory plans (placement.Plan) keep the same
+        layers resident and the same chunk statistics (see the module's docstring for why not a merge)."""
+        plans = self.gather((plan.resident, plan.recompute_stats))
+        if len(set(plans)) > 1:
+            each = "; ".join(f"rank {r}: {resident}/{plan.n_layers} layers resident"
+                             + (", chunk statistics recomputed" if recompute else "")
+                             for r, (resident, recompute) in enumerate(plans))
+            raise TforceError(f"the tensor-parallel ranks planned different KV caches ({each}): "
+                              f"please report this")
+
 
 def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
     """The device memory every rank plans with: the least any rank may use (a collective).
 
     A rank that plans from its own free memory may offload where another does not; the two then run
     different prefill paths and their all_reduces pair up wrongly (gloo: an error or the same wrong
-    tokens on every rank; NCCL: a hang or silent corruption). So each rank measures (or takes `given`),
-    applies gpu_memory as the engine would (less what this rank has allocated, which differs by the
-    row-parallel biases), and all plan with the minimum, gpu_memory already folded in. None: no rank
-    has a figure (a CPU run), which plans the whole cache as resident."""
-    free = given
-    if free is None and dev.type == "cuda":
-        free = torch.cuda.mem_get_info(dev)[0]
-    if free is not None and gpu_memory is not None:
-        free = min(free, gpu_memory - (torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0))
+    tokens on every rank; NCCL: a hang or silent corruption). So every rank plans with the minimum of
+    the ranks' figures (_rank_room), gpu_memory already folded in. None: no rank has a figure (a CPU
+    run), which plans the whole cache as resident."""
     frees = [None] * dist.get_world_size()
-    dist.all_gather_object(frees, free)
+    dist.all_gather_object(frees, _rank_room(dev, given, gpu_memory))
     known = [f for f in frees if f is not None]
     return min(known) if known else None
+
+
+def _rank_room(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
+    """This rank's room for the caches and activations beside what it holds: its free memory (or `given`),
+    and with gpu_memory, no more than gpu_memory less what this rank has allocated (its shard: row-parallel
+    biases make it differ) and, on CUDA, less its context, as session._plan caps one process: gpu_memory
+    bounds everything on the device, the context included."""
+    if dev.type != "cuda":
+        room, cap = given, gpu_memory
+    else:
+        free, total = torch.cuda.mem_get_info(dev)
+        context = total - free - torch.cuda.memory_reserved(dev)  # as session._plan measures it
+        room = free if given is None else given
+        cap = None if gpu_memory is None else gpu_memory - torch.cuda.memory_allocated(dev) - context
+    return room if room is None or cap is None else min(room, cap)
 
 
 def tp_options(device: str, dtype, options: dict, world: int):

@@ -14,14 +14,19 @@ probability alpha that gives that mean, so a round yields a + 1 tokens with P(a 
 for k < gamma and alpha^gamma for a = gamma. The hierarchy is session.Session._compose's: a Drafter feeds
 its node once per token; a SpecLevel round asks its proposer for gamma tokens (rounds until it has at
 least that many: the surplus is dropped, its forwards still paid) and runs its node once. Expected
-forwards per round follow from Wald's identity. What the model leaves out: real acceptance comes in
-runs (it changes how many middle rounds a full round needs, not the full rounds' yield), and a
-forward's cost does not depend on how many tokens it catches up. tests/test_projection.py checks the
-forward counts against the real levels driven by fixed distributions (independent acceptance).
+forwards per round follow from Wald's identity, and so do the tokens between retrieval rebuilds
+(rebuild_interval: every rebuild_after tokens, or every REBUILD_WINDOW rounds where the acceptance is
+under rebuild_below: low_acceptance_rule). What the model leaves out: real acceptance comes in runs (it
+changes how many middle rounds a full round needs, not the full rounds' yield); a forward's cost does
+not depend on how many tokens it catches up; near rebuild_below, some windows of rounds average on the
+other side of it than the acceptance does (low_acceptance_rule's window_below_p). tests/test_projection.py
+checks the forward counts against the real levels driven by fixed distributions (independent
+acceptance), and the rebuilds against the engine's.
 """
 from __future__ import annotations
 
 from .config import Speculation
+from .levels import REBUILD_WINDOW
 
 
 def hierarchy(spec: Speculation) -> tuple:
@@ -74,12 +79,16 @@ def _mean_tokens(level: tuple, rate) -> float:
     return sum(n * p for n, p in _round_tokens(level, rate).items())
 
 
-def _rounds_for(level: tuple, k: int, rate) -> float:
-    """Expected rounds of `level` until it has yielded at least k tokens."""
+def _rounds_for(level: tuple, k: int, rate, most: int | None = None) -> float:
+    """Expected rounds of `level` until it has yielded at least k tokens, or has run `most` rounds."""
     dist = _round_tokens(level, rate)
     e = [0.0] * (k + 1)  # e[need]: expected rounds until `need` more tokens (bottom up: k may be large)
-    for need in range(1, k + 1):
-        e[need] = 1.0 + sum(p * e[max(0, need - n)] for n, p in dist.items())
+    if most is None:
+        for need in range(1, k + 1):
+            e[need] = 1.0 + sum(p * e[max(0, need - n)] for n, p in dist.items())
+        return e[k]
+    for _ in range(most):  # e[need] with one more round allowed, from e with one fewer
+        e = [0.0] + [1.0 + sum(p * e[max(0, need - n)] for n, p in dist.items()) for need in range(1, k + 1)]
     return e[k]
 
 
@@ -105,14 +114,39 @@ def forwards_per_token(spec: Speculation, rate) -> dict[str, float]:
     return {name: f / tokens for name, f in _round_forwards(top, rate).items()}
 
 
-def rebuild_interval(spec: Speculation, rate) -> float:
-    """Expected tokens between retrieval rebuilds while the middle level's acceptance stays above
-    rebuild_below. Session._maybe_rebuild rebuilds before the first round that starts with at least
-    spec.rebuild_after tokens committed since the last rebuild (at least one: with a threshold of zero or
-    less it rebuilds before every round); rounds commit several tokens, so the interval is the tokens of the rounds until the threshold
-    is reached or passed: E[rounds] x E[tokens per round] (Wald's identity)."""
+def low_acceptance_rule(spec: Speculation, rate, window: int = REBUILD_WINDOW) -> dict:
+    """Session._maybe_rebuild's second rule at acceptance `rate`: it rebuilds when the level verifying the
+    middle level (the top level of triforce and retrieval) has run `window` rounds since the last rebuild
+    and their mean acceptance is under spec.rebuild_below. A window's mean is `rate` in expectation, so the
+    projection takes the rule as active exactly when rate < rebuild_below: then every window ends in a
+    rebuild, else none does. window_below_p, the chance that one window of independent rounds averages
+    under rebuild_below, says how far the truth is from that step (exact when it is 0 or 1; near the
+    threshold, windows fall on either side of it)."""
     top = hierarchy(spec)
-    return _rounds_for(top, max(1, spec.rebuild_after), rate) * _mean_tokens(top, rate)
+    rate = _rate(top, rate)
+    rounds = _round_tokens(top, rate)
+    sums = {0: 1.0}  # the distribution of the tokens a window's rounds accept
+    for _ in range(window):
+        step: dict[int, float] = {}
+        for total, p in sums.items():
+            for n, q in rounds.items():
+                step[total + n - 1] = step.get(total + n - 1, 0.0) + p * q
+        sums = step
+    below = sum(p for total, p in sums.items() if total / (top[3] * window) < spec.rebuild_below)
+    return {"active": rate < spec.rebuild_below, "rebuild_below": spec.rebuild_below, "window_rounds": window,
+            "window_below_p": below}
+
+
+def rebuild_interval(spec: Speculation, rate, window: int = REBUILD_WINDOW) -> float:
+    """Expected tokens between retrieval rebuilds. Session._maybe_rebuild rebuilds before the first round
+    that starts with at least spec.rebuild_after tokens committed since the last rebuild (at least one:
+    with a threshold of zero or less it rebuilds before every round), or, where low_acceptance_rule is
+    active, `window` rounds after the last rebuild, whichever comes first; rounds commit several tokens,
+    so the interval is the tokens of the rounds until then: E[rounds] x E[tokens per round] (Wald's
+    identity)."""
+    top = hierarchy(spec)
+    most = window if low_acceptance_rule(spec, rate, window)["active"] else None
+    return _rounds_for(top, max(1, spec.rebuild_after), rate, most) * _mean_tokens(top, rate)
 
 
 def project(stats: dict, spec: Speculation, rate) -> dict | None:
@@ -128,9 +162,12 @@ def project(stats: dict, spec: Speculation, rate) -> dict | None:
     other = max(0.0, stats["decode_s"] - sum(stage_s.values()) - rebuild_s) / sum(forwards.values())
     need = forwards_per_token(spec, rate)
     seconds = {name: f * (per_forward[name] + other) for name, f in need.items()}
+    rebuilds = {"rebuilds_per_token": None, "low_acceptance_rebuilds": None}  # no retrieval cache
     if stats["rebuild_s"] is not None:
         one = rebuild_s / stats["rebuilds"] if stats["rebuilds"] else stats["prefill_rebuild_s"]
-        seconds["rebuilds"] = (one or 0.0) / rebuild_interval(spec, rate)
+        rebuilds = {"rebuilds_per_token": 1 / rebuild_interval(spec, rate),
+                    "low_acceptance_rebuilds": low_acceptance_rule(spec, rate)}
+        seconds["rebuilds"] = (one or 0.0) * rebuilds["rebuilds_per_token"]
     return {
         "acceptance": rate,
         "ms_per_token": 1000 * sum(seconds.values()),
@@ -139,4 +176,5 @@ def project(stats: dict, spec: Speculation, rate) -> dict | None:
         "ms_per_token_by_stage": {name: 1000 * s for name, s in seconds.items()},
         "ms_per_forward": {name: 1000 * t for name, t in per_forward.items()},
         "other_ms_per_forward": 1000 * other,
+        **rebuilds,
     }

@@ -32,7 +32,9 @@ class Session:
 
     def __init__(self, target, draft, prompt_len: int, max_new: int, spec: Speculation, sampling: Sampling,
                  prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
-                 cuda_graphs: bool = True, device_free: int | None = None, deterministic: bool = False):
+                 cuda_graphs: bool = True, device_free: int | None = None, deterministic: bool = False,
+                 group=None):
+        """group: the tensor-parallel ranks (parallel.Group), whose plans must agree before any cache exists."""
         self.target, self.draft = target, draft
         cfg = target.config
         self.total = prompt_len + max_new
@@ -49,6 +51,8 @@ class Session:
         kernel = "flash" if flash else "sdpa" if cuda else "math"
         work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, graphs, kernel)
         self.plan = _plan(target, draft, work, offload, gpu_memory, device_free)
+        if group is not None:
+            group.check_plan(self.plan)
         pool = torch.cuda.graph_pool_handle() if graphs else None  # one pool for every GraphRunner
         if self.plan.resident == self.plan.n_layers:
             full = FullCache(*dims, capacity=capacity, rotary=rotary, dtype=p.dtype, device=p.device)

@@ -185,6 +185,37 @@ def test_ranks_that_plan_differently_refuse_before_prefill(five, method, rooms, 
     assert str(info.value) == f"the tensor-parallel ranks planned different KV caches ({plans}): please report this"
 
 
+def _tight_host_worker(rank, world, available, *args):
+    """_generate_worker on a host with `available` bytes of memory (psutil stood in), and a prefill that
+    only fails, naming the rank that reached it."""
+    import types
+
+    import psutil
+
+    import tforce.session
+
+    def prefill(self, *a, **k):
+        raise RuntimeError(f"rank {rank} reached prefill")
+
+    psutil.virtual_memory = lambda: types.SimpleNamespace(available=available)
+    tforce.session.Session.prefill = prefill
+    return _generate_worker(rank, world, *args)
+
+
+def test_ranks_offloading_more_than_the_host_holds_together_refuse_before_prefill(five):
+    """Each rank's offloaded layers fit the host alone; both ranks' together do not: one line before
+    anything is pinned (each rank checked only its own before). With room for both, prefill is reached."""
+    path, prompt, room = five
+    free = [room("ar", 2)] * 2  # 3 of 5 layers offloaded on each rank
+    args = (str(path), None, prompt, "cpu", torch.float32, dict(FIVE, method="ar", seed=0), (), free)
+    host = launch(_generate_worker, 2, "gloo", *args).stats["kv_host_bytes"]  # one rank's
+    assert host > 0
+    with pytest.raises(TforceError, match="needed by the 2 ranks together"):
+        launch(_tight_host_worker, 2, "gloo", int(1.5 * host), *args)
+    with pytest.raises(TforceError, match="reached prefill"):
+        launch(_tight_host_worker, 2, "gloo", 2 * host, *args)
+
+
 def test_gpu_memory_caps_a_ranks_room_with_its_context_as_in_one_process(monkeypatch):
     """--gpu-memory caps everything on the device, the CUDA context included: one process plans with
     budget = min(weights + context + room, gpu_memory) (session._plan), so its caches and activations get

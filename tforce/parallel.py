@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import secrets
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .errors import TforceError, UsageError
+from .placement import GiB
 from .ranks import launch
 
 EVENTS = ("on_token", "on_prefill", "on_round", "on_plan")
@@ -213,13 +215,21 @@ class Group:
     def check_plan(self, plan) -> None:
         """One TforceError line on every rank unless all ranks' memory plans (placement.Plan) keep the same
         layers resident and the same chunk statistics (see the module's docstring for why not a merge)."""
-        plans = self.gather((plan.resident, plan.recompute_stats))
+        gathered = self.gather((plan.resident, plan.recompute_stats, plan.host_bytes,
+                                psutil.virtual_memory().available))
+        plans = [(resident, recompute) for resident, recompute, _, _ in gathered]
         if len(set(plans)) > 1:
             each = "; ".join(f"rank {r}: {resident}/{plan.n_layers} layers resident"
                              + (", chunk statistics recomputed" if recompute else "")
                              for r, (resident, recompute) in enumerate(plans))
             raise TforceError(f"the tensor-parallel ranks planned different KV caches ({each}): "
                               f"please report this")
+        # Each rank checked its own offloaded KV against the host's available memory (placement.plan); the
+        # ranks share one host and none has pinned anything yet, so together they must fit it.
+        need, available = sum(g[2] for g in gathered), min(g[3] for g in gathered)
+        if need > available:
+            raise TforceError(f"not enough host memory for the offloaded KV cache: {need / GiB:.1f} GiB needed by "
+                              f"the {self.world} ranks together, {available / GiB:.1f} GiB available")
 
 
 def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:

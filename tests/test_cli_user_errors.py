@@ -128,6 +128,27 @@ def test_chat_with_no_questions_in_the_file_is_refused(runner, models, tmp_path,
     assert (tmp_path / "snap" / "manifest.json").is_file()
 
 
+@pytest.mark.parametrize("stdin", ["", "\n  \n\n"])
+def test_chat_with_no_questions_on_stdin_is_refused(runner, models, tmp_path, monkeypatch, stdin):
+    """`tforce chat book.txt < /dev/null` prefilled the document, answered nothing and exited 0; now one usage
+    line before any weights are read, as for an empty questions file. With --save-kv the snapshot is written."""
+    import tforce.weights
+
+    pair = ["-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft")]
+    with monkeypatch.context() as m:
+        m.setattr(tforce.weights, "load_model", _no_loading)
+        for given in ([], ["-q", "-"]):
+            r = runner.invoke(app, ["chat", str(models / "doc.txt"), *given, *pair], input=stdin)
+            _one_error_line(r, 2, "stdin holds no questions (one a line)")
+    r = runner.invoke(app, ["chat", str(models / "doc.txt"), *pair, "--save-kv", str(tmp_path / "snap")], input=stdin)
+    assert r.exit_code == 0 and r.stdout == "", r.output
+    assert (tmp_path / "snap" / "manifest.json").is_file()
+
+
+def _no_loading(*a, **k):
+    raise AssertionError("weights read before the questions were checked")
+
+
 def test_chat_names_the_demo_excerpt_as_run_does(monkeypatch, capsys):
     """chat called the excerpt 'chapter 1'; it holds chapters 1-2, as run says."""
     import io

@@ -181,8 +181,8 @@ def run(
     gpus: Optional[int] = o.GPUS,
     batch: Optional[str] = typer.Option(None, "--batch", help="JSON-lines file of prompts ('-' = stdin), one "
                                         "{\"prompt\" and/or \"file\", \"id\", \"max_new_tokens\"} a line, run as "
-                                        "one batch; one JSON line out per prompt (every --method; no --deterministic, "
-                                        "--tp or KV snapshots)."),
+                                        "one batch; one JSON line out per prompt (--json: one object holding them; "
+                                        "every --method; no --deterministic, --tp or KV snapshots)."),
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
     params = dict(locals())
@@ -204,7 +204,7 @@ def run(
         _gpu_memory_note(gpu_memory, setup.device)
         _demo_notice(setup, draft)
         if batch is not None:
-            return run_batch(items, setup.target, setup.draft, setup.device, setup.dtype, setup.options)
+            return run_batch(items, setup.target, setup.draft, setup.device, setup.dtype, setup.options, as_json)
         _run(text, setup.target, setup.draft, setup.device, setup.dtype, as_json,
              dict(setup.options, save_kv=save_kv, load_kv=load_kv), setup.world)
 

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from ..config import Sampling, Speculation
-from ..demo import NAME, demo_pair, demo_prompt
+from ..demo import NAME, demo_pair, demo_prompt, notice
 from ..errors import UsageError
 from .app import app
 from . import options as o
@@ -139,8 +139,7 @@ def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int,
 
 def _demo_notice(setup: Setup, draft: Optional[str]) -> None:
     if setup.demo is not None:
-        _say(f"tforce: no --model given: using the trained demo pair {setup.target} (draft: {draft or setup.demo}; "
-             "small models trained by scripts/train_demo.py, see models/README.md)")
+        _say(notice(setup.target, draft or setup.demo))
 
 
 @app.command()

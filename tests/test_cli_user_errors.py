@@ -322,6 +322,20 @@ def test_a_plan_for_no_device_does_not_claim_a_gpu():
     target = placement.Shape(4, 64, 128, 4, 2, 16, 100, 4, 10_000)
     work = placement.Work(capacity=64, prompt=32)
     cpu = placement.plan(target, work, "auto", None, 2**40)
-    assert cpu.describe() == "4/4 layers of KV in the CPU's memory (no GPU)"
+    assert cpu.describe() == "all 4 layers in the CPU's memory (no GPU)"
     gpu = placement.plan(target, work, "auto", 2**30, 2**40)
-    assert gpu.describe().startswith("4/4 layers of KV on the GPU")
+    assert gpu.describe() == "4 of 4 layers on the GPU (0.0 GiB), 0 in pinned host memory (0.0 GiB)"
+    host = placement.plan(target, work, "on", 2**30, 2**40)  # the staging buffers are on the GPU's share
+    assert host.describe() == ("0 of 4 layers on the GPU (0.0 GiB with the two staging buffers), "
+                               "4 in pinned host memory (0.0 GiB)")
+
+
+def test_info_says_the_kv_plan_in_one_sentence(runner, models):
+    """The plan line read "4/4 layers of KV in the CPU's memory (no GPU) of 0.01 GiB KV for 4096 tokens";
+    it now starts with the cache's size, then says where its layers go."""
+    r = runner.invoke(app, ["info", "-m", str(models / "tiny-target"), "--context", "256"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    [line] = [x for x in r.stdout.splitlines() if "placement plan" in x]
+    said = line.split("placement plan", 1)[1].strip()
+    assert said.startswith("KV cache: 0.00 GiB for 256 tokens, ")
+    assert said.endswith("all 2 layers in the CPU's memory (no GPU)") or " layers on the GPU (" in said, said

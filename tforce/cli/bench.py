@@ -31,7 +31,7 @@ def bench(
                                             help="Random weights of an architecture: llama2-7b | llama2-13b | "
                                                  "llama3.1-8b | tiny (results are labelled synthetic)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device "
-                                                             "cuda; needs --model)."),
+                                                             "cuda; not with --synthetic)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
     prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help=f"Prompt tokens (default {PROMPT_LEN}; "
                                                                         f"on the demo pair {BENCH_TOKENS})."),

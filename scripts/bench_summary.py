@@ -28,12 +28,20 @@ def _stages(run: dict) -> str:
     return "; ".join(f"{name} {steps[name]:.2f}/{_f(floors.get(name), '.2f')}" for name in steps) or "-"
 
 
+def cut_short(r: dict) -> str:
+    """'CUT SHORT: 1 of 5 methods finished' for a record written before its bench ended ("complete": false,
+    `tforce bench --record`); '' for a whole one (and for older records, which have no "complete")."""
+    if r.get("complete") is not False:
+        return ""
+    return f"CUT SHORT: {len(r['runs'])} of {len(r.get('methods') or [])} methods finished"
+
+
 def table(r: dict) -> str:
+    cut = cut_short(r)
     head = (f"**{r['model']}** on {r['device']}, {r['prompt_tokens']} prompt + {r['gen_len']} tokens, {r['dtype']}, "
             f"temperature {r['temperature']}, --offload {r['offload']}"
             + (" — SYNTHETIC (random weights: acceptance meaningless)" if r["synthetic"] else "")
-            + (f" — CUT SHORT: {len(r['runs'])} of {len(r.get('methods') or [])} methods finished"
-               if r.get("complete") is False else "")
+            + (f" — {cut}" if cut else "")
             + f"; ceilings: pinned H2D {_f(r.get('h2d_peak_gbps'), '.1f', ' GB/s')}, device memory "
               f"{_f(r.get('device_gbps'), '.0f', ' GB/s')}, matmul {_f(r.get('matmul_tflops'), '.0f', ' TFLOP/s')}")
     at = "" if r.get("project") is None else f" @{r['project']}"

@@ -16,7 +16,8 @@
 # ends inside one 10-minute call. Output: at most 8 files come back from a device call's $OUT, so logs and
 # JSON go to a work folder that is packed into $OUT/gpu_features.tgz after every step (a call cut short
 # by its limit still brings back the steps done); at the end $OUT/summary.txt holds each step's exit status
-# and seconds and the figures read from the JSON, and $OUT/cuda_tests.log is the tests' log.
+# and seconds and the figures read from the JSON (a bench record cut short marked "CUT SHORT", by
+# scripts/bench_summary.py's rule), and $OUT/cuda_tests.log is the tests' log.
 # Installs nothing (PYTHONPATH=.). DEVICE=cpu SYNTH=tiny PROMPT_LEN=200 GEN_LEN=8 BUDGET=64 DRAFT_BUDGET=32
 # runs the same command lines on a CPU, to check that they parse and write their JSON.
 set -u -o pipefail
@@ -129,6 +130,9 @@ done
 import json, sys
 from pathlib import Path
 
+sys.path.insert(0, "scripts")  # the script runs from the repository root
+from bench_summary import cut_short  # a record a limit cut short says so, as in gpu_paper's summary
+
 def f(x, fmt=".2f"):
     return "-" if x is None else format(x, fmt)
 
@@ -147,7 +151,9 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
               f"warm {f(r['ttft_warm_s'], '.3f')} s; document prefill {f(r['document_prefill_s'], '.3f')} s, "
               f"snapshot load {f(r['snapshot_load_s'], '.3f')} s ({f(r['snapshot_mib'], '.0f')} MiB)")
         continue
-    print(f"{path.stem}: {r['device']}, {r['dtype']}, {r['prompt_tokens']} prompt tokens, {r['gen_len']} new")
+    cut = cut_short(r)
+    print(f"{path.stem}: {r['device']}, {r['dtype']}, {r['prompt_tokens']} prompt tokens, {r['gen_len']} new"
+          + (f" — {cut}" if cut else ""))
     for run in r["runs"]:
         if "batch_tokens_per_s" in run:
             print(f"  {run['method']}: batch {f(run['batch_tokens_per_s'], '.1f')} tok/s, one at a time "

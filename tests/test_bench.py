@@ -147,9 +147,38 @@ def test_bench_warm_up_line_counts_the_prompt(runner):
     assert "on the first 200 prompt tokens" in result.stderr
 
 
-def test_bench_needs_one_model_source(runner):
-    result = runner.invoke(app, ["bench", "--device", "cpu"])
-    assert result.exit_code == 2 and "--synthetic" in result.stderr
+def test_bench_takes_one_model_source(runner, tmp_path):
+    result = runner.invoke(app, ["bench", "-m", str(tmp_path), "--synthetic", "tiny", "--device", "cpu"])
+    assert result.exit_code == 2 and "give --model or --synthetic ARCH, not both" in result.stderr
+
+
+def test_bench_without_a_model_times_the_demo_pair_on_its_excerpt(runner, monkeypatch):
+    """Neither --model nor --synthetic was a usage error while run and chat default to the demo pair: bench
+    now times that pair too, on its excerpt (3300 tokens of it by default, as `make demo`), and says so."""
+    import tforce.bench
+    from tforce.demo import EXCERPT, demo_pair
+
+    seen = []
+    real = tforce.bench.prompt_ids
+
+    def spy(n, vocab, tokenizer=None, text=None, seed=0):
+        seen.append((n, text))
+        return real(n, vocab, tokenizer, text, seed)
+
+    monkeypatch.setattr(tforce.bench, "prompt_ids", spy)
+    result = runner.invoke(app, ["bench", "--device", "cpu", "--gen-len", "4", "--methods", "ar,triforce",
+                                 "--temperature", "0", "--threads", "1", "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    target, draft = demo_pair()
+    assert result.stderr.splitlines()[:2] == [
+        f"tforce: no --model given: using the trained demo pair {target} (draft: {draft}; small models trained by "
+        "scripts/train_demo.py, see models/README.md)",
+        "tforce: bench: no --prompt-file given: timing 3300 tokens of the demo's excerpt (Great Expectations, "
+        "chapters 1-2)"]
+    assert seen == [(3300, EXCERPT.read_text(encoding="utf-8").strip())]
+    obj = json.loads(result.stdout)
+    assert obj["model"] == target and obj["synthetic"] is False
+    assert [r["method"] for r in obj["runs"]] == ["ar", "triforce"] and obj["runs"][1]["acceptance"]["draft"] > 0
 
 
 def test_bench_split_over_ranks(runner, tmp_path):

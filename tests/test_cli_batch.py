@@ -43,6 +43,33 @@ def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method, o
         assert o["stats"]["tokens_per_verification"] > 0 and o["stats"]["ms_per_token"] > 0
 
 
+def test_json_is_one_object_holding_the_lines(runner, models, tmp_path):
+    """--json with --batch was ignored (JSON lines came out): it prints one object, the per-prompt records
+    exactly as the lines give them, in the file's order, and the batch's figures the summary line reports."""
+    batch = _write(tmp_path, json.dumps({"prompt": "It was", "id": "short"}), json.dumps({"prompt": DOC, "id": 7}))
+    lines = _run(runner, models, "--batch", batch, "--method", "triforce", *FAST)
+    one = _run(runner, models, "--batch", batch, "--method", "triforce", "--json", *FAST)
+    assert lines.exit_code == one.exit_code == 0, one.output
+    [obj] = [json.loads(line) for line in one.stdout.strip().splitlines()]
+    records = [json.loads(line) for line in lines.stdout.strip().splitlines()]
+    timing = ("prefill_s", "decode_s", "batch_tokens_per_s", "ms_per_token", "prefill_rebuild_s", "rebuild_s",
+              "stage_s")  # measured: they differ between the two runs
+
+    def untimed(stats):
+        return {k: v for k, v in stats.items() if k not in timing}
+
+    assert [(r["id"], r["tokens"], untimed(r["stats"])) for r in obj["results"]] == \
+        [(r["id"], r["tokens"], untimed(r["stats"])) for r in records]
+    assert [{k: v for k, v in r.items() if k != "stats"} for r in obj["results"]] == \
+        [{k: v for k, v in r.items() if k != "stats"} for r in records]
+    first = obj["results"][0]["stats"]
+    assert obj["method"] == "triforce" and obj["device"] == "cpu" and obj["complete"] is True
+    assert obj["stats"] == {"new_tokens": sum(len(r["tokens"]) for r in records),
+                            **{k: first[k] for k in ("batch_size", "prefill_s", "decode_s", "batch_tokens_per_s",
+                                                     "ms_per_token", "prefill_rebuild_s", "rebuild_s")}}
+    assert obj["stats"]["batch_size"] == 2 and "batch of 2 prompts" not in one.stderr
+
+
 @pytest.mark.parametrize("line, needle", [
     ("not json", "line 2: not JSON"),
     ("[1, 2]", "line 2: expected an object"),
@@ -128,8 +155,9 @@ def test_lines_are_split_at_newlines_only(tmp_path):
 
 
 @pytest.mark.parametrize("failure, code", [(KeyboardInterrupt, 130), (RuntimeError("out of memory"), 1)])
+@pytest.mark.parametrize("as_json", [False, True])
 def test_rows_finished_before_an_interrupt_or_error_are_written(runner, models, tmp_path, monkeypatch, failure,
-                                                                code):
+                                                                code, as_json):
     """Results went to stdout only after the whole batch: Ctrl-C or an error half way lost every finished
     row (and with --batch -, the prompts were gone too). The rows finished so far are written, in the
     file's order, with "stats": null (the batch's were not measured to its end); the others are not."""
@@ -148,9 +176,13 @@ def test_rows_finished_before_an_interrupt_or_error_are_written(runner, models, 
     batch = _write(tmp_path, json.dumps({"prompt": DOC, "id": "long"}),
                    json.dumps({"prompt": "It was", "id": "one", "max_new_tokens": 1}),
                    json.dumps({"prompt": "It is", "id": "none", "max_new_tokens": 0}))
-    r = _run(runner, models, "--batch", batch, "--method", "ar", *FAST)
+    r = _run(runner, models, "--batch", batch, "--method", "ar", *FAST, *(["--json"] if as_json else []))
     assert r.exit_code == code, r.output
     out = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    if as_json:  # one object: the same rows, and no batch figures
+        [whole] = out
+        assert whole["complete"] is False and whole["stats"] is None
+        out = whole["results"]
     assert [o["id"] for o in out] == ["one", "none"]
     assert out[0]["tokens"] == _expected(models, "It was", 1) and out[1]["tokens"] == []
     assert all(o["stats"] is None for o in out)

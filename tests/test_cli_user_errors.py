@@ -128,6 +128,27 @@ def test_chat_with_no_questions_in_the_file_is_refused(runner, models, tmp_path,
     assert (tmp_path / "snap" / "manifest.json").is_file()
 
 
+@pytest.mark.parametrize("stdin", ["", "\n  \n\n"])
+def test_chat_with_no_questions_on_stdin_is_refused(runner, models, tmp_path, monkeypatch, stdin):
+    """`tforce chat book.txt < /dev/null` prefilled the document, answered nothing and exited 0; now one usage
+    line before any weights are read, as for an empty questions file. With --save-kv the snapshot is written."""
+    import tforce.weights
+
+    pair = ["-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft")]
+    with monkeypatch.context() as m:
+        m.setattr(tforce.weights, "load_model", _no_loading)
+        for given in ([], ["-q", "-"]):
+            r = runner.invoke(app, ["chat", str(models / "doc.txt"), *given, *pair], input=stdin)
+            _one_error_line(r, 2, "stdin holds no questions (one a line)")
+    r = runner.invoke(app, ["chat", str(models / "doc.txt"), *pair, "--save-kv", str(tmp_path / "snap")], input=stdin)
+    assert r.exit_code == 0 and r.stdout == "", r.output
+    assert (tmp_path / "snap" / "manifest.json").is_file()
+
+
+def _no_loading(*a, **k):
+    raise AssertionError("weights read before the questions were checked")
+
+
 def test_chat_names_the_demo_excerpt_as_run_does(monkeypatch, capsys):
     """chat called the excerpt 'chapter 1'; it holds chapters 1-2, as run says."""
     import io
@@ -301,6 +322,20 @@ def test_a_plan_for_no_device_does_not_claim_a_gpu():
     target = placement.Shape(4, 64, 128, 4, 2, 16, 100, 4, 10_000)
     work = placement.Work(capacity=64, prompt=32)
     cpu = placement.plan(target, work, "auto", None, 2**40)
-    assert cpu.describe() == "4/4 layers of KV in the CPU's memory (no GPU)"
+    assert cpu.describe() == "all 4 layers in the CPU's memory (no GPU)"
     gpu = placement.plan(target, work, "auto", 2**30, 2**40)
-    assert gpu.describe().startswith("4/4 layers of KV on the GPU")
+    assert gpu.describe() == "4 of 4 layers on the GPU (0.0 GiB), 0 in pinned host memory (0.0 GiB)"
+    host = placement.plan(target, work, "on", 2**30, 2**40)  # the staging buffers are on the GPU's share
+    assert host.describe() == ("0 of 4 layers on the GPU (0.0 GiB with the two staging buffers), "
+                               "4 in pinned host memory (0.0 GiB)")
+
+
+def test_info_says_the_kv_plan_in_one_sentence(runner, models):
+    """The plan line read "4/4 layers of KV in the CPU's memory (no GPU) of 0.01 GiB KV for 4096 tokens";
+    it now starts with the cache's size, then says where its layers go."""
+    r = runner.invoke(app, ["info", "-m", str(models / "tiny-target"), "--context", "256"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    [line] = [x for x in r.stdout.splitlines() if "placement plan" in x]
+    said = line.split("placement plan", 1)[1].strip()
+    assert said.startswith("KV cache: 0.00 GiB for 256 tokens, ")
+    assert said.endswith("all 2 layers in the CPU's memory (no GPU)") or " layers on the GPU (" in said, said

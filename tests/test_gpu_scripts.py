@@ -56,6 +56,35 @@ def test_gpu_features_cut_short_still_brings_back_its_steps(tmp_path):
     assert steps.startswith("versions exit 0")
 
 
+def test_gpu_features_summary_marks_a_bench_cut_short(tmp_path):
+    """A bench record a limit cut short ("complete": false) read in gpu_features' figures like a whole one;
+    they now say "CUT SHORT", as scripts/bench_summary.py does. The stand-in python runs `python -` (the
+    versions and figures steps) for real, writes a bench record for each `-m tforce bench`, cut short for
+    peers_hf only, and passes every other step."""
+    fake = stand_in(tmp_path, f"""#!{sys.executable}
+import json, os, sys
+args = sys.argv[1:]
+if args[:1] == ["-"]:
+    os.execv({sys.executable!r}, [{sys.executable!r}, *args])
+if args[:3] == ["-m", "tforce", "bench"]:
+    path = args[args.index("--record") + 1]
+    cut = os.path.basename(path) == "peers_hf.json"
+    run = dict(method="ar", ms_per_token=1.0, speedup_vs_ar=1.0, tokens_per_verification=1.0, prefill_s=0.1)
+    record = dict(device="cpu", dtype="float32", prompt_tokens=200, gen_len=8, methods=["ar", "triforce"],
+                  complete=not cut, runs=[run] if cut else [run, dict(run, method="triforce")])
+    open(path, "w").write(json.dumps(record))
+""")
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(fake), DEVICE="cpu", TMPDIR=str(tmp_path))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_features.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = (out / "summary.txt").read_text().splitlines()
+    heads = {line.split(":")[0]: line for line in lines if "prompt tokens" in line}  # one per bench record
+    assert heads["peers_hf"].endswith(" — CUT SHORT: 1 of 2 methods finished"), heads
+    assert "CUT SHORT" not in heads["batch1_chip"] and len(heads) == 9, heads
+
+
 def test_gpu_paper_in_its_cpu_mode_records_and_summarises(tmp_path):
     """SYNTH=tiny DEVICE=cpu: the bench's record (written with --record) and the summary come back."""
     out = tmp_path / "out"

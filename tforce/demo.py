@@ -1,4 +1,5 @@
-"""The embedded default: the trained demo pair and a book excerpt, used when `tforce run` gets no model.
+"""The embedded default: the trained demo pair and a book excerpt, used when `tforce run`, `chat` or `bench`
+gets no model.
 
 The pair lives in the repository's models/ (written by scripts/train_demo.py; see models/README.md);
 TFORCE_DEMO_MODELS names another folder holding demo-target/ and demo-draft/. The excerpt is the opening
@@ -15,6 +16,8 @@ from .errors import UsageError
 EXCERPT = Path(__file__).resolve().parent / "data" / "demo_excerpt.txt"
 QUESTION = "Question: what did the narrator call himself?"
 NAME = "the demo's excerpt (Great Expectations, chapters 1-2)"  # as the notices name it
+BENCH_TOKENS = 3300  # of the excerpt, bench's default prompt on the demo pair (as `make demo`): beside --gen-len
+# 256 it fits the demo target's 4,096-token context
 
 
 def models_dir() -> Path:
@@ -30,6 +33,12 @@ def demo_pair() -> tuple[str, str]:
         raise UsageError(f"no --model given and the demo pair is not in {root} "
                          "(python scripts/train_demo.py writes it): pass --model")
     return str(target), str(draft)
+
+
+def notice(target: str, draft: str) -> str:
+    """The stderr line that says the demo pair is in use (draft: the one given, else the demo's)."""
+    return (f"tforce: no --model given: using the trained demo pair {target} (draft: {draft}; "
+            "small models trained by scripts/train_demo.py, see models/README.md)")
 
 
 def demo_prompt() -> str:

@@ -174,9 +174,11 @@ class Plan:
         return max(self.prefill_peak, self.decode_peak)
 
     def describe(self) -> str:
+        """Where the full cache's layers go, to follow "KV cache: X GiB for N tokens, " (tforce info)."""
         if self.budget is None:  # planned for no device: everything stays where the model is
-            return f"{self.n_layers}/{self.n_layers} layers of KV in the CPU's memory (no GPU)"
-        return (f"{self.resident}/{self.n_layers} layers of KV on the GPU ({self.gpu_bytes / GiB:.1f} GiB), "
+            return f"all {self.n_layers} layers in the CPU's memory (no GPU)"
+        staging = " with the two staging buffers" if self.offloaded else ""  # gpu_bytes counts them
+        return (f"{self.resident} of {self.n_layers} layers on the GPU ({self.gpu_bytes / GiB:.1f} GiB{staging}), "
                 f"{self.offloaded} in pinned host memory ({self.host_bytes / GiB:.1f} GiB)")
 
     def as_dict(self) -> dict:

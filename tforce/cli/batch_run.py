@@ -5,9 +5,10 @@ document, read as `tforce run PATH` reads it) or both (the document, then the pr
 line, as `tforce run PATH --prompt TEXT`), with an optional "id" (default: the line number) and
 "max_new_tokens" (default: --max-new-tokens). The whole
 file is checked before any model is loaded; a bad line is one error naming its line. Results go to
-stdout in the file's order, one JSON object a line; nothing is written anywhere else. If the batch is
-interrupted or fails half way, the rows finished so far are still written (in the file's order, with
-"stats": null), then the error.
+stdout in the file's order, one JSON object a line (--json: one object, {"results": [those objects],
+"stats": the batch's figures, ...}); nothing is written anywhere else. If the batch is interrupted or
+fails half way, the rows finished so far are still written (in the file's order, with "stats": null;
+--json: in one object with "complete": false), then the error.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from ..errors import UsageError
 from .common import _as_role, _check_memory, _decode_text, _say
 
 KEYS = {"prompt", "file", "id", "max_new_tokens"}
+# the batch's own figures, the same in every row's stats: what the summary line reports
+BATCH_STATS = ("batch_size", "prefill_s", "decode_s", "batch_tokens_per_s", "ms_per_token", "prefill_rebuild_s",
+               "rebuild_s")
 
 
 def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
@@ -96,7 +100,7 @@ def check_options(method: str, policy: str, world: int, prompt_given: bool, dete
         raise UsageError("--batch takes its prompts from the batch file: no PROMPT_FILE or --prompt")
 
 
-def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: dict) -> None:
+def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: dict, as_json: bool) -> None:
     """setup: run.Setup (the models, device, dtype and prompt format)."""
     from ..batch import generate_batch
     from ..weights import load_model
@@ -130,10 +134,9 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
             "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory")
     finished: dict[int, list[int]] = {}
 
-    def write(r: int, tokens: list[int], stats) -> None:
-        record = {"id": items[r][0], "text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens,
-                  "prompt_tokens": len(prompts[r]), "method": options["method"], "device": device, "stats": stats}
-        sys.stdout.write(json.dumps(record) + "\n")
+    def record(r: int, tokens: list[int], stats) -> dict:
+        return {"id": items[r][0], "text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens,
+                "prompt_tokens": len(prompts[r]), "method": options["method"], "device": device, "stats": stats}
 
     try:
         results = generate_batch(target.model, prompts, draft=small.model if small else None,
@@ -142,15 +145,14 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     except BaseException:
         # interrupted or failed half way: the rows finished so far, in the file's order, without the batch's
         # statistics (not measured to its end); the error follows on stderr
-        for r in sorted(finished):
-            write(r, finished[r], None)
-        sys.stdout.flush()
+        _write([record(r, finished[r], None) for r in sorted(finished)], None, options["method"], device, as_json)
         raise
-    for r, result in enumerate(results):
-        write(r, result.tokens, result.stats)
-    sys.stdout.flush()
-    stats = results[0].stats
-    n = sum(len(r.tokens) for r in results)
+    stats = {k: results[0].stats[k] for k in BATCH_STATS}
+    stats["new_tokens"] = n = sum(len(r.tokens) for r in results)
+    _write([record(r, result.tokens, result.stats) for r, result in enumerate(results)], stats, options["method"],
+           device, as_json)
+    if as_json:  # the figures are in the object, as `tforce run --json` prints no summary
+        return
     rate, ms = stats["batch_tokens_per_s"], stats["ms_per_token"]
     rebuild = "" if stats["rebuild_s"] is None else \
         f"; retrieval rebuilds {stats['prefill_rebuild_s']:.2f} s at prefill, {stats['rebuild_s']:.2f} s decoding"
@@ -158,3 +160,15 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
          f"{stats['prefill_s']:.2f} s; decode {stats['decode_s']:.2f} s "
          f"({'n/a' if rate is None else format(rate, '.1f')} tokens/s, "
          f"{'n/a' if ms is None else format(ms, '.1f')} ms/token for the batch){rebuild}")
+
+
+def _write(records: list[dict], stats: Optional[dict], method: str, device: str, as_json: bool) -> None:
+    """The rows' records as JSON lines, or (as_json) one object holding them and the batch's `stats` (None
+    and "complete": false when the batch stopped half way)."""
+    if as_json:
+        whole = {"method": method, "device": device, "complete": stats is not None, "stats": stats,
+                 "results": records}
+        sys.stdout.write(json.dumps(whole) + "\n")
+    else:
+        sys.stdout.writelines(json.dumps(record) + "\n" for record in records)
+    sys.stdout.flush()

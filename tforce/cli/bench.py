@@ -10,25 +10,31 @@ import typer
 
 from .. import bench_record
 from ..config import Sampling, Speculation
+from ..demo import BENCH_TOKENS, EXCERPT, NAME, demo_pair, notice
 from ..errors import TforceError, UsageError
 from .app import app
 from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory,
                      _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
 from .run import _check_local, _default_draft, _parallel, _read_config, _read_prompt, _tp_target
 
+PROMPT_LEN = 122880  # the prompt of the paper's setups (README, "Reproducing the paper's setups")
+
 
 @app.command()
 def bench(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: a folder, hub id or short name."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: a folder, hub id or short name "
+                                                                    "(default without --synthetic: the demo pair, on "
+                                                                    "the demo's excerpt)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Small draft model (default: the registry's, or the "
                                                                "sibling X-draft of a folder X-target)."),
     synthetic: Optional[str] = typer.Option(None, "--synthetic",
                                             help="Random weights of an architecture: llama2-7b | llama2-13b | "
                                                  "llama3.1-8b | tiny (results are labelled synthetic)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device "
-                                                             "cuda; needs --model)."),
+                                                             "cuda; not with --synthetic)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
-    prompt_len: int = typer.Option(122880, "--prompt-len", help="Prompt tokens."),
+    prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help=f"Prompt tokens (default {PROMPT_LEN}; "
+                                                                        f"on the demo pair {BENCH_TOKENS})."),
     gen_len: int = typer.Option(256, "--gen-len", help="Tokens generated per method (EOS ignored)."),
     methods: Optional[str] = typer.Option(None, "--methods",
                                           help="Comma-separated (default: ar,triforce,naive,retrieval,streaming; with "
@@ -77,10 +83,12 @@ def bench(
         from .. import bench as b
         from ..peers import parse_peers
 
-        if (model is None) == (synthetic is None):
-            raise UsageError("give one of --model or --synthetic ARCH")
-        if prompt_len < 1 or gen_len < 1:
-            raise UsageError(f"--prompt-len and --gen-len must be >= 1, got {prompt_len} and {gen_len}")
+        if model is not None and synthetic is not None:
+            raise UsageError("give --model or --synthetic ARCH, not both")
+        demo = model is None and synthetic is None
+        length = prompt_len if prompt_len is not None else BENCH_TOKENS if demo else PROMPT_LEN
+        if length < 1 or gen_len < 1:
+            raise UsageError(f"--prompt-len and --gen-len must be >= 1, got {length} and {gen_len}")
         if dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         default = "ar,triforce,naive" if batch is not None else "ar,triforce,naive,retrieval,streaming"
@@ -101,7 +109,7 @@ def bench(
         engine["prefill_chunk"] = prefill_chunk
         Sampling(temperature=temperature, top_p=top_p, seed=seed).validate()
         project = _project_option(project_at)
-        cfg = b.BenchConfig(methods=names, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
+        cfg = b.BenchConfig(methods=names, prompt_len=length, gen_len=gen_len, temperature=temperature,
                             top_p=top_p, seed=seed, engine=engine, peers=peer_names, project=project,
                             **_placement_options(offload, gpu_memory))
         text = None if prompt_file is None else _read_prompt(prompt_file, None)
@@ -113,8 +121,19 @@ def bench(
             raise UsageError("--peers runs transformers in one process: drop --gpus/--tp")
         if batch is not None and (world > 1 or peer_names):
             raise UsageError("--batch runs in one process, without --peers, so far")
+        target, small = model, draft
+        if demo:  # as `tforce run` without --model: the demo pair, on its excerpt unless a prompt file is given
+            target, demo_draft = demo_pair()
+            small = draft or demo_draft
+        excerpt = demo and prompt_file is None
+        if excerpt:
+            text = EXCERPT.read_text(encoding="utf-8").strip()
         _gpu_memory_note(gpu_memory, dev)
         path = None if record_to is None else bench_record.check(record_to)
+        if demo:
+            _say(notice(target, small))
+        if excerpt:
+            _say(f"tforce: bench: no --prompt-file given: timing {length} tokens of {NAME}")
         failed: list[str] = []  # a record write that failed (a full disk): the bench goes on
 
         def save(report: dict) -> None:
@@ -126,7 +145,7 @@ def bench(
             else:
                 failed.clear()
 
-        record = _bench(b, cfg, model, draft, synthetic, dev, dtype, text, world, batch,
+        record = _bench(b, cfg, target, small, synthetic, dev, dtype, text, world, batch,
                         None if path is None else save)
         if path is not None:
             save(record)

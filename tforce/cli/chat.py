@@ -4,7 +4,9 @@ Where things come from:
 - the document: BOOK ('-' = stdin); without BOOK, a snapshot's prefix (--load-kv), else text piped on
   stdin, else (no --model either) the demo's excerpt;
 - the questions, one per line (blank lines skipped): --questions FILE ('-' = stdin); else stdin, unless
-  the document came on stdin: then the terminal (/dev/tty), and without one a usage error. When the
+  the document came on stdin: then the terminal (/dev/tty), and without one a usage error. A questions file
+  or piped stream with no question is a usage error before any weights are read (unless --save-kv: the snapshot
+  is then the point); a pipe's first question is waited for before the model loads. When the
   questions come from a terminal, they are read with a line editor (Python's readline: arrows, in-session
   history) after a `> ` prompt. There Ctrl-C stops the answer being written (the text so far stays; the
   question and its partial answer do not join the history) or drops the line being typed, and a fresh
@@ -20,6 +22,7 @@ stopped by Ctrl-C); the live status, the prompt and each answer's time to first 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -115,7 +118,7 @@ def _document(book: Optional[str], load_kv: Optional[str], demo: bool) -> tuple[
 
 def _question_source(questions: Optional[str], document_on_stdin: bool, saving: bool = False):
     """(an iterator of questions (stripped, non-empty), whether they come from a terminal: then after a `> `
-    prompt). A questions file without one is refused unless the chat is `saving` a snapshot."""
+    prompt). A questions file or stdin stream without one is refused unless the chat is `saving` a snapshot."""
     if questions == "-" and document_on_stdin:
         raise UsageError("the document came on stdin: give the questions in a file (--questions FILE)")
     if questions is not None and questions != "-":
@@ -139,7 +142,13 @@ def _question_source(questions: Optional[str], document_on_stdin: bool, saving: 
     if sys.stdin.isatty():
         return _terminal_questions(), True
     lines = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else (q.encode() for q in sys.stdin)
-    return (q for q in (_decode_text(b, "stdin").strip() for b in lines) if q), False
+    asked = (q for q in (_decode_text(b, "stdin").strip() for b in lines) if q)
+    if saving:  # the snapshot is the point: no question is needed, none is waited for
+        return asked, False
+    first = next(asked, None)  # waits for the first question, so that an empty stream is refused before the prefill
+    if first is None:
+        raise UsageError("stdin holds no questions (one a line): pipe them, or give --questions FILE")
+    return itertools.chain((first,), asked), False
 
 
 def _open_terminal() -> int:

@@ -201,7 +201,7 @@ def _plan_rows(t, p: dict) -> None:
         return
     host = "" if p["host_fits"] else f"  (host memory too small: {_gib(p['host_available_bytes'])} available)"
     tokens = f"{p['rows']} x {p['context']}" if p["rows"] > 1 else f"{p['context']}"
-    t.add_row("placement plan", f"{p['describe']} of {_gib(p['kv_bytes'])} KV for {tokens} tokens{host}")
+    t.add_row("placement plan", f"KV cache: {_gib(p['kv_bytes'])} for {tokens} tokens, {p['describe']}{host}")
     context = "measured" if p["context_measured"] else "estimate"
     t.add_row("memory plan", f"device bytes{ranks}; attention {p['attention']}, CUDA context {context}")
     for item in p["items"]:

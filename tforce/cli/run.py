@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from ..config import Sampling, Speculation
-from ..demo import NAME, demo_pair, demo_prompt
+from ..demo import NAME, demo_pair, demo_prompt, notice
 from ..errors import UsageError
 from .app import app
 from . import options as o
@@ -178,8 +178,7 @@ def _exactness_note(setup: Setup) -> None:
 
 def _demo_notice(setup: Setup, draft: Optional[str]) -> None:
     if setup.demo is not None:
-        _say(f"tforce: no --model given: using the trained demo pair {setup.target} (draft: {draft or setup.demo}; "
-             "small models trained by scripts/train_demo.py, see models/README.md)")
+        _say(notice(setup.target, draft or setup.demo))
 
 
 @app.command()
@@ -222,8 +221,8 @@ def run(
     gpus: Optional[int] = o.GPUS,
     batch: Optional[str] = typer.Option(None, "--batch", help="JSON-lines file of prompts ('-' = stdin), one "
                                         "{\"prompt\" and/or \"file\", \"id\", \"max_new_tokens\"} a line, run as "
-                                        "one batch; one JSON line out per prompt (every --method; no --deterministic, "
-                                        "--tp or KV snapshots)."),
+                                        "one batch; one JSON line out per prompt (--json: one object holding them; "
+                                        "every --method; no --deterministic, --tp or KV snapshots)."),
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
     params = dict(locals())
@@ -246,7 +245,7 @@ def run(
         _demo_notice(setup, draft)
         _exactness_note(setup)
         if batch is not None:
-            return run_batch(items, setup, setup.options)
+            return run_batch(items, setup, setup.options, as_json)
         _run(text, setup, as_json, dict(setup.options, save_kv=save_kv, load_kv=load_kv))
 
     _guarded(body)

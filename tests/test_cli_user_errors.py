@@ -145,6 +145,16 @@ def test_chat_with_no_questions_on_stdin_is_refused(runner, models, tmp_path, mo
     assert (tmp_path / "snap" / "manifest.json").is_file()
 
 
+def test_chat_with_an_empty_document_names_the_document(runner, models, tmp_path):
+    """An empty BOOK, or nothing on stdin without BOOK: the line spoke of a prompt and --prompt, which chat
+    does not have."""
+    pair = ["-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft")]
+    (tmp_path / "empty.txt").write_text("  \n")
+    for args, stdin in (([str(tmp_path / "empty.txt"), "-q", str(tmp_path / "empty.txt")], None), ([], "")):
+        r = runner.invoke(app, ["chat", *args, *pair], input=stdin)
+        _one_error_line(r, 2, "the document is empty: give BOOK")
+
+
 def _no_loading(*a, **k):
     raise AssertionError("weights read before the questions were checked")
 

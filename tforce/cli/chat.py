@@ -102,14 +102,17 @@ def chat(
     _guarded(body)
 
 
+EMPTY_DOCUMENT = "the document is empty: give BOOK (a file, '-' for stdin), pipe it on stdin, or --load-kv DIR"
+
+
 def _document(book: Optional[str], load_kv: Optional[str], demo: bool) -> tuple[Optional[str], bool]:
     """(the document's text, or None for the snapshot's prefix; whether it was read from stdin)."""
     if book is not None:
-        return _read_prompt(book, None), book == "-"
+        return _read_prompt(book, None, empty=EMPTY_DOCUMENT), book == "-"
     if load_kv is not None:
         return None, False
     if not sys.stdin.isatty():
-        return _read_prompt(None, None), True
+        return _read_prompt(None, None, empty=EMPTY_DOCUMENT), True
     if not demo:
         raise UsageError("no document: give BOOK (a file, '-' for stdin), pipe it on stdin, or --load-kv DIR")
     _say(f"tforce: no document given: using {NAME}")

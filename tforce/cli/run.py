@@ -22,11 +22,15 @@ from .options import ENGINE
 from .live import Progress, TextStream, _summary_line
 
 
-def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Optional[str] = None) -> str:
+EMPTY_PROMPT = "the prompt is empty: give a prompt file, --prompt TEXT or text on stdin"
+
+
+def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Optional[str] = None,
+                 empty: str = EMPTY_PROMPT) -> str:
     """The document (a file, `-` for stdin, or piped stdin) followed by --prompt, joined by a blank line.
 
     With nothing given (no file, no --prompt, nothing on stdin), `default` (the demo's excerpt) if there
-    is one; a prompt or file that was given but is empty is a usage error, never replaced."""
+    is one; a prompt or file that was given but is empty is a usage error (`empty`, its line), never replaced."""
     document = ""
     if prompt_file == "-" or (prompt_file is None and not sys.stdin.isatty()):
         try:
@@ -50,7 +54,7 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Opt
         _say(f"tforce: no prompt given: using {NAME} and a question")
         return default
     if not parts:
-        raise UsageError("the prompt is empty: give a prompt file, --prompt TEXT or text on stdin")
+        raise UsageError(empty)
     return "\n\n".join(parts)
 
 

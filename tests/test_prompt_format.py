@@ -216,3 +216,15 @@ def test_templated_chat_refuses_a_raw_snapshot(models, tmp_path):
     ok = _cli(models, "chat", "--load-kv", str(tmp_path / "kv"), "--method", "ar", "--template", "none",
               "--json", input="Who?\n")
     assert ok.exit_code == 0, (ok.output, ok.exception)
+
+
+def test_info_says_how_prompts_are_laid_out_and_where_runs_stop(models, tmp_path):
+    r = CliRunner().invoke(app, ["info", "-m", str(models / "chat-target"), "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    m = json.loads(r.stdout)["model"]
+    assert (m["tokenizer"], m["chat_template"], m["eos_token_ids"]) == (True, True, [2])
+    make_checkpoint(tmp_path / "bare", seed=0, tokenizer=False, **TARGET)
+    (tmp_path / "bare" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    r = CliRunner().invoke(app, ["info", "-m", str(tmp_path / "bare")])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "no tokenizer; end-of-sequence ids [2, 7]" in " ".join(r.stdout.split())

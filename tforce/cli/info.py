@@ -131,7 +131,7 @@ def info(
             path = resolve(model)
             config = read_config(path)
             record["model"] = {"name": model, "path": str(path),
-                               **_arch(config, context or config.max_position_embeddings, dtype)}
+                               **_arch(config, context or config.max_position_embeddings, dtype), **_prompt(path, config)}
         if synthetic is not None:
             from ..synthetic import ARCHITECTURES, make_config
 
@@ -152,6 +152,17 @@ def info(
         _print_info(record)
 
     _guarded(body)
+
+
+def _prompt(path, config) -> dict:
+    """How run and chat lay out a prompt for this model (prompt_format.py) and the ids they stop at
+    (config.json's and generation_config.json's, weights.py)."""
+    from ..engine import _eos_ids
+    from ..weights import _load_tokenizer
+
+    tok = _load_tokenizer(path)
+    return {"tokenizer": tok is not None, "chat_template": bool(getattr(tok, "chat_template", None)),
+            "eos_token_ids": sorted(_eos_ids(config))}
 
 
 def _print_info(r: dict) -> None:
@@ -176,6 +187,10 @@ def _print_info(r: dict) -> None:
         t.add_row("context / rope", f"{m['context']} tokens, rope {m['rope_type']} (theta {m['rope_theta']})")
         t.add_row("kv cache", f"{m['kv_bytes_per_token']} bytes/token ({m['kv_dtype']}); "
                               f"{_gib(m['kv_bytes_for_context'])} for {m['kv_context']} tokens")
+        if "chat_template" in m:
+            layout = "the tokenizer's chat template (--template none: the text as it is)" if m["chat_template"] \
+                else "the text as it is (no chat template)" if m["tokenizer"] else "no tokenizer"
+            t.add_row("prompt / stops at", f"{layout}; end-of-sequence ids {m['eos_token_ids']}")
     p = r.get("plan")
     if p:
         _plan_rows(t, p)

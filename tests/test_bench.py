@@ -225,7 +225,8 @@ def test_run_takes_placement_options(runner):
 def test_bench_times_row_wise_verification_beside_the_plain_one(runner, monkeypatch):
     """--methods triforce,triforce+det: the deterministic mode's cost, measured side by side in one run."""
     from model_helpers import count_rowwise_runners
-    from tforce.bench import parse_methods, split_method
+    from tforce.bench import parse_methods
+    from tforce.bench_run import split_method
 
     built = count_rowwise_runners(monkeypatch)
 

@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 import tforce.bench
+import tforce.bench_run
 from tforce.cli import app
 from test_bench import BENCH
 
@@ -39,14 +40,14 @@ def test_the_record_is_what_json_prints(runner, tmp_path):
 def test_a_bench_cut_short_keeps_the_methods_that_finished(runner, tmp_path, monkeypatch):
     """The third method dies (as a time limit or an out-of-memory error would end it): FILE holds the
     first two, marked incomplete, with ar's speed-up over itself; bench_summary says it was cut short."""
-    run_one = tforce.bench.run_one
+    run_one = tforce.bench_run.run_one
 
     def dies_third(models, ids, method, *a, **k):
         if method == "streaming":
             raise KeyboardInterrupt
         return run_one(models, ids, method, *a, **k)
 
-    monkeypatch.setattr(tforce.bench, "run_one", dies_third)
+    monkeypatch.setattr(tforce.bench, "run_one", dies_third)  # where bench() looks it up
     path = tmp_path / "r.json"
     path.write_text("an older record, replaced by the first whole one\n")
     result = runner.invoke(app, BENCH + ["--methods", "ar,naive,streaming", "--gen-len", "4", "--record",

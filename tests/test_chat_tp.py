@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 import tforce
-from tforce import snapshot
+from tforce import snapshot_identity, snapshot_io
 from tforce.cli import app
 from tforce.config import Sampling, Speculation
 from tforce.conversation_tp import ParallelConversation, _conversation_worker
@@ -289,7 +289,7 @@ def test_ranks_that_disagree_fail_the_answer_and_end(models, target):
 
 
 class _ThreadGroup:
-    """Threads standing in for ranks (snapshot.py's view of parallel.Group): gather meets at a barrier."""
+    """Threads standing in for ranks (the snapshot modules' view of parallel.Group): gather meets at a barrier."""
 
     def __init__(self, rank: int, slots: list, barrier: threading.Barrier):
         self.rank, self.world, self.slots, self.barrier = rank, len(slots), slots, barrier
@@ -306,20 +306,20 @@ def test_a_rank_that_fails_to_write_fails_every_rank_and_leaves_no_snapshot(tiny
     prompt = torch.randint(3, 259, (20,), generator=torch.Generator().manual_seed(0))
     session = Session(tiny["gqa"].model, None, 20, 4, Speculation(method="ar", budget=16), Sampling(temperature=0))
     session.prefill(prompt)
-    ident = snapshot.identity(tiny["gqa"])
-    write = snapshot._write
+    ident = snapshot_identity.identity(tiny["gqa"])
+    write = snapshot_io._write
 
     def disk_full_on_rank_1(folder, name, tensors):
         if folder.name == "rank-1" and name == "full-001.safetensors":
             raise OSError(28, "No space left on device")
         return write(folder, name, tensors)
 
-    monkeypatch.setattr(snapshot, "_write", disk_full_on_rank_1)
+    monkeypatch.setattr(snapshot_io, "_write", disk_full_on_rank_1)
     slots, barrier, errors = [None, None], threading.Barrier(2, timeout=30), [None, None]
 
     def rank(r):
         try:
-            snapshot.save(tmp_path / "s", session, ident, _ThreadGroup(r, slots, barrier))
+            snapshot_io.save(tmp_path / "s", session, ident, _ThreadGroup(r, slots, barrier))
         except TforceError as e:
             errors[r] = str(e)
 

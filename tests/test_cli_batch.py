@@ -161,10 +161,10 @@ def test_rows_finished_before_an_interrupt_or_error_are_written(runner, models, 
     """Results went to stdout only after the whole batch: Ctrl-C or an error half way lost every finished
     row (and with --batch -, the prompts were gone too). The rows finished so far are written, in the
     file's order, with "stats": null (the batch's were not measured to its end); the others are not."""
-    import tforce.batch
+    import tforce.batch_session
 
     calls = []
-    real = tforce.batch._Batch.round
+    real = tforce.batch_session._Batch.round
 
     def failing(self, gen):
         calls.append(1)
@@ -172,7 +172,7 @@ def test_rows_finished_before_an_interrupt_or_error_are_written(runner, models, 
             raise failure
         return real(self, gen)
 
-    monkeypatch.setattr(tforce.batch._Batch, "round", failing)
+    monkeypatch.setattr(tforce.batch_session._Batch, "round", failing)
     batch = _write(tmp_path, json.dumps({"prompt": DOC, "id": "long"}),
                    json.dumps({"prompt": "It was", "id": "one", "max_new_tokens": 1}),
                    json.dumps({"prompt": "It is", "id": "none", "max_new_tokens": 0}))

@@ -87,12 +87,12 @@ def test_a_disk_error_while_saving_is_one_line(runner, models, tmp_path, monkeyp
     line naming --save-kv, exit 1, and no temporary folder left behind."""
     import errno
 
-    from tforce import snapshot
+    from tforce import snapshot_io
 
     def full(folder, name, tensors):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(snapshot, "_write", full)
+    monkeypatch.setattr(snapshot_io, "_write", full)
     r = _run(runner, models, "--save-kv", str(tmp_path / "snap"))
     _one_error_line(r, 1, f"--save-kv {tmp_path / 'snap'}: cannot write the snapshot: No space left on device")
     assert list(tmp_path.iterdir()) == []

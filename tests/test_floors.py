@@ -6,6 +6,8 @@ import pytest
 
 import tforce
 from tforce import bench as b
+from tforce import bench_run
+from tforce.ceilings import Ceilings
 from tforce.config import Speculation
 from tforce.floors import prefill_flops, step_floors_ms
 from tforce.synthetic import make_config
@@ -51,18 +53,18 @@ def test_step_floors_of_llama2_7b_at_122k():
 
 def test_bench_gives_each_stage_its_measured_step_beside_its_floor(tiny):
     target, draft = tiny["gqa"].model, tiny["draft"].model
-    models = b.Models.local(target, draft)
+    models = bench_run.Models.local(target, draft)
     ids = list(range(3, 203))
     spec = Speculation(budget=64, chunk_size=4, draft_budget=32, sinks=4)
     r = tforce.generate(target, ids, draft=draft, max_new_tokens=16, temperature=0.0, ignore_eos=True,
                         budget=64, chunk_size=4, draft_budget=32, sinks=4)
-    got = b._floors(models, spec, len(ids), 16, r.stats, b.Ceilings(device_gbps=10.0, tflops=2.0))
+    got = bench_run._floors(models, spec, len(ids), 16, r.stats, Ceilings(device_gbps=10.0, tflops=2.0))
     assert set(got["step_ms"]) == set(got["step_floor_ms"]) == {"draft", "retrieval", "full"}
     for name, n in r.stats["forwards"].items():
         assert got["step_ms"][name] == pytest.approx(1000 * r.stats["stage_s"][name] / n)
     assert got["step_floor_ms"] == step_floors_ms(target.config, draft.config, 4, spec, 208, 10.0)
     assert got["prefill_flop_floor_s"] == pytest.approx(prefill_flops(target.config, 200) / 2e12)
-    none = b._floors(models, spec, len(ids), 16, r.stats, b.Ceilings())  # the CPU: no ceilings measured
+    none = bench_run._floors(models, spec, len(ids), 16, r.stats, Ceilings())  # the CPU: no ceilings measured
     assert none["step_floor_ms"] is None and none["prefill_flop_floor_s"] is None
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tforce.batch
+import tforce.batch_session
 from model_helpers import rotary_for
 from tforce.batch import generate_batch
 from tforce.batch_levels import RowsNode
@@ -135,7 +135,7 @@ def test_generate_batch_prefill_traffic_is_linear(tiny, monkeypatch):
             super().__init__(*a, **kw)
             caches.append(self)
 
-    monkeypatch.setattr(tforce.batch, "RowsOffloadedCache", Counted)
+    monkeypatch.setattr(tforce.batch_session, "RowsOffloadedCache", Counted)
     h2d = []
     for n in (40, 80):
         generate_batch(tiny["gqa"], prompts_of((n, n // 2 + 1, 1), seed=3), draft=tiny["draft"], method="triforce",

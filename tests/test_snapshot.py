@@ -1,5 +1,6 @@
-"""KV snapshots (tforce/snapshot.py) and conversations (tforce/conversation.py): a reused or loaded cache
-gives the answers a fresh prefill gives, greedy token for token and sampled by chi-square; every refusal."""
+"""KV snapshots (tforce/snapshot.py, snapshot_io.py, snapshot_identity.py) and conversations
+(tforce/conversation.py): a reused or loaded cache gives the answers a fresh prefill gives, greedy token for
+token and sampled by chi-square; every refusal."""
 import json
 import shutil
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import tforce
-from tforce import snapshot
+from tforce import snapshot_identity, snapshot_io
 from tforce.conversation import Conversation
 from tforce.engine import Session
 from tforce.errors import TforceError, UsageError
@@ -56,7 +57,7 @@ def test_snapshot_restores_streaming_caches_without_refeeding(tiny, saved, metho
     prompt = torch.tensor(ids(40) + ids(5, seed=1))
     session = Session(tiny["gqa"].model, tiny["draft"].model, len(prompt), 8,
                       tforce.config.Speculation(method=method, **SMALL), tforce.config.Sampling(temperature=0))
-    snapshot.load(saved[method], session, prompt, len(prompt) - 1, snapshot.identity(tiny["gqa"], tiny["draft"]))
+    snapshot_io.load(saved[method], session, prompt, len(prompt) - 1, snapshot_identity.identity(tiny["gqa"], tiny["draft"]))
     session.prefill(prompt)
     for node in (session.small, session.middle if method == "streaming" else None):
         if node is not None:
@@ -123,12 +124,12 @@ def test_loaded_snapshot_sampling_matches_target_distribution(small_vocab, tmp_p
     joint = exact_joint(target, PROMPT, N_TOKENS)
     tforce.generate(target, PROMPT[:15], draft=draft, method="triforce", max_new_tokens=0, save_kv=tmp_path / "s",
                     **dict(SMALL, gamma2=3))
-    ident = snapshot.identity(target, draft)
+    ident = snapshot_identity.identity(target, draft)
     gen = torch.Generator().manual_seed(5)
     samples = []
     for _ in range(SAMPLES):
         session = Session(target, draft, len(PROMPT), N_TOKENS + 8, spec, SAMPLING)
-        assert snapshot.load(tmp_path / "s", session, torch.tensor(PROMPT), len(PROMPT) - 1, ident) == (14, 14)
+        assert snapshot_io.load(tmp_path / "s", session, torch.tensor(PROMPT), len(PROMPT) - 1, ident) == (14, 14)
         session.prefill(torch.tensor(PROMPT))
         got = []
         while len(got) < N_TOKENS:
@@ -220,19 +221,19 @@ def test_a_failed_save_leaves_the_old_snapshot_and_no_temporary(tiny, tmp_path, 
     path = tmp_path / "s"
     tforce.generate(tiny["gqa"], ids(20), save_kv=path, method="ar", **GREEDY)
     before = (path / "manifest.json").read_bytes()
-    write = snapshot._write
+    write = snapshot_io._write
 
     def killed(folder, name, tensors):
         if name == "full-001.safetensors":
             raise KeyboardInterrupt
         return write(folder, name, tensors)
 
-    monkeypatch.setattr(snapshot, "_write", killed)
+    monkeypatch.setattr(snapshot_io, "_write", killed)
     with pytest.raises(KeyboardInterrupt):
         tforce.generate(tiny["gqa"], ids(30), save_kv=path, method="ar", **GREEDY)
     assert (path / "manifest.json").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
-    monkeypatch.setattr(snapshot, "_write", write)
+    monkeypatch.setattr(snapshot_io, "_write", write)
     tforce.generate(tiny["gqa"], ids(30), save_kv=path, method="ar", **GREEDY)  # a snapshot is replaced
     assert len(json.loads((path / "manifest.json").read_text())["tokens"]) == 29
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
@@ -241,8 +242,8 @@ def test_a_failed_save_leaves_the_old_snapshot_and_no_temporary(tiny, tmp_path, 
 def test_save_writes_one_layer_at_a_time(tiny, tmp_path, monkeypatch):
     """Streaming: each file holds one layer (never the whole cache in one extra copy)."""
     sizes = []
-    write = snapshot._write
-    monkeypatch.setattr(snapshot, "_write", lambda f, n, t: sizes.append(sum(x.numel() for x in t.values()))
+    write = snapshot_io._write
+    monkeypatch.setattr(snapshot_io, "_write", lambda f, n, t: sizes.append(sum(x.numel() for x in t.values()))
                         or write(f, n, t))
     tforce.generate(tiny["gqa"], ids(40), save_kv=tmp_path / "s", method="ar", **GREEDY)
     cfg = tiny["gqa"].config

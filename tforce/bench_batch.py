@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 
 from .batch import BATCH_METHODS, generate_batch
-from .bench import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, memory_record, prompt_ids, reset_peaks
+from .bench import prompt_ids
+from .bench_run import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, memory_record, reset_peaks
 from .errors import UsageError
 
 BATCH_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "offload", "gpu_memory", "budget",

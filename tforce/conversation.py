@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from . import snapshot
+from . import snapshot, snapshot_identity, snapshot_io
 from .engine import Result, _eos_ids, _module, _stats, check_ids, check_prompt, decode, generator, open_session
 from .errors import UsageError
 from .session import Session, _sync_device
@@ -33,7 +33,7 @@ class Conversation:
         conversation); default: the rest of the model's context. options: generate()'s (method, sampling,
         budgets, placement). load_kv / save_kv: KV snapshots of the document (snapshot.py); group: the
         tensor-parallel ranks (parallel.Group) when target is one rank's shard (conversation_tp.py)."""
-        ident = snapshot.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
+        ident = snapshot_identity.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
         self.target, self.draft = _module(target), (_module(draft) if draft is not None else None)
         if document_ids is None:
             if load_kv is None:
@@ -60,13 +60,13 @@ class Conversation:
         t0 = time.perf_counter()
         self.kv_reused = 0
         if load_kv is not None:
-            self.kv_reused = snapshot.load(load_kv, self.session, doc, len(doc), ident, group)[0]
+            self.kv_reused = snapshot_io.load(load_kv, self.session, doc, len(doc), ident, group)[0]
         self.session.prefill(doc, on_prefill, upto=len(doc))
         self.session.mark()
         _sync_device(device)
         self.prefill_s = time.perf_counter() - t0
         if save_kv is not None:
-            snapshot.save(save_kv, self.session, ident, group)
+            snapshot_io.save(save_kv, self.session, ident, group)
 
     @property
     def room_left(self) -> int:

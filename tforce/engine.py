@@ -129,9 +129,9 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     into the same model, tokenizer and dtype. group: the tensor-parallel ranks (parallel.Group) when target
     is one rank's shard: their memory plans must agree before any cache is allocated, and each rank's
     snapshot part holds its own KV heads."""
-    from . import snapshot
+    from . import snapshot, snapshot_identity, snapshot_io
 
-    identity = snapshot.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
+    identity = snapshot_identity.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
     target, draft = _module(target), (_module(draft) if draft is not None else None)
     prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
     max_new = check_prompt(target, len(prompt), max_new_tokens)
@@ -151,15 +151,15 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     t0 = time.perf_counter()
     kv = {}
     if load_kv is not None:
-        kv["kv_reused"], kv["kv_snapshot_tokens"] = snapshot.load(load_kv, session, prompt, len(prompt) - 1, identity,
-                                                                 group)
+        kv["kv_reused"], kv["kv_snapshot_tokens"] = snapshot_io.load(load_kv, session, prompt, len(prompt) - 1,
+                                                                    identity, group)
         _sync_device(device)
         kv["load_kv_s"] = time.perf_counter() - t0
     session.prefill(prompt, on_prefill)
     _sync_device(device)
     t1 = time.perf_counter()
     if save_kv is not None:
-        snapshot.save(save_kv, session, identity, group)
+        snapshot_io.save(save_kv, session, identity, group)
         kv["save_kv_s"] = time.perf_counter() - t1
     eos = set() if ignore_eos else _eos_ids(target.config)
     before = session.counts()

@@ -199,7 +199,7 @@ class AnyRank:
 
 
 class Group:
-    """The process group as snapshot.py and session.py see it (this rank, the world size, a gather, the plan
+    """The process group as the snapshot modules and session.py see it (this rank, the world size, a gather, the plan
     check), so that they need not touch torch.distributed. Gathers are collectives: every rank must make
     the same ones."""
 

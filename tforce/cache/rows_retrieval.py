@@ -8,7 +8,7 @@ padding at a row's end is never committed; row b's position p >= base[b] takes s
 budget - 1 - ((p - base[b]) mod budget) (from the end backwards, wrapping, as RetrievalCache), so a padded
 position and the real token that later takes that position share a slot, and a padded slot carries a
 position no real query of the row can see before it is overwritten (the visibility rule). New tokens
-past budget - chunk_size overwrite the first chunk, then wrap onto the newest ones (batch.py rebuilds
+past budget - chunk_size overwrite the first chunk, then wrap onto the newest ones (batch_session.py rebuilds
 before that when the budget leaves room; with a smaller one, e.g. budget == chunk_size, it cannot, and
 the middle level then drafts from fewer tokens, as RetrievalCache does): what a slot holds is always
 what key_pos says, so attention stays consistent; a padded position may then displace a real entry of

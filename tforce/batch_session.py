@@ -1,0 +1,205 @@
+"""The rows of one batch of generate_batch (batch.py): their host-side state (_RowState) and _Batch, the
+nodes and levels composed for all rows as session.Session composes them for one prompt, with the prefill
+(layer-major into an offloaded full cache) and the per-row retrieval rebuilds.
+"""
+from __future__ import annotations
+
+import time
+
+from .batch_levels import RowsDrafter, RowsNode, RowsSpecLevel
+from .cache.batched import RowsCache, RowsStreamingCache
+from .cache.policies import make_select
+from .cache.rows_offload import RowsOffloadedCache
+from .cache.rows_retrieval import RowsRetrievalCache
+from .config import Sampling, Speculation
+from .prefill import prefill_rows_layer_major
+from .rope import Rotary
+from .session import _sync_device
+
+class _RowState:
+    """The host-side state of the live rows: index into the caller's list, tokens so far, budget."""
+
+    def __init__(self, prompts, max_new: list[int]):
+        self.ids = list(range(len(prompts)))  # live row i is prompt self.ids[i]
+        self.seq = [list(p) for p in prompts]
+        self.out = [[] for _ in prompts]
+        self.max_new = max_new
+        self.verified = [0] * len(prompts)  # full-cache forwards that decided the row's tokens
+        self.rebuilds = [0] * len(prompts)  # retrieval rebuilds during decoding
+
+    def add(self, i: int, tokens: list[int], eos: set[int]) -> bool:
+        """Row i's new tokens, cut at its budget and at EOS; True when the row is done."""
+        r = self.ids[i]
+        tokens = tokens[: self.max_new[r] - len(self.out[r])]
+        stop = next((j for j, t in enumerate(tokens) if t in eos), None)
+        if stop is not None:
+            tokens = tokens[: stop + 1]
+        self.out[r] += tokens
+        self.seq[r] += tokens
+        return stop is not None or len(self.out[r]) >= self.max_new[r]
+
+
+class _Batch:
+    """The nodes and levels of one batch, composed as session.Session composes them for one prompt, and the
+    per-row retrieval rebuilds (Session._maybe_rebuild's rules, per row)."""
+
+    def __init__(self, target, draft, spec: Speculation, sampling: Sampling, rows: _RowState, total: int,
+                 resident: int, prefill_chunk: int, recompute_stats: bool = False):
+        self.spec, self.rows, self.target = spec, rows, target
+        B, cfg, p = len(rows.seq), target.config, next(target.parameters())
+        capacity = spec.capacity(total)
+        rotary = Rotary(cfg, max_len=total, device=p.device)
+        dims = (cfg.num_hidden_layers, B, target.n_kv_heads, target.head_dim)
+        if resident == cfg.num_hidden_layers:
+            full = RowsCache(*dims, capacity, rotary, dtype=p.dtype, device=p.device)
+        else:
+            full = RowsOffloadedCache(*dims, capacity, rotary, resident=resident, dtype=p.dtype, device=p.device)
+        self.full = RowsNode("full", target, full, sampling, prefill_chunk)
+        self.middle = self.small = self.retrieval = None
+        if spec.method in ("triforce", "retrieval"):
+            self.retrieval = RowsRetrievalCache(*dims, spec.budget, spec.chunk_size, rotary, dtype=p.dtype,
+                                                device=p.device, shared=spec.policy == "shared",
+                                                select=make_select(spec.policy, spec.sinks),
+                                                recompute_stats=recompute_stats)
+            self.middle = RowsNode("retrieval", target, self.retrieval, sampling, prefill_chunk)
+        elif spec.method == "streaming":
+            cache = RowsStreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
+                                       max_rollback=spec.max_lookahead, max_new=prefill_chunk + spec.max_lookahead,
+                                       dtype=p.dtype, device=p.device)
+            self.middle = RowsNode("streaming", target, cache, sampling, prefill_chunk)
+        if spec.uses_draft:
+            dcfg, dp = draft.config, next(draft.parameters())
+            chunk = min(prefill_chunk, spec.draft_budget)
+            cache = RowsStreamingCache(dcfg.num_hidden_layers, B, draft.n_kv_heads, draft.head_dim,
+                                       budget=spec.draft_budget, sinks=spec.sinks,
+                                       rotary=Rotary(dcfg, max_len=total, device=dp.device),
+                                       max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
+                                       dtype=dp.dtype, device=dp.device)
+            self.small = RowsNode("draft", draft, cache, sampling, chunk)
+        self.top, self.draft_level, self.middle_level = self._compose(B)
+
+    def _compose(self, B: int):
+        """(top level, level verifying the small draft, level verifying the middle level), as Session's."""
+        s, ids = self.spec, self.rows.ids
+        if s.method == "ar":
+            return RowsDrafter(self.full), None, None
+        if s.method == "naive":
+            top = RowsSpecLevel(RowsDrafter(self.small), self.full, s.gamma2, ids, B)
+            return top, top, None
+        if s.method == "retrieval":
+            top = RowsSpecLevel(RowsDrafter(self.middle), self.full, s.gamma2, ids, B)
+            return top, None, top
+        mid = RowsSpecLevel(RowsDrafter(self.small), self.middle, s.gamma1, ids, B)
+        top = RowsSpecLevel(mid, self.full, s.gamma2, ids, B)
+        return top, mid, top
+
+    def nodes(self) -> list[RowsNode]:
+        return [n for n in (self.full, self.middle, self.small) if n is not None]
+
+    def _seqs(self) -> list[list[int]]:
+        return [self.rows.seq[r] for r in self.rows.ids]
+
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """Every node takes each row's prompt but its last token; the retrieval cache is built from the
+        full cache (every row rebuilt from its last prompt token but one). An offloaded full cache is
+        filled layer-major (prefill.py: PCIe traffic linear in the prompts, the retrieval statistics taken
+        on the device), as Session.prefill does for one prompt."""
+        heads = [p[:-1] for p in prompts]
+        full = self.full.cache
+        if isinstance(full, RowsOffloadedCache) and max(map(len, heads)):
+            counts = [len(h) for h in heads]
+            chunk_rule = self.retrieval is not None and self.retrieval.select is None
+            observe = (lambda i, k: self.retrieval.observe(full, i, k, counts)) if chunk_rule else None
+            prefill_rows_layer_major(self.target, heads, full, self.full.prefill_chunk, on_layer=observe)
+            for i, h in enumerate(heads):
+                self.full.adopt(i, h)
+        else:
+            self.full.hold(heads)
+        if self.retrieval is not None:
+            self._rebuild(list(range(len(prompts))))
+        elif self.middle is not None:
+            self.middle.hold(heads)
+        if self.small is not None:
+            self.small.hold(heads)
+
+    rebuild_times: tuple[float, ...] = ()  # seconds of each _rebuild call (all its rows), the prefill's first
+
+    def _rebuild(self, live: list[int]) -> None:
+        """Rebuild the listed live rows from what the full cache holds (re-feeding a row's last token when
+        its query is not at hand); timed as Session._rebuild times one, for all the rows together."""
+        device = self.full.device
+        _sync_device(device)  # time the rebuild alone, not the work queued before it
+        t0 = time.perf_counter()
+        full, seqs = self.full.cache, self._seqs()
+        lengths = [self.full.held(i) for i in live]
+        missing = tuple(i for i, L in zip(live, lengths) if L and full.query_at(i, L - 1) is None)
+        if missing:
+            self.full.hold([s[:self.full.held(i)] for i, s in enumerate(seqs)], refeed=missing)
+        queries = [full.query_at(i, L - 1) if L else [] for i, L in zip(live, lengths)]
+        self.retrieval.rebuild(full, live, queries)
+        for i, L in zip(live, lengths):
+            self.middle.adopt(i, seqs[i][:L])
+            if self.middle_level is not None:
+                self.middle_level.stats.recent[self.rows.ids[i]] = []
+        _sync_device(device)
+        self.rebuild_times += (time.perf_counter() - t0,)
+
+    def _maybe_rebuild(self) -> None:
+        """Before a round, per row: rebuild when new tokens crowd the budget (the round's lookahead and
+        another lookahead for padding up to another row's count: cache/rows_retrieval.py), every
+        `rebuild_every` tokens, or when the row's rolling acceptance of the middle level falls under
+        `rebuild_below`."""
+        if self.retrieval is None:
+            return
+        s = self.spec
+        self.full.sync(self._seqs())  # drop each row's rejected tail: rebuild from committed tokens
+        new = [self.full.held(i) - int(self.retrieval.base[i]) for i in range(len(self.rows.ids))]
+        stats = self.middle_level.stats
+        stale = [i for i, r in enumerate(self.rows.ids)
+                 if new[i] + 2 * s.max_lookahead + 1 > s.budget - s.chunk_size or new[i] >= s.rebuild_every
+                 or stats.low(r, s.rebuild_below)]
+        if stale:
+            self._rebuild(stale)
+            for i in stale:
+                self.rows.rebuilds[self.rows.ids[i]] += 1
+
+    def round(self, gen) -> list[list[int]]:
+        """Every live row's new tokens of one round of the top level."""
+        self._maybe_rebuild()
+        live = len(self.rows.ids)
+        tokens, _ = self.top.round(self._seqs(), gen, [True] * live)
+        for r in self.rows.ids:
+            self.rows.verified[r] += 1
+        return tokens
+
+    def keep(self, live: list[int]) -> None:
+        """Only the live rows stay, in the caches and in the host state."""
+        self.rows.ids[:] = [self.rows.ids[i] for i in live]
+        for node in self.nodes():
+            node.keep(live)
+
+    def stats(self, r: int, prefill_s: float, decode_s: float) -> dict:
+        """Prompt r's statistics, with engine._stats's names: the batch's (prefill_s, decode_s, batch_size,
+        batch_tokens_per_s, ms_per_token, prefill_rebuild_s, rebuild_s) and the row's own (verifications,
+        tokens_per_verification, acceptance, rebuilds)."""
+        n_all, n_out, verified = sum(len(o) for o in self.rows.out), len(self.rows.out[r]), self.rows.verified[r]
+        retrieval = self.retrieval is not None
+
+        def acc(level):
+            return None if level is None else level.stats.acceptance(r)
+
+        return {
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "batch_size": len(self.rows.out),
+            "batch_tokens_per_s": n_all / decode_s if n_all and decode_s > 0 else None,
+            "ms_per_token": 1000 * decode_s / n_all if n_all else None,  # the batch's: all rows' tokens
+            "verifications": verified,
+            "tokens_per_verification": n_out / verified if verified else None,
+            "acceptance": {"draft": acc(self.draft_level), "retrieval": acc(self.middle_level)},
+            # Retrieval rebuilds, seconds for the batch (rows rebuilt together share one call): the prefill's
+            # (within prefill_s), then all rows' during decoding (within decode_s); rebuilds counts the row's.
+            "prefill_rebuild_s": self.rebuild_times[0] if retrieval else None,
+            "rebuild_s": sum(self.rebuild_times[1:]) if retrieval else None,
+            "rebuilds": self.rows.rebuilds[r] if retrieval else None,
+        }

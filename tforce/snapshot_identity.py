@@ -1,0 +1,65 @@
+"""What a KV snapshot must match (snapshot.py): the target's and the draft's architecture (config.json's
+hash) and weights (a fingerprint), and the tokenizer's files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from .snapshot import _sha
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt")
+
+
+def _config_sha(config) -> str:
+    """The architecture's hash: config.json's fields, less bookkeeping (names, versions, dtype)."""
+    d = {k: v for k, v in config.to_dict().items()
+         if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype", "use_cache",
+                                                 "architectures")}
+    return _sha(json.dumps(d, sort_keys=True, default=str).encode())
+
+
+def _weights_fingerprint(module) -> str:
+    """A hash of each parameter's name, shape and first and last 64 values: two checkpoints of one
+    architecture (a retrained model) differ here."""
+    h = hashlib.sha256()
+    for name, p in sorted(module.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(torch.cat([flat[:64], flat[-64:]]).float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _tokenizer_sha(path) -> str | None:
+    """The hash of a model folder's tokenizer files; None when unknown (a bare module, no files)."""
+    if path is None:
+        return None
+    files = [Path(path) / f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _model_id(m) -> dict:
+    module = m if isinstance(m, torch.nn.Module) else m.model
+    path = getattr(m, "path", None)
+    return {"name": str(path) if path is not None else type(module).__name__,
+            "config_sha256": _config_sha(module.config), "weights": _weights_fingerprint(module)}
+
+
+def identity(target, draft=None, group=None) -> dict:
+    """What a snapshot must match: target (a tforce.LoadedModel or a bare model), draft, tokenizer.
+    group: the tensor-parallel ranks (parallel.Group) when target is one rank's shard; the target's
+    fingerprint is then that of every rank's shard together (a collective)."""
+    ident = {"target": _model_id(target), "draft": _model_id(draft) if draft is not None else None,
+             "tokenizer_sha256": _tokenizer_sha(getattr(target, "path", None))}
+    if group is not None and group.world > 1:
+        ident["target"]["weights"] = _sha(" ".join(group.gather(ident["target"]["weights"])).encode())
+    return ident

@@ -228,3 +228,26 @@ def test_info_says_how_prompts_are_laid_out_and_where_runs_stop(models, tmp_path
     r = CliRunner().invoke(app, ["info", "-m", str(tmp_path / "bare")])
     assert r.exit_code == 0, (r.output, r.exception)
     assert "no tokenizer; end-of-sequence ids [2, 7]" in " ".join(r.stdout.split())
+
+
+def test_a_later_question_after_an_answer_that_ended_its_turn(models, monkeypatch):
+    """Conversation keeps end-of-sequence tokens out of the history, so a question after an answer that
+    ended with the end-of-turn token must start with the template's turn end (else the history would have
+    none). Conversation.ask is wrapped so that its first answer ends with <|eot|>, made an end-of-sequence id."""
+    import tforce.conversation
+
+    tok = AutoTokenizer.from_pretrained(models / "chat-target")
+    eot = tok.convert_tokens_to_ids("<|eot|>")
+    asked, ask = [], tforce.conversation.Conversation.ask
+
+    def ending_its_turn(self, question_ids, *a, **k):
+        asked.append(list(question_ids))
+        result = ask(self, question_ids, *a, **k)
+        return tforce.Result(result.tokens + [eot], result.stats) if len(asked) == 1 else result
+
+    monkeypatch.setattr(tforce.conversation.Conversation, "ask", ending_its_turn)
+    monkeypatch.setattr(tforce.engine, "_eos_ids", lambda config: {2, eot})
+    r = _cli(models, "chat", str(models / "doc.txt"), "--json", "--keep-history", "--method", "ar",
+             input="Who?\nWhen?\n")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert tok.decode(asked[1]) == "<|eot|><|user|>\n\nWhen?<|eot|><|assistant|>\n\n"

@@ -71,8 +71,8 @@ class PromptFormat:
                              "or another --system?): give the same --template and --system as when it was made")
 
     def question_ids(self, question: str, answer: list[int] | None = None) -> list[int]:
-        """The tokens of a question after the document (answer None) or after an answer's tokens
-        (--keep-history)."""
+        """The tokens of a question after the document (answer None) or after an answer's tokens as the
+        conversation's history holds them (--keep-history; Conversation leaves end-of-sequence tokens out)."""
         if not self.templated:
             return self._encode_after(SEPARATOR + question)
         if answer is None:

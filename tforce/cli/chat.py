@@ -183,6 +183,7 @@ def _terminal_questions():
 
 def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int, keep_history: bool, as_json: bool,
           save_kv: Optional[str], load_kv: Optional[str], ranks: ExitStack) -> None:
+    from ..engine import _eos_ids
     from ..snapshot import read_manifest
 
     path, config, tok = _tp_target(setup.target, setup.world)
@@ -218,7 +219,10 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
     _say(f"tforce: document: {len(doc)} tokens{how} in {conv.prefill_s:.2f} s"
          + (f"; snapshot written to {save_kv}" if save_kv is not None else "")
          + ("" if as_json or not from_terminal else "; ask a question (Ctrl-C stops an answer, Ctrl-D ends)"))
-    answer = None  # the last whole answer, which a question follows with --keep-history
+    # the last whole answer as the conversation's history holds it (Conversation keeps end-of-sequence tokens
+    # out of it, so the template's turn end follows the answer), which a question follows with --keep-history
+    answer = None
+    eos = set() if ignore_eos else _eos_ids(config)
     for question in questions:
         ids = fmt.question_ids(question, answer if keep_history else None)
         if len(ids) + 1 > conv.room_left:
@@ -226,7 +230,7 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
                              "pass a larger --room" + (" or drop --keep-history" if keep_history else ""))
         try:
             tokens = _answer(conv, question, ids, tok, max_new, method, as_json, from_terminal)
-            answer = answer if tokens is None else tokens
+            answer = answer if tokens is None else [t for t in tokens if t not in eos]
         except KeyboardInterrupt:  # a second Ctrl-C while the first was reported, or one after the answer
             if not from_terminal:
                 raise

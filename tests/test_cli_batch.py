@@ -64,7 +64,7 @@ def test_json_is_one_object_holding_the_lines(runner, models, tmp_path):
         [{k: v for k, v in r.items() if k != "stats"} for r in records]
     first = obj["results"][0]["stats"]
     assert obj["method"] == "triforce" and obj["device"] == "cpu" and obj["complete"] is True
-    assert obj["stats"] == {"new_tokens": sum(len(r["tokens"]) for r in records),
+    assert obj["stats"] == {"new_tokens": sum(len(r["tokens"]) for r in records), "batches": 1,
                             **{k: first[k] for k in ("batch_size", "prefill_s", "decode_s", "batch_tokens_per_s",
                                                      "ms_per_token", "prefill_rebuild_s", "rebuild_s")}}
     assert obj["stats"]["batch_size"] == 2 and "batch of 2 prompts" not in one.stderr

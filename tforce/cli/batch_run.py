@@ -3,12 +3,13 @@
 Each non-blank line of FILE ('-' = stdin) is one JSON object: {"prompt": TEXT} or {"file": PATH} (a
 document, read as `tforce run PATH` reads it) or both (the document, then the prompt, joined by a blank
 line, as `tforce run PATH --prompt TEXT`), with an optional "id" (default: the line number) and
-"max_new_tokens" (default: --max-new-tokens). The whole
-file is checked before any model is loaded; a bad line is one error naming its line. Results go to
-stdout in the file's order, one JSON object a line (--json: one object, {"results": [those objects],
-"stats": the batch's figures, ...}); nothing is written anywhere else. If the batch is interrupted or
-fails half way, the rows finished so far are still written (in the file's order, with "stats": null;
---json: in one object with "complete": false), then the error.
+"max_new_tokens" (default: --max-new-tokens). The whole file is checked before any model is loaded; a
+bad line is one error naming its line. A file whose plan does not fit in memory runs as consecutive
+batches of the most rows that fit, one after another. Results go to stdout in the file's order, one JSON
+object a line (--json: one object, {"results": [those objects], "stats": the batch's figures, ...});
+nothing is written anywhere else. If the batch is interrupted or fails half way, the rows finished so far
+(of every batch run) are still written (in the file's order, with "stats": null; --json: in one object
+with "complete": false), then the error.
 """
 from __future__ import annotations
 
@@ -18,13 +19,10 @@ from pathlib import Path
 from typing import Optional
 
 from ..batch import BATCH_METHODS, check_batchable
-from ..errors import UsageError
+from ..errors import TforceError, UsageError
 from .common import _as_role, _check_memory, _decode_text, _say
 
 KEYS = {"prompt", "file", "id", "max_new_tokens"}
-# the batch's own figures, the same in every row's stats: what the summary line reports
-BATCH_STATS = ("batch_size", "prefill_s", "decode_s", "batch_tokens_per_s", "ms_per_token", "prefill_rebuild_s",
-               "rebuild_s")
 
 
 def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
@@ -124,42 +122,96 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for fewer new tokens than asked: "
              + ", ".join(short))
     longest = max(len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets))
-    # B rows of the longest row's capacity
     draft_config = _read_config(draft, "draft model")[1] if draft else None
-    _check_memory(config, draft_config, longest, _dtype_bytes(dtype, device), device, options["offload"],
-                  options["gpu_memory"], options["budget"], options["method"], rows=len(prompts))
+
+    def check(rows: int) -> None:  # rows of the longest row's capacity, as the engine plans a batch
+        _check_memory(config, draft_config, longest, _dtype_bytes(dtype, device), device, options["offload"],
+                      options["gpu_memory"], options["budget"], options["method"], rows=rows)
+
+    size = _rows_that_fit(check, len(prompts))
+    starts = range(0, len(prompts), size)
+    if len(starts) > 1:
+        _say(f"tforce: the batch of {len(prompts)} does not fit: running it as {len(starts)} batches of at most "
+             f"{size}")
     target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
-    keys = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",
+    keys = ("temperature", "top_p", "top_k", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",
             "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory")
-    finished: dict[int, list[int]] = {}
+    finished: dict[int, list[int]] = {}  # prompt index in the file -> its tokens, as each row finishes
 
     def record(r: int, tokens: list[int], stats) -> dict:
         return {"id": items[r][0], "text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens,
                 "prompt_tokens": len(prompts[r]), "method": options["method"], "device": device, "stats": stats}
 
+    results, parts = [], []  # parts: each batch's figures
     try:
-        results = generate_batch(target.model, prompts, draft=small.model if small else None,
-                                 method=options["method"], max_new_tokens=budgets, on_row=finished.__setitem__,
-                                 **{k: options[k] for k in keys})
+        for g, start in enumerate(starts):
+            # batch g is seeded seed + g: the same seed for every batch would draw the same random numbers
+            # for the rows of each, so that equal prompts in two batches got equal samples; from 2**64 on (past
+            # what torch takes) it wraps around, modulo 2**64 as torch reads seeds
+            seed = options["seed"]
+            seed = None if seed is None else seed + g - (2**64 if seed + g >= 2**64 else 0)
+            group = generate_batch(target.model, prompts[start:start + size], draft=small.model if small else None,
+                                   method=options["method"], max_new_tokens=budgets[start:start + size],
+                                   on_row=lambda r, tokens, at=start: finished.__setitem__(at + r, tokens),
+                                   seed=seed, **{k: options[k] for k in keys})
+            results += group
+            parts.append({"new_tokens": sum(len(r.tokens) for r in group), **group[0].stats})
     except BaseException:
-        # interrupted or failed half way: the rows finished so far, in the file's order, without the batch's
-        # statistics (not measured to its end); the error follows on stderr
+        # interrupted or failed half way: the rows finished so far (the earlier batches' and the current
+        # one's), in the file's order, without the batch's statistics (not measured to its end); the error
+        # follows on stderr
         _write([record(r, finished[r], None) for r in sorted(finished)], None, options["method"], device, as_json)
         raise
-    stats = {k: results[0].stats[k] for k in BATCH_STATS}
-    stats["new_tokens"] = n = sum(len(r.tokens) for r in results)
+    stats = _combined(parts)
     _write([record(r, result.tokens, result.stats) for r, result in enumerate(results)], stats, options["method"],
            device, as_json)
     if as_json:  # the figures are in the object, as `tforce run --json` prints no summary
         return
-    rate, ms = stats["batch_tokens_per_s"], stats["ms_per_token"]
+    n, rate, ms = stats["new_tokens"], stats["batch_tokens_per_s"], stats["ms_per_token"]
     rebuild = "" if stats["rebuild_s"] is None else \
         f"; retrieval rebuilds {stats['prefill_rebuild_s']:.2f} s at prefill, {stats['rebuild_s']:.2f} s decoding"
-    _say(f"tforce: {options['method']}: batch of {len(results)} prompts: {n} tokens; prefill "
+    split = "" if len(parts) == 1 else f" in {len(parts)} batches of at most {size} (times summed)"
+    _say(f"tforce: {options['method']}: batch of {len(results)} prompts{split}: {n} tokens; prefill "
          f"{stats['prefill_s']:.2f} s; decode {stats['decode_s']:.2f} s "
          f"({'n/a' if rate is None else format(rate, '.1f')} tokens/s, "
          f"{'n/a' if ms is None else format(ms, '.1f')} ms/token for the batch){rebuild}")
+
+
+def _rows_that_fit(check, n: int) -> int:
+    """The most rows, up to n, that check(rows) lets through (it raises TforceError when they do not fit).
+    Every batch is planned as `check` plans the whole file, with the longest row's capacity: the engine
+    plans each batch with its own longest row, which is no longer, so every batch then fits; planning
+    each batch with its own longest row would pack more rows beside short ones, but make the batches'
+    sizes depend on the file's order. A row that does not fit alone is refused with check(1)'s message."""
+    try:
+        check(n)
+        return n
+    except TforceError:
+        if n == 1:
+            raise
+    check(1)
+    fits, over = 1, n  # the plan grows with the rows: bisect
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        try:
+            check(mid)
+            fits = mid
+        except TforceError:
+            over = mid
+    return fits
+
+
+def _combined(parts: list[dict]) -> dict:
+    """The whole file's figures from each batch's: times and tokens summed, tokens/s and ms/token over all
+    batches' decode time (prefills excluded, as in one batch's), batch_size the largest batch's rows."""
+    n, decode = sum(p["new_tokens"] for p in parts), sum(p["decode_s"] for p in parts)
+    rebuilds = {k: None if parts[0][k] is None else sum(p[k] for p in parts) for k in ("prefill_rebuild_s",
+                                                                                      "rebuild_s")}
+    return {"batch_size": max(p["batch_size"] for p in parts), "batches": len(parts),
+            "prefill_s": sum(p["prefill_s"] for p in parts), "decode_s": decode,
+            "batch_tokens_per_s": n / decode if n and decode > 0 else None,
+            "ms_per_token": 1000 * decode / n if n else None, **rebuilds, "new_tokens": n}
 
 
 def _write(records: list[dict], stats: Optional[dict], method: str, device: str, as_json: bool) -> None:

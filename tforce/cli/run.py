@@ -225,8 +225,9 @@ def run(
     gpus: Optional[int] = o.GPUS,
     batch: Optional[str] = typer.Option(None, "--batch", help="JSON-lines file of prompts ('-' = stdin), one "
                                         "{\"prompt\" and/or \"file\", \"id\", \"max_new_tokens\"} a line, run as "
-                                        "one batch; one JSON line out per prompt (--json: one object holding them; "
-                                        "every --method; no --deterministic, --tp or KV snapshots)."),
+                                        "one batch (as several in turn when it does not fit); one JSON line out "
+                                        "per prompt (--json: one object holding them; every --method; no "
+                                        "--deterministic, --tp or KV snapshots)."),
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
     params = dict(locals())

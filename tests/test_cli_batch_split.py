@@ -1,0 +1,180 @@
+"""`tforce run --batch` with a file whose plan does not fit: consecutive batches of the most rows that fit,
+run one after another, each row what it is alone and the lines in the file's order. "Does not fit" is
+made on the CPU by the host memory the plan is checked against (cli.common._host_available), set between
+the needs of k and k + 1 rows as `tforce info` plans them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoConfig
+from typer.testing import CliRunner
+
+import tforce
+from tforce.bench import info_plan
+from tforce.cli import app
+
+from test_cli import DOC, FAST, _expected, _one_error_line, _run, models  # noqa: F401
+
+CONTEXT, BUDGET, N = 512, 64, 12  # the tiny target's context; FAST's --budget and -n
+PROMPTS = [("a", DOC, N), ("b", "It was", 3), ("c", "It is", N), ("d", "It was the", 0), ("e", "Who?", N)]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return CliRunner()
+
+
+def _file(tmp_path, prompts) -> str:
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps({"id": key, "prompt": text, "max_new_tokens": n}) + "\n"
+                            for key, text, n in prompts))
+    return str(path)
+
+
+def _need(models, tokens: int, rows: int, method: str) -> int:
+    """Host bytes the CLI's check asks of `rows` rows of `tokens` tokens (float32 on the CPU)."""
+    target, draft = (AutoConfig.from_pretrained(models / name) for name in ("tiny-target", "tiny-draft"))
+    plan = info_plan(target, tokens, 4, None, 2**40, "auto", BUDGET, draft_config=draft, context_bytes=0,
+                     attention="math", method=method, rows=rows)
+    return plan["peak_bytes"] + plan["host_kv_bytes"]
+
+
+def _longest(models, prompts) -> int:
+    tok = tforce.load_model(str(models / "tiny-target")).tokenizer
+    return max(len(ids) + min(n, CONTEXT - len(ids)) for ids, n in ((tok.encode(t), n) for _, t, n in prompts))
+
+
+def _room_for(models, monkeypatch, prompts, rows: int, method: str = "ar") -> None:
+    """Host memory for `rows` rows of the file's longest, not one more."""
+    tokens = _longest(models, prompts)
+    fits, over = _need(models, tokens, rows, method), _need(models, tokens, rows + 1, method)
+    assert fits < over
+    monkeypatch.setattr("tforce.cli.common._host_available", lambda: (fits + over) // 2)
+
+
+@pytest.mark.parametrize("method", ["ar", "triforce"])
+def test_a_batch_that_does_not_fit_runs_as_smaller_batches(runner, models, tmp_path, monkeypatch, method):
+    """Five prompts, room for two rows: three batches (2, 2, 1), one note on stderr, every row the tokens
+    of the unsplit batch and of `tforce run` on its prompt alone, in the file's order."""
+    batch = _file(tmp_path, PROMPTS)
+    whole = _run(runner, models, "--batch", batch, "--method", method, *FAST)
+    _room_for(models, monkeypatch, PROMPTS, 2, method)
+    split = _run(runner, models, "--batch", batch, "--method", method, *FAST)
+    assert whole.exit_code == split.exit_code == 0, split.output
+    lines = [json.loads(line) for line in split.stdout.strip().splitlines()]
+    unsplit = [json.loads(line) for line in whole.stdout.strip().splitlines()]
+    assert [o["id"] for o in lines] == [key for key, _, _ in PROMPTS]
+    assert [o["tokens"] for o in lines] == [o["tokens"] for o in unsplit]
+    for o, (_, text, n) in zip(lines, PROMPTS):
+        assert o["tokens"] == _expected(models, text, n)
+    assert [o["stats"]["batch_size"] for o in lines] == [2, 2, 2, 2, 1]
+    assert "tforce: the batch of 5 does not fit: running it as 3 batches of at most 2" in split.stderr.splitlines()
+    assert "batch of 5 prompts in 3 batches of at most 2 (times summed)" in split.stderr
+    assert "does not fit" not in whole.stderr and "batch of 5 prompts:" in whole.stderr
+    alone = _run(runner, models, "-p", PROMPTS[2][1], "--method", method, *FAST, "--json")
+    assert alone.exit_code == 0 and json.loads(alone.stdout)["tokens"] == lines[2]["tokens"]
+
+
+def test_the_split_batches_figures_are_summed(runner, models, tmp_path, monkeypatch):
+    """--json: the stats say how many batches ran; times and tokens are the batches' sums, tokens/s and
+    ms/token over all batches' decode time."""
+    _room_for(models, monkeypatch, PROMPTS, 2)
+    r = _run(runner, models, "--batch", _file(tmp_path, PROMPTS), "--method", "triforce", "--json", *FAST)
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    stats, rows = obj["stats"], [o["stats"] for o in obj["results"]]
+    firsts = [rows[0], rows[2], rows[4]]  # one row of each batch: a batch's figures are in each of its rows
+    assert obj["complete"] is True and stats["batches"] == 3 and stats["batch_size"] == 2
+    assert stats["new_tokens"] == sum(len(o["tokens"]) for o in obj["results"]) == 3 * N + 3
+    for key in ("prefill_s", "decode_s", "prefill_rebuild_s", "rebuild_s"):
+        assert stats[key] == pytest.approx(sum(f[key] for f in firsts))
+    assert stats["batch_tokens_per_s"] == pytest.approx(stats["new_tokens"] / stats["decode_s"])
+    assert stats["ms_per_token"] == pytest.approx(1000 * stats["decode_s"] / stats["new_tokens"])
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_interrupt_in_the_second_batch_writes_the_rows_finished(runner, models, tmp_path, monkeypatch, as_json):
+    """Ctrl-C in the second of three batches: the first batch's rows and the second's finished one are
+    written in the file's order (the third batch never ran), then the one-line error."""
+    import tforce.batch_session
+
+    real, batches, rounds = tforce.batch_session._Batch.round, [], []  # rounds: begun, per batch
+
+    def failing(self, gen):
+        if not batches or batches[-1] is not self:  # the batches run one after another
+            batches.append(self)
+            rounds.append(0)
+        rounds[-1] += 1
+        if len(batches) == 2 and rounds[-1] == 3:
+            raise KeyboardInterrupt
+        return real(self, gen)
+
+    prompts = [("a", "It was", 4), ("b", "It is", 2), ("c", DOC, N), ("d", "It was the", 1), ("e", "Who?", 3)]
+    _room_for(models, monkeypatch, prompts, 2)
+    monkeypatch.setattr(tforce.batch_session._Batch, "round", failing)
+    r = _run(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST,
+             *(["--json"] if as_json else []))
+    assert r.exit_code == 130, r.output
+    out = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    if as_json:
+        [whole] = out
+        assert whole["complete"] is False and whole["stats"] is None
+        out = whole["results"]
+    assert [o["id"] for o in out] == ["a", "b", "d"]
+    for o, (_, text, n) in zip(out, [prompts[0], prompts[1], prompts[3]]):
+        assert o["tokens"] == _expected(models, text, n) and o["stats"] is None
+    note = "tforce: the batch of 5 does not fit: running it as 3 batches of at most 2"
+    assert r.stderr.strip().splitlines() == [note, "tforce: interrupted"]
+
+
+def test_a_prompt_that_does_not_fit_alone_is_refused(runner, models, tmp_path, monkeypatch):
+    """Room for the short prompts together but not for the long one alone: refused before any weights
+    are read, with the check's message for that one row (no split note)."""
+    def no_loading(*a, **k):
+        raise AssertionError("weights loaded")
+
+    long, short = [("long", "x" * 400, N)], [("s1", "It was", N), ("s2", "It is", N)]
+    prompts = short + long
+    tokens = _longest(models, long)
+    assert _need(models, _longest(models, short), 2, "ar") < _need(models, tokens, 1, "ar")
+    monkeypatch.setattr("tforce.cli.common._host_available", lambda: _need(models, tokens, 1, "ar") - 1)
+    monkeypatch.setattr("tforce.weights.load_model", no_loading)
+    r = _run(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST)
+    _one_error_line(r, 1, "not enough memory")
+    assert f"KV cache for {tokens} tokens" in r.stderr
+
+
+def test_split_batches_sample_with_their_own_seeds(runner, models, tmp_path, monkeypatch):
+    """With --seed, batch g is seeded seed + g: one seed for all would give the same prompt the same
+    sample in every batch. The run stays reproducible."""
+    prompts = [("a", "It was", N), ("b", "It was", N)]
+    _room_for(models, monkeypatch, prompts, 1)
+    args = ["--batch", _file(tmp_path, prompts), "--method", "ar", *FAST, "--temperature", "1", "--seed", "7"]
+    first, again = _run(runner, models, *args), _run(runner, models, *args)
+    assert first.exit_code == again.exit_code == 0, first.output
+    assert "running it as 2 batches of at most 1" in first.stderr
+    rows, rerun = ([json.loads(line)["tokens"] for line in r.stdout.strip().splitlines()] for r in (first, again))
+    assert rows[0] != rows[1] and rows == rerun
+    top = _run(runner, models, *args[:-1], str(2**64 - 1))  # the second batch's seed is past torch's range
+    assert top.exit_code == 0 and len(top.stdout.strip().splitlines()) == 2, top.output
+
+
+def test_bench_batch_is_not_split(runner, monkeypatch):
+    """`tforce bench --batch 3` times three rows together or nothing: with room for two it is refused."""
+    from tforce.synthetic import make_config
+
+    def no_building(*a, **k):
+        raise AssertionError("models built")
+
+    def need(rows):
+        plan = info_plan(make_config("tiny"), 48, 4, None, 2**40, "auto", 32, context_bytes=0, attention="math",
+                         method="ar", rows=rows)
+        return plan["peak_bytes"] + plan["host_kv_bytes"]
+
+    monkeypatch.setattr("tforce.cli.common._host_available", lambda: (need(2) + need(3)) // 2)
+    monkeypatch.setattr("tforce.bench.synthetic_pair", no_building)
+    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--device", "cpu", "--batch", "3", "--prompt-len", "40",
+                            "--gen-len", "8", "--budget", "32", "--chunk-size", "4", "--methods", "ar"])
+    _one_error_line(r, 1, "not enough memory")
+    assert "KV cache for 3 x 48 tokens" in r.stderr

@@ -265,8 +265,8 @@ def _skewed_worker(rank, world, *args, emit=None):
     server = _conversation_worker(rank, world, *args, emit=emit)
     command = yield next(server)
     while True:
-        ids, max_new, seed, names = command
-        command = yield server.send((ids, max_new, seed + rank, names))
+        ids, max_new, seed, names, until = command
+        command = yield server.send((ids, max_new, seed + rank, names, until))
 
 
 def test_ranks_that_disagree_fail_the_answer_and_end(models, target):
@@ -280,7 +280,7 @@ def test_ranks_that_disagree_fail_the_answer_and_end(models, target):
                   options, [None, None], False, stop, serve=True)
     with ranks:
         ranks.collect()
-        ranks.send((_question(target, QUESTIONS[0]), 12, 7, ()))
+        ranks.send((_question(target, QUESTIONS[0]), 12, 7, (), None))
         with pytest.raises(TforceError, match="^the tensor-parallel ranks answered with different tokens"):
             ranks.collect()
     assert _children() <= before

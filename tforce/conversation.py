@@ -74,11 +74,11 @@ class Conversation:
         return self.session.total - len(self.history)
 
     def ask(self, question_ids, max_new_tokens: int = 256, on_token=None, on_prefill=None, on_round=None,
-            seed: int | None = None) -> Result:
+            seed: int | None = None, until=None) -> Result:
         """Answer after the document (and, with keep_history, the conversation so far), sampling with `seed`
         (default: the conversation's; every answer is drawn from it alone); stats add ttft_s
         (from the call to the first token), prompt_tokens and prefilled_tokens (what was fed beyond the
-        caches' reuse)."""
+        caches' reuse). until: where to end, as generate's."""
         prompt = self.history + list(question_ids)
         if len(question_ids) == 0:
             raise UsageError("the question is empty")
@@ -110,7 +110,8 @@ class Conversation:
         _sync_device(device)
         t1 = time.perf_counter()
         before = session.counts()
-        out = decode(session, len(prompt), max_new, generator(self.target, self.seed if seed is None else seed), self.eos, tokens_out, on_round)
+        out = decode(session, len(prompt), max_new, generator(self.target, self.seed if seed is None else seed),
+                     self.eos, tokens_out, on_round, until)
         _sync_device(device)
         t2 = time.perf_counter()
         history = prompt + [t for t in out if t not in self.eos] if self.keep_history else self.history

@@ -65,7 +65,7 @@ class ParallelConversation:
             self._callbacks[name](*args)
 
     def ask(self, question_ids, max_new_tokens: int = 256, on_token=None, on_prefill=None, on_round=None,
-            seed: int | None = None) -> Result:
+            seed: int | None = None, until=None) -> Result:
         """Conversation.ask, answered by the ranks; rank 0's Result. KeyboardInterrupt: Ctrl-C stopped it."""
         self._callbacks = {"on_token": on_token, "on_prefill": on_prefill, "on_round": on_round}
         if seed is None:
@@ -73,7 +73,7 @@ class ParallelConversation:
         names = tuple(name for name, f in self._callbacks.items() if f is not None)
         self._stop.clear()
         try:
-            self.ranks.send((list(question_ids), max_new_tokens, seed, names))
+            self.ranks.send((list(question_ids), max_new_tokens, seed, names, until))
             reply, self.room_left = self.ranks.collect(on_interrupt=self._stop.set)[0]
         except KeyboardInterrupt:  # a second Ctrl-C, one just before collect() took it over, or a callback's
             self.ranks.close(wait_s=0.0)
@@ -91,7 +91,7 @@ def _conversation_worker(rank, world, model_path, draft_path, document_ids, devi
                          prefill_events: bool, stop, emit=None):
     """One rank of ParallelConversation, a generator (ranks.Ranks' serving protocol): yields
     (kv_reused, prefill_s, room_left) once the document is prefilled, then (Result or STOPPED, room_left)
-    for every (question_ids, max_new_tokens, seed, event names) it is sent, once all ranks agree on the
+    for every (question_ids, max_new_tokens, seed, event names, until) it is sent, once all ranks agree on the
     answer. stop: the parent's Event asking to stop the answer."""
     from .conversation import Conversation
 
@@ -104,7 +104,7 @@ def _conversation_worker(rank, world, model_path, draft_path, document_ids, devi
     any_rank = AnyRank()
     command = yield conv.kv_reused, conv.prefill_s, conv.room_left
     while True:
-        ids, max_new, seed, names = command
+        ids, max_new, seed, names, until = command
         events = {name: callbacks[name] for name in names if name in callbacks}
         reported = events.pop("on_round", None)
 
@@ -115,7 +115,7 @@ def _conversation_worker(rank, world, model_path, draft_path, document_ids, devi
                 raise _Stopped
 
         try:
-            reply = conv.ask(ids, max_new, seed=seed, on_round=on_round, **events)
+            reply = conv.ask(ids, max_new, seed=seed, on_round=on_round, until=until, **events)
         except _Stopped:
             reply = STOPPED
         if not all_equal(reply if reply == STOPPED else reply.tokens):

@@ -108,13 +108,14 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
              rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
              gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
              deterministic: bool = False, load_kv=None, save_kv=None, group=None, on_token=None,
-             on_prefill=None, on_round=None, on_plan=None) -> Result:
+             on_prefill=None, on_round=None, on_plan=None, until=None) -> Result:
     """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
     or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
     on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each
     verification with the acceptance so far per level ({"draft", "retrieval"}); on_plan(placement) gets
     the full KV cache's placement (the kv_* entries of the statistics) once planned, before prefill.
-    offload: where the full KV cache lives ("auto": on the GPU while it fits, the rest in pinned host
+    until(tokens) -> int | None: after each round, given every token generated so far, how many to keep
+    and end there (stops.StopStrings.cut), or None to go on; the tokens kept stay an exact prefix. offload: where the full KV cache lives ("auto": on the GPU while it fits, the rest in pinned host
     memory; "on": all in host memory; "off": all on the device); gpu_memory caps the bytes tforce may use on the GPU. device_free: the device's free bytes
     as the caller measured them (tensor-parallel ranks pass their minimum so that all plan alike; None:
     measured here); given on a CPU run, the KV cache is placed as if a device had that much room, which
@@ -164,7 +165,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     eos = set() if ignore_eos else _eos_ids(target.config)
     before = session.counts()
     t2 = time.perf_counter()
-    out = decode(session, len(prompt), max_new, gen, eos, on_token, on_round)
+    out = decode(session, len(prompt), max_new, gen, eos, on_token, on_round, until)
     _sync_device(device)
     t3 = time.perf_counter()
     stats = _stats(session, len(out), t1 - t0, t3 - t2, before)
@@ -172,21 +173,25 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
 
 
 def decode(session: Session, n: int, max_new: int, gen: torch.Generator, eos: set[int], on_token=None,
-           on_round=None) -> list[int]:
-    """Rounds after seq[:n] until max_new tokens or an EOS (kept); callbacks as generate's."""
+           on_round=None, until=None) -> list[int]:
+    """Rounds after seq[:n] until max_new tokens, an EOS (kept) or `until` (generate's) says where to end;
+    callbacks as generate's."""
     out: list[int] = []
     while len(out) < max_new:
         tokens = session.round(n, gen)[: max_new - len(out)]
-        stop = next((i for i, t in enumerate(tokens) if t in eos), None)
-        if stop is not None:
-            tokens = tokens[: stop + 1]
+        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
+        keep = until(out + tokens[:end]) if until is not None else None
+        if keep is not None:  # earlier rounds' tokens were checked: the end falls in this round's
+            end = max(keep - len(out), 0)
+        if end is not None:
+            tokens = tokens[:end]
         out += tokens
         n += len(tokens)
         if on_token:
             on_token(tokens)
         if on_round:
             on_round(tokens, _acceptance(session))
-        if stop is not None:
+        if end is not None:
             break
     return out
 

@@ -27,12 +27,13 @@ import json
 import os
 import sys
 from contextlib import ExitStack
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
 from ..demo import EXCERPT, NAME
 from ..errors import UsageError
+from ..stops import StopStrings
 from . import options as o
 from .app import app
 from .common import _as_role, _check_memory, _decode_text, _gpu_memory_note, _guarded, _say, flag
@@ -80,6 +81,7 @@ def chat(
     load_kv: Optional[str] = o.LOAD_KV,
     template: str = o.TEMPLATE,
     system: Optional[str] = o.SYSTEM,
+    stop: Optional[List[str]] = o.STOP,
     as_json: bool = flag("--json", "One JSON object per question (question, answer, tokens, stats) per line."),
     tp: int = o.TP,
     gpus: Optional[int] = o.GPUS,
@@ -223,13 +225,14 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
     # out of it, so the template's turn end follows the answer), which a question follows with --keep-history
     answer = None
     eos = set() if ignore_eos else _eos_ids(config)
+    stops = StopStrings(tok, setup.stops)
     for question in questions:
         ids = fmt.question_ids(question, answer if keep_history else None)
         if len(ids) + 1 > conv.room_left:
             raise UsageError(f"the conversation has outgrown its room ({room} tokens after the document): "
                              "pass a larger --room" + (" or drop --keep-history" if keep_history else ""))
         try:
-            tokens = _answer(conv, question, ids, tok, max_new, method, as_json, from_terminal)
+            tokens = _answer(conv, question, ids, tok, max_new, method, as_json, from_terminal, stops)
             answer = answer if tokens is None else [t for t in tokens if t not in eos]
         except KeyboardInterrupt:  # a second Ctrl-C while the first was reported, or one after the answer
             if not from_terminal:
@@ -259,16 +262,16 @@ def _conversation(setup, path, config, doc: list[int], ranks: ExitStack, room: i
 
 
 def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str, as_json: bool,
-            from_terminal: bool) -> Optional[list[int]]:
-    """Stream one answer; its tokens. Ctrl-C while it is written (questions from a terminal): it stops there,
-    the text so far stays, its line is ended and one stderr line says so, and None (Conversation.ask leaves
-    the stopped question out of the conversation)."""
-    stream = TextStream(tok, sys.stdout, enabled=not as_json)
+            from_terminal: bool, stops) -> Optional[list[int]]:
+    """Stream one answer, ended at a --stop string (stops: stops.StopStrings); its tokens. Ctrl-C while it
+    is written (questions from a terminal): it stops there, the text so far stays, its line is ended and one
+    stderr line says so, and None (Conversation.ask leaves the stopped question out of the conversation)."""
+    stream = TextStream(tok, sys.stdout, enabled=not as_json, stops=stops or None)
     progress = Progress(max_new, method, stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
     try:
         result = conv.ask(ids, max_new, on_token=stream.add, on_prefill=progress.on_prefill if progress else None,
-                          on_round=progress.on_round if progress else None)
+                          on_round=progress.on_round if progress else None, until=stops.cut if stops else None)
         out = stream.finish()
     except BaseException as e:
         if progress:
@@ -282,7 +285,8 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
         progress.close()
     s = result.stats
     if as_json:
-        record = {"question": question, "answer": out, "tokens": result.tokens, "stats": s, "interrupted": False}
+        record = {"question": question, "answer": out, "tokens": result.tokens, "stats": s, "interrupted": False,
+                  "stopped_by": stops.matched(result.tokens)}
         sys.stdout.write(json.dumps(record) + "\n")
     elif not out.endswith("\n"):
         sys.stdout.write("\n")
@@ -295,7 +299,7 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
 def _stopped(question: str, stream: TextStream, as_json: bool, keep_history: bool) -> None:
     if as_json:
         record = {"question": question, "answer": stream.text(), "tokens": stream.ids, "stats": None,
-                  "interrupted": True}
+                  "interrupted": True, "stopped_by": None}
         sys.stdout.write(json.dumps(record) + "\n")
     elif stream.printed and not stream.printed.endswith("\n"):
         sys.stdout.write("\n")

@@ -20,18 +20,20 @@ from rich.cells import cell_len
 class TextStream:
     """Decodes the whole generated id list after each accepted batch and writes only the new suffix."""
 
-    def __init__(self, tokenizer, out, enabled: bool = True):
-        self.tokenizer, self.out, self.enabled = tokenizer, out, enabled
+    def __init__(self, tokenizer, out, enabled: bool = True, stops=None):
+        """stops: stops.StopStrings, whose text is not written (nor what follows it)."""
+        self.tokenizer, self.out, self.enabled, self.stops = tokenizer, out, enabled, stops
         self.ids: list[int] = []
         self.printed = ""
 
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+    def text(self, final: bool = True) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self.stops.shown(text, final) if self.stops else text
 
     def add(self, tokens: list[int]) -> None:
         self.ids += list(tokens)
         if self.enabled:
-            text = self.text()
+            text = self.text(final=False)
             self._emit(text[:-1] if text.endswith("\ufffd") else text)  # hold back a partial character
 
     def finish(self) -> str:

@@ -43,6 +43,8 @@ LOAD_KV = typer.Option(None, "--load-kv", metavar="DIR",
 TEMPLATE = typer.Option("auto", "--template", help="auto: lay the prompt out in the model's chat template when its "
                                                    "tokenizer has one (instruction-tuned models) | none: the text "
                                                    "as it is.")
+STOP = typer.Option(None, "--stop", help="End the answer where its text first holds this string (repeatable); "
+                                          "the string is not printed.")
 SYSTEM = typer.Option(None, "--system", help="A system message (needs a chat template).")
 TP = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo.")
 GPUS = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda).")

@@ -6,13 +6,14 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
 from ..config import Sampling, Speculation
 from ..demo import NAME, demo_pair, demo_prompt, notice
 from ..errors import UsageError
+from ..stops import StopStrings
 from .app import app
 from . import options as o
 from .batch_run import check_options, read_batch, run_batch
@@ -95,6 +96,7 @@ class Setup:
     demo: Optional[str]  # the demo's draft when no --model was given (for the notice)
     template: str = "auto"  # prompt_format.PromptFormat's
     system: Optional[str] = None
+    stops: tuple = ()  # --stop strings (stops.StopStrings)
 
     def prompt_format(self, tok, path):
         """How this command's text becomes tokens (the target's tokenizer `tok`, from folder `path`)."""
@@ -123,6 +125,9 @@ def _configure(p: dict) -> Setup:
     if p["dtype"] not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {p['dtype']!r}")
     system = _check_template(p["template"], p["system"])
+    stops = tuple(_decode_text(s.encode("utf-8", "surrogateescape"), "--stop") for s in p["stop"] or ())
+    if "" in stops:
+        raise UsageError("--stop takes a non-empty string")
     placement_options = _placement_options(p["offload"], p["gpu_memory"])
     _threads(p["threads"])
     world, dev = _parallel(p["tp"], p["gpus"], p["device"])
@@ -141,7 +146,7 @@ def _configure(p: dict) -> Setup:
         raise UsageError(f"method {spec.method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
     options = {k: p[k] for k in ENGINE}
     return Setup(target_name, draft_name if spec.uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
-                 world, {**options, **placement_options}, demo_draft, p["template"], system)
+                 world, {**options, **placement_options}, demo_draft, p["template"], system, stops)
 
 
 def _check_template(template: str, system: Optional[str]) -> Optional[str]:
@@ -220,6 +225,7 @@ def run(
     load_kv: Optional[str] = o.LOAD_KV,
     template: str = o.TEMPLATE,
     system: Optional[str] = o.SYSTEM,
+    stop: Optional[List[str]] = o.STOP,
     as_json: bool = flag("--json", "Print one JSON object instead of streaming text."),
     tp: int = o.TP,
     gpus: Optional[int] = o.GPUS,
@@ -235,6 +241,8 @@ def run(
     def body():
         if prompt_file_arg is not None and prompt_file is not None and prompt_file_arg != prompt_file:
             raise UsageError("give the prompt file once: as an argument or with --prompt-file")
+        if batch is not None and stop:
+            raise UsageError("--batch takes no --stop yet")
         if batch is not None:
             given = (prompt_file_arg, prompt_file, prompt)
             check_options(method, policy, gpus or tp, given != (None,) * 3, deterministic,
@@ -330,11 +338,13 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
         target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) \
         if draft and world == 1 else None
-    stream = TextStream(tok, sys.stdout, enabled=not as_json)
+    stops = StopStrings(tok, setup.stops)
+    stream = TextStream(tok, sys.stdout, enabled=not as_json, stops=stops or None)
     progress = Progress(max_new, options["method"], stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
     callbacks = dict(on_token=stream.add, on_prefill=progress.on_prefill if progress else None,
-                     on_round=progress.on_round if progress else None, on_plan=progress.on_plan if progress else None)
+                     on_round=progress.on_round if progress else None, on_plan=progress.on_plan if progress else None,
+                     until=stops.cut if stops else None)
     try:
         if world > 1:
             from ..parallel import generate_tp
@@ -354,7 +364,7 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
     _kv_notes(options, result.stats, len(ids) - 1)
     if as_json:
         record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
-                  "chat_template": fmt.templated,
+                  "chat_template": fmt.templated, "stopped_by": stops.matched(result.tokens),
                   "device": device, "stats": result.stats}
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()

@@ -70,7 +70,7 @@ def test_chat_pieces_are_run_prompt_tokens_with_sentencepiece(template):
     tok = _llama2(template)
     fmt = PromptFormat(tok)
     assert fmt.templated == (template is not None)
-    for doc, q in [(DOC, "Who?"), ("Call me Ishmael", "Why the sea?"), ("x\n", "  spaced")]:
+    for doc, q in [(DOC, "Who?"), ("Call me Ishmael", "Why the sea?"), ("x\n", "  spaced"), ("\n  Chapter 1", "Who?")]:
         whole = fmt.prompt_ids(doc + "\n\n" + q)
         assert fmt.document_ids(doc) + fmt.question_ids(q) == whole
     if template is None:  # the old chat pieces differ here; the test would catch going back to them
@@ -84,6 +84,8 @@ def test_templated_prompt_is_the_rendered_conversation(template):
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": DOC + "\n\nWho?"}]
     assert fmt.prompt_ids(DOC + "\n\nWho?") == _render(tok, messages)
     assert fmt.document_ids(DOC) + fmt.question_ids("Who?") == _render(tok, messages)
+    # both templates strip a message's leading whitespace, so a document's piece loses it as run's prompt does
+    assert fmt.document_ids("\n  " + DOC) + fmt.question_ids("Who?") == fmt.prompt_ids("\n  " + DOC + "\n\nWho?")
     assert tok.decode(fmt.prompt_ids("x")).count("Answer briefly.") == 1
 
 

@@ -10,7 +10,8 @@ tokenizer has none and gets the text as it is.
   in the assistant's header, tokenized whole without adding special tokens (the template writes them).
 - `chat`: the document is prefilled once, each question appended to its tokens. So the template is cut
   into pieces that do not depend on the question: it is rendered around marker strings standing for the
-  questions and the answer, and split at them. The document's piece ends where the document's text ends;
+  questions and the answer, and split at them. The document's piece ends where the document's text ends
+  (and starts without its leading whitespace when the template strips a message's);
   a question's piece is the blank line, the question and what closes the user's turn (through the
   assistant's header). With --keep-history a later question's piece starts with what follows an
   assistant's answer in the template (its turn end, then the next user header); when the answer already
@@ -56,7 +57,7 @@ class PromptFormat:
     def document_ids(self, document: str) -> list[int]:
         if not self.templated:
             return list(self.tok.encode(document))
-        return self._encode(self._head + document)
+        return self._encode(self._head + (document.lstrip() if self._lstrip else document))
 
     def check_document(self, ids: list[int], source: str) -> None:
         """Refuse a document's tokens (a KV snapshot's prefix, from `source`) that were not laid out in
@@ -131,6 +132,9 @@ class PromptFormat:
             raise UsageError(f"{self.name}'s chat template does not keep a message's text as it is, so tforce "
                              "cannot place the document and questions in it; --template none gives the text as it is")
         self._head = one[:one.index(cut)]
+        # whether the template strips a message's leading whitespace (Llama 3's `| trim`, Llama 2's .strip()),
+        # as it does to run's whole message: the document's piece must then lose it too
+        self._lstrip = self._render([{"role": "user", "content": " \n" + cut}]) == one
         self._close = one[one.index(cut) + len(cut):]
         self._between = two[two.index(_ANSWER) + len(_ANSWER):two.index(_Q2)]
         self._close_later = two[two.index(_Q2) + len(_Q2):]

@@ -103,14 +103,14 @@ class Setup:
         return PromptFormat(tok, self.template, self.system, name=str(path))
 
 
-def notices(setup: Setup, fmt, path) -> None:
+def notices(setup: Setup, fmt, path, batch: bool = False) -> None:
     """The command's stderr notes (--gpu-memory off CUDA, the demo pair, greedy's exactness in a 16-bit
     dtype, the chat template laying the prompt out): after the prompt's checks, the template's included, so
-    that a refused prompt's error is the only line."""
+    that a refused prompt's error is the only line. batch: --batch's."""
     _gpu_memory_note(setup.options["gpu_memory"], setup.device)
     if setup.demo is not None:
         _say(notice(setup.target, setup.demo))
-    _exactness_note(setup)
+    _exactness_note(setup, batch)
     if fmt.templated:
         _say(f"tforce: the prompt follows {path}'s chat template (--template none: the text as it is)")
 
@@ -176,14 +176,16 @@ def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int,
         check_dtype(load_kv, manifest, dtype)
 
 
-def _exactness_note(setup: Setup) -> None:
+def _exactness_note(setup: Setup, batch: bool = False) -> None:
     """Greedy speculation in a 16-bit dtype, said where it is run: a verification's logits round differently
-    from one-token decoding's (README, Exactness), so a near-tie can flip a token."""
+    from one-token decoding's (README, Exactness), so a near-tie can flip a token. batch: --batch, which
+    refuses --deterministic, so the note does not offer it."""
     o = setup.options
     dtype = setup.dtype or ("bfloat16" if setup.device == "cuda" else "float32")
     if o["temperature"] == 0 and o["method"] != "ar" and not o["deterministic"] and dtype != "float32":
         _say(f"tforce: note: greedy in {dtype}: the tokens are plain decoding's (--method ar) except where its "
-             "two best logits nearly tie; --deterministic makes them plain decoding's bit for bit")
+             "two best logits nearly tie" + ("" if batch else
+                                            "; --deterministic makes them plain decoding's bit for bit"))
 
 
 @app.command()

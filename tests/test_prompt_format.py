@@ -29,6 +29,14 @@ LLAMA2_CHAT = (
     "{% else %}{% set content = message['content'] %}{% endif %}"
     "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
     "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+# Mistral-7B-Instruct-v0.3's layout: the system message goes to the last user turn, wherever that is
+MISTRAL_V3 = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + "
+    "'[/INST]' }}{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content']|trim + eos_token }}{%- endif %}{%- endfor %}")
 # Llama 3's layout (headers, a trimmed message, an end-of-turn token, the assistant's header last)
 HEADERS = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n\n{{ m['content'] | trim }}<|eot|>{% endfor %}"
            "{% if add_generation_prompt %}<|assistant|>\n\n{% endif %}")
@@ -107,6 +115,22 @@ def test_a_later_question_follows_the_answer_without_a_second_turn_end():
     fmt2 = PromptFormat(tok2)
     assert tok2.decode(fmt2.question_ids("When?", answer + [tok2.eos_token_id])) == "<s>[INST] When? [/INST]"
     assert tok2.decode(fmt2.question_ids("When?", answer)) == " </s><s>[INST] When? [/INST]"
+
+
+def test_keep_history_refused_where_a_later_turn_rewrites_the_first():
+    """Mistral v0.3 with a system message writes it in the first turn of a one-question conversation and in
+    the second of a two-question one: appending the second turn after the prefilled first is not the
+    template's layout. Without --system the conversation grows by appending, and keeping it is allowed."""
+    tok = _byte(MISTRAL_V3)
+    answer = tok.encode(" Dickens.", add_special_tokens=False)  # the template writes a space before an answer
+    plain = PromptFormat(tok)
+    history = plain.document_ids(DOC) + plain.question_ids("Who?") + answer + plain.question_ids("When?", answer)
+    assert history == _render(tok, [{"role": "user", "content": DOC + "\n\nWho?"},
+                                    {"role": "assistant", "content": "Dickens."}, {"role": "user", "content": "When?"}])
+    system = PromptFormat(tok, system="Be brief.")
+    assert system.document_ids(DOC) + system.question_ids("Who?") == system.prompt_ids(DOC + "\n\nWho?")
+    with pytest.raises(UsageError, match="--keep-history: .* with --system lays out"):
+        system.question_ids("When?", answer)
 
 
 def test_refusals_are_usage_errors():
@@ -207,6 +231,16 @@ def test_system_without_a_template_refused_in_one_line(tmp_path):
     make_checkpoint(tmp_path / "base", seed=0, **TARGET)
     r = CliRunner().invoke(app, ["run", "-m", str(tmp_path / "base"), "-p", "hi", "--method", "ar", "--system", "x"])
     _one_error_line(r, 2, "has no chat template")
+
+
+def test_chat_keep_history_refused_in_one_line_where_the_template_rewrites_turns(models, tmp_path):
+    import shutil
+
+    shutil.copytree(models / "chat-target", tmp_path / "mistral")
+    _byte(MISTRAL_V3).save_pretrained(tmp_path / "mistral")
+    r = CliRunner().invoke(app, ["chat", str(models / "doc.txt"), "-m", str(tmp_path / "mistral"), "--method", "ar",
+                                 "--system", "Be brief.", "--keep-history"], input="Who?\nWhen?\n")
+    _one_error_line(r, 2, "--keep-history")
 
 
 def test_templated_chat_refuses_a_raw_snapshot(models, tmp_path):

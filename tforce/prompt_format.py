@@ -78,7 +78,19 @@ class PromptFormat:
             return self._encode_after(SEPARATOR + question)
         if answer is None:
             return self._encode_after(SEPARATOR + question + self._close)
+        self.check_history()
         return self._encode_after(self._after(answer) + question + self._close_later)
+
+    def check_history(self) -> None:
+        """Refuse --keep-history when the template does not lay a conversation out by appending turns: one
+        that moves its system message to the last user turn (Mistral-7B-Instruct-v0.3 with --system) writes
+        the first turn differently once a second follows, so the document's prefilled turn would not be the
+        template's."""
+        if self.templated and not self._appends:
+            given = " with --system" if self.system is not None else ""
+            raise UsageError(f"--keep-history: {self.name}'s chat template{given} lays out a conversation's "
+                             "earlier turns differently once another follows, so a conversation cannot grow after "
+                             "the prefilled document; ask without --keep-history")
 
     # ------------------------------------------------------------------------------------- internals
 
@@ -138,3 +150,4 @@ class PromptFormat:
         self._close = one[one.index(cut) + len(cut):]
         self._between = two[two.index(_ANSWER) + len(_ANSWER):two.index(_Q2)]
         self._close_later = two[two.index(_Q2) + len(_Q2):]
+        self._appends = two.startswith(one)  # the second turn leaves the first as it was alone (check_history)

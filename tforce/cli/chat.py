@@ -187,6 +187,8 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
     fmt = setup.prompt_format(tok, path)
+    if keep_history:
+        fmt.check_history()
     if text is not None:
         doc = fmt.document_ids(text)
     else:

@@ -287,3 +287,19 @@ def test_a_later_question_after_an_answer_that_ended_its_turn(models, monkeypatc
              input="Who?\nWhen?\n")
     assert r.exit_code == 0, (r.output, r.exception)
     assert tok.decode(asked[1]) == "<|eot|><|user|>\n\nWhen?<|eot|><|assistant|>\n\n"
+
+
+def test_templated_chat_refuses_a_whole_prompt_snapshot(models, tmp_path):
+    """`tforce run BOOK --save-kv` in the template keeps the prompt through the assistant's header: chat put
+    its questions after it, inside the answer's turn. Refused in one line; chat's own snapshot loads."""
+    run = _cli(models, "run", str(models / "doc.txt"), "--method", "ar", "-n", "1", "--save-kv", str(tmp_path / "run"))
+    assert run.exit_code == 0, (run.output, run.exception)
+    _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "run"), "--method", "ar", input="Who?\n"), 2,
+                    "holds a whole prompt")
+    saved = _cli(models, "chat", str(models / "doc.txt"), "--method", "ar", "--save-kv", str(tmp_path / "doc"),
+                 input="Who?\n")
+    assert saved.exit_code == 0, (saved.output, saved.exception)
+    loaded = _cli(models, "chat", "--load-kv", str(tmp_path / "doc"), "--method", "ar", "--json", input="Who?\n")
+    assert loaded.exit_code == 0, (loaded.output, loaded.exception)
+    assert json.loads(loaded.stdout)["tokens"] == _greedy(
+        models, _templated(models, {"role": "user", "content": DOC + "\n\nWho?"}))

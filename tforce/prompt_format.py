@@ -63,13 +63,20 @@ class PromptFormat:
         """Refuse a document's tokens (a KV snapshot's prefix, from `source`) that were not laid out in
         this format's template: questions in the template after a raw document (or the reverse) are a
         prompt the model was not trained on. The head's last token is not compared: it may merge with the
-        document's first characters."""
+        document's first characters. Refused too: a whole prompt's tokens (`tforce run --save-kv` keeps all
+        but the last), whose user turn already closes with the assistant's header: a question after it
+        would be written inside the answer."""
         if not self.templated:
             return
+        ids = list(ids)
         head = self._encode(self._head)[:-1]
-        if list(ids[:len(head)]) != head:
+        if ids[:len(head)] != head:
             raise UsageError(f"{source} does not begin with {self.name}'s chat template (made with --template none "
                              "or another --system?): give the same --template and --system as when it was made")
+        close = self._encode_after(self._close)
+        if ids[len(ids) - len(close):] == close or (len(close) > 1 and ids[len(ids) - len(close) + 1:] == close[:-1]):
+            raise UsageError(f"{source} holds a whole prompt, its user turn closed for an answer (made by tforce "
+                             "run?): chat needs a document's snapshot (tforce chat BOOK --save-kv DIR)")
 
     def question_ids(self, question: str, answer: list[int] | None = None) -> list[int]:
         """The tokens of a question after the document (answer None) or after an answer's tokens as the

@@ -303,3 +303,24 @@ def test_templated_chat_refuses_a_whole_prompt_snapshot(models, tmp_path):
     assert loaded.exit_code == 0, (loaded.output, loaded.exception)
     assert json.loads(loaded.stdout)["tokens"] == _greedy(
         models, _templated(models, {"role": "user", "content": DOC + "\n\nWho?"}))
+
+
+def test_raw_chat_refuses_a_templated_snapshot(models, tmp_path):
+    """The reverse of a raw snapshot in a templated chat: --template none put raw questions after a document
+    whose user turn the template had opened. Refused in one line, with --system too; raw snapshots load."""
+    for system in ([], ["--system", "Be brief."]):
+        saved = _cli(models, "chat", str(models / "doc.txt"), "--method", "ar", "--save-kv", str(tmp_path / "kv"),
+                     *system, input="Who?\n")
+        assert saved.exit_code == 0, (saved.output, saved.exception)
+        _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), "--method", "ar", "--template", "none",
+                             input="Who?\n"), 2, "begins with")
+    raw = _cli(models, "chat", str(models / "doc.txt"), "--method", "ar", "--template", "none", "--save-kv",
+               str(tmp_path / "raw"), input="Who?\n")
+    assert raw.exit_code == 0, (raw.output, raw.exception)
+    loaded = _cli(models, "chat", "--load-kv", str(tmp_path / "raw"), "--method", "ar", "--template", "none",
+                  input="Who?\n")
+    assert loaded.exit_code == 0, (loaded.output, loaded.exception)
+    # a template that drops system messages: the same opening with any
+    tok = _byte(HEADERS.replace("{% for m in messages %}", "{% for m in messages if m['role'] != 'system' %}"))
+    with pytest.raises(UsageError, match="begins with"):
+        PromptFormat(tok, "none").check_document(PromptFormat(tok).document_ids(DOC), "the snapshot")

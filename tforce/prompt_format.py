@@ -66,9 +66,12 @@ class PromptFormat:
         document's first characters. Refused too: a whole prompt's tokens (`tforce run --save-kv` keeps all
         but the last), whose user turn already closes with the assistant's header: a question after it
         would be written inside the answer."""
-        if not self.templated:
-            return
         ids = list(ids)
+        if not self.templated:
+            if any(ids[:len(opening)] == opening for opening in self._openings()):
+                raise UsageError(f"{source} begins with {self.name}'s chat template (made without --template "
+                                 "none?): give the same --template and --system as when it was made")
+            return
         head = self._encode(self._head)[:-1]
         if ids[:len(head)] != head:
             raise UsageError(f"{source} does not begin with {self.name}'s chat template (made with --template none "
@@ -126,6 +129,24 @@ class PromptFormat:
             if end and rest.startswith(end):
                 return rest[len(end):]
         return between
+
+    def _openings(self) -> list[list[int]]:
+        """How a document laid out in this tokenizer's chat template begins (without a system message; with
+        one, up to its text), where that is more than raw text's start (its BOS): what check_document looks
+        for under --template none. Nothing without a template, or where it cannot place a document."""
+        if not getattr(self.tok, "chat_template", None):
+            return []
+        try:
+            heads = [self._encode(PromptFormat(self.tok)._head)]
+        except UsageError:
+            return []
+        try:  # the text two system messages share
+            s, t = (PromptFormat(self.tok, system=text)._head for text in ("S", "T"))
+            heads.append(self._encode(s[:next((i for i, (a, b) in enumerate(zip(s, t)) if a != b), len(s))]))
+        except UsageError:  # a template that takes no system message
+            pass
+        start = len(self.tok.encode(""))
+        return [head[:-1] for head in heads if len(head) - 1 > start]  # the last token may merge with the text
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))

@@ -181,6 +181,15 @@ def test_bench_without_a_model_times_the_demo_pair_on_its_excerpt(runner, monkey
     assert [r["method"] for r in obj["runs"]] == ["ar", "triforce"] and obj["runs"][1]["acceptance"]["draft"] > 0
 
 
+def test_bench_on_the_demo_pair_refuses_in_one_line(runner):
+    """The demo notice and the excerpt's line came before the check that the prompt and generation fit the
+    demo target's context, so a refused bench printed them above its error."""
+    r = runner.invoke(app, ["bench", "--device", "cpu", "--gen-len", "1000", "--methods", "ar"])
+    assert r.exit_code == 2, (r.output, r.exception)
+    assert r.stderr.strip().splitlines() == [
+        "tforce: error: --prompt-len 3300 + --gen-len 1000 exceeds the model's context (4096 tokens)"], r.stderr
+
+
 def test_bench_split_over_ranks(runner, tmp_path):
     """--tp 2 on the CPU: the target split over two gloo ranks (tforce.parallel.generate_tp)."""
     make_checkpoint(tmp_path / "target", seed=0, num_key_value_heads=2)

@@ -227,3 +227,12 @@ def test_a_row_the_context_cuts_short_is_noted(runner, models, tmp_path):
     notes = [line for line in r.stderr.splitlines() if "note:" in line]
     assert notes == [f"tforce: note: the model's context (512 tokens) leaves room for fewer new tokens than asked: "
                      f"'long' gets {room}"]
+
+
+def test_batch_note_on_greedy_in_16_bits_offers_no_refused_option(runner, models, tmp_path):
+    """The exactness note ended "--deterministic makes them plain decoding's bit for bit", which --batch
+    refuses: a batch's note says the rest."""
+    batch = _write(tmp_path, json.dumps({"prompt": "Who?"}))
+    r = _run(runner, models, "--batch", batch, *FAST, "-n", "2", "--dtype", "bfloat16", "--device", "cpu")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "except where its two best logits nearly tie" in r.stderr and "--deterministic" not in r.stderr, r.stderr

@@ -349,3 +349,21 @@ def test_info_says_the_kv_plan_in_one_sentence(runner, models):
     said = line.split("placement plan", 1)[1].strip()
     assert said.startswith("KV cache: 0.00 GiB for 256 tokens, ")
     assert said.endswith("all 2 layers in the CPU's memory (no GPU)") or " layers on the GPU (" in said, said
+
+
+def test_a_refused_prompt_is_the_only_line_after_the_notes(runner, models, tmp_path):
+    """The exactness note (greedy in bfloat16), the --gpu-memory note and the demo notice were written before
+    the prompt was laid out, so a prompt the chat template step refuses (--system on a model without one)
+    came after them: now they follow the prompt's checks, in run, --batch and chat."""
+    pair = ["-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft")]
+    noted = [*pair, "--dtype", "bfloat16", "-t", "0", "--gpu-memory", "1GB", "--system", "Be brief."]
+    _one_error_line(runner.invoke(app, ["run", str(models / "doc.txt"), *noted]), 2, "has no chat template")
+    _one_error_line(runner.invoke(app, ["chat", str(models / "doc.txt"), *noted], input="Who?\n"), 2,
+                    "has no chat template")
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"prompt": "Who?"}) + "\n")
+    _one_error_line(runner.invoke(app, ["run", "--batch", str(batch), *noted]), 2, "has no chat template")
+    make_checkpoint(tmp_path / "demo-target", seed=0, **TARGET)
+    make_checkpoint(tmp_path / "demo-draft", seed=1, **DRAFT)
+    r = runner.invoke(app, ["run", "-p", "Hello", "--system", "Be brief."], env={"TFORCE_DEMO_MODELS": str(tmp_path)})
+    _one_error_line(r, 2, "has no chat template")

@@ -29,6 +29,14 @@ LLAMA2_CHAT = (
     "{% else %}{% set content = message['content'] %}{% endif %}"
     "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
     "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+# Mistral-7B-Instruct-v0.3's layout: the system message goes to the last user turn, wherever that is
+MISTRAL_V3 = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + "
+    "'[/INST]' }}{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content']|trim + eos_token }}{%- endif %}{%- endfor %}")
 # Llama 3's layout (headers, a trimmed message, an end-of-turn token, the assistant's header last)
 HEADERS = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n\n{{ m['content'] | trim }}<|eot|>{% endfor %}"
            "{% if add_generation_prompt %}<|assistant|>\n\n{% endif %}")
@@ -70,7 +78,7 @@ def test_chat_pieces_are_run_prompt_tokens_with_sentencepiece(template):
     tok = _llama2(template)
     fmt = PromptFormat(tok)
     assert fmt.templated == (template is not None)
-    for doc, q in [(DOC, "Who?"), ("Call me Ishmael", "Why the sea?"), ("x\n", "  spaced")]:
+    for doc, q in [(DOC, "Who?"), ("Call me Ishmael", "Why the sea?"), ("x\n", "  spaced"), ("\n  Chapter 1", "Who?")]:
         whole = fmt.prompt_ids(doc + "\n\n" + q)
         assert fmt.document_ids(doc) + fmt.question_ids(q) == whole
     if template is None:  # the old chat pieces differ here; the test would catch going back to them
@@ -84,6 +92,8 @@ def test_templated_prompt_is_the_rendered_conversation(template):
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": DOC + "\n\nWho?"}]
     assert fmt.prompt_ids(DOC + "\n\nWho?") == _render(tok, messages)
     assert fmt.document_ids(DOC) + fmt.question_ids("Who?") == _render(tok, messages)
+    # both templates strip a message's leading whitespace, so a document's piece loses it as run's prompt does
+    assert fmt.document_ids("\n  " + DOC) + fmt.question_ids("Who?") == fmt.prompt_ids("\n  " + DOC + "\n\nWho?")
     assert tok.decode(fmt.prompt_ids("x")).count("Answer briefly.") == 1
 
 
@@ -105,6 +115,22 @@ def test_a_later_question_follows_the_answer_without_a_second_turn_end():
     fmt2 = PromptFormat(tok2)
     assert tok2.decode(fmt2.question_ids("When?", answer + [tok2.eos_token_id])) == "<s>[INST] When? [/INST]"
     assert tok2.decode(fmt2.question_ids("When?", answer)) == " </s><s>[INST] When? [/INST]"
+
+
+def test_keep_history_refused_where_a_later_turn_rewrites_the_first():
+    """Mistral v0.3 with a system message writes it in the first turn of a one-question conversation and in
+    the second of a two-question one: appending the second turn after the prefilled first is not the
+    template's layout. Without --system the conversation grows by appending, and keeping it is allowed."""
+    tok = _byte(MISTRAL_V3)
+    answer = tok.encode(" Dickens.", add_special_tokens=False)  # the template writes a space before an answer
+    plain = PromptFormat(tok)
+    history = plain.document_ids(DOC) + plain.question_ids("Who?") + answer + plain.question_ids("When?", answer)
+    assert history == _render(tok, [{"role": "user", "content": DOC + "\n\nWho?"},
+                                    {"role": "assistant", "content": "Dickens."}, {"role": "user", "content": "When?"}])
+    system = PromptFormat(tok, system="Be brief.")
+    assert system.document_ids(DOC) + system.question_ids("Who?") == system.prompt_ids(DOC + "\n\nWho?")
+    with pytest.raises(UsageError, match="--keep-history: .* with --system lays out"):
+        system.question_ids("When?", answer)
 
 
 def test_refusals_are_usage_errors():
@@ -207,6 +233,16 @@ def test_system_without_a_template_refused_in_one_line(tmp_path):
     _one_error_line(r, 2, "has no chat template")
 
 
+def test_chat_keep_history_refused_in_one_line_where_the_template_rewrites_turns(models, tmp_path):
+    import shutil
+
+    shutil.copytree(models / "chat-target", tmp_path / "mistral")
+    _byte(MISTRAL_V3).save_pretrained(tmp_path / "mistral")
+    r = CliRunner().invoke(app, ["chat", str(models / "doc.txt"), "-m", str(tmp_path / "mistral"), "--method", "ar",
+                                 "--system", "Be brief.", "--keep-history"], input="Who?\nWhen?\n")
+    _one_error_line(r, 2, "--keep-history")
+
+
 def test_templated_chat_refuses_a_raw_snapshot(models, tmp_path):
     raw = _cli(models, "run", str(models / "doc.txt"), "--template", "none", "--method", "ar", "-n", "1",
                "--save-kv", str(tmp_path / "kv"))
@@ -251,3 +287,40 @@ def test_a_later_question_after_an_answer_that_ended_its_turn(models, monkeypatc
              input="Who?\nWhen?\n")
     assert r.exit_code == 0, (r.output, r.exception)
     assert tok.decode(asked[1]) == "<|eot|><|user|>\n\nWhen?<|eot|><|assistant|>\n\n"
+
+
+def test_templated_chat_refuses_a_whole_prompt_snapshot(models, tmp_path):
+    """`tforce run BOOK --save-kv` in the template keeps the prompt through the assistant's header: chat put
+    its questions after it, inside the answer's turn. Refused in one line; chat's own snapshot loads."""
+    run = _cli(models, "run", str(models / "doc.txt"), "--method", "ar", "-n", "1", "--save-kv", str(tmp_path / "run"))
+    assert run.exit_code == 0, (run.output, run.exception)
+    _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "run"), "--method", "ar", input="Who?\n"), 2,
+                    "holds a whole prompt")
+    saved = _cli(models, "chat", str(models / "doc.txt"), "--method", "ar", "--save-kv", str(tmp_path / "doc"),
+                 input="Who?\n")
+    assert saved.exit_code == 0, (saved.output, saved.exception)
+    loaded = _cli(models, "chat", "--load-kv", str(tmp_path / "doc"), "--method", "ar", "--json", input="Who?\n")
+    assert loaded.exit_code == 0, (loaded.output, loaded.exception)
+    assert json.loads(loaded.stdout)["tokens"] == _greedy(
+        models, _templated(models, {"role": "user", "content": DOC + "\n\nWho?"}))
+
+
+def test_raw_chat_refuses_a_templated_snapshot(models, tmp_path):
+    """The reverse of a raw snapshot in a templated chat: --template none put raw questions after a document
+    whose user turn the template had opened. Refused in one line, with --system too; raw snapshots load."""
+    for system in ([], ["--system", "Be brief."]):
+        saved = _cli(models, "chat", str(models / "doc.txt"), "--method", "ar", "--save-kv", str(tmp_path / "kv"),
+                     *system, input="Who?\n")
+        assert saved.exit_code == 0, (saved.output, saved.exception)
+        _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), "--method", "ar", "--template", "none",
+                             input="Who?\n"), 2, "begins with")
+    raw = _cli(models, "chat", str(models / "doc.txt"), "--method", "ar", "--template", "none", "--save-kv",
+               str(tmp_path / "raw"), input="Who?\n")
+    assert raw.exit_code == 0, (raw.output, raw.exception)
+    loaded = _cli(models, "chat", "--load-kv", str(tmp_path / "raw"), "--method", "ar", "--template", "none",
+                  input="Who?\n")
+    assert loaded.exit_code == 0, (loaded.output, loaded.exception)
+    # a template that drops system messages: the same opening with any
+    tok = _byte(HEADERS.replace("{% for m in messages %}", "{% for m in messages if m['role'] != 'system' %}"))
+    with pytest.raises(UsageError, match="begins with"):
+        PromptFormat(tok, "none").check_document(PromptFormat(tok).document_ids(DOC), "the snapshot")

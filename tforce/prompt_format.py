@@ -10,7 +10,8 @@ tokenizer has none and gets the text as it is.
   in the assistant's header, tokenized whole without adding special tokens (the template writes them).
 - `chat`: the document is prefilled once, each question appended to its tokens. So the template is cut
   into pieces that do not depend on the question: it is rendered around marker strings standing for the
-  questions and the answer, and split at them. The document's piece ends where the document's text ends;
+  questions and the answer, and split at them. The document's piece ends where the document's text ends
+  (and starts without its leading whitespace when the template strips a message's);
   a question's piece is the blank line, the question and what closes the user's turn (through the
   assistant's header). With --keep-history a later question's piece starts with what follows an
   assistant's answer in the template (its turn end, then the next user header); when the answer already
@@ -56,19 +57,29 @@ class PromptFormat:
     def document_ids(self, document: str) -> list[int]:
         if not self.templated:
             return list(self.tok.encode(document))
-        return self._encode(self._head + document)
+        return self._encode(self._head + (document.lstrip() if self._lstrip else document))
 
     def check_document(self, ids: list[int], source: str) -> None:
         """Refuse a document's tokens (a KV snapshot's prefix, from `source`) that were not laid out in
         this format's template: questions in the template after a raw document (or the reverse) are a
         prompt the model was not trained on. The head's last token is not compared: it may merge with the
-        document's first characters."""
+        document's first characters. Refused too: a whole prompt's tokens (`tforce run --save-kv` keeps all
+        but the last), whose user turn already closes with the assistant's header: a question after it
+        would be written inside the answer."""
+        ids = list(ids)
         if not self.templated:
+            if any(ids[:len(opening)] == opening for opening in self._openings()):
+                raise UsageError(f"{source} begins with {self.name}'s chat template (made without --template "
+                                 "none?): give the same --template and --system as when it was made")
             return
         head = self._encode(self._head)[:-1]
-        if list(ids[:len(head)]) != head:
+        if ids[:len(head)] != head:
             raise UsageError(f"{source} does not begin with {self.name}'s chat template (made with --template none "
                              "or another --system?): give the same --template and --system as when it was made")
+        close = self._encode_after(self._close)
+        if ids[len(ids) - len(close):] == close or (len(close) > 1 and ids[len(ids) - len(close) + 1:] == close[:-1]):
+            raise UsageError(f"{source} holds a whole prompt, its user turn closed for an answer (made by tforce "
+                             "run?): chat needs a document's snapshot (tforce chat BOOK --save-kv DIR)")
 
     def question_ids(self, question: str, answer: list[int] | None = None) -> list[int]:
         """The tokens of a question after the document (answer None) or after an answer's tokens as the
@@ -77,7 +88,19 @@ class PromptFormat:
             return self._encode_after(SEPARATOR + question)
         if answer is None:
             return self._encode_after(SEPARATOR + question + self._close)
+        self.check_history()
         return self._encode_after(self._after(answer) + question + self._close_later)
+
+    def check_history(self) -> None:
+        """Refuse --keep-history when the template does not lay a conversation out by appending turns: one
+        that moves its system message to the last user turn (Mistral-7B-Instruct-v0.3 with --system) writes
+        the first turn differently once a second follows, so the document's prefilled turn would not be the
+        template's."""
+        if self.templated and not self._appends:
+            given = " with --system" if self.system is not None else ""
+            raise UsageError(f"--keep-history: {self.name}'s chat template{given} lays out a conversation's "
+                             "earlier turns differently once another follows, so a conversation cannot grow after "
+                             "the prefilled document; ask without --keep-history")
 
     # ------------------------------------------------------------------------------------- internals
 
@@ -107,6 +130,24 @@ class PromptFormat:
                 return rest[len(end):]
         return between
 
+    def _openings(self) -> list[list[int]]:
+        """How a document laid out in this tokenizer's chat template begins (without a system message; with
+        one, up to its text), where that is more than raw text's start (its BOS): what check_document looks
+        for under --template none. Nothing without a template, or where it cannot place a document."""
+        if not getattr(self.tok, "chat_template", None):
+            return []
+        try:
+            heads = [self._encode(PromptFormat(self.tok)._head)]
+        except UsageError:
+            return []
+        try:  # the text two system messages share
+            s, t = (PromptFormat(self.tok, system=text)._head for text in ("S", "T"))
+            heads.append(self._encode(s[:next((i for i, (a, b) in enumerate(zip(s, t)) if a != b), len(s))]))
+        except UsageError:  # a template that takes no system message
+            pass
+        start = len(self.tok.encode(""))
+        return [head[:-1] for head in heads if len(head) - 1 > start]  # the last token may merge with the text
+
     def _encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
@@ -131,6 +172,10 @@ class PromptFormat:
             raise UsageError(f"{self.name}'s chat template does not keep a message's text as it is, so tforce "
                              "cannot place the document and questions in it; --template none gives the text as it is")
         self._head = one[:one.index(cut)]
+        # whether the template strips a message's leading whitespace (Llama 3's `| trim`, Llama 2's .strip()),
+        # as it does to run's whole message: the document's piece must then lose it too
+        self._lstrip = self._render([{"role": "user", "content": " \n" + cut}]) == one
         self._close = one[one.index(cut) + len(cut):]
         self._between = two[two.index(_ANSWER) + len(_ANSWER):two.index(_Q2)]
         self._close_later = two[two.index(_Q2) + len(_Q2):]
+        self._appends = two.startswith(one)  # the second turn leaves the first as it was alone (check_history)

@@ -102,7 +102,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     """setup: run.Setup (the models, device, dtype and prompt format)."""
     from ..batch import generate_batch
     from ..weights import load_model
-    from .run import _dtype_bytes, _read_config, _tp_target, template_note
+    from .run import _dtype_bytes, _read_config, _tp_target, notices
 
     model, draft, device, dtype = setup.target, setup.draft, setup.device, setup.dtype
     path, config, tok = _tp_target(model, 1)
@@ -115,7 +115,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     for (key, _, _), ids in zip(items, prompts):
         if len(ids) >= context:
             raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
-    template_note(fmt, path)
+    notices(setup, fmt, path, batch=True)
     short = [f"{key!r} gets {context - len(ids)}" for (key, _, _), ids, n in zip(items, prompts, budgets)
              if n > context - len(ids)]
     if short:  # as `tforce run` notes it for one prompt

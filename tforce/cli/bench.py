@@ -130,10 +130,13 @@ def bench(
             text = EXCERPT.read_text(encoding="utf-8").strip()
         _gpu_memory_note(gpu_memory, dev)
         path = None if record_to is None else bench_record.check(record_to)
-        if demo:
-            _say(notice(target, small))
-        if excerpt:
-            _say(f"tforce: bench: no --prompt-file given: timing {length} tokens of {NAME}")
+
+        def demo_notes() -> None:  # once the run is checked to fit: a refused one's error is the only line
+            if demo:
+                _say(notice(target, small))
+            if excerpt:
+                _say(f"tforce: bench: no --prompt-file given: timing {length} tokens of {NAME}")
+
         failed: list[str] = []  # a record write that failed (a full disk): the bench goes on
 
         def save(report: dict) -> None:
@@ -146,7 +149,7 @@ def bench(
                 failed.clear()
 
         record = _bench(b, cfg, target, small, synthetic, dev, dtype, text, world, batch,
-                        None if path is None else save)
+                        None if path is None else save, demo_notes)
         if path is not None:
             save(record)
         if as_json:
@@ -180,7 +183,9 @@ def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str, ro
 
 
 def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Optional[str], device: str,
-           dtype: str, text: Optional[str], world: int = 1, batch: Optional[int] = None, on_run=None) -> dict:
+           dtype: str, text: Optional[str], world: int = 1, batch: Optional[int] = None, on_run=None,
+           on_checked=None) -> dict:
+    """on_checked(): once the prompt and generation are checked to fit the model, before the first run."""
     import torch
 
     from ..synthetic import ARCHITECTURES, make_config
@@ -227,6 +232,8 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         name = model
     context = config.max_position_embeddings
     _check_room(cfg, context)
+    if on_checked:
+        on_checked()
     if batch is not None:
         from ..bench_batch import batch_prompts, bench_batch
 

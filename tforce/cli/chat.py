@@ -36,10 +36,10 @@ from ..errors import UsageError
 from ..stops import StopStrings
 from . import options as o
 from .app import app
-from .common import _as_role, _check_memory, _decode_text, _gpu_memory_note, _guarded, _say, flag
+from .common import _as_role, _check_memory, _decode_text, _guarded, _say, flag
 from .live import Progress, TextStream
-from .run import (_configure, _demo_notice, _dtype_bytes, _end_line, _exactness_note, _read_config, _read_prompt,
-                  _shared_with_stderr, _tp_target, template_note)
+from .run import (_configure, _dtype_bytes, _end_line, _read_config, _read_prompt, _shared_with_stderr, _tp_target,
+                  notices)
 
 
 @app.command()
@@ -95,9 +95,6 @@ def chat(
         setup = _configure(params)
         text, from_stdin = _document(book, load_kv, model is None)
         lines, from_terminal = _question_source(questions, from_stdin, save_kv is not None)
-        _gpu_memory_note(gpu_memory, setup.device)
-        _demo_notice(setup, draft)
-        _exactness_note(setup)
         with ExitStack() as ranks:  # tensor-parallel ranks end with the chat, however it ends
             _chat(text, lines, from_terminal, setup, room, keep_history, as_json, save_kv, load_kv, ranks)
 
@@ -192,6 +189,8 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
     fmt = setup.prompt_format(tok, path)
+    if keep_history:
+        fmt.check_history()
     if text is not None:
         doc = fmt.document_ids(text)
     else:
@@ -201,7 +200,7 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
     if len(doc) + 2 > context:
         raise UsageError(f"the document is {len(doc)} tokens; the model's context ({context}) leaves no room "
                          "for a question")
-    template_note(fmt, path)
+    notices(setup, fmt, path)
     room = min(room, context - len(doc))
     options = dict(setup.options)
     max_new = options.pop("max_new_tokens")

@@ -93,7 +93,7 @@ class Setup:
     dtype: Optional[str]  # None: the device's default
     world: int
     options: dict  # generate's keyword arguments
-    demo: Optional[str]  # the demo's draft when no --model was given (for the notice)
+    demo: Optional[str]  # the draft the notice names when no --model was given (--draft, else the demo's)
     template: str = "auto"  # prompt_format.PromptFormat's
     system: Optional[str] = None
     stops: tuple = ()  # --stop strings (stops.StopStrings)
@@ -105,9 +105,14 @@ class Setup:
         return PromptFormat(tok, self.template, self.system, name=str(path))
 
 
-def template_note(fmt, path) -> None:
-    """Says on stderr that the chat template laid the prompt out: after the prompt's checks, so that a
-    refused prompt's error is the only line."""
+def notices(setup: Setup, fmt, path, batch: bool = False) -> None:
+    """The command's stderr notes (--gpu-memory off CUDA, the demo pair, greedy's exactness in a 16-bit
+    dtype, the chat template laying the prompt out): after the prompt's checks, the template's included, so
+    that a refused prompt's error is the only line. batch: --batch's."""
+    _gpu_memory_note(setup.options["gpu_memory"], setup.device)
+    if setup.demo is not None:
+        _say(notice(setup.target, setup.demo))
+    _exactness_note(setup, batch)
     if fmt.templated:
         _say(f"tforce: the prompt follows {path}'s chat template (--template none: the text as it is)")
 
@@ -145,8 +150,9 @@ def _configure(p: dict) -> Setup:
     if spec.uses_draft and draft_name is None:
         raise UsageError(f"method {spec.method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
     options = {k: p[k] for k in ENGINE}
+    named = (draft or demo_draft) if model is None else None  # the draft the demo notice names
     return Setup(target_name, draft_name if spec.uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
-                 world, {**options, **placement_options}, demo_draft, p["template"], system, stops)
+                 world, {**options, **placement_options}, named, p["template"], system, stops)
 
 
 def _check_template(template: str, system: Optional[str]) -> Optional[str]:
@@ -175,19 +181,16 @@ def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int,
         check_dtype(load_kv, manifest, dtype)
 
 
-def _exactness_note(setup: Setup) -> None:
+def _exactness_note(setup: Setup, batch: bool = False) -> None:
     """Greedy speculation in a 16-bit dtype, said where it is run: a verification's logits round differently
-    from one-token decoding's (README, Exactness), so a near-tie can flip a token."""
+    from one-token decoding's (README, Exactness), so a near-tie can flip a token. batch: --batch, which
+    refuses --deterministic, so the note does not offer it."""
     o = setup.options
     dtype = setup.dtype or ("bfloat16" if setup.device == "cuda" else "float32")
     if o["temperature"] == 0 and o["method"] != "ar" and not o["deterministic"] and dtype != "float32":
         _say(f"tforce: note: greedy in {dtype}: the tokens are plain decoding's (--method ar) except where its "
-             "two best logits nearly tie; --deterministic makes them plain decoding's bit for bit")
-
-
-def _demo_notice(setup: Setup, draft: Optional[str]) -> None:
-    if setup.demo is not None:
-        _say(notice(setup.target, draft or setup.demo))
+             "two best logits nearly tie" + ("" if batch else
+                                            "; --deterministic makes them plain decoding's bit for bit"))
 
 
 @app.command()
@@ -248,15 +251,12 @@ def run(
             check_options(method, policy, gpus or tp, given != (None,) * 3, deterministic,
                           (save_kv, load_kv) != (None, None))
         setup = _configure(params)
-        # the prompts before any notice, so that a bad prompt is the only line
+        # the prompts before any notice (notices), so that a bad prompt is the only line
         if batch is not None:
             items = read_batch(batch)
         else:
             text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
                                 demo_prompt() if model is None else None)
-        _gpu_memory_note(gpu_memory, setup.device)
-        _demo_notice(setup, draft)
-        _exactness_note(setup)
         if batch is not None:
             return run_batch(items, setup, setup.options, as_json)
         _run(text, setup, as_json, dict(setup.options, save_kv=save_kv, load_kv=load_kv))
@@ -326,7 +326,7 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
     context = config.max_position_embeddings
     if len(ids) >= context:
         raise UsageError(f"the prompt is {len(ids)} tokens; the model's context is {context}")
-    template_note(fmt, path)
+    notices(setup, fmt, path)
     max_new = min(options["max_new_tokens"], context - len(ids))
     if max_new < options["max_new_tokens"]:
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for {max_new} new tokens after "

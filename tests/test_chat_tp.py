@@ -103,7 +103,8 @@ def test_chat_tp2_answers_and_saves_the_document(saving_chat, target):
     assert _tokens(r) == [_greedy(target, doc + _question(target, q)) for q in QUESTIONS]
     assert "snapshot written to" in r.stderr
     manifest = json.loads((snap / "manifest.json").read_text())
-    assert manifest["world"] == 2 and manifest["version"] == 2 and manifest["tokens"] == doc
+    # the document's piece ends with the blank line its questions follow (prompt_format.document_ids)
+    assert manifest["world"] == 2 and manifest["version"] == 2 and manifest["tokens"] == doc + _question(target, "")
     assert {name.split("/")[0] for name in manifest["files"]} == {"rank-0", "rank-1"}
     assert sorted(p.name for p in root.iterdir()) == ["doc.kv"]  # no temporary left
 
@@ -117,7 +118,7 @@ def test_tp2_snapshot_loads_into_tp2_chat_with_fresh_answers(models, target, tp_
         history += _question(target, q)
         assert tokens == _greedy(target, history)
         history += tokens
-    n = len(target.tokenizer.encode(DOC))
+    n = len(target.tokenizer.encode(DOC + "\n\n"))
     assert f"document: {n} tokens ({n} loaded from {tp_snapshot}, 0 prefilled)" in r.stderr
 
 
@@ -128,7 +129,7 @@ def test_tp2_snapshot_loads_into_tp2_run(models, target, tp_snapshot):
     assert r.exit_code == 0, r.output
     record = json.loads(r.stdout)
     assert record["tokens"] == _greedy(target, target.tokenizer.encode(DOC + "\n\nAnd then?"))
-    assert record["stats"]["kv_reused"] == len(target.tokenizer.encode(DOC))
+    assert record["stats"]["kv_reused"] == len(target.tokenizer.encode(DOC + "\n\n"))
 
 
 def test_snapshot_of_another_world_size_is_refused_in_one_line(models, tp_snapshot, tmp_path):

@@ -67,7 +67,7 @@ def test_raw_text_is_tokenized_as_before():
     fmt = PromptFormat(tok)
     assert not fmt.templated
     assert fmt.prompt_ids(DOC + "\n\nWho?") == tok.encode(DOC + "\n\nWho?")
-    assert fmt.document_ids(DOC) == tok.encode(DOC)
+    assert fmt.document_ids(DOC) == tok.encode(DOC + "\n\n")  # the blank line a first question follows
     assert not PromptFormat(_byte(HEADERS), "none").templated
 
 
@@ -83,6 +83,47 @@ def test_chat_pieces_are_run_prompt_tokens_with_sentencepiece(template):
         assert fmt.document_ids(doc) + fmt.question_ids(q) == whole
     if template is None:  # the old chat pieces differ here; the test would catch going back to them
         assert tok.encode("\n\nWho?", add_special_tokens=False) != fmt.question_ids("Who?")
+
+
+# Llama 3's pre-tokenizer: punctuation takes the newlines after it (" ?[^\s\p{L}\p{N}]+[\r\n]*")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _llama3_style(template: str | None):
+    """A byte-level BPE with Llama 3's pre-tokenizer, trained here on text full of ".\n\n"."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [f"It was the age of {w}.\n\nWho wrote it?\n\n" for w in ("wisdom", "folly", "light", "darkness")] * 50
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>", "<|eot|>", "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
+                                  additional_special_tokens=["<|eot|>", "<|user|>", "<|assistant|>", "<|system|>"])
+    tok.chat_template = template
+    return tok
+
+
+@pytest.mark.parametrize("template", [None, HEADERS])
+def test_chat_pieces_are_run_prompt_tokens_where_punctuation_takes_the_blank_line(template):
+    """With Llama 3's pre-tokenizer "wisdom.\n\nWho?" is "wisdom", ".\n\n", "Who", "?": a document piece that
+    ended at "." and a question piece starting "\n\n" gave chat other ids than run's."""
+    tok = _llama3_style(template)
+    fmt = PromptFormat(tok)
+    assert ".\n\n" in tok.convert_tokens_to_string(tok.convert_ids_to_tokens(tok.encode("wisdom.\n\nWho?")))
+    for doc, q in [("It was the age of wisdom.", "Who wrote it?"), ("It was the age of folly", "Who?"),
+                   ("Light.\n", "Who wrote it?")]:
+        assert fmt.document_ids(doc) + fmt.question_ids(q) == fmt.prompt_ids(doc + "\n\n" + q)
+        # a document's tokens without the blank line (a snapshot of an earlier tforce) get it with the question
+        old = tok.encode(doc) if template is None else fmt._encode(fmt._head + doc)
+        assert not fmt.ends_with_separator(old) and fmt.ends_with_separator(fmt.document_ids(doc))
+        assert tok.decode(old + fmt.question_ids(q, separated=False)) == tok.decode(fmt.prompt_ids(doc + "\n\n" + q))
 
 
 @pytest.mark.parametrize("template", [HEADERS, LLAMA2_CHAT])

@@ -10,13 +10,17 @@ tokenizer has none and gets the text as it is.
   in the assistant's header, tokenized whole without adding special tokens (the template writes them).
 - `chat`: the document is prefilled once, each question appended to its tokens. So the template is cut
   into pieces that do not depend on the question: it is rendered around marker strings standing for the
-  questions and the answer, and split at them. The document's piece ends where the document's text ends
-  (and starts without its leading whitespace when the template strips a message's);
-  a question's piece is the blank line, the question and what closes the user's turn (through the
-  assistant's header). With --keep-history a later question's piece starts with what follows an
+  questions and the answer, and split at them. The document's piece ends with the blank line after the
+  document's text (and starts without its leading whitespace when the template strips a message's): the
+  text before a question is then tokenized as `run` tokenizes it, where a Llama 3 tokenizer makes one
+  token of punctuation and the newlines after it ("wisdom.\n\nWho?": ".\n\n"). A question's piece is
+  the question and what closes the user's turn (through the assistant's header), tokenized as it comes
+  after the blank line. With --keep-history a later question's piece starts with what follows an
   assistant's answer in the template (its turn end, then the next user header); when the answer already
   ended with the special token the template writes there, that token is not written twice.
-  Raw: the document's tokens with BOS, then "\\n\\n" + question without special tokens, every turn.
+  Raw: the document and the blank line after it with BOS, then the question without special tokens; a
+  later question after an answer is "\\n\\n" + question. A snapshot's document made before the blank line
+  joined the document's piece (it does not end with one) gets it in the first question's piece instead.
 """
 from __future__ import annotations
 
@@ -55,9 +59,15 @@ class PromptFormat:
     # ----------------------------------------------------------------------------------------- chat
 
     def document_ids(self, document: str) -> list[int]:
+        """The document and the blank line a first question follows."""
         if not self.templated:
-            return list(self.tok.encode(document))
-        return self._encode(self._head + (document.lstrip() if self._lstrip else document))
+            return list(self.tok.encode(document + SEPARATOR))
+        return self._encode(self._head + (document.lstrip() if self._lstrip else document) + SEPARATOR)
+
+    def ends_with_separator(self, ids: list[int]) -> bool:
+        """Whether a document's tokens end with the blank line (document_ids'; a KV snapshot made by an
+        earlier tforce does not)."""
+        return self.tok.decode(list(ids)[-8:], skip_special_tokens=False).endswith(SEPARATOR)
 
     def check_document(self, ids: list[int], source: str) -> None:
         """Refuse a document's tokens (a KV snapshot's prefix, from `source`) that were not laid out in
@@ -81,13 +91,16 @@ class PromptFormat:
             raise UsageError(f"{source} holds a whole prompt, its user turn closed for an answer (made by tforce "
                              "run?): chat needs a document's snapshot (tforce chat BOOK --save-kv DIR)")
 
-    def question_ids(self, question: str, answer: list[int] | None = None) -> list[int]:
-        """The tokens of a question after the document (answer None) or after an answer's tokens as the
-        conversation's history holds them (--keep-history; Conversation leaves end-of-sequence tokens out)."""
+    def question_ids(self, question: str, answer: list[int] | None = None, separated: bool = True) -> list[int]:
+        """The tokens of a question after the document (answer None; `separated`: the document's tokens end
+        with the blank line, as document_ids' do) or after an answer's tokens as the conversation's history
+        holds them (--keep-history; Conversation leaves end-of-sequence tokens out)."""
+        close = self._close if self.templated else ""
+        if answer is None:
+            return self._encode_after(question + close, SEPARATOR) if separated else \
+                self._encode_after(SEPARATOR + question + close)
         if not self.templated:
             return self._encode_after(SEPARATOR + question)
-        if answer is None:
-            return self._encode_after(SEPARATOR + question + self._close)
         self.check_history()
         return self._encode_after(self._after(answer) + question + self._close_later)
 
@@ -151,15 +164,15 @@ class PromptFormat:
     def _encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def _encode_after(self, piece: str) -> list[int]:
-        """The tokens of text that follows other text, as they come when the whole is tokenized: after a
-        letter, then without the letter's tokens. Tokenized alone, a piece gets what starts a text (a
-        SentencePiece tokenizer writes a space before "\n\nWho?"), which `run` does not give the same
-        document and question. A letter does not merge with the newlines or special tokens that start a
-        piece; where the boundary still differs (a document ending in characters that merge with them),
-        the piece is tokenized alone."""
-        anchor = self._encode(_ANCHOR)
-        ids = self._encode(_ANCHOR + piece)
+    def _encode_after(self, piece: str, before: str = _ANCHOR) -> list[int]:
+        """The tokens of text that follows other text, as they come when the whole is tokenized: after
+        `before` (the blank line that ends a document's piece, or a letter), then without its tokens.
+        Tokenized alone, a piece gets what starts a text (a SentencePiece tokenizer writes a space before
+        "\n\nWho?"), which `run` does not give the same document and question. A letter does not merge
+        with the newlines or special tokens that start a piece after an answer, nor newlines with the
+        letters of a question; where the boundary still differs, the piece is tokenized alone."""
+        anchor = self._encode(before)
+        ids = self._encode(before + piece)
         return ids[len(anchor):] if ids[:len(anchor)] == anchor else self._encode(piece)
 
     def _cut(self) -> None:

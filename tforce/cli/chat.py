@@ -224,9 +224,10 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
     # out of it, so the template's turn end follows the answer), which a question follows with --keep-history
     answer = None
     eos = set() if ignore_eos else _eos_ids(config)
+    separated = fmt.ends_with_separator(doc)  # a snapshot made before the document's piece ended with it: not
     stops = StopStrings(tok, setup.stops)
     for question in questions:
-        ids = fmt.question_ids(question, answer if keep_history else None)
+        ids = fmt.question_ids(question, answer if keep_history else None, separated)
         if len(ids) + 1 > conv.room_left:
             raise UsageError(f"the conversation has outgrown its room ({room} tokens after the document): "
                              "pass a larger --room" + (" or drop --keep-history" if keep_history else ""))

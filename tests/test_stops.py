@@ -97,3 +97,9 @@ def test_chat_answers_end_at_the_stop(runner, models):  # noqa: F811
 ])
 def test_stop_refusals_are_one_line(runner, models, args, needle):  # noqa: F811
     _one_error_line(_run(runner, models, *args), 2, needle)
+
+
+def test_stop_strings_take_the_escapes_a_shell_passes_as_typed():
+    from tforce.cli.run import _unescape
+
+    assert [_unescape(s) for s in ["\\n\\n", "a\\tb", "\\\\n", "é\n", "\\x"]] == ["\n\n", "a\tb", "\\n", "é\n", "\\x"]

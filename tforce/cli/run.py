@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +131,7 @@ def _configure(p: dict) -> Setup:
     if p["dtype"] not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {p['dtype']!r}")
     system = _check_template(p["template"], p["system"])
-    stops = tuple(_decode_text(s.encode("utf-8", "surrogateescape"), "--stop") for s in p["stop"] or ())
+    stops = tuple(_unescape(_decode_text(s.encode("utf-8", "surrogateescape"), "--stop")) for s in p["stop"] or ())
     if "" in stops:
         raise UsageError("--stop takes a non-empty string")
     placement_options = _placement_options(p["offload"], p["gpu_memory"])
@@ -153,6 +154,12 @@ def _configure(p: dict) -> Setup:
     named = (draft or demo_draft) if model is None else None  # the draft the demo notice names
     return Setup(target_name, draft_name if spec.uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
                  world, {**options, **placement_options}, named, p["template"], system, stops)
+
+
+def _unescape(text: str) -> str:
+    """A --stop string as typed: `--stop '\\n'` is a newline (a shell passes the two characters), `\\t` a
+    tab, `\\\\` a backslash; everything else as it is."""
+    return re.sub(r"\\(n|t|\\)", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
 def _check_template(template: str, system: Optional[str]) -> Optional[str]:

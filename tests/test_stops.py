@@ -100,6 +100,6 @@ def test_stop_refusals_are_one_line(runner, models, args, needle):  # noqa: F811
 
 
 def test_stop_strings_take_the_escapes_a_shell_passes_as_typed():
-    from tforce.cli.run import _unescape
+    from tforce.cli.setup import _unescape
 
     assert [_unescape(s) for s in ["\\n\\n", "a\\tb", "\\\\n", "é\n", "\\x"]] == ["\n\n", "a\tb", "\\n", "é\n", "\\x"]

@@ -102,7 +102,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     """setup: run.Setup (the models, device, dtype and prompt format)."""
     from ..batch import generate_batch
     from ..weights import load_model
-    from .run import _dtype_bytes, _read_config, _tp_target, notices
+    from .setup import _dtype_bytes, _read_config, _tp_target, notices
 
     model, draft, device, dtype = setup.target, setup.draft, setup.device, setup.dtype
     path, config, tok = _tp_target(model, 1)

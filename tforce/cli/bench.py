@@ -15,7 +15,7 @@ from ..errors import TforceError, UsageError
 from .app import app
 from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory,
                      _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
-from .run import _check_local, _default_draft, _parallel, _read_config, _read_prompt, _tp_target
+from .setup import _check_local, _default_draft, _parallel, _read_config, _read_prompt, _tp_target
 
 PROMPT_LEN = 122880  # the prompt of the paper's setups (README, "Reproducing the paper's setups")
 

@@ -38,8 +38,8 @@ from . import options as o
 from .app import app
 from .common import _as_role, _check_memory, _decode_text, _guarded, _say, flag
 from .live import Progress, TextStream
-from .run import (_configure, _dtype_bytes, _end_line, _read_config, _read_prompt, _shared_with_stderr, _tp_target,
-                  notices)
+from .run import _end_line, _shared_with_stderr
+from .setup import _configure, _dtype_bytes, _read_config, _read_prompt, _tp_target, notices
 
 
 @app.command()

@@ -14,7 +14,7 @@ from ..config import POLICIES, Sampling, Speculation
 from ..errors import UsageError
 from .app import app
 from .common import DTYPES, THREADS_HELP, _device, _guarded, _say, _threads, flag
-from .run import _default_draft
+from .setup import _default_draft
 
 DEFAULT_BOOKS = "../shared/data/books/*.txt"
 

@@ -1,0 +1,241 @@
+"""What `tforce run` and `tforce chat` are given, checked before anything is loaded: the prompt read, the
+models resolved (their configs and tokenizer, no weights), the options validated into one Setup, and the
+notes said once the prompt has passed its checks."""
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..config import Sampling, Speculation
+from ..demo import NAME, demo_pair, notice
+from ..errors import UsageError
+from .common import DTYPES, _as_role, _decode_text, _device, _gpu_memory_note, _placement_options, _say, _threads
+from .options import ENGINE
+
+
+EMPTY_PROMPT = "the prompt is empty: give a prompt file, --prompt TEXT or text on stdin"
+
+
+def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Optional[str] = None,
+                 empty: str = EMPTY_PROMPT) -> str:
+    """The document (a file, `-` for stdin, or piped stdin) followed by --prompt, joined by a blank line.
+
+    With nothing given (no file, no --prompt, nothing on stdin), `default` (the demo's excerpt) if there
+    is one; a prompt or file that was given but is empty is a usage error (`empty`, its line), never replaced."""
+    document = ""
+    if prompt_file == "-" or (prompt_file is None and not sys.stdin.isatty()):
+        try:
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        except (OSError, ValueError):
+            data = b""
+        document = _decode_text(data, "stdin")
+    elif prompt_file is not None:
+        path = Path(prompt_file).expanduser()
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            hint = " (--json and --ignore-eos are flags: they take no value)" \
+                if prompt_file.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0") else ""
+            raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror or e}{hint}") from e
+        document = _decode_text(data, f"prompt file {prompt_file}")
+    if prompt is not None:  # an argument's bytes that are not UTF-8 reach Python as lone surrogates
+        prompt = _decode_text(prompt.encode("utf-8", "surrogateescape"), "--prompt")
+    parts = [p for p in (document, prompt or "") if p.strip()]
+    if not parts and default is not None and prompt is None and prompt_file is None:
+        _say(f"tforce: no prompt given: using {NAME} and a question")
+        return default
+    if not parts:
+        raise UsageError(empty)
+    return "\n\n".join(parts)
+
+
+def _check_local(name: str, role: str) -> None:
+    """A local folder or an unknown name is checked here, its error naming the role ("target model",
+    "draft model"), before anything else; registry names and hub ids are fetched when loaded."""
+    from ..weights import REGISTRY, resolve
+
+    hub = name in REGISTRY or (name.count("/") == 1 and not name.startswith((".", "/", "~")))
+    if Path(name).expanduser().exists() or not hub:
+        _as_role(role, resolve, name)
+
+
+def _default_draft(model: str) -> Optional[str]:
+    """The registry's draft for a short name; for a folder `X-target`, a sibling `X-draft` if present."""
+    from ..weights import REGISTRY
+
+    if model in REGISTRY:
+        return REGISTRY[model][1]
+    path = Path(model).expanduser()
+    if path.is_dir() and path.name.endswith("-target"):
+        sibling = path.with_name(path.name[: -len("-target")] + "-draft")
+        if (sibling / "config.json").is_file():
+            return str(sibling)
+    return None
+
+
+@dataclass
+class Setup:
+    """A generation command's options, checked, with the models resolved (no weights read yet)."""
+
+    target: str
+    draft: Optional[str]  # None when the method needs none
+    device: str
+    dtype: Optional[str]  # None: the device's default
+    world: int
+    options: dict  # generate's keyword arguments
+    demo: Optional[str]  # the draft the notice names when no --model was given (--draft, else the demo's)
+    template: str = "auto"  # prompt_format.PromptFormat's
+    system: Optional[str] = None
+    stops: tuple = ()  # --stop strings (stops.StopStrings)
+
+    def prompt_format(self, tok, path):
+        """How this command's text becomes tokens (the target's tokenizer `tok`, from folder `path`)."""
+        from ..prompt_format import PromptFormat
+
+        return PromptFormat(tok, self.template, self.system, name=str(path))
+
+
+def notices(setup: Setup, fmt, path, batch: bool = False) -> None:
+    """The command's stderr notes (--gpu-memory off CUDA, the demo pair, greedy's exactness in a 16-bit
+    dtype, the chat template laying the prompt out): after the prompt's checks, the template's included, so
+    that a refused prompt's error is the only line. batch: --batch's."""
+    _gpu_memory_note(setup.options["gpu_memory"], setup.device)
+    if setup.demo is not None:
+        _say(notice(setup.target, setup.demo))
+    _exactness_note(setup, batch)
+    if fmt.templated:
+        _say(f"tforce: the prompt follows {path}'s chat template (--template none: the text as it is)")
+
+
+def _configure(p: dict) -> Setup:
+    """Checks the shared options (options.py) of `run` and `chat`, given as their parameters by name."""
+    spec = Speculation(**{k: p[k] for k in ("method", "gamma1", "gamma2", "budget", "chunk_size", "draft_budget",
+                                            "sinks", "rebuild_every", "rebuild_below", "policy")})
+    spec.validate()
+    Sampling(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"], seed=p["seed"]).validate()
+    if p["max_new_tokens"] < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {p['max_new_tokens']}")
+    if p["prefill_chunk"] < 1:
+        raise UsageError(f"--prefill-chunk must be >= 1, got {p['prefill_chunk']}")
+    if p["dtype"] not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {p['dtype']!r}")
+    system = _check_template(p["template"], p["system"])
+    stops = tuple(_unescape(_decode_text(s.encode("utf-8", "surrogateescape"), "--stop")) for s in p["stop"] or ())
+    if "" in stops:
+        raise UsageError("--stop takes a non-empty string")
+    placement_options = _placement_options(p["offload"], p["gpu_memory"])
+    _threads(p["threads"])
+    world, dev = _parallel(p["tp"], p["gpus"], p["device"])
+    dtype = p["dtype"] if p["dtype"] != "auto" else "bfloat16" if dev == "cuda" else "float32"  # as load_model
+    _check_snapshots(p["save_kv"], p["load_kv"], world, dtype)
+    model, draft, demo_draft = p["model"], p["draft"], None
+    target_name = model
+    if model is None:
+        target_name, demo_draft = demo_pair()
+    else:  # the target first: a missing target folder is not a missing draft
+        _check_local(model, "target model")
+    if draft is not None and spec.uses_draft:
+        _check_local(draft, "draft model")
+    draft_name = draft if draft is not None else _default_draft(target_name)
+    if spec.uses_draft and draft_name is None:
+        raise UsageError(f"method {spec.method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
+    options = {k: p[k] for k in ENGINE}
+    named = (draft or demo_draft) if model is None else None  # the draft the demo notice names
+    return Setup(target_name, draft_name if spec.uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
+                 world, {**options, **placement_options}, named, p["template"], system, stops)
+
+
+def _unescape(text: str) -> str:
+    """A --stop string as typed: `--stop '\\n'` is a newline (a shell passes the two characters), `\\t` a
+    tab, `\\\\` a backslash; everything else as it is."""
+    return re.sub(r"\\(n|t|\\)", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
+
+
+def _check_template(template: str, system: Optional[str]) -> Optional[str]:
+    """--template and --system checked before anything is read; the system message as text."""
+    from ..prompt_format import TEMPLATES
+
+    if template not in TEMPLATES:
+        raise UsageError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+    if system is None:
+        return None
+    if template == "none":
+        raise UsageError("--system needs a chat template (not --template none)")
+    return _decode_text(system.encode("utf-8", "surrogateescape"), "--system")
+
+
+def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int, dtype: str) -> None:
+    """Refuse a --save-kv path that is not a snapshot and a --load-kv snapshot of another world size or
+    dtype (or none) before any weights are read or ranks started; the engine checks the model's identity."""
+    from ..snapshot import check_dtype, check_target, check_world, read_manifest
+
+    if save_kv is not None:
+        check_target(save_kv)
+    if load_kv is not None:
+        manifest = read_manifest(load_kv)
+        check_world(load_kv, manifest, world)
+        check_dtype(load_kv, manifest, dtype)
+
+
+def _exactness_note(setup: Setup, batch: bool = False) -> None:
+    """Greedy speculation in a 16-bit dtype, said where it is run: a verification's logits round differently
+    from one-token decoding's (README, Exactness), so a near-tie can flip a token. batch: --batch, which
+    refuses --deterministic, so the note does not offer it."""
+    o = setup.options
+    dtype = setup.dtype or ("bfloat16" if setup.device == "cuda" else "float32")
+    if o["temperature"] == 0 and o["method"] != "ar" and not o["deterministic"] and dtype != "float32":
+        _say(f"tforce: note: greedy in {dtype}: the tokens are plain decoding's (--method ar) except where its "
+             "two best logits nearly tie" + ("" if batch else
+                                            "; --deterministic makes them plain decoding's bit for bit"))
+
+
+def _parallel(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:
+    """--tp / --gpus / --device -> (ranks, device), checked against the GPUs torch sees."""
+    import torch
+
+    if tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {tp}")
+    world = tp
+    if gpus is not None:
+        if gpus < 1:
+            raise UsageError(f"--gpus must be >= 1, got {gpus}")
+        if device not in ("auto", "cuda"):
+            raise UsageError(f"--gpus runs on CUDA, not --device {device} (for CPU ranks use --tp N --device cpu)")
+        if tp not in (1, gpus):
+            raise UsageError(f"--gpus {gpus} and --tp {tp} disagree: give one of them")
+        world, device = gpus, "cuda"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    dev = "cuda" if device == "cuda" and world > 1 else _device(device)
+    if dev == "cuda" and world > count:
+        raise UsageError(f"{world} ranks on CUDA need {world} GPUs; torch sees {count} "
+                         f"(--tp {world} --device cpu runs them on the CPU)")
+    return world, dev
+
+
+def _read_config(name: str, role: str):
+    """(folder, config) of a model without reading its weights; errors name the role."""
+    from ..weights import read_config, resolve
+
+    path = _as_role(role, resolve, name)
+    return path, _as_role(role, read_config, path)
+
+
+def _tp_target(model: str, world: int):
+    """(folder, config, tokenizer) of the target without loading weights; split over world > 1 ranks,
+    the heads must split."""
+    from ..parallel import check_tp
+    from ..weights import _load_tokenizer
+
+    path, config = _read_config(model, "target model")
+    if world > 1:
+        check_tp(config, world)
+    return path, config, _load_tokenizer(path)
+
+
+def _dtype_bytes(dtype: Optional[str], device: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype or ("bfloat16" if device == "cuda" else "float32"))).element_size()

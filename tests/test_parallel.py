@@ -153,17 +153,23 @@ def test_ranks_with_different_free_memory_plan_alike(five):
         assert result.tokens == expected.tokens
 
 
-def _unagreed_worker(rank, world, *args):
-    """_generate_worker with each rank planning from its own figure (_agreed_free bypassed), as ranks whose
-    plans differ despite it would, and a prefill that only fails, naming the rank that reached it."""
-    import tforce.parallel
+def _fail_at_prefill(rank) -> None:
+    """In a rank's process: a prefill that only fails, naming the rank that reached it."""
     import tforce.session
 
     def prefill(self, *a, **k):
         raise RuntimeError(f"rank {rank} reached prefill")
 
-    tforce.parallel._agreed_free = lambda dev, given, gpu_memory: given
     tforce.session.Session.prefill = prefill
+
+
+def _unagreed_worker(rank, world, *args):
+    """_generate_worker with each rank planning from its own figure (_agreed_free bypassed), as ranks whose
+    plans differ despite it would, and a prefill that only fails, naming the rank that reached it."""
+    import tforce.parallel
+
+    tforce.parallel._agreed_free = lambda dev, given, gpu_memory: given
+    _fail_at_prefill(rank)
     return _generate_worker(rank, world, *args)
 
 
@@ -192,13 +198,8 @@ def _tight_host_worker(rank, world, available, *args):
 
     import psutil
 
-    import tforce.session
-
-    def prefill(self, *a, **k):
-        raise RuntimeError(f"rank {rank} reached prefill")
-
     psutil.virtual_memory = lambda: types.SimpleNamespace(available=available)
-    tforce.session.Session.prefill = prefill
+    _fail_at_prefill(rank)
     return _generate_worker(rank, world, *args)
 
 

@@ -115,7 +115,8 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     verification with the acceptance so far per level ({"draft", "retrieval"}); on_plan(placement) gets
     the full KV cache's placement (the kv_* entries of the statistics) once planned, before prefill.
     until(tokens) -> int | None: after each round, given every token generated so far, how many to keep
-    and end there (stops.StopStrings.cut), or None to go on; the tokens kept stay an exact prefix. offload: where the full KV cache lives ("auto": on the GPU while it fits, the rest in pinned host
+    and end there (stops.StopStrings.cut), or None to go on; the tokens kept stay an exact prefix.
+    offload: where the full KV cache lives ("auto": on the GPU while it fits, the rest in pinned host
     memory; "on": all in host memory; "off": all on the device); gpu_memory caps the bytes tforce may use on the GPU. device_free: the device's free bytes
     as the caller measured them (tensor-parallel ranks pass their minimum so that all plan alike; None:
     measured here); given on a CPU run, the KV cache is placed as if a device had that much room, which

@@ -129,7 +129,7 @@ def _configure(p: dict) -> Setup:
     placement_options = _placement_options(p["offload"], p["gpu_memory"])
     _threads(p["threads"])
     world, dev = _parallel(p["tp"], p["gpus"], p["device"])
-    dtype = p["dtype"] if p["dtype"] != "auto" else "bfloat16" if dev == "cuda" else "float32"  # as load_model
+    dtype = _dtype_name(None if p["dtype"] == "auto" else p["dtype"], dev)
     _check_snapshots(p["save_kv"], p["load_kv"], world, dtype)
     model, draft, demo_draft = p["model"], p["draft"], None
     target_name = model
@@ -185,7 +185,7 @@ def _exactness_note(setup: Setup, batch: bool = False) -> None:
     from one-token decoding's (README, Exactness), so a near-tie can flip a token. batch: --batch, which
     refuses --deterministic, so the note does not offer it."""
     o = setup.options
-    dtype = setup.dtype or ("bfloat16" if setup.device == "cuda" else "float32")
+    dtype = _dtype_name(setup.dtype, setup.device)
     if o["temperature"] == 0 and o["method"] != "ar" and not o["deterministic"] and dtype != "float32":
         _say(f"tforce: note: greedy in {dtype}: the tokens are plain decoding's (--method ar) except where its "
              "two best logits nearly tie" + ("" if batch else
@@ -235,7 +235,12 @@ def _tp_target(model: str, world: int):
     return path, config, _load_tokenizer(path)
 
 
+def _dtype_name(dtype: Optional[str], device: str) -> str:
+    """The dtype a run uses: the one given, else the device's default (as load_model chooses it)."""
+    return dtype or ("bfloat16" if device == "cuda" else "float32")
+
+
 def _dtype_bytes(dtype: Optional[str], device: str) -> int:
     import torch
 
-    return torch.empty((), dtype=getattr(torch, dtype or ("bfloat16" if device == "cuda" else "float32"))).element_size()
+    return torch.empty((), dtype=getattr(torch, _dtype_name(dtype, device))).element_size()

@@ -171,3 +171,56 @@ def test_questions_typed_at_a_terminal(models, target):
     text = target.tokenizer.decode(_answer(target, doc + _question(target, QUESTIONS[0])), skip_special_tokens=True)
     shown = seen.decode(errors="replace").replace("\r\n", "\n")
     assert text.split("\n")[0][:20] in shown
+
+
+def _driven_chat(models, *extra):
+    """`tforce chat` run as a program drives it: stdin and stderr are pipes, stdout goes to a pipe too."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TFORCE_DEBUG", None)
+    return subprocess.Popen([sys.executable, "-m", "tforce", "chat", str(models / "doc.txt"), "-m",
+                             str(models / "tiny-target"), "--method", "ar", "--threads", "1", "--json", *FAST,
+                             *extra], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def _stderr_line_with(proc, needle: str, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([proc.stderr], [], [], 0.5)[0]:
+            line = proc.stderr.readline().decode()
+            if needle in line or not line:
+                return line
+    proc.kill()
+    raise AssertionError(f"no stderr line with {needle!r} in {timeout} s")
+
+
+def test_a_program_may_ask_after_the_prefilled_line(models, target):
+    """A client that sends its first question only once chat says the document is prefilled. chat waited for
+    that question before loading anything (to refuse an empty stdin early), and the client for the line:
+    both waited forever. Now a pipe with nothing in it yet is read after the prefill."""
+    proc = _driven_chat(models)
+    try:
+        assert "prefilled" in _stderr_line_with(proc, "tforce: document: ")
+        proc.stdin.write((QUESTIONS[0] + "\n").encode())
+        proc.stdin.flush()
+        assert select.select([proc.stdout], [], [], 120)[0], "no answer in 120 s"
+        record = json.loads(proc.stdout.readline())
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+    doc = target.tokenizer.encode(DOC)
+    assert record["tokens"] == _answer(target, doc + _question(target, QUESTIONS[0]))
+
+
+def test_a_pipe_closed_after_the_prefill_without_a_question_is_one_line(models):
+    proc = _driven_chat(models)
+    try:
+        assert "prefilled" in _stderr_line_with(proc, "tforce: document: ")
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 2
+        err = proc.stderr.read().decode()
+    finally:
+        proc.kill()
+    assert err == "tforce: error: stdin holds no questions (one a line): pipe them, or give --questions FILE\n"
+    assert proc.stdout.read() == b""

@@ -5,8 +5,9 @@ Where things come from:
   stdin, else (no --model either) the demo's excerpt;
 - the questions, one per line (blank lines skipped): --questions FILE ('-' = stdin); else stdin, unless
   the document came on stdin: then the terminal (/dev/tty), and without one a usage error. A questions file
-  or piped stream with no question is a usage error before any weights are read (unless --save-kv: the snapshot
-  is then the point); a pipe's first question is waited for before the model loads. When the
+  or piped stream with no question is a usage error (unless --save-kv: the snapshot is then the point),
+  before any weights are read when the stream's first line or end is already there; else the prefill
+  comes first, as a program driving chat may wait for the "prefilled" line before it asks. When the
   questions come from a terminal, they are read with a line editor (Python's readline: arrows, in-session
   history) after a `> ` prompt. There Ctrl-C stops the answer being written (the text so far stays; the
   question and its partial answer do not join the history) or drops the line being typed, and a fresh
@@ -25,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import select
 import sys
 from contextlib import ExitStack
 from typing import List, Optional
@@ -147,10 +149,36 @@ def _question_source(questions: Optional[str], document_on_stdin: bool, saving: 
     asked = (q for q in (_decode_text(b, "stdin").strip() for b in lines) if q)
     if saving:  # the snapshot is the point: no question is needed, none is waited for
         return asked, False
-    first = next(asked, None)  # waits for the first question, so that an empty stream is refused before the prefill
+    if not _readable_now(sys.stdin):
+        # a program that sends its questions only after the "prefilled" line: waiting here would deadlock it,
+        # so an empty stream is found (and refused the same way) after the prefill
+        return _at_least_one(asked), False
+    first = next(asked, None)  # already there (a file, or a pipe written to or closed): refused before the prefill
     if first is None:
-        raise UsageError("stdin holds no questions (one a line): pipe them, or give --questions FILE")
+        raise UsageError(NO_QUESTIONS)
     return itertools.chain((first,), asked), False
+
+
+NO_QUESTIONS = "stdin holds no questions (one a line): pipe them, or give --questions FILE"
+
+
+def _readable_now(stream) -> bool:
+    """Whether reading `stream` now returns at once: a file, or a pipe that holds data or whose writer has
+    closed it. A stream with no descriptor (a test's) counts as ready."""
+    try:
+        return bool(select.select([stream], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
+
+
+def _at_least_one(asked):
+    """`asked`, refused with NO_QUESTIONS when it ends before its first question."""
+    any_asked = False
+    for q in asked:
+        any_asked = True
+        yield q
+    if not any_asked:
+        raise UsageError(NO_QUESTIONS)
 
 
 def _open_terminal() -> int:

@@ -21,22 +21,31 @@ tokenizer has none and gets the text as it is.
   Raw: the document and the blank line after it with BOS, then the question without special tokens; a
   later question after an answer is "\\n\\n" + question. A snapshot's document made before the blank line
   joined the document's piece (it does not end with one) gets it in the first question's piece instead.
+- A template that writes the date is rendered on the date a KV snapshot's tokens hold when one is reused
+  (`as_made`; template_date.py), else on today's.
 """
 from __future__ import annotations
 
+from datetime import datetime
+
 from .errors import UsageError
+from .template_date import date_in, rendered_by
 
 TEMPLATES = ("auto", "none")
 SEPARATOR = "\n\n"  # between the document (or the previous answer) and a question
 # Stand-ins for text that is not known when the template is cut: no template writes these.
 _ANCHOR = "a"  # what a piece is tokenized after (_encode_after)
 _Q1, _ANSWER, _Q2 = "\x00tforce-question-1\x00", "\x00tforce-answer\x00", "\x00tforce-question-2\x00"
+_CUT = f"D{SEPARATOR}{_Q1}"  # where the document's head ends in a rendering
+_MARK_TIME = "\x00tforce-time\x00"  # what a template that writes the date writes with it
 
 
 class PromptFormat:
-    def __init__(self, tokenizer, template: str = "auto", system: str | None = None, name: str = "the model"):
+    def __init__(self, tokenizer, template: str = "auto", system: str | None = None, name: str = "the model",
+                 now: datetime | None = None):
         """template: auto (the tokenizer's chat template when it has one) or none (the text as it is).
-        system: a system message, which needs a template. name: the model, for messages."""
+        system: a system message, which needs a template. name: the model, for messages. now: the time a
+        template that writes the date renders (default: now, fixed for this format's life)."""
         if template not in TEMPLATES:
             raise UsageError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
         self.tok, self.name = tokenizer, name
@@ -45,6 +54,8 @@ class PromptFormat:
             why = "--template none" if template == "none" else f"{name}'s tokenizer has no chat template"
             raise UsageError(f"--system needs a chat template ({why})")
         self.system = system
+        self.now = now or datetime.now()
+        self.snapshot_date: str | None = None  # as_made's: the date taken from a snapshot, as the template writes it
         if self.templated:
             self._cut()
 
@@ -84,12 +95,31 @@ class PromptFormat:
             return
         head = self._encode(self._head)[:-1]
         if ids[:len(head)] != head:
+            day = ", or on another day (the template writes the date)" if _MARK_TIME in self._head_with(
+                lambda fmt: _MARK_TIME) else ""
             raise UsageError(f"{source} does not begin with {self.name}'s chat template (made with --template none "
-                             "or another --system?): give the same --template and --system as when it was made")
+                             f"or another --system{day}?): give the same --template and --system as when it was made")
         close = self._encode_after(self._close)
         if ids[len(ids) - len(close):] == close or (len(close) > 1 and ids[len(ids) - len(close) + 1:] == close[:-1]):
             raise UsageError(f"{source} holds a whole prompt, its user turn closed for an answer (made by tforce "
                              "run?): chat needs a document's snapshot (tforce chat BOOK --save-kv DIR)")
+
+    def as_made(self, ids: list[int]) -> "PromptFormat":
+        """This format as it laid out a KV snapshot's tokens `ids`: rendered on the date they hold when the
+        template writes the date and they hold another than this format's (with `snapshot_date` set); else
+        itself."""
+        if not self.templated:
+            return self
+        head = self._encode(self._head)[:-1]
+        if list(ids[:len(head)]) == head:
+            return self
+        text = self.tok.decode(list(ids[:len(head) + 64]), skip_special_tokens=False)
+        when = date_in(self._head_with, text)
+        if when is None:
+            return self
+        made = PromptFormat(self.tok, "auto", self.system, self.name, now=when)
+        made.snapshot_date = when.strftime("%d %b %Y")
+        return made
 
     def question_ids(self, question: str, answer: list[int] | None = None, separated: bool = True) -> list[int]:
         """The tokens of a question after the document (answer None; `separated`: the document's tokens end
@@ -121,11 +151,14 @@ class PromptFormat:
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
         return system + [{"role": "user", "content": content}]
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], strftime=None) -> str:
+        """The conversation rendered, its date (if the template writes one) by `strftime` (default: this
+        format's `now`), which stands for transformers' `strftime_now` in the template."""
         if self.system is not None and messages[0]["role"] != "system":
             messages = self._messages(messages[0]["content"]) + messages[1:]
         try:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            with rendered_by(strftime or self.now.strftime):
+                return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # a template may refuse a layout (e.g. no system role): its message, one line
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UsageError(f"{self.name}'s chat template refused the prompt ({reason}); "
@@ -175,20 +208,24 @@ class PromptFormat:
         ids = self._encode(before + piece)
         return ids[len(anchor):] if ids[:len(anchor)] == anchor else self._encode(piece)
 
+    def _head_with(self, strftime) -> str:
+        """The document's head (what comes before its text), its date rendered by `strftime`."""
+        one = self._render([{"role": "user", "content": _CUT}], strftime)
+        return one[:one.index(_CUT)]
+
     def _cut(self) -> None:
         """The template's pieces around the document and the questions (see the module's docstring)."""
-        one = self._render([{"role": "user", "content": "D" + SEPARATOR + _Q1}])
-        two = self._render([{"role": "user", "content": "D" + SEPARATOR + _Q1},
+        one = self._render([{"role": "user", "content": _CUT}])
+        two = self._render([{"role": "user", "content": _CUT},
                             {"role": "assistant", "content": _ANSWER}, {"role": "user", "content": _Q2}])
-        cut = f"D{SEPARATOR}{_Q1}"
-        if one.count(cut) != 1 or two.count(_ANSWER) != 1 or two.count(_Q2) != 1:
+        if one.count(_CUT) != 1 or two.count(_ANSWER) != 1 or two.count(_Q2) != 1:
             raise UsageError(f"{self.name}'s chat template does not keep a message's text as it is, so tforce "
                              "cannot place the document and questions in it; --template none gives the text as it is")
-        self._head = one[:one.index(cut)]
+        self._head = one[:one.index(_CUT)]
         # whether the template strips a message's leading whitespace (Llama 3's `| trim`, Llama 2's .strip()),
         # as it does to run's whole message: the document's piece must then lose it too
-        self._lstrip = self._render([{"role": "user", "content": " \n" + cut}]) == one
-        self._close = one[one.index(cut) + len(cut):]
+        self._lstrip = self._render([{"role": "user", "content": " \n" + _CUT}]) == one
+        self._close = one[one.index(_CUT) + len(_CUT):]
         self._between = two[two.index(_ANSWER) + len(_ANSWER):two.index(_Q2)]
         self._close_later = two[two.index(_Q2) + len(_Q2):]
         self._appends = two.startswith(one)  # the second turn leaves the first as it was alone (check_history)

@@ -216,7 +216,7 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
     path, config, tok = _tp_target(setup.target, setup.world)
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
-    fmt = setup.prompt_format(tok, path)
+    fmt = setup.prompt_format(tok, path, load_kv)
     if keep_history:
         fmt.check_history()
     if text is not None:

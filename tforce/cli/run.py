@@ -98,7 +98,7 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
     path, config, tok = _tp_target(model, world)  # no weights yet: the prompt and memory are checked first
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
-    fmt = setup.prompt_format(tok, path)
+    fmt = setup.prompt_format(tok, path, options.get("load_kv"))
     ids = fmt.prompt_ids(text)
     context = config.max_position_embeddings
     if len(ids) >= context:

@@ -91,11 +91,14 @@ class Setup:
     system: Optional[str] = None
     stops: tuple = ()  # --stop strings (stops.StopStrings)
 
-    def prompt_format(self, tok, path):
-        """How this command's text becomes tokens (the target's tokenizer `tok`, from folder `path`)."""
+    def prompt_format(self, tok, path, snapshot: Optional[str] = None):
+        """How this command's text becomes tokens (the target's tokenizer `tok`, from folder `path`); with
+        a KV `snapshot` to reuse, as its tokens were laid out (a template that writes the date: theirs)."""
         from ..prompt_format import PromptFormat
+        from ..snapshot import read_manifest
 
-        return PromptFormat(tok, self.template, self.system, name=str(path))
+        fmt = PromptFormat(tok, self.template, self.system, name=str(path))
+        return fmt if snapshot is None else fmt.as_made(read_manifest(snapshot)["tokens"])
 
 
 def notices(setup: Setup, fmt, path, batch: bool = False) -> None:
@@ -108,6 +111,9 @@ def notices(setup: Setup, fmt, path, batch: bool = False) -> None:
     _exactness_note(setup, batch)
     if fmt.templated:
         _say(f"tforce: the prompt follows {path}'s chat template (--template none: the text as it is)")
+    if fmt.snapshot_date is not None:
+        _say(f"tforce: the chat template writes the date: the prompt has the KV snapshot's ({fmt.snapshot_date}), "
+             "which its cache was computed with")
 
 
 def _configure(p: dict) -> Setup:

@@ -1,0 +1,134 @@
+"""Chat templates that write the date (template_date.py, PromptFormat.as_made): a KV snapshot made on one
+day is reused on another in its own date, which its cache was computed with, by `chat` and `run`."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import pytest
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+import tforce
+import tforce.prompt_format
+from tforce.cli import app
+from tforce.errors import UsageError
+from tforce.prompt_format import PromptFormat
+from tforce.synthetic import make_checkpoint
+from tforce.template_date import date_in
+
+from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
+from test_prompt_format import HEADERS, _byte
+
+# Llama 3.2's way with the date (strftime_now when transformers gives it), in HEADERS' layout
+DATED = ("{{ bos_token }}{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+         "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}{%- set date_string = '26 Jul 2024' %}"
+         "{%- endif %}{%- endif %}<|system|>\n\nToday Date: {{ date_string }}<|eot|>"
+         "{% for m in messages %}<|{{ m['role'] }}|>\n\n{{ m['content'] | trim }}<|eot|>{% endfor %}"
+         "{% if add_generation_prompt %}<|assistant|>\n\n{% endif %}")
+DAY1, DAY2 = datetime(2026, 1, 5, 9, 30), datetime(2026, 3, 19, 23, 59)
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_a_snapshot_of_another_day_is_laid_out_on_its_date(system):
+    tok = _byte(DATED)
+    day1, day2 = (PromptFormat(tok, system=system, now=d) for d in (DAY1, DAY2))
+    doc = day1.document_ids(DOC)
+    assert "Today Date: 05 Jan 2026" in tok.decode(doc) and day2.document_ids(DOC) != doc
+    with pytest.raises(UsageError, match="on another day"):
+        day2.check_document(doc, "the snapshot")
+    made = day2.as_made(doc)
+    assert made.snapshot_date == "05 Jan 2026" and made.now.date() == DAY1.date()
+    made.check_document(doc, "the snapshot")
+    assert doc + made.question_ids("Who?") == day1.prompt_ids(DOC + "\n\nWho?")
+    assert made.prompt_ids(DOC + "\n\nWho?") == day1.prompt_ids(DOC + "\n\nWho?")
+    assert day1.as_made(doc) is day1 and day1.snapshot_date is None  # the same day: nothing to change
+
+
+def test_a_format_keeps_one_date_for_its_life(monkeypatch):
+    """A chat that starts before midnight lays its later questions out in the same date as its document."""
+    fmt = PromptFormat(_byte(DATED), now=DAY1)
+    before = fmt.prompt_ids("x")
+    _on(monkeypatch, DAY2)
+    assert fmt.prompt_ids("x") == before
+    assert PromptFormat(_byte(DATED)).prompt_ids("x") != before  # a new format takes the clock's date
+
+
+def test_no_date_read_where_the_template_writes_none_or_the_text_is_another():
+    tok = _byte(HEADERS)
+    fmt = PromptFormat(tok)
+    raw = tok.encode(DOC + "\n\n")
+    assert fmt.as_made(raw) is fmt
+    with pytest.raises(UsageError) as refused:
+        fmt.check_document(raw, "the snapshot")
+    assert "another day" not in str(refused.value)
+    dated = PromptFormat(_byte(DATED), now=DAY1)
+    assert dated.as_made(raw) is dated  # a raw snapshot holds no date: the check refuses it as before
+    assert date_in(dated._head_with, "<s>something else") is None
+    assert date_in(dated._head_with, dated._head_with(DAY2.strftime) + DOC).date() == DAY2.date()
+    assert date_in(fmt._head_with, fmt._head) is None
+
+
+# ----------------------------------------------------------------------------------- the commands
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dated")
+    make_checkpoint(root / "target", seed=0, tokenizer=False, **{**TARGET, "vocab_size": 263})
+    make_checkpoint(root / "draft", seed=1, tokenizer=False, **{**DRAFT, "vocab_size": 263})
+    _byte(DATED).save_pretrained(root / "target")
+    (root / "doc.txt").write_text(DOC)
+    return root
+
+
+def _on(monkeypatch, day: datetime) -> None:
+    """The clock PromptFormat reads says `day`."""
+    class Clock(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return day
+
+    monkeypatch.setattr(tforce.prompt_format, "datetime", Clock)
+
+
+def _cli(models, *args, input=None):
+    base = ["-m", str(models / "target"), "--draft", str(models / "draft"), *FAST, "--method", "triforce"]
+    return CliRunner().invoke(app, [args[0], *base, *args[1:]], input=input)
+
+
+def _greedy(models, ids: list[int]) -> list[int]:
+    target = tforce.load_model(str(models / "target"))
+    return tforce.generate(target.model, ids, method="ar", max_new_tokens=12, temperature=0).tokens
+
+
+def test_chat_and_run_reuse_a_snapshot_made_on_another_day(models, tmp_path, monkeypatch):
+    """Before: chat refused the snapshot (blaming --template or --system), run reused only the tokens before
+    the date and prefilled the rest."""
+    tok = AutoTokenizer.from_pretrained(models / "target")
+    _on(monkeypatch, DAY1)
+    made = _cli(models, "chat", str(models / "doc.txt"), "--save-kv", str(tmp_path / "chat-kv"), input="")
+    assert made.exit_code == 0, (made.output, made.exception)
+    made = _cli(models, "run", str(models / "doc.txt"), "-p", "Who?", "-n", "1", "--save-kv", str(tmp_path / "run-kv"))
+    assert made.exit_code == 0, (made.output, made.exception)
+    day1 = PromptFormat(tok, now=DAY1).prompt_ids(DOC + "\n\nWho?")
+
+    _on(monkeypatch, DAY2)
+    r = _cli(models, "chat", "--load-kv", str(tmp_path / "chat-kv"), "--json", input="Who?\n")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert json.loads(r.stdout)["tokens"] == _greedy(models, day1)
+    note = "tforce: the chat template writes the date: the prompt has the KV snapshot's (05 Jan 2026)"
+    assert note in r.stderr
+    r = _cli(models, "run", str(models / "doc.txt"), "-p", "Who?", "--load-kv", str(tmp_path / "run-kv"), "--json")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert json.loads(r.stdout)["tokens"] == _greedy(models, day1)
+    assert f"reused {len(day1) - 1} of {len(day1) - 1} prompt tokens" in r.stderr and note in r.stderr
+    fresh = _cli(models, "run", str(models / "doc.txt"), "-p", "Who?", "--json")  # no snapshot: today's date
+    assert json.loads(fresh.stdout)["prompt_tokens"] == len(PromptFormat(tok, now=DAY2).prompt_ids(DOC + "\n\nWho?"))
+    assert "writes the date" not in fresh.stderr
+
+
+def test_a_templated_chat_still_refuses_a_raw_snapshot_in_one_line(models, tmp_path):
+    raw = _cli(models, "run", str(models / "doc.txt"), "--template", "none", "-n", "1", "--save-kv", str(tmp_path / "kv"))
+    assert raw.exit_code == 0, (raw.output, raw.exception)
+    _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), input="Who?\n"), 2,
+                    "or on another day (the template writes the date)")

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 import tforce
-from tforce.cli import app, chat
+from tforce.cli import app, chat_input
 from tforce.synthetic import make_checkpoint
 
 from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
@@ -90,7 +90,7 @@ def test_document_on_stdin_takes_questions_from_a_file_or_refuses(models, target
     def no_terminal():
         raise OSError("no tty")
 
-    monkeypatch.setattr(chat, "_open_terminal", no_terminal)
+    monkeypatch.setattr(chat_input, "_open_terminal", no_terminal)
     _one_error_line(_chat(models, input=DOC), 2, "--questions FILE")
     _one_error_line(_chat(models, "-", "--questions", "-", input=DOC), 2, "--questions FILE")
     (tmp_path / "q.txt").write_text(QUESTIONS[1] + "\n")

@@ -163,7 +163,7 @@ def test_chat_names_the_demo_excerpt_as_run_does(monkeypatch, capsys):
     """chat called the excerpt 'chapter 1'; it holds chapters 1-2, as run says."""
     import io
 
-    from tforce.cli.chat import _document
+    from tforce.cli.chat_input import _document
     from tforce.demo import EXCERPT
 
     class Terminal(io.StringIO):
@@ -285,7 +285,7 @@ def test_non_utf8_prompt_argument_and_piped_questions_read_as_files_do(runner, m
 
 def test_a_question_typed_in_latin1_reads_as_piped_ones_do(monkeypatch, capsys):
     """At a Latin-1 terminal, input() hands over the bytes that are not UTF-8 as lone surrogates."""
-    from tforce.cli import chat
+    from tforce.cli import chat_input
 
     typed = ["Who \udce9?"]
 
@@ -295,7 +295,7 @@ def test_a_question_typed_in_latin1_reads_as_piped_ones_do(monkeypatch, capsys):
         return typed.pop()
 
     monkeypatch.setattr("builtins.input", typing)
-    assert list(chat._terminal_questions()) == ["Who \ufffd?"]
+    assert list(chat_input._terminal_questions()) == ["Who \ufffd?"]
     assert "not valid UTF-8" in capsys.readouterr().err
 
 

@@ -3,11 +3,12 @@
 Where things come from:
 - the document: BOOK ('-' = stdin); without BOOK, a snapshot's prefix (--load-kv), else text piped on
   stdin, else (no --model either) the demo's excerpt;
-- the questions (read by cli/chat_input.py), one per line (blank lines skipped): --questions FILE ('-' = stdin); else stdin, unless
-  the document came on stdin: then the terminal (/dev/tty), and without one a usage error. A questions file
-  or piped stream with no question is a usage error (unless --save-kv: the snapshot is then the point),
-  before any weights are read when the stream's first line or end is already there; else the prefill
-  comes first, as a program driving chat may wait for the "prefilled" line before it asks. When the
+- the questions (read by cli/chat_input.py), one per line (blank lines skipped): --questions FILE ('-' =
+  stdin); else stdin, unless the document came on stdin: then the terminal (/dev/tty), and without one a
+  usage error. A questions file or piped stream with no question is a usage error (unless --save-kv:
+  the snapshot is then the point), before any weights are read when the stream's first line or end is
+  already there; else the prefill comes first, as a program driving chat may wait for the "prefilled"
+  line before it asks. When the
   questions come from a terminal, they are read with a line editor (Python's readline: arrows, in-session
   history) after a `> ` prompt. There Ctrl-C stops the answer being written (the text so far stays; the
   question and its partial answer do not join the history) or drops the line being typed, and a fresh

@@ -11,7 +11,9 @@ A snapshot is a folder:
   streaming.safetensors   likewise the middle level's StreamingCache of --method streaming
 With the target split over tensor-parallel ranks (--tp N), each rank writes those files for its own KV
 heads (and its copy of the replicated draft's cache) in a folder rank-R/, and the manifest records the
-world size N; such a snapshot loads only into N ranks, and a single-process one only into one process.
+world size N. A snapshot loads into any number of ranks that splits the heads evenly (each rank cuts its
+heads from the parts that hold them), matched to the model by its weight files' fingerprint
+(snapshot_identity.py); one made by a tforce that did not record that loads only into as many ranks.
 
 This file: the format, the manifest and the checks that refuse, in one line, a snapshot that does not fit
 the run (another model, tokenizer, dtype or number of ranks; a damaged manifest) or a path that is not
@@ -95,10 +97,21 @@ def _manifest_sha(manifest: dict) -> str:
     return _sha(json.dumps(rest, sort_keys=True).encode())
 
 
+def same_weights(manifest: dict, saved: dict, now: dict, world: int) -> bool:
+    """Whether a model identity in the snapshot (`saved`, snapshot_identity._model_id's) and one of the run
+    (`now`, over `world` ranks) are the same weights: by the loaded tensors within one split, else by the
+    files (a world this snapshot could not be loaded into has been refused by check_world)."""
+    if manifest.get("world", 1) == world:
+        return saved["weights"] == now["weights"]
+    return saved.get("files_sha256") is not None and saved.get("files_sha256") == now.get("files_sha256")
+
+
 def check_world(path, manifest: dict, world: int) -> None:
-    """Refuse, in one line, a snapshot made over another number of tensor-parallel ranks."""
+    """Refuse, in one line, a snapshot made over another number of tensor-parallel ranks by a tforce that
+    did not record its weight files' fingerprint (which matches a model however it is split; see
+    snapshot_identity.py); one that did loads into any number (snapshot_io.load re-splits its KV heads)."""
     saved = manifest.get("world", 1)
-    if saved != world:
+    if saved != world and manifest["target"].get("files_sha256") is None:
         runs = {n: f"--tp {n}" if n > 1 else "one process (no --tp)" for n in (saved, world)}
         fix = f"pass --tp {saved}" if saved > 1 else "drop --tp"
         raise UsageError(f"--load-kv {path}: made with {runs[saved]}, this run has {runs[world]}: {fix} or make "
@@ -112,13 +125,19 @@ def check_dtype(path, manifest: dict, want: str) -> None:
                          f"(pass --dtype {manifest['dtype']})")
 
 
-def check(path, manifest: dict, ident: dict, dtype: torch.dtype) -> None:
-    """Refuse a snapshot of another model, tokenizer or dtype, in one line."""
+def check(path, manifest: dict, ident: dict, dtype: torch.dtype, world: int = 1) -> None:
+    """Refuse a snapshot of another model, tokenizer or dtype, in one line. world: the run's number of
+    tensor-parallel ranks; made over another, the weight files' fingerprints must match instead of the
+    loaded tensors' (which depend on the split)."""
     saved, now = manifest["target"], ident["target"]
     if saved["config_sha256"] != now["config_sha256"]:
         raise UsageError(f"--load-kv {path}: made with another model ({saved['name']}; its config differs)")
     check_dtype(path, manifest, str(dtype).replace("torch.", ""))
-    if saved["weights"] != now["weights"]:
+    check_world(path, manifest, world)
+    if manifest.get("world", 1) != world and now.get("files_sha256") is None:
+        raise UsageError(f"--load-kv {path}: made over {manifest.get('world', 1)} rank(s), this run has {world}, "
+                         "and its model was not loaded from a folder whose weight files could be compared")
+    if not same_weights(manifest, saved, now, world):
         raise UsageError(f"--load-kv {path}: made with another model ({saved['name']}; same config, other weights)")
     a, b = manifest["tokenizer_sha256"], ident["tokenizer_sha256"]
     if a is not None and b is not None and a != b:

@@ -1,5 +1,10 @@
 """What a KV snapshot must match (snapshot.py): the target's and the draft's architecture (config.json's
-hash) and weights (a fingerprint), and the tokenizer's files.
+hash) and weights (a fingerprint of the loaded tensors, and one of the checkpoint's files), and the
+tokenizer's files.
+
+The tensors' fingerprint of a model split over tensor-parallel ranks is that of the ranks' shards, which
+depends on how many there are; the files' fingerprint does not, so a snapshot made over one number of
+ranks is matched by it when it is loaded into another (snapshot_io.load re-splits the KV heads).
 """
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import TforceError
 from .snapshot import _sha
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -34,6 +40,31 @@ def _weights_fingerprint(module) -> str:
     return h.hexdigest()
 
 
+FILE_EDGE = 1 << 20  # bytes read from each end of a weight file: its header and tensors at both ends
+
+
+def _files_sha(path) -> str | None:
+    """The hash of a model folder's weight files (names, sizes, and their first and last MiB: a
+    safetensors header names every tensor's shape and place, and the values at both ends differ between
+    two trainings); None without a folder. Reads 2 MiB per file, not the weights."""
+    if path is None:
+        return None
+    from .weights import _weight_files
+
+    h = hashlib.sha256()
+    try:
+        for f in _weight_files(Path(path)):
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size}".encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(FILE_EDGE))
+                fh.seek(max(0, size - FILE_EDGE))
+                h.update(fh.read(FILE_EDGE))
+    except (OSError, ValueError, TforceError):  # no weight files there: the tensors' fingerprint decides
+        return None
+    return h.hexdigest()
+
+
 def _tokenizer_sha(path) -> str | None:
     """The hash of a model folder's tokenizer files; None when unknown (a bare module, no files)."""
     if path is None:
@@ -51,7 +82,8 @@ def _model_id(m) -> dict:
     module = m if isinstance(m, torch.nn.Module) else m.model
     path = getattr(m, "path", None)
     return {"name": str(path) if path is not None else type(module).__name__,
-            "config_sha256": _config_sha(module.config), "weights": _weights_fingerprint(module)}
+            "config_sha256": _config_sha(module.config), "weights": _weights_fingerprint(module),
+            "files_sha256": _files_sha(path)}
 
 
 def identity(target, draft=None, group=None) -> dict:

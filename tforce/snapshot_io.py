@@ -27,7 +27,7 @@ from safetensors.torch import save as st_save
 
 from .errors import TforceError
 from .snapshot import (FORMAT, MANIFEST, TP_VERSION, VERSION, _manifest_sha, _sha, check, check_target,
-                       check_world, read_manifest)
+                       read_manifest, same_weights)
 
 
 # ------------------------------------------------------------------------------------------------- write
@@ -162,6 +162,37 @@ def _read(path: Path, manifest: dict, name: str) -> dict:
     return st_load(data)
 
 
+class _Heads:
+    """A snapshot's per-layer files as one rank of a run over `world` ranks holds them: its own part's when
+    the snapshot was made over as many ranks (or both in one process); else cut from the parts that hold
+    its heads. Rank r of n holds the r-th of n contiguous blocks of the KV heads and of the query heads
+    (parallel.py's layout), which n divides (parallel.check_tp)."""
+
+    def __init__(self, path: Path, manifest: dict, rank: int, world: int):
+        self.path, self.manifest, self.rank, self.world = path, manifest, rank, world
+        self.saved = manifest.get("world", 1)
+
+    def _file(self, part: int, name: str) -> dict:
+        return _read(self.path, self.manifest, f"{_rank_folder(part)}/{name}" if self.saved > 1 else name)
+
+    def read(self, name: str, dims: dict) -> dict:
+        """The tensors of file `name` for this rank. dims: each tensor's heads dimension; {}: the file is
+        whole in every part (the replicated draft's cache), read from the first."""
+        r, W, S = self.rank, self.world, self.saved
+        if S == W or not dims:
+            return self._file(r if S == W else 0, name)
+        pieces: dict[str, list] = {}
+        for p in range(S):
+            if not (r * S < (p + 1) * W and p * W < (r + 1) * S):  # [r/W, (r+1)/W) and [p/S, (p+1)/S) apart
+                continue
+            t = self._file(p, name)
+            for key, dim in ((k, d) for k, d in dims.items() if k in t):  # "q" only for a non-empty prefix
+                total = t[key].shape[dim] * S
+                lo, hi = max(r * total // W, p * total // S), min((r + 1) * total // W, (p + 1) * total // S)
+                pieces.setdefault(key, []).append(t[key].narrow(dim, lo - p * total // S, hi - lo))
+        return {key: torch.cat(v, dim=dims[key]) for key, v in pieces.items()}
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     diff = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
@@ -171,20 +202,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def load(path, session, prompt: torch.Tensor, upto: int, ident: dict, group=None) -> tuple[int, int]:
     """Fill a fresh session's caches from the snapshot at `path`, as far as its prefix matches prompt[:upto];
     returns (that many tokens, the prefix's length). session.prefill(prompt) then feeds only the rest.
-    group: the tensor-parallel ranks (parallel.Group); each loads its own KV heads."""
+    group: the tensor-parallel ranks (parallel.Group); each loads its own KV heads, cut from the parts that
+    hold them when the snapshot was made over another number of ranks (or in one process)."""
     p = Path(path).expanduser()
     manifest = read_manifest(p)
     full = session.full.cache
-    world = group.world if group is not None else 1
-    check_world(path, manifest, world)
-    check(path, manifest, ident, full.k.dtype)
-    part = f"{_rank_folder(group.rank)}/" if world > 1 else ""
+    rank, world = (group.rank, group.world) if group is not None else (0, 1)
+    check(path, manifest, ident, full.k.dtype, world)
+    heads = _Heads(p, manifest, rank, world)
     prefix = manifest["tokens"]
     c = common_prefix(prefix, prompt[:upto].tolist())
     device = full.k.device
     queries = []
     for layer in range(manifest["layers"]):
-        t = _read(p, manifest, f"{part}full-{layer:03d}.safetensors")
+        t = heads.read(f"full-{layer:03d}.safetensors", {"k": 2, "v": 2, "q": 0})
         full.write_layer(layer, t["k"][:, :c], t["v"][:, :c])  # copied where the layer lives
         if "q" in t:
             queries.append(t["q"].to(device))
@@ -196,12 +227,15 @@ def load(path, session, prompt: torch.Tensor, upto: int, ident: dict, group=None
     for node in _streaming_nodes(session):
         info = manifest["streaming"].get(node.name)
         model = ident["draft"] if node.name == "draft" else ident["target"]
-        same = info is not None and model is not None and all(
-            info["model"][k] == model[k] for k in ("config_sha256", "weights"))
+        # the draft is whole on every rank: its tensors' fingerprint does not depend on the split, and its
+        # cache is read from the first part; the target's streaming cache holds the rank's heads
+        same = info is not None and model is not None and info["model"]["config_sha256"] == model["config_sha256"] \
+            and (info["model"]["weights"] == model["weights"] if node.name == "draft"
+                 else same_weights(manifest, info["model"], model, world))
         if (not same or info["sinks"] != node.cache.sinks
                 or info["window"] != node.cache.window or info["length"] > len(node.tokens)):
             continue  # session.prefill feeds it from the start
-        t = _read(p, manifest, f"{part}{node.name}.safetensors")
+        t = heads.read(f"{node.name}.safetensors", {} if node.name == "draft" else {"k": 3, "v": 3})
         state = {"k": t["k"], "v": t["v"], "length": info["length"], "offset": info["offset"]}
         if node.cache.fits(state):
             node.cache.restore(state)

@@ -1,0 +1,64 @@
+"""snapshot_io._Heads: a snapshot's per-rank parts cut for a run over another number of ranks (each rank
+holds a contiguous block of the KV heads and one of the query heads, parallel.py's layout), checked
+against the whole tensors for splits that do and do not nest (3 parts into 4 ranks, 4 into 3, ...).
+The end-to-end loads over gloo ranks are in test_chat_tp.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from tforce.snapshot import _sha
+from tforce.snapshot_io import _Heads
+
+KV, Q = 12, 24  # heads: every split below divides both
+
+
+def _whole() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"k": torch.randn(1, 5, KV, 4, generator=g), "v": torch.randn(1, 5, KV, 4, generator=g),
+            "q": torch.randn(Q, 4, generator=g), "s": torch.randn(2, 1, 3, KV, 4, generator=g)}
+
+
+def _snapshot(tmp_path, saved: int) -> dict:
+    """A manifest whose files hold `saved` parts of _whole() (one file when saved is 1)."""
+    whole, files = _whole(), {}
+    for part in range(saved):
+        t = {"k": whole["k"].chunk(saved, 2)[part], "v": whole["v"].chunk(saved, 2)[part],
+             "q": whole["q"].chunk(saved, 0)[part]}
+        name = f"rank-{part}/full-000.safetensors" if saved > 1 else "full-000.safetensors"
+        stream = {"k": whole["s"].chunk(saved, 3)[part].contiguous(), "v": whole["s"].chunk(saved, 3)[part] + 1}
+        stream_name = name.replace("full-000", "streaming")
+        draft_name = name.replace("full-000", "draft")
+        for n, tensors in ((name, t), (stream_name, stream), (draft_name, {"k": whole["k"], "v": whole["v"]})):
+            data = save({k: v.contiguous() for k, v in tensors.items()})
+            (tmp_path / n).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / n).write_bytes(data)
+            files[n] = _sha(data)
+    return {"files": files, **({"world": saved} if saved > 1 else {})}
+
+
+@pytest.mark.parametrize("saved, world", [(1, 2), (1, 3), (2, 1), (3, 4), (4, 3), (2, 6), (6, 4), (3, 3)])
+def test_each_rank_gets_its_heads_from_the_parts(tmp_path, saved, world):
+    manifest, whole = _snapshot(tmp_path, saved), _whole()
+    for rank in range(world):
+        heads = _Heads(tmp_path, manifest, rank, world)
+        t = heads.read("full-000.safetensors", {"k": 2, "v": 2, "q": 0})
+        assert torch.equal(t["k"], whole["k"].chunk(world, 2)[rank])
+        assert torch.equal(t["v"], whole["v"].chunk(world, 2)[rank])
+        assert torch.equal(t["q"], whole["q"].chunk(world, 0)[rank])
+        s = heads.read("streaming.safetensors", {"k": 3, "v": 3})
+        assert torch.equal(s["k"], whole["s"].chunk(world, 3)[rank])
+        assert torch.equal(s["v"], whole["s"].chunk(world, 3)[rank] + 1)
+        d = heads.read("draft.safetensors", {})  # replicated: whole, from the first part
+        assert torch.equal(d["k"], whole["k"]) and torch.equal(d["v"], whole["v"])
+
+
+def test_a_damaged_part_is_refused_when_cut_from(tmp_path):
+    from tforce.errors import TforceError
+
+    manifest = _snapshot(tmp_path, 2)
+    path = tmp_path / "rank-1" / "full-000.safetensors"
+    path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    with pytest.raises(TforceError, match="checksum mismatch"):
+        _Heads(tmp_path, manifest, 0, 1).read("full-000.safetensors", {"k": 2, "v": 2, "q": 0})

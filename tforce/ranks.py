@@ -1,6 +1,6 @@
 """The processes of tensor parallelism: `world` spawned workers joined by a process group (gloo on CPU,
-NCCL on CUDA with rank r on cuda:r), seen from the parent. With parallel.py, the only file that touches
-torch.distributed.
+NCCL on CUDA with rank r on cuda:r), seen from the parent. With parallel.py and sharding.py, the only
+files that touch torch.distributed.
 
 A worker runs one function and sends back its result (launch), or serves: a generator that answers the
 parent's commands, each from the worker's own queue, until told to stop (Ranks(serve=True); a tforce chat

@@ -1,7 +1,7 @@
 """Tensor parallelism at run time: a generation over ranks (generate_tp) and what every rank builds and
 agrees on (its models, the engine callbacks it sends on, the device memory it plans with, the process
-group as Group and AnyRank). With ranks.py (the worker processes) and sharding.py (how a model is split:
-apply_tp), the only files that touch torch.distributed.
+group as Group and AnyRank). With rank_worker.py (inside the worker processes) and sharding.py (how a
+model is split: apply_tp), the only files that touch torch.distributed.
 
 Exactness across ranks. Every rank runs the whole speculation loop itself (draft model replicated, same
 seed, generators on the same device type), so sampling needs no communication provided the ranks see

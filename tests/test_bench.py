@@ -116,7 +116,7 @@ def test_bench_refuses_what_cannot_fit_before_building(runner, monkeypatch):
 
 def test_bench_table_fits_80_columns(runner):
     """Every number of the report is printed whole (never cut to '1.…') in a terminal of 80 columns."""
-    from tforce.cli.bench import _bench_rows
+    from tforce.cli.bench_table import _bench_rows
 
     args = BENCH + ["--methods", "ar,triforce", "--gen-len", "4", "--threads", "1"]
     result = runner.invoke(app, args, env={"COLUMNS": "80"})
@@ -129,7 +129,7 @@ def test_bench_table_fits_80_columns(runner):
 
     from rich.console import Console
 
-    from tforce.cli.bench import _print_bench
+    from tforce.cli.bench_table import _print_bench
 
     out = StringIO()
     _print_bench(report, Console(file=out, width=80))

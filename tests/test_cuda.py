@@ -102,7 +102,7 @@ def test_a_failed_host_registration_leaves_no_stale_cuda_error():
 
 
 def _nccl_tokens(rank, world, target_path, draft_path, prompt):
-    from tforce.parallel import apply_tp
+    from tforce.sharding import apply_tp
 
     dev = torch.device("cuda", rank)
     target = apply_tp(tforce.load_model(target_path, tokenizer=False).model, rank, world).to(dev)

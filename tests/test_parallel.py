@@ -19,8 +19,9 @@ from model_helpers import forward, full_cache, random_ids
 from tforce.cli import app
 from tforce.errors import TforceError, UsageError
 from tforce import placement
-from tforce.parallel import _generate_worker, _rank_room, apply_tp, check_tp
+from tforce.parallel import _generate_worker, _rank_room
 from tforce.ranks import launch
+from tforce.sharding import apply_tp, check_tp
 from tforce.synthetic import make_checkpoint
 
 TARGET = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

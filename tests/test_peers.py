@@ -126,7 +126,7 @@ def test_sampled_peers_are_not_compared(pair):
 
 
 def test_bf16_note():
-    from tforce.cli.bench import _peer_notes
+    from tforce.cli.bench_table import _peer_notes
 
     base = {"temperature": 0.0, "runs": [{"method": "ar"}]}
     differ = [{"method": "hf", "peer": "transformers 5", "attention": "sdpa", "skipped": None,

@@ -12,7 +12,7 @@ from transformers import GPT2Config
 import tforce
 from model_helpers import forward, full_cache, hf_logits, hf_model, random_ids
 from tforce import weights
-from tforce.parallel import apply_tp
+from tforce.sharding import apply_tp
 from tforce.synthetic import make_checkpoint
 
 STORIES = Path(__file__).resolve().parent.parent / ".." / "shared" / "models" / "stories260K"

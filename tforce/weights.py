@@ -113,7 +113,7 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
                tokenizer: bool = True, rank: int = 0, world: int = 1) -> LoadedModel:
     """Load a Llama-family checkpoint. dtype defaults to float32 on CPU and bfloat16 on CUDA.
 
-    world > 1: the model of tensor-parallel rank `rank` (parallel.apply_tp's layout), reading from the
+    world > 1: the model of tensor-parallel rank `rank` (sharding.apply_tp's layout), reading from the
     files only that rank's slice of each sharded weight (safetensors get_slice), the rest whole."""
     path = resolve(name_or_path)
     config = read_config(path)
@@ -124,7 +124,7 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
         model = Llama(config)
     slices = {}
     if world > 1:
-        from .parallel import apply_tp, tp_slices
+        from .sharding import apply_tp, tp_slices
 
         slices = tp_slices(model, rank, world)
         apply_tp(model, rank, world)  # on the meta device: the shard's shapes, no memory

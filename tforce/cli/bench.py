@@ -1,8 +1,8 @@
-"""`tforce bench`: the paper's measurements on the user's hardware (logic in tforce/bench.py)."""
+"""`tforce bench`: the paper's measurements on the user's hardware (logic in tforce/bench.py; the table in
+bench_table.py)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Optional
 
@@ -13,6 +13,7 @@ from ..config import Sampling, Speculation
 from ..demo import BENCH_TOKENS, EXCERPT, NAME, demo_pair, notice
 from ..errors import TforceError, UsageError
 from .app import app
+from .bench_table import _print_bench
 from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory,
                      _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
 from .setup import _check_local, _default_draft, _parallel, _read_config, _read_prompt, _tp_target
@@ -255,127 +256,3 @@ def _project_option(text: str) -> float | str:
     if not 0 <= value < 1:
         raise UsageError(f"--project must be an acceptance rate in [0, 1) or 'measured', got {text!r}")
     return value
-
-
-def _rebuilds(run: dict) -> str:
-    """Seconds in retrieval rebuilds during decoding and their count, e.g. '0.12 (3)'; '-' without any."""
-    return "-" if run["rebuilds"] is None else f"{run['rebuild_s']:.2f} ({run['rebuilds']})"
-
-
-# Column headers break where given, so that a column is as wide as its numbers, not its header.
-COLUMNS = ("method", "ms/token", "speed-up\nvs ar", "accept\ndraft", "accept\nretrieval", "tokens/\nverif",
-           "prefill\ns", "rebuild\ns (n)", "H2D GB/s\n(peak)", "floor ms\n/verif", "GPU\nGiB", "pinned\nGiB", "KV layers\nGPU/host")
-
-
-def _bench_rows(r: dict) -> list[list[str]]:
-    def f(x, fmt, suffix=""):
-        return "-" if x is None else format(x, fmt) + suffix
-
-    peak = r["h2d_peak_gbps"]
-    rows = []
-    for run in r["runs"]:
-        acc = run["acceptance"]
-        h2d = "-" if run["h2d_gbps"] is None else f"{run['h2d_gbps']:.1f} ({f(peak, '.1f')})"
-        pl = run["placement"]
-        rows.append([run["method"], f(run["ms_per_token"], ".1f"), f(run["speedup_vs_ar"], ".2f", "x"),
-                     f(acc.get("draft"), ".1%"), f(acc.get("retrieval"), ".1%"),
-                     f(run["tokens_per_verification"], ".2f"), f(run["prefill_s"], ".2f"), _rebuilds(run), h2d,
-                     f(run["floor_ms_per_verification"], ".1f"), f(run["gpu_mem_gib"], ".1f"),
-                     f(run["pinned_gib"], ".2f"), f"{pl['resident_layers']}/{pl['offloaded_layers']}"])
-    if _projected(r):  # synthetic: measured acceptance means nothing there, the projection says what the times give
-        for row, run in zip(rows, r["runs"]):
-            p = run.get("projection") or {}
-            row += [f(p.get("ms_per_token"), ".1f"), f(p.get("speedup_vs_ar"), ".2f", "x")]
-    for peer in r.get("peers", []):
-        ms = "not run" if peer["skipped"] else f(peer["ms_per_token"], ".1f")
-        cells = {0: f"{peer['method']} (peer)", 1: ms, 2: f(peer["speedup_vs_ar"], ".2f", "x"),
-                 5: f(peer["tokens_per_verification"], ".2f"), 6: f(peer["prefill_s"], ".2f"),
-                 10: f(peer["gpu_mem_gib"], ".1f")}
-        rows.append([cells.get(i, "-") for i in range(len(_columns(r)))])
-    return rows
-
-
-def _projected(r: dict) -> bool:
-    """Whether the table shows the projection: for synthetic runs, or when asked for at measured acceptance."""
-    return r["synthetic"] or r.get("project") == "measured"
-
-
-def _at(r: dict) -> str:
-    return "measured acceptance" if r["project"] == "measured" else f"acceptance {r['project']:g} at every level"
-
-
-def _columns(r: dict) -> tuple[str, ...]:
-    """COLUMNS, and the projection's two where shown (see _bench_rows)."""
-    if not _projected(r):
-        return COLUMNS
-    at = "measured" if r["project"] == "measured" else f"{r['project']:g}"
-    return COLUMNS + (f"projected\nms/token\n@{at}", f"projected\nspeed-up\n@{at}")
-
-
-def _peer_notes(r: dict) -> list[str]:
-    """Lines under the table: what the peers are, and per peer its tokens against ar's or why it did not run."""
-    peers = r.get("peers", [])
-    if not peers:
-        return []
-    lines = [f"peers: {peers[0]['peer']} generate on the same weights and token ids ({peers[0]['attention']} "
-             f"attention, EOS ignored); ms/token = (gen_len-token run - 1-token run) / (gen_len - 1)"]
-    for p in peers:
-        if p["skipped"]:
-            lines.append(f"  {p['method']}: not run: {p['skipped']}")
-        elif p["vs_ar"] is not None:
-            lines.append(f"  {p['method']}: tokens vs ar: {p['vs_ar']}")
-    if r["temperature"] != 0:
-        lines.append("  sampled (temperature > 0): tokens are not compared with ar's")
-    elif not any(run["method"] == "ar" for run in r["runs"]):
-        lines.append("  no ar in --methods: tokens are not compared")
-    elif r["dtype"] != "float32" and any(p["vs_ar"] not in (None, "match") for p in peers):
-        lines.append(f"  {r['dtype']}: rounding differs between implementations, so greedy tokens may part "
-                     f"after a near tie (README: Exactness)")
-    return lines
-
-
-def _column_groups(widths: list[int], width: int) -> list[list[int]]:
-    """Column indices per table: every table repeats column 0 (the method) and fits `width` terminal
-    columns (a bordered cell takes its text + 3), so that no number is ever cut."""
-    groups, used = [[0]], 4 + widths[0]
-    for i, w in enumerate(widths[1:], start=1):
-        if used + w + 3 > width and len(groups[-1]) > 1:
-            groups.append([0])
-            used = 4 + widths[0]
-        groups[-1].append(i)
-        used += w + 3
-    return groups
-
-
-def _print_bench(r: dict, console=None) -> None:
-    """The bench table, split into as many tables (each led by the method) as the terminal's width needs."""
-    from rich.console import Console
-    from rich.table import Table
-
-    def f(x, fmt, suffix=""):
-        return "-" if x is None else format(x, fmt) + suffix
-
-    if console is None:  # a file or pipe gets one wide table unless COLUMNS says otherwise
-        wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-        console = Console(width=200 if wide else None)
-    rows, columns = _bench_rows(r), _columns(r)
-    widths = [max(len(line) for cell in [c] + [row[i] for row in rows] for line in cell.split("\n"))
-              for i, c in enumerate(columns)]
-    groups = _column_groups(widths, console.width)
-    title = (f"tforce bench: {r['model']} on {r['device']}, {r['prompt_tokens']} prompt + {r['gen_len']} tokens, "
-             f"{r['dtype']}, temperature {r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"]
-                                                                else ""))
-    caption = (f"pinned H2D peak: {f(r['h2d_peak_gbps'], '.1f', ' GB/s')}; floor = offloaded KV bytes per "
-               f"verification / peak; warm-up {f(r['warmup_s'], '.1f', ' s')} (not in the runs); "
-               f"'-' = not applicable or not measured"
-               + (f"; projected = NOT measured: this run's stage times at {_at(r)} (tforce/projection.py)"
-                  if _projected(r) else ""))
-    for n, group in enumerate(groups):
-        t = Table(title=title if n == 0 else None, caption=caption if n == len(groups) - 1 else None)
-        for i in group:
-            t.add_column(columns[i], justify="left" if i == 0 else "right", min_width=widths[i])
-        for row in rows:
-            t.add_row(*(row[i] for i in group))
-        console.print(t)
-    for line in _peer_notes(r):
-        console.print(line, highlight=False, markup=False)

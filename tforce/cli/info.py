@@ -141,7 +141,7 @@ def info(
             record["model"] = {"name": f"synthetic:{synthetic}", "path": None,
                                **_arch(config, context or config.max_position_embeddings, dtype)}
         if "model" in record:
-            from ..parallel import check_tp
+            from ..sharding import check_tp
 
             check_tp(config, ranks)
             record["plan"] = _info_plan(config, record["model"]["kv_context"], dtype, budget, mem.available,

@@ -232,7 +232,7 @@ def _read_config(name: str, role: str):
 def _tp_target(model: str, world: int):
     """(folder, config, tokenizer) of the target without loading weights; split over world > 1 ranks,
     the heads must split."""
-    from ..parallel import check_tp
+    from ..sharding import check_tp
     from ..weights import _load_tokenizer
 
     path, config = _read_config(model, "target model")

@@ -114,7 +114,7 @@ def _nccl_tokens(rank, world, target_path, draft_path, prompt):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_ranks_over_nccl_generate_the_single_gpu_tokens(tmp_path):
-    from tforce.parallel import launch
+    from tforce.ranks import launch
     from tforce.synthetic import make_checkpoint
 
     t = make_checkpoint(tmp_path / "t", seed=11, num_attention_heads=4, num_key_value_heads=2)

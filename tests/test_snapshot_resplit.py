@@ -1,5 +1,5 @@
 """snapshot_io._Heads: a snapshot's per-rank parts cut for a run over another number of ranks (each rank
-holds a contiguous block of the KV heads and one of the query heads, parallel.py's layout), checked
+holds a contiguous block of the KV heads and one of the query heads, sharding.py's layout), checked
 against the whole tensors for splits that do and do not nest (3 parts into 4 ranks, 4 into 3, ...).
 The end-to-end loads over gloo ranks are in test_chat_tp.py."""
 from __future__ import annotations

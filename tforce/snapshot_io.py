@@ -166,7 +166,7 @@ class _Heads:
     """A snapshot's per-layer files as one rank of a run over `world` ranks holds them: its own part's when
     the snapshot was made over as many ranks (or both in one process); else cut from the parts that hold
     its heads. Rank r of n holds the r-th of n contiguous blocks of the KV heads and of the query heads
-    (parallel.py's layout), which n divides (parallel.check_tp)."""
+    (sharding.py's layout), which n divides (sharding.check_tp)."""
 
     def __init__(self, path: Path, manifest: dict, rank: int, world: int):
         self.path, self.manifest, self.rank, self.world = path, manifest, rank, world

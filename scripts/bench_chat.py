@@ -3,10 +3,14 @@
 cold: generate() over document + the second question (the document prefilled again, as `tforce run` does);
 warm: Conversation.ask() of a second question after a first one, the document prefilled once (`tforce chat`);
 prefill vs load: a Conversation built by prefilling the document, or by loading its snapshot.
+--peers hf: transformers beside it, on the same weights (tforce/peers.py's hf_model): cold, generate() over
+document + the second question; warm, its documented prefix-cache reuse (the document prefilled once into
+a DynamicCache, copied with copy.deepcopy for each question, then generate() over document + question
+with that copy); its greedy answer compared with tforce's token for token.
 Each figure is the median of REPEATS runs (CPU runs on a shared machine are noisy; one thread there).
 
     python scripts/bench_chat.py BOOK.txt [TOKENS] [METHOD] [REPEATS] [START] [--synthetic ARCH]
-        [--device cpu|cuda] [--dtype D] [--budget N] [--draft-budget N] [--json FILE]
+        [--device cpu|cuda] [--dtype D] [--budget N] [--draft-budget N] [--peers hf] [--json FILE]
     (defaults: 900 tokens, triforce, 5 runs, the demo pair on the CPU in float32; the excerpt starts at the
     first occurrence of START, e.g. a chapter's first words, else at the beginning. --synthetic: random
     weights of a `tforce bench --synthetic` architecture and its draft, with the byte tokenizer, e.g.
@@ -16,6 +20,7 @@ Each figure is the median of REPEATS runs (CPU runs on a shared machine are nois
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import statistics
@@ -48,6 +53,7 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on the cpu")
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--draft-budget", type=int, default=256)
+    p.add_argument("--peers", choices=["hf"], help="transformers' generate beside it, cold and with its prefix cache")
     p.add_argument("--json", help="write the medians to this file as one JSON object")
     return p.parse_args()
 
@@ -61,6 +67,43 @@ def models(a: argparse.Namespace, dtype: torch.dtype):
     target = tforce.load_model(target_dir, device=a.device, dtype=dtype)
     draft = tforce.load_model(draft_dir, device=a.device, dtype=dtype, tokenizer=False)
     return target, draft, target.tokenizer
+
+
+def hf_side(target, doc: list[int], question: list[int], repeats: int, device: str) -> dict:
+    """transformers' cold and warm time to first token (medians of `repeats`) and its warm greedy answer."""
+    from transformers import DynamicCache
+
+    from tforce.peers import hf_model, no_eos
+
+    hf = hf_model(target if isinstance(target, torch.nn.Module) else target.model)  # a LoadedModel, or random weights
+
+    def timed(ids: list[int], cache=None, new: int = 1) -> tuple[list[int], float]:
+        x = torch.tensor([ids], device=device)
+        sync()
+        t0 = time.perf_counter()
+        past = copy.deepcopy(cache) if cache is not None else None  # each question starts from the document
+        config = no_eos()  # greedy (its default), to max_new_tokens
+        config.max_new_tokens = new
+        out = hf.generate(x, attention_mask=torch.ones_like(x), past_key_values=past, generation_config=config)
+        sync()
+        return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    with torch.no_grad():
+        cache = DynamicCache()
+        t0 = time.perf_counter()
+        hf(torch.tensor([doc], device=device), past_key_values=cache, use_cache=True)
+        sync()
+        prefill = time.perf_counter() - t0
+        timed(doc[:64] + question, None)  # warm-up
+        cold = [timed(doc + question)[1] for _ in range(repeats)]
+        warm = [timed(doc + question, cache)[1] for _ in range(repeats)]
+        answer = timed(doc + question, cache, 8)[0]
+    med = statistics.median
+    return {"ttft_cold_s": med(cold), "ttft_warm_s": med(warm), "document_prefill_s": prefill, "answer": answer}
 
 
 def main() -> None:
@@ -89,7 +132,8 @@ def main() -> None:
         conv = Conversation(target, doc, room=64, **opts)
         prefill.append(conv.prefill_s)
         conv.ask(q, 8)  # the first question after the document
-        stats = conv.ask(q2, 8).stats  # and another: the caches came back to the document's end
+        result = conv.ask(q2, 8)  # and another: the caches came back to the document's end
+        stats, answer = result.stats, result.tokens
         warm.append(stats["ttft_s"])
         warm_prefill.append(stats["prefill_s"])
         load.append(Conversation(target, None, room=64, load_kv=snap, **opts).prefill_s)
@@ -100,12 +144,22 @@ def main() -> None:
     print(f"  time to first token: cold {med(cold):.3f} s, warm {med(warm):.3f} s ({med(cold) / med(warm):.1f}x; "
           f"of which {med(warm_prefill):.3f} s returning to the document and prefilling the question)")
     print(f"  document: prefill {med(prefill):.3f} s, snapshot load {med(load):.3f} s ({size / 2**20:.1f} MiB)")
+    hf = hf_side(target, doc, q2, repeats, a.device) if a.peers else None
+    if hf is not None:
+        from tforce.peers import compare, transformers_version
+
+        hf["vs_tforce"] = compare(hf.pop("answer"), answer)
+        hf["transformers"] = transformers_version()
+        print(f"  transformers {hf['transformers']} on the same weights: time to first token cold "
+              f"{hf['ttft_cold_s']:.3f} s, warm {hf['ttft_warm_s']:.3f} s (its prefix cache, deep-copied per "
+              f"question); document prefill {hf['document_prefill_s']:.3f} s; greedy answer vs tforce's: "
+              f"{hf['vs_tforce']}")
     if a.json:
         record = {"method": method, "model": a.synthetic or "demo pair", "device": a.device,
                   "dtype": str(dtype).removeprefix("torch."),
                   "document_tokens": len(doc), "repeats": repeats, "ttft_cold_s": med(cold), "ttft_warm_s": med(warm),
                   "warm_prefill_s": med(warm_prefill), "document_prefill_s": med(prefill),
-                  "snapshot_load_s": med(load), "snapshot_mib": size / 2**20}
+                  "snapshot_load_s": med(load), "snapshot_mib": size / 2**20, "hf": hf}
         Path(a.json).write_text(json.dumps(record) + "\n")
 
 

@@ -112,9 +112,10 @@ for n in 1 4 8; do
     bench "batch${n}_chip" 75 --batch "$n" --methods ar,triforce --offload off
 done
 for method in triforce ar; do
+    peers=(); [ "$method" = ar ] && peers=(--peers hf)  # transformers' prefix cache beside plain decoding
     step "chat_${method}" 75 "$PY" scripts/bench_chat.py tforce/data/demo_excerpt.txt "$PROMPT_LEN" "$method" 3 \
         --synthetic "$SYNTH" --device "$DEVICE" --budget "$BUDGET" --draft-budget "$DRAFT_BUDGET" \
-        --json "$LOGS/chat_${method}.json"
+        --json "$LOGS/chat_${method}.json" ${peers[@]+"${peers[@]}"}
 done
 bench peers_hf 75 --methods ar --peers hf --offload off
 for mode in off on; do
@@ -150,6 +151,10 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
         print(f"{path.stem}: {r['document_tokens']} tokens, time to first token cold {f(r['ttft_cold_s'], '.3f')} s, "
               f"warm {f(r['ttft_warm_s'], '.3f')} s; document prefill {f(r['document_prefill_s'], '.3f')} s, "
               f"snapshot load {f(r['snapshot_load_s'], '.3f')} s ({f(r['snapshot_mib'], '.0f')} MiB)")
+        if r.get("hf"):
+            h = r["hf"]
+            print(f"  transformers {h['transformers']}: time to first token cold {f(h['ttft_cold_s'], '.3f')} s, "
+                  f"warm {f(h['ttft_warm_s'], '.3f')} s (prefix cache deep-copied); answer vs tforce: {h['vs_tforce']}")
         continue
     cut = cut_short(r)
     print(f"{path.stem}: {r['device']}, {r['dtype']}, {r['prompt_tokens']} prompt tokens, {r['gen_len']} new"

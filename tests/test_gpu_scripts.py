@@ -2,6 +2,7 @@
 cut short by its time limit), checked on the CPU with a stand-in python that hangs after the first step."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -179,3 +180,16 @@ def test_gpu_paper_says_a_bench_was_killed_by_its_limit(tmp_path):
                           timeout=60)
     assert done.returncode == 1 and "gpu_paper: FAILED: paper_200_on_t0" in done.stdout, done.stdout + done.stderr
     assert "== paper_200_on_t0: exit 124 after" in done.stdout, done.stdout
+
+
+def test_bench_chat_puts_transformers_prefix_cache_beside_tforce(tmp_path):
+    """gpu_features.sh's chat step with --peers hf: transformers' documented prefix-cache reuse (a DynamicCache
+    deep-copied per question) timed on the same weights, its greedy answer equal to tforce's."""
+    out = tmp_path / "chat.json"
+    r = subprocess.run([sys.executable, "scripts/bench_chat.py", "tforce/data/demo_excerpt.txt", "200", "ar", "1",
+                        "--synthetic", "tiny", "--peers", "hf", "--json", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    hf = json.loads(out.read_text())["hf"]
+    assert hf["vs_tforce"] == "match" and hf["ttft_cold_s"] > 0 and hf["ttft_warm_s"] > 0
+    assert "transformers" in r.stdout and "answer vs tforce's: match" in r.stdout

@@ -3,13 +3,14 @@
 Each non-blank line of FILE ('-' = stdin) is one JSON object: {"prompt": TEXT} or {"file": PATH} (a
 document, read as `tforce run PATH` reads it) or both (the document, then the prompt, joined by a blank
 line, as `tforce run PATH --prompt TEXT`), with an optional "id" (default: the line number) and
-"max_new_tokens" (default: --max-new-tokens). The whole file is checked before any model is loaded; a
-bad line is one error naming its line. A file whose plan does not fit in memory runs as consecutive
-batches of the most rows that fit, one after another. Results go to stdout in the file's order, one JSON
-object a line (--json: one object, {"results": [those objects], "stats": the batch's figures, ...});
-nothing is written anywhere else. If the batch is interrupted or fails half way, the rows finished so far
-(of every batch run) are still written (in the file's order, with "stats": null; --json: in one object
-with "complete": false), then the error.
+"max_new_tokens" (default: --max-new-tokens). The whole file is checked before any model is loaded; a bad
+line is one error naming its line. A file whose plan does not fit in memory runs as consecutive batches of
+the most rows that fit, one after another. With --stop, each row ends at its first stop string, where
+`tforce run --stop` ends that prompt. Results go to stdout in the file's order, one JSON object a line
+(--json: one object, {"results": [those objects], "stats": the batch's figures, ...}); nothing is written
+anywhere else. If the batch is interrupted or fails half way, the rows finished so far (of every batch
+run) are still written (in the file's order, with "stats": null; --json: in one object with "complete":
+false), then the error.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Optional
 
 from ..batch import BATCH_METHODS, check_batchable
 from ..errors import TforceError, UsageError
+from ..stops import StopStrings
 from .common import _as_role, _check_memory, _decode_text, _say
 
 KEYS = {"prompt", "file", "id", "max_new_tokens"}
@@ -137,11 +139,13 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
     keys = ("temperature", "top_p", "top_k", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",
             "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory")
+    stops = StopStrings(tok, setup.stops)
     finished: dict[int, list[int]] = {}  # prompt index in the file -> its tokens, as each row finishes
 
-    def record(r: int, tokens: list[int], stats) -> dict:
-        return {"id": items[r][0], "text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens,
-                "prompt_tokens": len(prompts[r]), "method": options["method"], "device": device, "stats": stats}
+    def record(r: int, tokens: list[int], stats) -> dict:  # as `tforce run --json` writes one, with the id
+        return {"id": items[r][0], "text": stops.shown(tok.decode(tokens, skip_special_tokens=True), final=True),
+                "tokens": tokens, "prompt_tokens": len(prompts[r]), "method": options["method"],
+                "stopped_by": stops.matched(tokens), "device": device, "stats": stats}
 
     results, parts = [], []  # parts: each batch's figures
     try:
@@ -154,7 +158,8 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
             group = generate_batch(target.model, prompts[start:start + size], draft=small.model if small else None,
                                    method=options["method"], max_new_tokens=budgets[start:start + size],
                                    on_row=lambda r, tokens, at=start: finished.__setitem__(at + r, tokens),
-                                   seed=seed, **{k: options[k] for k in keys})
+                                   seed=seed, until=stops.cut if stops else None,
+                                   **{k: options[k] for k in keys})
             results += group
             parts.append({"new_tokens": sum(len(r.tokens) for r in group), **group[0].stats})
     except BaseException:

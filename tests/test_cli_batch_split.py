@@ -1,7 +1,8 @@
 """`tforce run --batch` with a file whose plan does not fit: consecutive batches of the most rows that fit,
-run one after another, each row what it is alone and the lines in the file's order. "Does not fit" is
-made on the CPU by the host memory the plan is checked against (cli.common._host_available), set between
-the needs of k and k + 1 rows as `tforce info` plans them."""
+each planned for its own rows, run one after another, each row what it is alone and the lines in the
+file's order; a batch the engine refuses runs split smaller. "Does not fit" is made on the CPU by the host
+memory the plan is checked against (cli.common._host_available), set between the needs of k and k + 1
+rows as `tforce info` plans them."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 import tforce
 from tforce.bench import info_plan
 from tforce.cli import app
+from tforce.errors import DoesNotFit
 
 from test_cli import DOC, FAST, _expected, _one_error_line, _run, models  # noqa: F401
 
@@ -45,21 +47,25 @@ def _longest(models, prompts) -> int:
     return max(len(ids) + min(n, CONTEXT - len(ids)) for ids, n in ((tok.encode(t), n) for _, t, n in prompts))
 
 
-def _room_for(models, monkeypatch, prompts, rows: int, method: str = "ar") -> None:
-    """Host memory for `rows` rows of the file's longest, not one more."""
+def _room_for(models, monkeypatch, prompts, rows: int, method: str = "ar") -> int:
+    """Host memory for `rows` rows of the file's longest, not one more; the bytes set."""
     tokens = _longest(models, prompts)
     fits, over = _need(models, tokens, rows, method), _need(models, tokens, rows + 1, method)
     assert fits < over
     monkeypatch.setattr("tforce.cli.common._host_available", lambda: (fits + over) // 2)
+    return (fits + over) // 2
 
 
 @pytest.mark.parametrize("method", ["ar", "triforce"])
 def test_a_batch_that_does_not_fit_runs_as_smaller_batches(runner, models, tmp_path, monkeypatch, method):
-    """Five prompts, room for two rows: three batches (2, 2, 1), one note on stderr, every row the tokens
-    of the unsplit batch and of `tforce run` on its prompt alone, in the file's order."""
+    """Five prompts, room for two rows of the longest (the first) but for three of the short ones: two
+    batches (2, 3), each planned for its own longest row (every batch planned for the file's longest, as
+    before, made three: 2, 2, 1), one note on stderr, every row the tokens of the unsplit batch and of
+    `tforce run` on its prompt alone, in the file's order."""
     batch = _file(tmp_path, PROMPTS)
     whole = _run(runner, models, "--batch", batch, "--method", method, *FAST)
-    _room_for(models, monkeypatch, PROMPTS, 2, method)
+    room = _room_for(models, monkeypatch, PROMPTS, 2, method)
+    assert _need(models, _longest(models, PROMPTS[2:]), 3, method) <= room
     split = _run(runner, models, "--batch", batch, "--method", method, *FAST)
     assert whole.exit_code == split.exit_code == 0, split.output
     lines = [json.loads(line) for line in split.stdout.strip().splitlines()]
@@ -68,9 +74,9 @@ def test_a_batch_that_does_not_fit_runs_as_smaller_batches(runner, models, tmp_p
     assert [o["tokens"] for o in lines] == [o["tokens"] for o in unsplit]
     for o, (_, text, n) in zip(lines, PROMPTS):
         assert o["tokens"] == _expected(models, text, n)
-    assert [o["stats"]["batch_size"] for o in lines] == [2, 2, 2, 2, 1]
-    assert "tforce: the batch of 5 does not fit: running it as 3 batches of at most 2" in split.stderr.splitlines()
-    assert "batch of 5 prompts in 3 batches of at most 2 (times summed)" in split.stderr
+    assert [o["stats"]["batch_size"] for o in lines] == [2, 2, 3, 3, 3]
+    assert "tforce: the batch of 5 does not fit: running it as 2 batches of at most 3" in split.stderr.splitlines()
+    assert "batch of 5 prompts in 2 batches of at most 3 (times summed)" in split.stderr
     assert "does not fit" not in whole.stderr and "batch of 5 prompts:" in whole.stderr
     alone = _run(runner, models, "-p", PROMPTS[2][1], "--method", method, *FAST, "--json")
     assert alone.exit_code == 0 and json.loads(alone.stdout)["tokens"] == lines[2]["tokens"]
@@ -84,8 +90,8 @@ def test_the_split_batches_figures_are_summed(runner, models, tmp_path, monkeypa
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
     stats, rows = obj["stats"], [o["stats"] for o in obj["results"]]
-    firsts = [rows[0], rows[2], rows[4]]  # one row of each batch: a batch's figures are in each of its rows
-    assert obj["complete"] is True and stats["batches"] == 3 and stats["batch_size"] == 2
+    firsts = [rows[0], rows[2]]  # one row of each batch (2 and 3 rows): a batch's figures are in each of its rows
+    assert obj["complete"] is True and stats["batches"] == 2 and stats["batch_size"] == 3
     assert stats["new_tokens"] == sum(len(o["tokens"]) for o in obj["results"]) == 3 * N + 3
     for key in ("prefill_s", "decode_s", "prefill_rebuild_s", "rebuild_s"):
         assert stats[key] == pytest.approx(sum(f[key] for f in firsts))
@@ -178,3 +184,68 @@ def test_bench_batch_is_not_split(runner, monkeypatch):
                             "--gen-len", "8", "--budget", "32", "--chunk-size", "4", "--methods", "ar"])
     _one_error_line(r, 1, "not enough memory")
     assert "KV cache for 3 x 48 tokens" in r.stderr
+
+
+def _engine_refusing(monkeypatch, refuse) -> list[int]:
+    """The engine's own plan (tforce.batch._plan) raises DoesNotFit for the work refuse(work) names. A stand-in:
+    on the CPU the engine plans with the same figures as the CLI's check, so the two cannot be made to
+    disagree (on CUDA they can: the engine measures the memory free when it runs each batch). The rows of
+    every batch the engine planned, in order."""
+    import tforce.batch
+
+    real, planned = tforce.batch._plan, []
+
+    def plan(target, draft, work, *args):
+        planned.append(work.rows)
+        if refuse(work):
+            raise DoesNotFit("not enough GPU memory: stand-in")
+        return real(target, draft, work, *args)
+
+    monkeypatch.setattr(tforce.batch, "_plan", plan)
+    return planned
+
+
+@pytest.mark.parametrize("method", ["ar", "triforce"])
+def test_a_batch_the_engine_refuses_runs_split_smaller(runner, models, tmp_path, monkeypatch, method):
+    """The CLI's check lets all five prompts through, the engine takes at most two rows: 5 is refused and
+    runs as 2 + 3, the 3 as 1 + 2 (a note each time); every row is still its prompt alone, in the file's
+    order, and the summary counts the three batches that ran."""
+    planned = _engine_refusing(monkeypatch, lambda work: work.rows > 2)
+    r = _run(runner, models, "--batch", _file(tmp_path, PROMPTS), "--method", method, *FAST)
+    assert r.exit_code == 0, r.output
+    assert planned == [5, 2, 3, 1, 2]
+    lines = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [o["id"] for o in lines] == [key for key, _, _ in PROMPTS]
+    for o, (_, text, n) in zip(lines, PROMPTS):
+        assert o["tokens"] == _expected(models, text, n)
+    assert [o["stats"]["batch_size"] for o in lines] == [2, 2, 1, 2, 2]
+    notes = [line for line in r.stderr.splitlines() if "after all" in line]
+    assert notes == ["tforce: prompts 1-5 do not fit together after all (not enough GPU memory: stand-in): running "
+                     "them as batches of 2 and 3",
+                     "tforce: prompts 3-5 do not fit together after all (not enough GPU memory: stand-in): running "
+                     "them as batches of 1 and 2"]
+    assert "does not fit:" not in r.stderr and "batch of 5 prompts in 3 batches of at most 2" in r.stderr
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_prompt_the_engine_refuses_alone_ends_the_run_keeping_finished_rows(runner, models, tmp_path, monkeypatch,
+                                                                             as_json):
+    """The engine refuses every batch holding the long prompt, even alone: the rows finished before it are
+    written (as after any failure half way), then its refusal as the one error line."""
+    prompts = [("s1", "It was", N), ("s2", "It is", N), ("long", DOC, N), ("s3", "Who?", N)]
+    longest = len(tforce.load_model(str(models / "tiny-target")).tokenizer.encode(DOC)) - 1
+    planned = _engine_refusing(monkeypatch, lambda work: work.prompt >= longest)
+    r = _run(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST,
+             *(["--json"] if as_json else []))
+    assert r.exit_code == 1, r.output
+    assert planned == [4, 2, 2, 1]
+    out = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    if as_json:
+        [whole] = out
+        assert whole["complete"] is False
+        out = whole["results"]
+    assert [(o["id"], o["stats"]) for o in out] == [("s1", None), ("s2", None)]
+    assert out[0]["tokens"] == _expected(models, "It was", N)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 3 and lines[-1] == "tforce: error: not enough GPU memory: stand-in", lines
+    assert "Traceback" not in r.output

@@ -11,10 +11,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from .batch import generate_batch
 from .conversation import Conversation
 from .engine import Result, generate
-from .errors import TforceError, UsageError
+from .errors import DoesNotFit, TforceError, UsageError
 from .prompt_format import PromptFormat
 from .weights import LoadedModel, load_model
 
 __all__ = ["generate", "generate_batch", "Conversation", "load_model", "LoadedModel", "PromptFormat", "Result",
-           "TforceError", "UsageError"]
+           "TforceError", "UsageError", "DoesNotFit"]
 __version__ = "0.1.0"

@@ -1,18 +1,19 @@
 """generate_batch: several prompts through one decode loop, each row exact on its own.
 
-Every forward feeds all live rows at once (the weights are read once per step for the whole batch);
-each row keeps its own length in the caches (cache/batched.py, cache/rows_retrieval.py, the rule in
-cache/base.py), accepts its own number of drafted tokens, and leaves the batch when it reaches EOS or
-its token budget (its cache rows are compacted away, so it costs no further work). Every method of
-`generate`, composed as session.Session composes it (batch_session.py: _Batch), from the batched levels
-of batch_levels.py: `ar`, `naive`, `retrieval` (the target with a per-row retrieval cache drafts gamma2
-tokens per row), `streaming` and `triforce` (the small draft, then the target with a per-row StreamingLLM
-or retrieval cache verifying gamma1 tokens per row, until every row has gamma2 middle-level tokens, then
-the full cache). Retrieval rebuilds are per row, with the single path's rules (_Batch._maybe_rebuild),
-selecting by the chunk rule (policy retrieval or shared) or a policies.py rule (topk, streaming). The full
-cache may be offloaded in part (cache/rows_offload.py); the prefill then runs layer-major for all rows
-(prefill.py, prefill_rows_layer_major: each offloaded layer's prompt K/V cross to host memory once,
-nothing streams back; PCIe traffic linear in the prompts), as the single-prompt path's does.
+Every forward feeds all live rows at once (the weights are read once per step for the whole batch); each
+row keeps its own length in the caches (cache/batched.py, cache/rows_retrieval.py, the rule in
+cache/base.py), accepts its own number of drafted tokens, and leaves the batch when it reaches EOS, a stop
+string (`until`) or its token budget (its cache rows are compacted away, so it costs no further work).
+Every method of `generate`, composed as session.Session composes it (batch_session.py: _Batch), from the
+batched levels of batch_levels.py: `ar`, `naive`, `retrieval` (the target with a per-row retrieval cache
+drafts gamma2 tokens per row), `streaming` and `triforce` (the small draft, then the target with a per-row
+StreamingLLM or retrieval cache verifying gamma1 tokens per row, until every row has gamma2 middle-level
+tokens, then the full cache). Retrieval rebuilds are per row, with the single path's rules
+(_Batch._maybe_rebuild), selecting by the chunk rule (policy retrieval or shared) or a policies.py rule
+(topk, streaming). The full cache may be offloaded in part (cache/rows_offload.py); the prefill then runs
+layer-major for all rows (prefill.py, prefill_rows_layer_major: each offloaded layer's prompt K/V cross to
+host memory once, nothing streams back; PCIe traffic linear in the prompts), as the single-prompt path's
+does.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
                    gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
                    rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512,
                    offload: str = "auto", gpu_memory: int | None = None,
-                   device_free: int | None = None, on_row=None) -> list[Result]:
+                   device_free: int | None = None, on_row=None, until=None) -> list[Result]:
     """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
     for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
@@ -57,7 +58,10 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     planned before anything is allocated (placement.py with B rows) and refused if it does not fit;
     offload, gpu_memory and device_free as in `generate` (offloaded layers stream once per step for all
     rows). on_row(r, tokens) is told each row's final tokens as soon as the row is finished (a row with no
-    budget right after the prefill), so a caller keeps what is done if the rest fails or is interrupted."""
+    budget right after the prefill), so a caller keeps what is done if the rest fails or is interrupted.
+    until(tokens) -> int | None: `generate`'s, asked of each row after each round with the row's tokens so
+    far (stops.StopStrings.cut: each row ends at its first stop string, where it would alone); a row it
+    ends leaves the batch as a row at EOS does."""
     target, draft = _module(target), (_module(draft) if draft is not None else None)
     spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
                                    seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
@@ -103,7 +107,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     batch.keep([i for i in range(B) if max_new[i] > 0])
     while rows.ids:
         news = batch.round(gen)
-        done = [rows.add(i, tokens, eos) for i, tokens in enumerate(news)]
+        done = [rows.add(i, tokens, eos, until) for i, tokens in enumerate(news)]
         if any(done):
             _finished(rows, done, on_row)
             batch.keep([i for i, d in enumerate(done) if not d])

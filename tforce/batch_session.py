@@ -15,6 +15,7 @@ from .config import Sampling, Speculation
 from .prefill import prefill_rows_layer_major
 from .rope import Rotary
 from .session import _sync_device
+from .stops import end_of_round
 
 class _RowState:
     """The host-side state of the live rows: index into the caller's list, tokens so far, budget."""
@@ -27,16 +28,17 @@ class _RowState:
         self.verified = [0] * len(prompts)  # full-cache forwards that decided the row's tokens
         self.rebuilds = [0] * len(prompts)  # retrieval rebuilds during decoding
 
-    def add(self, i: int, tokens: list[int], eos: set[int]) -> bool:
-        """Row i's new tokens, cut at its budget and at EOS; True when the row is done."""
+    def add(self, i: int, tokens: list[int], eos: set[int], until=None) -> bool:
+        """Row i's new tokens, cut at its budget, after an EOS and where until says (a stop string), as
+        engine.decode cuts one prompt's; True when the row is done."""
         r = self.ids[i]
         tokens = tokens[: self.max_new[r] - len(self.out[r])]
-        stop = next((j for j, t in enumerate(tokens) if t in eos), None)
-        if stop is not None:
-            tokens = tokens[: stop + 1]
+        end = end_of_round(self.out[r], tokens, eos, until)
+        if end is not None:
+            tokens = tokens[:end]
         self.out[r] += tokens
         self.seq[r] += tokens
-        return stop is not None or len(self.out[r]) >= self.max_new[r]
+        return end is not None or len(self.out[r]) >= self.max_new[r]
 
 
 class _Batch:

@@ -15,6 +15,7 @@ from . import placement
 from .config import Sampling, Speculation
 from .errors import UsageError
 from .session import Session, _sync_device
+from .stops import end_of_round
 
 
 @dataclass
@@ -180,10 +181,7 @@ def decode(session: Session, n: int, max_new: int, gen: torch.Generator, eos: se
     out: list[int] = []
     while len(out) < max_new:
         tokens = session.round(n, gen)[: max_new - len(out)]
-        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
-        keep = until(out + tokens[:end]) if until is not None else None
-        if keep is not None:  # earlier rounds' tokens were checked: the end falls in this round's
-            end = max(keep - len(out), 0)
+        end = end_of_round(out, tokens, eos, until)
         if end is not None:
             tokens = tokens[:end]
         out += tokens

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import TforceError, UsageError
+from .errors import DoesNotFit, UsageError
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -284,9 +284,9 @@ def plan(shape: Shape, work: Work, offload: str, budget: int | None, host_free: 
             if p.peak <= budget:
                 break
     else:
-        raise TforceError(_shortage(p, budget))
+        raise DoesNotFit(_shortage(p, budget))
     if p.host_bytes > host_free:
-        raise TforceError(f"not enough host memory for the offloaded KV cache: {p.host_bytes / GiB:.1f} GiB "
+        raise DoesNotFit(f"not enough host memory for the offloaded KV cache: {p.host_bytes / GiB:.1f} GiB "
                           f"needed, {host_free / GiB:.1f} GiB available")
     return p
 

@@ -3,13 +3,14 @@
 Each non-blank line of FILE ('-' = stdin) is one JSON object: {"prompt": TEXT} or {"file": PATH} (a
 document, read as `tforce run PATH` reads it) or both (the document, then the prompt, joined by a blank
 line, as `tforce run PATH --prompt TEXT`), with an optional "id" (default: the line number) and
-"max_new_tokens" (default: --max-new-tokens). The whole file is checked before any model is loaded; a
-bad line is one error naming its line. A file whose plan does not fit in memory runs as consecutive
-batches of the most rows that fit, one after another. Results go to stdout in the file's order, one JSON
-object a line (--json: one object, {"results": [those objects], "stats": the batch's figures, ...});
-nothing is written anywhere else. If the batch is interrupted or fails half way, the rows finished so far
-(of every batch run) are still written (in the file's order, with "stats": null; --json: in one object
-with "complete": false), then the error.
+"max_new_tokens" (default: --max-new-tokens). The whole file is checked before any model is loaded; a bad
+line is one error naming its line. A file whose plan does not fit in memory runs as consecutive batches of
+the most rows that fit, each planned for its own rows, one after another (batch_groups.py). With --stop,
+each row ends at its first stop string, where `tforce run --stop` ends that prompt. Results go to stdout
+in the file's order, one JSON object a line (--json: one object, {"results": [those objects], "stats": the
+batch's figures, ...}); nothing is written anywhere else. If the batch is interrupted or fails half way,
+the rows finished so far (of every batch run) are still written (in the file's order, with "stats": null;
+--json: in one object with "complete": false), then the error.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from pathlib import Path
 from typing import Optional
 
 from ..batch import BATCH_METHODS, check_batchable
-from ..errors import TforceError, UsageError
+from ..errors import UsageError
+from ..stops import StopStrings
+from .batch_groups import plan_groups, run_groups
 from .common import _as_role, _check_memory, _decode_text, _say
 
 KEYS = {"prompt", "file", "id", "max_new_tokens"}
@@ -121,40 +124,43 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     if short:  # as `tforce run` notes it for one prompt
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for fewer new tokens than asked: "
              + ", ".join(short))
-    longest = max(len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets))
+    lengths = [len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets)]  # prompt + new tokens
     draft_config = _read_config(draft, "draft model")[1] if draft else None
 
-    def check(rows: int) -> None:  # rows of the longest row's capacity, as the engine plans a batch
-        _check_memory(config, draft_config, longest, _dtype_bytes(dtype, device), device, options["offload"],
-                      options["gpu_memory"], options["budget"], options["method"], rows=rows)
+    def check(rows: range) -> None:  # as the engine plans a batch: its rows, each of its longest row's capacity
+        _check_memory(config, draft_config, max(lengths[r] for r in rows), _dtype_bytes(dtype, device), device,
+                      options["offload"], options["gpu_memory"], options["budget"], options["method"], rows=len(rows))
 
-    size = _rows_that_fit(check, len(prompts))
-    starts = range(0, len(prompts), size)
-    if len(starts) > 1:
-        _say(f"tforce: the batch of {len(prompts)} does not fit: running it as {len(starts)} batches of at most "
-             f"{size}")
+    groups = plan_groups(check, len(prompts))
+    if len(groups) > 1:
+        _say(f"tforce: the batch of {len(prompts)} does not fit: running it as {len(groups)} batches of at most "
+             f"{max(map(len, groups))}")
     target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
     keys = ("temperature", "top_p", "top_k", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",
             "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory")
+    stops = StopStrings(tok, setup.stops)
     finished: dict[int, list[int]] = {}  # prompt index in the file -> its tokens, as each row finishes
 
-    def record(r: int, tokens: list[int], stats) -> dict:
-        return {"id": items[r][0], "text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens,
-                "prompt_tokens": len(prompts[r]), "method": options["method"], "device": device, "stats": stats}
+    def record(r: int, tokens: list[int], stats) -> dict:  # as `tforce run --json` writes one, with the id
+        return {"id": items[r][0], "text": stops.shown(tok.decode(tokens, skip_special_tokens=True), final=True),
+                "tokens": tokens, "prompt_tokens": len(prompts[r]), "method": options["method"],
+                "stopped_by": stops.matched(tokens), "device": device, "stats": stats}
+
+    def run(rows: range, g: int) -> list:
+        # batch g is seeded seed + g: the same seed for every batch would draw the same random numbers
+        # for the rows of each, so that equal prompts in two batches got equal samples; from 2**64 on (past
+        # what torch takes) it wraps around, modulo 2**64 as torch reads seeds
+        seed = options["seed"]
+        seed = None if seed is None else seed + g - (2**64 if seed + g >= 2**64 else 0)
+        return generate_batch(target.model, [prompts[r] for r in rows], draft=small.model if small else None,
+                              method=options["method"], max_new_tokens=[budgets[r] for r in rows],
+                              on_row=lambda i, out: finished.__setitem__(rows[i], out), seed=seed,
+                              until=stops.cut if stops else None, **{k: options[k] for k in keys})
 
     results, parts = [], []  # parts: each batch's figures
     try:
-        for g, start in enumerate(starts):
-            # batch g is seeded seed + g: the same seed for every batch would draw the same random numbers
-            # for the rows of each, so that equal prompts in two batches got equal samples; from 2**64 on (past
-            # what torch takes) it wraps around, modulo 2**64 as torch reads seeds
-            seed = options["seed"]
-            seed = None if seed is None else seed + g - (2**64 if seed + g >= 2**64 else 0)
-            group = generate_batch(target.model, prompts[start:start + size], draft=small.model if small else None,
-                                   method=options["method"], max_new_tokens=budgets[start:start + size],
-                                   on_row=lambda r, tokens, at=start: finished.__setitem__(at + r, tokens),
-                                   seed=seed, **{k: options[k] for k in keys})
+        for group in run_groups(groups, run):  # in the file's order
             results += group
             parts.append({"new_tokens": sum(len(r.tokens) for r in group), **group[0].stats})
     except BaseException:
@@ -171,35 +177,11 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     n, rate, ms = stats["new_tokens"], stats["batch_tokens_per_s"], stats["ms_per_token"]
     rebuild = "" if stats["rebuild_s"] is None else \
         f"; retrieval rebuilds {stats['prefill_rebuild_s']:.2f} s at prefill, {stats['rebuild_s']:.2f} s decoding"
-    split = "" if len(parts) == 1 else f" in {len(parts)} batches of at most {size} (times summed)"
+    split = "" if len(parts) == 1 else f" in {len(parts)} batches of at most {stats['batch_size']} (times summed)"
     _say(f"tforce: {options['method']}: batch of {len(results)} prompts{split}: {n} tokens; prefill "
          f"{stats['prefill_s']:.2f} s; decode {stats['decode_s']:.2f} s "
          f"({'n/a' if rate is None else format(rate, '.1f')} tokens/s, "
          f"{'n/a' if ms is None else format(ms, '.1f')} ms/token for the batch){rebuild}")
-
-
-def _rows_that_fit(check, n: int) -> int:
-    """The most rows, up to n, that check(rows) lets through (it raises TforceError when they do not fit).
-    Every batch is planned as `check` plans the whole file, with the longest row's capacity: the engine
-    plans each batch with its own longest row, which is no longer, so every batch then fits; planning
-    each batch with its own longest row would pack more rows beside short ones, but make the batches'
-    sizes depend on the file's order. A row that does not fit alone is refused with check(1)'s message."""
-    try:
-        check(n)
-        return n
-    except TforceError:
-        if n == 1:
-            raise
-    check(1)
-    fits, over = 1, n  # the plan grows with the rows: bisect
-    while over - fits > 1:
-        mid = (fits + over) // 2
-        try:
-            check(mid)
-            fits = mid
-        except TforceError:
-            over = mid
-    return fits
 
 
 def _combined(parts: list[dict]) -> dict:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import TforceError, UsageError
+from ..errors import DoesNotFit, TforceError, UsageError
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -88,7 +88,8 @@ def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, de
     as `tforce info` plans it (tforce.bench.info_plan, itemised in placement.py: a retrieval cache only for
     triforce and retrieval, a draft only for the methods that use one): on the CPU every item lives in host
     memory; on CUDA the device items must fit its free memory (or --gpu-memory) and the offloaded KV layers
-    the available host memory. rows: sequences of `tokens` tokens decoded together (a batch)."""
+    the available host memory. rows: sequences of `tokens` tokens decoded together (a batch). A refusal
+    is errors.DoesNotFit."""
     from ..bench import info_plan
     from ..placement import CONTEXT_BYTES, GiB
 
@@ -107,16 +108,16 @@ def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, de
                      draft_config=draft_config, context_bytes=CONTEXT_BYTES if cuda else 0,
                      attention="sdpa" if cuda else "math", method=method, rows=rows)
     if "error" in plan:
-        raise TforceError(plan["error"])
+        raise DoesNotFit(plan["error"])
     if not cuda:
         need = plan["peak_bytes"] + plan["host_kv_bytes"]
         if need > host_free:
             batch = f"{rows} x {tokens}" if rows > 1 else f"{tokens}"
-            raise TforceError(f"not enough memory: {gib(need)} needed (target weights {gib(plan['weights_bytes'])}, "
+            raise DoesNotFit(f"not enough memory: {gib(need)} needed (target weights {gib(plan['weights_bytes'])}, "
                               f"KV cache for {batch} tokens {gib(plan['kv_bytes'])}, the rest in `tforce info`'s "
                               f"plan), {gib(host_free)} available")
     elif not plan["host_fits"]:
-        raise TforceError(f"not enough host memory for the offloaded KV cache: {gib(plan['host_kv_bytes'])} "
+        raise DoesNotFit(f"not enough host memory for the offloaded KV cache: {gib(plan['host_kv_bytes'])} "
                           f"needed, {gib(host_free)} available")
 
 

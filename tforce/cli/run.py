@@ -70,8 +70,6 @@ def run(
     def body():
         if prompt_file_arg is not None and prompt_file is not None and prompt_file_arg != prompt_file:
             raise UsageError("give the prompt file once: as an argument or with --prompt-file")
-        if batch is not None and stop:
-            raise UsageError("--batch takes no --stop yet")
         if batch is not None:
             given = (prompt_file_arg, prompt_file, prompt)
             check_options(method, policy, gpus or tp, given != (None,) * 3, deterministic,

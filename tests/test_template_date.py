@@ -132,3 +132,14 @@ def test_a_templated_chat_still_refuses_a_raw_snapshot_in_one_line(models, tmp_p
     assert raw.exit_code == 0, (raw.output, raw.exception)
     _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), input="Who?\n"), 2,
                     "or on another day (the template writes the date)")
+
+
+@pytest.mark.parametrize("fmt, written", [("%Y-%m-%d", "2026-01-05"), ("%B %Y", "January 2026"), ("%H:%M", "09:30")])
+def test_the_snapshot_date_is_said_as_the_template_writes_it(fmt, written):
+    """stderr's note names what the snapshot's tokens hold: it said "05 Jan 2026" whatever the format, and
+    "01 Jan 2026" for "January 2026" or "01 Jan 1900" for a time, which no prompt held."""
+    tok = _byte(DATED.replace("%d %b %Y", fmt))
+    doc = PromptFormat(tok, now=DAY1).document_ids(DOC)
+    made = PromptFormat(tok, now=DAY2).as_made(doc)
+    assert made.snapshot_date == written
+    assert doc + made.question_ids("Who?") == PromptFormat(tok, now=DAY1).prompt_ids(DOC + "\n\nWho?")

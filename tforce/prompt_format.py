@@ -29,7 +29,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from .errors import UsageError
-from .template_date import date_in, rendered_by
+from .template_date import date_in, rendered_by, written
 
 TEMPLATES = ("auto", "none")
 SEPARATOR = "\n\n"  # between the document (or the previous answer) and a question
@@ -118,7 +118,7 @@ class PromptFormat:
         if when is None:
             return self
         made = PromptFormat(self.tok, "auto", self.system, self.name, now=when)
-        made.snapshot_date = when.strftime("%d %b %Y")
+        made.snapshot_date = written(self._head_with, when)
         return made
 
     def question_ids(self, question: str, answer: list[int] | None = None, separated: bool = True) -> list[int]:

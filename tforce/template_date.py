@@ -39,6 +39,13 @@ def date_in(render: Callable[[Callable[[str], str]], str], text: str) -> Optiona
     return None
 
 
+def written(render: Callable[[Callable[[str], str]], str], when: datetime) -> str:
+    """What the template `render` renders (as in date_in) writes for the time `when`: each format it asks
+    strftime_now for, rendered, once, in order ("05 Jan 2026" for Llama 3.2's)."""
+    formats = render(lambda fmt: _MARK + fmt + _MARK).split(_MARK)[1::2]
+    return ", ".join(dict.fromkeys(when.strftime(fmt) for fmt in formats))
+
+
 @contextmanager
 def rendered_by(strftime: Callable[[str], str]):
     """Templates rendered inside give `strftime(format)` for transformers' `strftime_now(format)`.

@@ -143,3 +143,16 @@ def test_the_snapshot_date_is_said_as_the_template_writes_it(fmt, written):
     made = PromptFormat(tok, now=DAY2).as_made(doc)
     assert made.snapshot_date == written
     assert doc + made.question_ids("Who?") == PromptFormat(tok, now=DAY1).prompt_ids(DOC + "\n\nWho?")
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_template_none_refuses_a_templated_snapshot_of_another_day(monkeypatch, system):
+    """--template none refuses a snapshot laid out in the template (README); it compared the template's
+    opening through today's date, so one made on another day passed as raw text."""
+    tok = _byte(DATED)
+    doc = PromptFormat(tok, system=system, now=DAY1).document_ids(DOC)
+    for day in (DAY1, DAY2):
+        _on(monkeypatch, day)
+        with pytest.raises(UsageError, match="begins with .* chat template"):
+            PromptFormat(tok, "none").check_document(doc, "the snapshot")
+    PromptFormat(tok, "none").check_document(tok.encode(DOC + "\n\n"), "the snapshot")  # raw text passes

@@ -156,3 +156,15 @@ def test_template_none_refuses_a_templated_snapshot_of_another_day(monkeypatch, 
         with pytest.raises(UsageError, match="begins with .* chat template"):
             PromptFormat(tok, "none").check_document(doc, "the snapshot")
     PromptFormat(tok, "none").check_document(tok.encode(DOC + "\n\n"), "the snapshot")  # raw text passes
+
+
+def test_a_date_written_without_padding_is_read_back():
+    """strftime's "%-d" (glibc: the day without its zero, "5 January 2026"), which strptime does not take:
+    the date was not found and the snapshot refused as made on another day."""
+    tok = _byte(DATED.replace("%d %b %Y", "%-d %B %Y"))
+    doc = PromptFormat(tok, now=DAY1).document_ids(DOC)
+    assert "Today Date: 5 January 2026" in tok.decode(doc)
+    made = PromptFormat(tok, now=DAY2).as_made(doc)
+    assert made.snapshot_date == "5 January 2026"
+    made.check_document(doc, "the snapshot")
+    assert doc + made.question_ids("Who?") == PromptFormat(tok, now=DAY1).prompt_ids(DOC + "\n\nWho?")

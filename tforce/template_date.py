@@ -30,8 +30,8 @@ def date_in(render: Callable[[Callable[[str], str]], str], text: str) -> Optiona
     if found is None:
         return None
     for fmt, value in zip(parts[1::2], found.groups()):
-        try:
-            when = datetime.strptime(value, fmt)
+        try:  # glibc's "%-d" (no zero before the day) is read by strptime's "%d"
+            when = datetime.strptime(value, re.sub(r"(%%)|%-", lambda m: m.group(1) or "%", fmt))
         except ValueError:  # a format strptime cannot read back
             continue
         if text.startswith(render(when.strftime)):

@@ -94,3 +94,24 @@ def test_the_files_fingerprint_sees_what_the_tensors_fingerprint_sees(tmp_path):
     assert _weights_fingerprint(as_module[0]) != _weights_fingerprint(as_module[1])
     assert _files_sha(a) != _files_sha(b)
     assert _files_sha(a) == _files_sha(_checkpoint(tmp_path / "a2", 0.0))
+
+
+def test_across_splits_the_model_is_matched_by_its_files(tmp_path):
+    """snapshot.check over another number of ranks: the weight files' fingerprints decide (the loaded
+    tensors' differ with the split); a run whose model has no folder to compare is refused in one line."""
+    from tforce.errors import UsageError
+    from tforce.snapshot import check
+
+    def ident(weights, files):
+        return {"target": {"name": "m", "config_sha256": "c", "weights": weights, "files_sha256": files},
+                "tokenizer_sha256": None}
+
+    manifest = {"world": 2, "dtype": "float32", **ident("two ranks' shards", "A")}
+    check(tmp_path, manifest, ident("one process", "A"), torch.float32, world=1)
+    check(tmp_path, manifest, ident("two ranks' shards", "B"), torch.float32, world=2)  # one split: the tensors
+    with pytest.raises(UsageError, match="same config, other weights"):
+        check(tmp_path, manifest, ident("one process", "B"), torch.float32, world=1)
+    with pytest.raises(UsageError, match="not loaded from a folder whose weight files could be compared"):
+        check(tmp_path, manifest, ident("one process", None), torch.float32, world=1)
+    with pytest.raises(UsageError, match="same config, other weights"):
+        check(tmp_path, {**manifest, "world": 1}, ident("four ranks' shards", "B"), torch.float32, world=4)

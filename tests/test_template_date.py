@@ -168,3 +168,42 @@ def test_a_date_written_without_padding_is_read_back():
     assert made.snapshot_date == "5 January 2026"
     made.check_document(doc, "the snapshot")
     assert doc + made.question_ids("Who?") == PromptFormat(tok, now=DAY1).prompt_ids(DOC + "\n\nWho?")
+
+
+def test_renders_on_two_threads_leave_transformers_clock_as_it_was():
+    """Two formats rendering at once (a library user's threads): the stand-in for transformers' clock was
+    saved and put back by each, so when the first to start ended first, the second put the first's clock
+    back for good: every later template in the process wrote the first's date."""
+    import threading
+
+    from transformers.utils import chat_template_utils
+
+    real = chat_template_utils.datetime
+    tok = _byte(DATED)
+    inside, second_inside, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def first_clock(fmt):
+        inside.set()
+        second_inside.wait(timeout=2)  # the second render starts while this one is inside
+        return DAY1.strftime(fmt)
+
+    def second_clock(fmt):
+        second_inside.set()
+        first_done.wait(timeout=2)  # ... and ends after it
+        return DAY2.strftime(fmt)
+
+    def first():
+        fmt._render([{"role": "user", "content": "x"}], first_clock)
+        first_done.set()
+
+    fmt = PromptFormat(tok, now=DAY1)
+    a = threading.Thread(target=first)
+    try:
+        a.start()
+        assert inside.wait(timeout=5)
+        text = fmt._render([{"role": "user", "content": "x"}], second_clock)
+        a.join()
+        assert chat_template_utils.datetime is real
+        assert "Today Date: 19 Mar 2026" in text
+    finally:
+        chat_template_utils.datetime = real  # for the tests after this one

@@ -10,6 +10,7 @@ belongs to. The date is read from the snapshot's own tokens, so snapshots of any
 from __future__ import annotations
 
 import re
+import threading
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Callable, Optional
@@ -52,7 +53,9 @@ def rendered_by(strftime: Callable[[str], str]):
     transformers turns every value passed to a template into plain data, so no function can be handed to it;
     its `strftime_now` reads `datetime.now()` from its own module, which is stood in for here. Where a
     transformers version reads the time otherwise, this does nothing: templates write today's date, and
-    date_in finds none in a rendering made with markers, so a snapshot of another day is refused as before."""
+    date_in finds none in a rendering made with markers, so a snapshot of another day is refused as before.
+    One render holds the stand-in at a time (a lock); a template that other code renders on another thread
+    meanwhile sees it too."""
     from transformers.utils import chat_template_utils as jinja
 
     class _Clock:
@@ -65,12 +68,16 @@ def rendered_by(strftime: Callable[[str], str]):
         def strftime(fmt: str) -> str:
             return strftime(fmt)
 
-    saved = getattr(jinja, "datetime", None)
-    if saved is None:
-        yield
-        return
-    jinja.datetime = _Clock
-    try:
-        yield
-    finally:
-        jinja.datetime = saved
+    with _CLOCK:  # one stand-in at a time: two renders on two threads put back each other's, for good
+        saved = getattr(jinja, "datetime", None)
+        if saved is None:
+            yield
+            return
+        jinja.datetime = _Clock
+        try:
+            yield
+        finally:
+            jinja.datetime = saved
+
+
+_CLOCK = threading.RLock()

@@ -224,3 +224,40 @@ def test_a_pipe_closed_after_the_prefill_without_a_question_is_one_line(models):
         proc.kill()
     assert err == "tforce: error: stdin holds no questions (one a line): pipe them, or give --questions FILE\n"
     assert proc.stdout.read() == b""
+
+
+@pytest.mark.parametrize("early, rest", [(QUESTIONS[0][:9], QUESTIONS[0][9:] + "\n"),
+                                         ("\n \n", QUESTIONS[0] + "\n")])
+def test_a_program_may_ask_after_the_prefilled_line_having_sent_no_whole_question(models, target, early, rest):
+    """What a program wrote before the "prefilled" line holds no whole question yet (a question's first part,
+    blank lines): chat waited for one before loading anything, and the program for the line."""
+    proc = _driven_chat(models)
+    try:
+        proc.stdin.write(early.encode())
+        proc.stdin.flush()
+        time.sleep(0.5)  # in the pipe before chat looks
+        assert "prefilled" in _stderr_line_with(proc, "tforce: document: ", timeout=60)
+        proc.stdin.write(rest.encode())
+        proc.stdin.close()
+        assert select.select([proc.stdout], [], [], 120)[0], "no answer in 120 s"
+        record = json.loads(proc.stdout.readline())
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+    doc = target.tokenizer.encode(DOC)
+    assert record["tokens"] == _answer(target, doc + _question(target, QUESTIONS[0]))
+
+
+@pytest.mark.parametrize("held", [b"", b"\n \n\n"])
+def test_a_pipe_already_closed_without_a_question_is_refused_before_the_prefill(models, held):
+    r, w = os.pipe()
+    os.write(w, held)
+    os.close(w)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TFORCE_DEBUG", None)
+    with os.fdopen(r, "rb") as stdin:
+        done = subprocess.run([sys.executable, "-m", "tforce", "chat", str(models / "doc.txt"), "-m",
+                               str(models / "tiny-target"), "--method", "ar", *FAST], cwd=ROOT, env=env,
+                              stdin=stdin, capture_output=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.decode() == f"tforce: error: {chat_input.NO_QUESTIONS}\n"  # no "prefilled" line before it

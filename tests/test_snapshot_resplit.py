@@ -62,3 +62,56 @@ def test_a_damaged_part_is_refused_when_cut_from(tmp_path):
     path.write_bytes(path.read_bytes()[:-1] + b"\0")
     with pytest.raises(TforceError, match="checksum mismatch"):
         _Heads(tmp_path, manifest, 0, 1).read("full-000.safetensors", {"k": 2, "v": 2, "q": 0})
+
+
+def _checkpoint(folder, middle_first: float):
+    """A folder with one weight file of three tensors, "b" between two larger than a MiB each."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(1000, generator=g)
+    b[0] = middle_first
+    save_file({"a": torch.randn(300_000, generator=g), "b": b, "c": torch.randn(300_000, generator=g)},
+              folder / "model.safetensors")
+    return folder
+
+
+def test_the_files_fingerprint_sees_what_the_tensors_fingerprint_sees(tmp_path):
+    """Two checkpoints that differ in the first value of a tensor in the middle of a weight file (a model
+    edited in one layer, a fine-tune that froze the embeddings, lm_head and norms): the loaded tensors'
+    fingerprint tells them apart, so the files' one (which matches them across splits) must too. It read
+    only each file's first and last MiB."""
+    from safetensors.torch import load_file
+
+    from tforce.snapshot_identity import _files_sha, _weights_fingerprint
+
+    a, b = _checkpoint(tmp_path / "a", 0.0), _checkpoint(tmp_path / "b", 1.0)
+    as_module = [torch.nn.Module() for _ in range(2)]
+    for m, folder in zip(as_module, (a, b)):
+        for name, t in load_file(folder / "model.safetensors").items():
+            m.register_buffer(name, t)
+    assert _weights_fingerprint(as_module[0]) != _weights_fingerprint(as_module[1])
+    assert _files_sha(a) != _files_sha(b)
+    assert _files_sha(a) == _files_sha(_checkpoint(tmp_path / "a2", 0.0))
+
+
+def test_across_splits_the_model_is_matched_by_its_files(tmp_path):
+    """snapshot.check over another number of ranks: the weight files' fingerprints decide (the loaded
+    tensors' differ with the split); a run whose model has no folder to compare is refused in one line."""
+    from tforce.errors import UsageError
+    from tforce.snapshot import check
+
+    def ident(weights, files):
+        return {"target": {"name": "m", "config_sha256": "c", "weights": weights, "files_sha256": files},
+                "tokenizer_sha256": None}
+
+    manifest = {"world": 2, "dtype": "float32", **ident("two ranks' shards", "A")}
+    check(tmp_path, manifest, ident("one process", "A"), torch.float32, world=1)
+    check(tmp_path, manifest, ident("two ranks' shards", "B"), torch.float32, world=2)  # one split: the tensors
+    with pytest.raises(UsageError, match="same config, other weights"):
+        check(tmp_path, manifest, ident("one process", "B"), torch.float32, world=1)
+    with pytest.raises(UsageError, match="not loaded from a folder whose weight files could be compared"):
+        check(tmp_path, manifest, ident("one process", None), torch.float32, world=1)
+    with pytest.raises(UsageError, match="same config, other weights"):
+        check(tmp_path, {**manifest, "world": 1}, ident("four ranks' shards", "B"), torch.float32, world=4)

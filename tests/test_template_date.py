@@ -132,3 +132,78 @@ def test_a_templated_chat_still_refuses_a_raw_snapshot_in_one_line(models, tmp_p
     assert raw.exit_code == 0, (raw.output, raw.exception)
     _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), input="Who?\n"), 2,
                     "or on another day (the template writes the date)")
+
+
+@pytest.mark.parametrize("fmt, written", [("%Y-%m-%d", "2026-01-05"), ("%B %Y", "January 2026"), ("%H:%M", "09:30")])
+def test_the_snapshot_date_is_said_as_the_template_writes_it(fmt, written):
+    """stderr's note names what the snapshot's tokens hold: it said "05 Jan 2026" whatever the format, and
+    "01 Jan 2026" for "January 2026" or "01 Jan 1900" for a time, which no prompt held."""
+    tok = _byte(DATED.replace("%d %b %Y", fmt))
+    doc = PromptFormat(tok, now=DAY1).document_ids(DOC)
+    made = PromptFormat(tok, now=DAY2).as_made(doc)
+    assert made.snapshot_date == written
+    assert doc + made.question_ids("Who?") == PromptFormat(tok, now=DAY1).prompt_ids(DOC + "\n\nWho?")
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_template_none_refuses_a_templated_snapshot_of_another_day(monkeypatch, system):
+    """--template none refuses a snapshot laid out in the template (README); it compared the template's
+    opening through today's date, so one made on another day passed as raw text."""
+    tok = _byte(DATED)
+    doc = PromptFormat(tok, system=system, now=DAY1).document_ids(DOC)
+    for day in (DAY1, DAY2):
+        _on(monkeypatch, day)
+        with pytest.raises(UsageError, match="begins with .* chat template"):
+            PromptFormat(tok, "none").check_document(doc, "the snapshot")
+    PromptFormat(tok, "none").check_document(tok.encode(DOC + "\n\n"), "the snapshot")  # raw text passes
+
+
+def test_a_date_written_without_padding_is_read_back():
+    """strftime's "%-d" (glibc: the day without its zero, "5 January 2026"), which strptime does not take:
+    the date was not found and the snapshot refused as made on another day."""
+    tok = _byte(DATED.replace("%d %b %Y", "%-d %B %Y"))
+    doc = PromptFormat(tok, now=DAY1).document_ids(DOC)
+    assert "Today Date: 5 January 2026" in tok.decode(doc)
+    made = PromptFormat(tok, now=DAY2).as_made(doc)
+    assert made.snapshot_date == "5 January 2026"
+    made.check_document(doc, "the snapshot")
+    assert doc + made.question_ids("Who?") == PromptFormat(tok, now=DAY1).prompt_ids(DOC + "\n\nWho?")
+
+
+def test_renders_on_two_threads_leave_transformers_clock_as_it_was():
+    """Two formats rendering at once (a library user's threads): the stand-in for transformers' clock was
+    saved and put back by each, so when the first to start ended first, the second put the first's clock
+    back for good: every later template in the process wrote the first's date."""
+    import threading
+
+    from transformers.utils import chat_template_utils
+
+    real = chat_template_utils.datetime
+    tok = _byte(DATED)
+    inside, second_inside, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def first_clock(fmt):
+        inside.set()
+        second_inside.wait(timeout=2)  # the second render starts while this one is inside
+        return DAY1.strftime(fmt)
+
+    def second_clock(fmt):
+        second_inside.set()
+        first_done.wait(timeout=2)  # ... and ends after it
+        return DAY2.strftime(fmt)
+
+    def first():
+        fmt._render([{"role": "user", "content": "x"}], first_clock)
+        first_done.set()
+
+    fmt = PromptFormat(tok, now=DAY1)
+    a = threading.Thread(target=first)
+    try:
+        a.start()
+        assert inside.wait(timeout=5)
+        text = fmt._render([{"role": "user", "content": "x"}], second_clock)
+        a.join()
+        assert chat_template_utils.datetime is real
+        assert "Today Date: 19 Mar 2026" in text
+    finally:
+        chat_template_utils.datetime = real  # for the tests after this one

@@ -29,7 +29,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from .errors import UsageError
-from .template_date import date_in, rendered_by
+from .template_date import date_in, rendered_by, written
 
 TEMPLATES = ("auto", "none")
 SEPARATOR = "\n\n"  # between the document (or the previous answer) and a question
@@ -118,7 +118,7 @@ class PromptFormat:
         if when is None:
             return self
         made = PromptFormat(self.tok, "auto", self.system, self.name, now=when)
-        made.snapshot_date = when.strftime("%d %b %Y")
+        made.snapshot_date = written(self._head_with, when)
         return made
 
     def question_ids(self, question: str, answer: list[int] | None = None, separated: bool = True) -> list[int]:
@@ -178,16 +178,17 @@ class PromptFormat:
 
     def _openings(self) -> list[list[int]]:
         """How a document laid out in this tokenizer's chat template begins (without a system message; with
-        one, up to its text), where that is more than raw text's start (its BOS): what check_document looks
-        for under --template none. Nothing without a template, or where it cannot place a document."""
+        one, up to its text; up to the date where the template writes one), where that is more than raw
+        text's start (its BOS): what check_document looks for under --template none. Nothing without a
+        template, or where it cannot place a document."""
         if not getattr(self.tok, "chat_template", None):
             return []
         try:
-            heads = [self._encode(PromptFormat(self.tok)._head)]
+            heads = [self._encode(PromptFormat(self.tok)._undated_head())]
         except UsageError:
             return []
         try:  # the text two system messages share
-            s, t = (PromptFormat(self.tok, system=text)._head for text in ("S", "T"))
+            s, t = (PromptFormat(self.tok, system=text)._undated_head() for text in ("S", "T"))
             heads.append(self._encode(s[:next((i for i, (a, b) in enumerate(zip(s, t)) if a != b), len(s))]))
         except UsageError:  # a template that takes no system message
             pass
@@ -212,6 +213,11 @@ class PromptFormat:
         """The document's head (what comes before its text), its date rendered by `strftime`."""
         one = self._render([{"role": "user", "content": _CUT}], strftime)
         return one[:one.index(_CUT)]
+
+    def _undated_head(self) -> str:
+        """The document's head up to the date its template writes (a snapshot's may hold another day's)."""
+        head = self._head_with(lambda fmt: _MARK_TIME)
+        return head[:head.index(_MARK_TIME)] if _MARK_TIME in head else self._head
 
     def _cut(self) -> None:
         """The template's pieces around the document and the questions (see the module's docstring)."""

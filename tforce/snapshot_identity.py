@@ -40,13 +40,14 @@ def _weights_fingerprint(module) -> str:
     return h.hexdigest()
 
 
-FILE_EDGE = 1 << 20  # bytes read from each end of a weight file: its header and tensors at both ends
+TENSOR_EDGE = 512  # bytes read from each end of each tensor in a weight file: 64 values or more
 
 
 def _files_sha(path) -> str | None:
-    """The hash of a model folder's weight files (names, sizes, and their first and last MiB: a
-    safetensors header names every tensor's shape and place, and the values at both ends differ between
-    two trainings); None without a folder. Reads 2 MiB per file, not the weights."""
+    """The hash of a model folder's weight files: their names, their safetensors headers (every tensor's
+    name, dtype, shape and place) and each tensor's first and last TENSOR_EDGE bytes, so that it tells
+    apart what _weights_fingerprint (each tensor's first and last 64 values) does, however the model is
+    split; None without a folder. Reads about 1 KiB per tensor, not the weights."""
     if path is None:
         return None
     from .weights import _weight_files
@@ -54,14 +55,19 @@ def _files_sha(path) -> str | None:
     h = hashlib.sha256()
     try:
         for f in _weight_files(Path(path)):
-            size = f.stat().st_size
-            h.update(f"{f.name}:{size}".encode())
             with open(f, "rb") as fh:
-                h.update(fh.read(FILE_EDGE))
-                fh.seek(max(0, size - FILE_EDGE))
-                h.update(fh.read(FILE_EDGE))
-    except (OSError, ValueError, TforceError):  # no weight files there: the tensors' fingerprint decides
-        return None
+                n = int.from_bytes(fh.read(8), "little")
+                header = fh.read(n)
+                h.update(f.name.encode() + b"\0" + header)
+                for name, info in sorted(json.loads(header).items()):
+                    if name == "__metadata__":
+                        continue
+                    lo, hi = info["data_offsets"]
+                    for at in (lo, max(lo, hi - TENSOR_EDGE)):
+                        fh.seek(8 + n + at)
+                        h.update(fh.read(min(TENSOR_EDGE, hi - at)))
+    except (OSError, ValueError, KeyError, TypeError, TforceError):  # no (readable) weight files there: the
+        return None                                                   # tensors' fingerprint decides
     return h.hexdigest()
 
 

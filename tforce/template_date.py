@@ -10,6 +10,7 @@ belongs to. The date is read from the snapshot's own tokens, so snapshots of any
 from __future__ import annotations
 
 import re
+import threading
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Callable, Optional
@@ -30,13 +31,20 @@ def date_in(render: Callable[[Callable[[str], str]], str], text: str) -> Optiona
     if found is None:
         return None
     for fmt, value in zip(parts[1::2], found.groups()):
-        try:
-            when = datetime.strptime(value, fmt)
+        try:  # glibc's "%-d" (no zero before the day) is read by strptime's "%d"
+            when = datetime.strptime(value, re.sub(r"(%%)|%-", lambda m: m.group(1) or "%", fmt))
         except ValueError:  # a format strptime cannot read back
             continue
         if text.startswith(render(when.strftime)):
             return when
     return None
+
+
+def written(render: Callable[[Callable[[str], str]], str], when: datetime) -> str:
+    """What the template `render` renders (as in date_in) writes for the time `when`: each format it asks
+    strftime_now for, rendered, once, in order ("05 Jan 2026" for Llama 3.2's)."""
+    formats = render(lambda fmt: _MARK + fmt + _MARK).split(_MARK)[1::2]
+    return ", ".join(dict.fromkeys(when.strftime(fmt) for fmt in formats))
 
 
 @contextmanager
@@ -45,7 +53,9 @@ def rendered_by(strftime: Callable[[str], str]):
     transformers turns every value passed to a template into plain data, so no function can be handed to it;
     its `strftime_now` reads `datetime.now()` from its own module, which is stood in for here. Where a
     transformers version reads the time otherwise, this does nothing: templates write today's date, and
-    date_in finds none in a rendering made with markers, so a snapshot of another day is refused as before."""
+    date_in finds none in a rendering made with markers, so a snapshot of another day is refused as before.
+    One render holds the stand-in at a time (a lock); a template that other code renders on another thread
+    meanwhile sees it too."""
     from transformers.utils import chat_template_utils as jinja
 
     class _Clock:
@@ -58,12 +68,16 @@ def rendered_by(strftime: Callable[[str], str]):
         def strftime(fmt: str) -> str:
             return strftime(fmt)
 
-    saved = getattr(jinja, "datetime", None)
-    if saved is None:
-        yield
-        return
-    jinja.datetime = _Clock
-    try:
-        yield
-    finally:
-        jinja.datetime = saved
+    with _CLOCK:  # one stand-in at a time: two renders on two threads put back each other's, for good
+        saved = getattr(jinja, "datetime", None)
+        if saved is None:
+            yield
+            return
+        jinja.datetime = _Clock
+        try:
+            yield
+        finally:
+            jinja.datetime = saved
+
+
+_CLOCK = threading.RLock()

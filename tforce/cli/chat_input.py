@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import select
+import stat
 import sys
 from typing import Optional
 
@@ -65,7 +66,7 @@ def _question_source(questions: Optional[str], document_on_stdin: bool, saving: 
         # a program that sends its questions only after the "prefilled" line: waiting here would deadlock it,
         # so an empty stream is found (and refused the same way) after the prefill
         return _at_least_one(asked), False
-    first = next(asked, None)  # already there (a file, or a pipe written to or closed): refused before the prefill
+    first = next(asked, None)  # already there (a file, a pipe's whole line or end): refused before the prefill
     if first is None:
         raise UsageError(NO_QUESTIONS)
     return itertools.chain((first,), asked), False
@@ -75,12 +76,22 @@ NO_QUESTIONS = "stdin holds no questions (one a line): pipe them, or give --ques
 
 
 def _readable_now(stream) -> bool:
-    """Whether reading `stream` now returns at once: a file, or a pipe that holds data or whose writer has
-    closed it. A stream with no descriptor (a test's) counts as ready."""
+    """Whether reading `stream`'s first question now returns at once: a file, or a pipe that holds a whole
+    non-blank line or whose writer has closed it (a question's first part would be waited on; blank lines
+    before it, skipped anyway, are read here). A stream with no descriptor (a test's) counts as ready."""
     try:
-        return bool(select.select([stream], [], [], 0)[0])
-    except (OSError, ValueError):
+        while select.select([stream], [], [], 0)[0]:
+            if stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+                return True
+            held = stream.buffer.peek(1)  # one read, which select says does not wait; nothing is consumed
+            if held.strip():
+                return b"\n" in held.lstrip()
+            if not held:  # closed
+                return True
+            stream.buffer.read(len(held))  # blank so far: dropped from the buffer, as reading skips it
+    except (OSError, ValueError, AttributeError):
         return True
+    return False
 
 
 def _at_least_one(asked):

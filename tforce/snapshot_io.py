@@ -22,12 +22,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .errors import TforceError
 from .snapshot import (FORMAT, MANIFEST, TP_VERSION, VERSION, _manifest_sha, _sha, check, check_target,
                        read_manifest, same_weights)
+from .snapshot_read import Reader
 
 
 # ------------------------------------------------------------------------------------------------- write
@@ -151,29 +151,35 @@ def _version() -> str:
 
 # -------------------------------------------------------------------------------------------------- read
 
-def _read(path: Path, manifest: dict, name: str) -> dict:
-    """A file's tensors, after its checksum matched the manifest's."""
-    try:
-        data = (path / name).read_bytes()
-    except OSError as e:
-        raise TforceError(f"--load-kv {path}: cannot read {name}: {e.strerror or e}") from e
-    if _sha(data) != manifest["files"].get(name):
-        raise TforceError(f"--load-kv {path}: {name} is damaged (checksum mismatch): make the snapshot again")
-    return st_load(data)
-
-
 class _Heads:
     """A snapshot's per-layer files as one rank of a run over `world` ranks holds them: its own part's when
     the snapshot was made over as many ranks (or both in one process); else cut from the parts that hold
     its heads. Rank r of n holds the r-th of n contiguous blocks of the KV heads and of the query heads
-    (sharding.py's layout), which n divides (sharding.check_tp)."""
+    (sharding.py's layout), which n divides (sharding.check_tp). The files of `layers` full-cache layers
+    are read ahead in the order load asks for them (snapshot_read.Reader); close() when done."""
 
-    def __init__(self, path: Path, manifest: dict, rank: int, world: int):
+    def __init__(self, path: Path, manifest: dict, rank: int, world: int, layers: int = 0):
         self.path, self.manifest, self.rank, self.world = path, manifest, rank, world
         self.saved = manifest.get("world", 1)
+        order = [self._name(p, f"full-{layer:03d}.safetensors") for layer in range(layers) for p in self._parts()]
+        self.reader = Reader(path, manifest, order)
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def _name(self, part: int, name: str) -> str:
+        return f"{_rank_folder(part)}/{name}" if self.saved > 1 else name
+
+    def _parts(self) -> list[int]:
+        """The parts that hold this rank's heads (its own when the split is the same)."""
+        r, W, S = self.rank, self.world, self.saved
+        if S == W:
+            return [r]
+        # [r/W, (r+1)/W) and [p/S, (p+1)/S) overlap
+        return [p for p in range(S) if r * S < (p + 1) * W and p * W < (r + 1) * S]
 
     def _file(self, part: int, name: str) -> dict:
-        return _read(self.path, self.manifest, f"{_rank_folder(part)}/{name}" if self.saved > 1 else name)
+        return self.reader.read(self._name(part, name))
 
     def read(self, name: str, dims: dict) -> dict:
         """The tensors of file `name` for this rank. dims: each tensor's heads dimension; {}: the file is
@@ -182,9 +188,7 @@ class _Heads:
         if S == W or not dims:
             return self._file(r if S == W else 0, name)
         pieces: dict[str, list] = {}
-        for p in range(S):
-            if not (r * S < (p + 1) * W and p * W < (r + 1) * S):  # [r/W, (r+1)/W) and [p/S, (p+1)/S) apart
-                continue
+        for p in self._parts():
             t = self._file(p, name)
             for key, dim in ((k, d) for k, d in dims.items() if k in t):  # "q" only for a non-empty prefix
                 total = t[key].shape[dim] * S
@@ -209,21 +213,31 @@ def load(path, session, prompt: torch.Tensor, upto: int, ident: dict, group=None
     full = session.full.cache
     rank, world = (group.rank, group.world) if group is not None else (0, 1)
     check(path, manifest, ident, full.k.dtype, world)
-    heads = _Heads(p, manifest, rank, world)
-    prefix = manifest["tokens"]
-    c = common_prefix(prefix, prompt[:upto].tolist())
-    device = full.k.device
-    queries = []
-    for layer in range(manifest["layers"]):
-        t = heads.read(f"full-{layer:03d}.safetensors", {"k": 2, "v": 2, "q": 0})
-        full.write_layer(layer, t["k"][:, :c], t["v"][:, :c])  # copied where the layer lives
-        if "q" in t:
-            queries.append(t["q"].to(device))
-    full.commit_written(c)
-    session.full.adopt(prompt, c)
-    if c == len(prefix) and manifest["queries"]:
-        session.loaded_queries = (c, queries)
-    ids = torch.tensor(prefix, dtype=torch.long)
+    heads = _Heads(p, manifest, rank, world, manifest["layers"])
+    try:
+        prefix = manifest["tokens"]
+        c = common_prefix(prefix, prompt[:upto].tolist())
+        device = full.k.device
+        queries = []
+        for layer in range(manifest["layers"]):
+            t = heads.read(f"full-{layer:03d}.safetensors", {"k": 2, "v": 2, "q": 0})
+            full.write_layer(layer, t["k"][:, :c], t["v"][:, :c])  # copied where the layer lives
+            if "q" in t:
+                queries.append(t["q"].to(device))
+        full.commit_written(c)
+        session.full.adopt(prompt, c)
+        if c == len(prefix) and manifest["queries"]:
+            session.loaded_queries = (c, queries)
+        _load_streaming(session, manifest, ident, heads, world)
+    finally:
+        heads.close()
+    return c, len(prefix)
+
+
+def _load_streaming(session, manifest: dict, ident: dict, heads: _Heads, world: int) -> None:
+    """Restore the streaming caches the snapshot holds for this session's models and budgets; the others
+    are left for session.prefill to feed from the start."""
+    ids = torch.tensor(manifest["tokens"], dtype=torch.long)
     for node in _streaming_nodes(session):
         info = manifest["streaming"].get(node.name)
         model = ident["draft"] if node.name == "draft" else ident["target"]
@@ -240,4 +254,3 @@ def load(path, session, prompt: torch.Tensor, upto: int, ident: dict, group=None
         if node.cache.fits(state):
             node.cache.restore(state)
             node.adopt(ids, info["length"])
-    return c, len(prefix)

@@ -116,6 +116,25 @@ def test_hf_model_shares_our_weights_and_ignores_eos(pair):
     assert tokens == ar and seconds > 0 and forwards == 8  # the prompt's, then one per token but the last
 
 
+def test_prompt_lookup_ignores_eos(pair):
+    """hf-lookup runs to the end past an EOS token: with no EOS ids, prompt lookup in transformers before 5.13
+    failed (TypeError, isin of None), which ended the whole bench."""
+    model = tforce.load_model(str(pair / "target")).model
+    ids = list(range(3, 40)) * 2  # repeats for the lookup to draft from
+    ar = generate(model, ids, method="ar", max_new_tokens=8, temperature=0, ignore_eos=True).tokens
+    model.config.eos_token_id = ar[1]
+    tokens, _, _ = peers.Runner(model, None, temperature=0, top_p=1, seed=0).generate("hf-lookup", ids, 8)
+    assert tokens == ar
+
+
+def test_a_peer_transformers_fails_is_one_line():
+    """A TypeError inside transformers (its bug in one decoding path) is that peer's reason, not the bench's end."""
+    def broken():
+        raise TypeError("isin() received an invalid combination of arguments\n * (Tensor elements, ...)")
+
+    assert peers._attempt(broken) == (None, "failed: TypeError: isin() received an invalid combination of arguments")
+
+
 def test_sampled_peers_are_not_compared(pair):
     """temperature > 0: the same distribution, but another random stream: no token comparison."""
     model = tforce.load_model(str(pair / "target")).model

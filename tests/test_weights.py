@@ -219,3 +219,29 @@ def test_generation_config_end_of_sequence_stops_the_run(tiny_dir, tmp_path):
     (tmp_path / "m" / "generation_config.json").write_text("[")
     with pytest.raises(tforce.errors.UsageError, match="generation_config.json"):
         tforce.load_model(str(tmp_path / "m"))
+
+
+def test_heads_that_do_not_split_the_hidden_size_are_refused(tmp_path, monkeypatch):
+    """tforce refuses such a config itself: transformers 5.4 and later refuse it when reading it, 5.0 to 5.3
+    read it (and `tforce info` planned for it). Checked with such a config as those versions give it."""
+    path = make_checkpoint(tmp_path / "m", tokenizer=False)
+    config = weights.AutoConfig.from_pretrained(path)
+    config.num_attention_heads = 3  # hidden 64: as an older transformers reads {"num_attention_heads": 3}
+    monkeypatch.setattr(weights.AutoConfig, "from_pretrained", lambda *a, **k: config)
+    with pytest.raises(tforce.errors.UsageError, match=r"hidden size \(64\) is not a multiple of the number of "
+                                                       r"attention heads \(3\)"):
+        weights.read_config(path)
+
+
+def test_a_folder_without_vocabulary_has_no_tokenizer(tmp_path, monkeypatch):
+    """None without tokenizer files, whatever transformers would make there (5.0 to 5.5 build an empty
+    tokenizer of the model type instead of refusing); the tokenizer where its files are."""
+    import transformers
+
+    path = make_checkpoint(tmp_path / "m", tokenizer=False)
+    assert weights._load_tokenizer(path) is None
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: object())
+    assert weights._load_tokenizer(path) is None
+    monkeypatch.undo()
+    with_tok = make_checkpoint(tmp_path / "t")
+    assert weights._load_tokenizer(with_tok).encode("hi", add_special_tokens=False)

@@ -72,10 +72,14 @@ def hf_model(model):
 
 
 def no_eos():
-    """A generation config without EOS (generation runs to max_new_tokens, as tforce's ignore_eos)."""
+    """A generation config without EOS (generation runs to max_new_tokens, as tforce's ignore_eos).
+
+    An empty list of EOS ids rather than None: prompt lookup decoding in transformers before 5.13 looks its
+    drafted tokens up among the EOS ids without checking that there are any (torch.isin(ids, None): a
+    TypeError). An empty list is no EOS to every version (no token is among them) and the lookup works."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(eos_token_id=None, pad_token_id=0)
+    return GenerationConfig(eos_token_id=[], pad_token_id=0)
 
 
 def offload_available() -> bool:
@@ -182,7 +186,8 @@ def _attempt(fn, *args):
     """fn(*args), or the one-line reason transformers (or the device) refused it."""
     try:
         return fn(*args), None
-    except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError, NotImplementedError) as e:
+    except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError, NotImplementedError, TypeError) as e:
+        # TypeError: how a transformers version's own bug in a decoding path shows (one peer fails, not the bench)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         first = (str(e).strip().splitlines() or [""])[0][:200]

@@ -71,6 +71,9 @@ def read_config(path: Path):
         raise UsageError(f"cannot read {path / 'config.json'}: {reason}") from e
     if config.model_type not in SUPPORTED:
         raise UsageError(f"{path}: model type {config.model_type!r} is not a Llama-family model")
+    if config.hidden_size % config.num_attention_heads:  # transformers 5.4 on refuse it; 5.0 to 5.3 read it
+        raise UsageError(f"cannot read {path / 'config.json'}: the hidden size ({config.hidden_size}) is not a "
+                         f"multiple of the number of attention heads ({config.num_attention_heads})")
     window = getattr(config, "sliding_window", None)
     if window and window < config.max_position_embeddings:
         raise UsageError(f"{path}: sliding-window attention ({window} tokens) is not supported")
@@ -164,9 +167,20 @@ def _read(sf, key: str, cut: tuple[int, int, int] | None) -> torch.Tensor:
     return part[start:end] if dim == 0 else part[:, start:end]
 
 
+# The files a tokenizer's vocabulary is read from (a Llama's tokenizer.json or SentencePiece tokenizer.model,
+# Mistral's tekken.json, a BPE vocab.json).
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json")
+
+
 def _load_tokenizer(path: Path):
+    """The folder's tokenizer, or None when it has none. A folder without vocabulary files has none: asked
+    for one there, transformers 5.0 to 5.5 build an empty tokenizer of the config's model type (a
+    CodeLlamaTokenizer with no vocabulary but its special tokens, for a Llama) instead of refusing, and a run
+    would go on with it."""
     from transformers import AutoTokenizer
 
+    if not any((path / name).is_file() for name in VOCABULARY_FILES):
+        return None
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception:

@@ -80,7 +80,7 @@ def test_read_ahead_holds_at_most_its_share_of_memory(tmp_path, monkeypatch):
     manifest = _folder(tmp_path)
     size = (tmp_path / NAMES[0]).stat().st_size
     monkeypatch.setattr(snapshot_read.os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(snapshot_read, "IN_FLIGHT_BYTES", 2 * size)
+    monkeypatch.setattr(snapshot_read, "IN_FLIGHT_BYTES", 3 * size)  # the file in use and two ahead
     assert Reader(tmp_path, manifest, NAMES).ahead == 2
     monkeypatch.setattr(snapshot_read.os, "cpu_count", lambda: 1)  # no spare core: still one file ahead
     assert Reader(tmp_path, manifest, NAMES).ahead == 1

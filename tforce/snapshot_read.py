@@ -23,9 +23,10 @@ MAX_THREADS = 4
 
 
 def threads_for(largest: int) -> int:
-    """How many files are read ahead at once (one thread each), the largest `largest` bytes: as many as there
-    are spare cores, at most MAX_THREADS and as many as fit in IN_FLIGHT_BYTES, at least one."""
-    return max(1, min(MAX_THREADS, (os.cpu_count() or 1) - 1, IN_FLIGHT_BYTES // max(largest, 1)))
+    """How many files are read ahead (one thread each) beside the one in use, the largest `largest` bytes:
+    as many as there are spare cores, at most MAX_THREADS, and as many as fit in IN_FLIGHT_BYTES with the
+    one in use; at least one."""
+    return max(1, min(MAX_THREADS, (os.cpu_count() or 1) - 1, IN_FLIGHT_BYTES // max(largest, 1) - 1))
 
 
 def checked_bytes(path: Path, manifest: dict, name: str) -> bytes:
@@ -68,8 +69,10 @@ class Reader:
         future = self.pending.pop(name, None)
         if future is None and name in self.todo:  # asked out of turn: not read twice
             self.todo.remove(name)
-        data = future.result() if future is not None else checked_bytes(self.path, self.manifest, name)
+        # the next file is queued before this one is waited for, so that a thread is already reading it while
+        # this one becomes tensors (safetensors holds the GIL then: a file queued after would wait for it)
         self._fill()
+        data = future.result() if future is not None else checked_bytes(self.path, self.manifest, name)
         return st_load(data)
 
     def close(self) -> None:

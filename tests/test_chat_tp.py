@@ -83,6 +83,29 @@ def _greedy(target, ids: list[int]) -> list[int]:
     return tforce.generate(target.model, ids, method="ar", max_new_tokens=12, temperature=0).tokens
 
 
+def _answers_follow_the_loaded_conversation(r, target, snapshot) -> None:
+    """A --keep-history chat's answers, its document loaded whole from `snapshot`: each follows the
+    conversation so far, as a fresh single-process prefill answers."""
+    history = target.tokenizer.encode(DOC)
+    for q, tokens in zip(QUESTIONS, _tokens(r), strict=True):
+        history += _question(target, q)
+        assert tokens == _greedy(target, history)
+        history += tokens
+    n = len(target.tokenizer.encode(DOC + "\n\n"))
+    assert f"document: {n} tokens ({n} loaded from {snapshot}, 0 prefilled)" in r.stderr
+
+
+def _run_reuses_the_document(models, target, snapshot) -> None:
+    """`run --tp 2 --load-kv snapshot` after the document: a fresh prefill's answer, the document reused."""
+    r = _invoke(["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST,
+                 str(models / "doc.txt"), "-p", "And then?", "--json", "--tp", "2", "--device", "cpu",
+                 "--load-kv", str(snapshot)])
+    assert r.exit_code == 0, r.output
+    record = json.loads(r.stdout)
+    assert record["tokens"] == _greedy(target, target.tokenizer.encode(DOC + "\n\nAnd then?"))
+    assert record["stats"]["kv_reused"] == len(target.tokenizer.encode(DOC + "\n\n"))
+
+
 @pytest.fixture(scope="module")
 def saving_chat(models, tmp_path_factory):
     """(`chat --tp 2 BOOK --save-kv` answering both questions, the snapshot it wrote, its folder)."""
@@ -113,23 +136,11 @@ def test_tp2_snapshot_loads_into_tp2_chat_with_fresh_answers(models, target, tp_
     """chat --tp 2 --load-kv (the document from the snapshot, not prefilled again) with --keep-history:
     each answer follows the conversation so far, as a fresh single-process prefill answers."""
     r = _chat(models, "--load-kv", str(tp_snapshot), "--keep-history")
-    history = target.tokenizer.encode(DOC)
-    for q, tokens in zip(QUESTIONS, _tokens(r), strict=True):
-        history += _question(target, q)
-        assert tokens == _greedy(target, history)
-        history += tokens
-    n = len(target.tokenizer.encode(DOC + "\n\n"))
-    assert f"document: {n} tokens ({n} loaded from {tp_snapshot}, 0 prefilled)" in r.stderr
+    _answers_follow_the_loaded_conversation(r, target, tp_snapshot)
 
 
 def test_tp2_snapshot_loads_into_tp2_run(models, target, tp_snapshot):
-    r = _invoke(["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST,
-                 str(models / "doc.txt"), "-p", "And then?", "--json", "--tp", "2", "--device", "cpu",
-                 "--load-kv", str(tp_snapshot)])
-    assert r.exit_code == 0, r.output
-    record = json.loads(r.stdout)
-    assert record["tokens"] == _greedy(target, target.tokenizer.encode(DOC + "\n\nAnd then?"))
-    assert record["stats"]["kv_reused"] == len(target.tokenizer.encode(DOC + "\n\n"))
+    _run_reuses_the_document(models, target, tp_snapshot)
 
 
 def test_a_snapshot_loads_into_another_number_of_ranks(models, target, tp_snapshot, tmp_path):
@@ -137,22 +148,10 @@ def test_a_snapshot_loads_into_another_number_of_ranks(models, target, tp_snapsh
     into 2 ranks (run): each rank cuts its KV heads from the parts that hold them, and the answers are a
     fresh prefill's. Before, each was refused in one line."""
     r = _chat(models, "--load-kv", str(tp_snapshot), "--keep-history", tp=False)
-    history = target.tokenizer.encode(DOC)
-    for q, tokens in zip(QUESTIONS, _tokens(r), strict=True):
-        history += _question(target, q)
-        assert tokens == _greedy(target, history)
-        history += tokens
-    n = len(target.tokenizer.encode(DOC + "\n\n"))
-    assert f"document: {n} tokens ({n} loaded from {tp_snapshot}, 0 prefilled)" in r.stderr
+    _answers_follow_the_loaded_conversation(r, target, tp_snapshot)
     one = tmp_path / "one.kv"
     assert _chat(models, str(models / "doc.txt"), "--save-kv", str(one), tp=False, input="").exit_code == 0
-    r = _invoke(["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST,
-                 str(models / "doc.txt"), "-p", "And then?", "--json", "--tp", "2", "--device", "cpu",
-                 "--load-kv", str(one)])
-    assert r.exit_code == 0, r.output
-    record = json.loads(r.stdout)
-    assert record["tokens"] == _greedy(target, target.tokenizer.encode(DOC + "\n\nAnd then?"))
-    assert record["stats"]["kv_reused"] == n
+    _run_reuses_the_document(models, target, one)
 
 
 def test_an_older_snapshot_of_another_number_of_ranks_is_refused_in_one_line(models, tp_snapshot, tmp_path):

@@ -196,15 +196,19 @@ def test_refusals_are_usage_errors():
 # ----------------------------------------------------------------------------------- the commands
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A tiny pair of 263 ids (the byte tokenizer's 259 and the template's four special tokens)."""
-    root = tmp_path_factory.mktemp("template")
-    make_checkpoint(root / "chat-target", seed=0, tokenizer=False, **{**TARGET, "vocab_size": 263})
-    make_checkpoint(root / "chat-draft", seed=1, tokenizer=False, **{**DRAFT, "vocab_size": 263})
-    _byte(HEADERS).save_pretrained(root / "chat-target")
+def templated_pair(root: Path, template: str, target: str = "chat-target", draft: str = "chat-draft") -> Path:
+    """A tiny pair of 263 ids (the byte tokenizer's 259 and the template's four special tokens) in `root`,
+    the target's tokenizer carrying `template`, and doc.txt."""
+    make_checkpoint(root / target, seed=0, tokenizer=False, **{**TARGET, "vocab_size": 263})
+    make_checkpoint(root / draft, seed=1, tokenizer=False, **{**DRAFT, "vocab_size": 263})
+    _byte(template).save_pretrained(root / target)
     (root / "doc.txt").write_text(DOC)
     return root
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return templated_pair(tmp_path_factory.mktemp("template"), HEADERS)
 
 
 def _cli(models, command, *args, input=None):

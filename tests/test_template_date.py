@@ -14,11 +14,10 @@ import tforce.prompt_format
 from tforce.cli import app
 from tforce.errors import UsageError
 from tforce.prompt_format import PromptFormat
-from tforce.synthetic import make_checkpoint
 from tforce.template_date import date_in
 
-from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
-from test_prompt_format import HEADERS, _byte
+from test_cli import DOC, FAST, _one_error_line
+from test_prompt_format import HEADERS, _byte, templated_pair
 
 # Llama 3.2's way with the date (strftime_now when transformers gives it), in HEADERS' layout
 DATED = ("{{ bos_token }}{%- if not date_string is defined %}{%- if strftime_now is defined %}"
@@ -73,12 +72,7 @@ def test_no_date_read_where_the_template_writes_none_or_the_text_is_another():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dated")
-    make_checkpoint(root / "target", seed=0, tokenizer=False, **{**TARGET, "vocab_size": 263})
-    make_checkpoint(root / "draft", seed=1, tokenizer=False, **{**DRAFT, "vocab_size": 263})
-    _byte(DATED).save_pretrained(root / "target")
-    (root / "doc.txt").write_text(DOC)
-    return root
+    return templated_pair(tmp_path_factory.mktemp("dated"), DATED, "target", "draft")
 
 
 def _on(monkeypatch, day: datetime) -> None:

@@ -253,6 +253,27 @@ def test_info_sizes_the_cache_for_the_models_own_context(tiny_dir):
     assert obj["model"]["kv_context"] == obj["model"]["context"] == obj["plan"]["context"] != 131072
 
 
+def test_info_plans_the_draft_run_would_use(tmp_path):
+    """For a folder X-target beside X-draft (the demo pair's layout), run's default draft is X-draft, and
+    info plans it: it planned a 68M-parameter draft (0.05 GiB for the demo pair's 0.6M)."""
+    from tforce.synthetic import make_checkpoint
+    from tforce.weights import read_config
+
+    make_checkpoint(tmp_path / "p-target", seed=0, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+    make_checkpoint(tmp_path / "p-draft", seed=1, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1)
+    obj, _ = _info(["-m", str(tmp_path / "p-target")])
+    items = {i["name"]: i["bytes"] for i in obj["plan"]["items"]}
+    assert items["draft weights"] == placement.Shape.of(read_config(tmp_path / "p-draft"), 2).weights
+    alone = tmp_path / "alone"  # no sibling draft: the paper's 68M draft, as before
+    make_checkpoint(alone, seed=0, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+    obj, _ = _info(["-m", str(alone)])
+    items = {i["name"]: i["bytes"] for i in obj["plan"]["items"]}
+    assert items["draft weights"] > 10 * placement.Shape.of(read_config(tmp_path / "p-draft"), 2).weights
+
+
 def test_a_batch_is_planned_with_every_per_row_item_times_its_rows():
     shape = placement.Shape.of(make_config("llama2-7b"), 2)
     one = placement.Work(capacity=32768, prompt=32767, method="naive")

@@ -126,6 +126,29 @@ def test_chat_pieces_are_run_prompt_tokens_where_punctuation_takes_the_blank_lin
         assert tok.decode(old + fmt.question_ids(q, separated=False)) == tok.decode(fmt.prompt_ids(doc + "\n\n" + q))
 
 
+DEMO_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "demo-target"
+
+
+@pytest.mark.parametrize("template", [None, HEADERS])
+def test_chat_pieces_are_run_prompt_tokens_where_a_blank_line_at_the_end_is_one_token(template):
+    """The demo pair's byte-level BPE (GPT-2's pre-tokenizer) makes one token of "\\n\\n" at the end of a
+    text but two "\\n" tokens before a word ("of\\n\\nWhat": "\\n", "\\n", "What"): a document piece
+    tokenized with the blank line at its end gave chat other ids than run (and other answers) for every
+    document, on the default model. Before a digit the same pre-tokenizer keeps "\\n\\n" one token (its
+    digits split first), so a question that starts with a digit still gets other ids there (README)."""
+    if not (DEMO_TOKENIZER / "tokenizer.json").exists():
+        pytest.skip(f"the demo pair is absent ({DEMO_TOKENIZER})")
+    tok = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot|>", "<|user|>", "<|assistant|>"]})
+    tok.chat_template = template
+    fmt = PromptFormat(tok)
+    assert tok.encode("of\n\n")[-1] not in tok.encode("of\n\nWhat")
+    for doc, q in [("Call me Ishmael. Some years ago", "What does the narrator call himself?"),
+                   ("It was the age of wisdom.", "Who?"), ("Light.\n", "\u201cWhy?\u201d"), ("x", "Or 43?")]:
+        assert fmt.document_ids(doc) + fmt.question_ids(q) == fmt.prompt_ids(doc + "\n\n" + q)
+        assert fmt.ends_with_separator(fmt.document_ids(doc))
+
+
 @pytest.mark.parametrize("template", [HEADERS, LLAMA2_CHAT])
 def test_templated_prompt_is_the_rendered_conversation(template):
     tok = _byte(template)

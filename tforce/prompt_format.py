@@ -13,7 +13,9 @@ tokenizer has none and gets the text as it is.
   questions and the answer, and split at them. The document's piece ends with the blank line after the
   document's text (and starts without its leading whitespace when the template strips a message's): the
   text before a question is then tokenized as `run` tokenizes it, where a Llama 3 tokenizer makes one
-  token of punctuation and the newlines after it ("wisdom.\n\nWho?": ".\n\n"). A question's piece is
+  token of punctuation and the newlines after it ("wisdom.\n\nWho?": ".\n\n"); the blank line is
+  tokenized as it comes before a letter, where a GPT-2-style pre-tokenizer (the demo pair's) splits it in
+  two ("\n", "\n") that it keeps one token at a text's end. A question's piece is
   the question and what closes the user's turn (through the assistant's header), tokenized as it comes
   after the blank line. With --keep-history a later question's piece starts with what follows an
   assistant's answer in the template (its turn end, then the next user header); when the answer already
@@ -72,8 +74,9 @@ class PromptFormat:
     def document_ids(self, document: str) -> list[int]:
         """The document and the blank line a first question follows."""
         if not self.templated:
-            return list(self.tok.encode(document + SEPARATOR))
-        return self._encode(self._head + (document.lstrip() if self._lstrip else document) + SEPARATOR)
+            return self._encode_before(document + SEPARATOR, lambda text: list(self.tok.encode(text)))
+        return self._encode_before(self._head + (document.lstrip() if self._lstrip else document) + SEPARATOR,
+                                   self._encode)
 
     def ends_with_separator(self, ids: list[int]) -> bool:
         """Whether a document's tokens end with the blank line (document_ids'; a KV snapshot made by an
@@ -197,6 +200,18 @@ class PromptFormat:
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
+
+    def _encode_before(self, text: str, encode) -> list[int]:
+        """The tokens of text that a question follows, as they come when the whole is tokenized: with a
+        letter after it, then without the letter's token. A GPT-2-style pre-tokenizer (the demo pair's)
+        makes one token of a blank line at the end of a text but two newline tokens before a word, and
+        the document's tokens must be a prefix of run's. Where the letter merges with the text before it,
+        the text is tokenized alone."""
+        ids = encode(text + _ANCHOR)
+        if len(ids) > 1 and self.tok.decode(ids[-1:]) == _ANCHOR and \
+                self.tok.decode(ids[-9:-1], skip_special_tokens=False).endswith(SEPARATOR):
+            return ids[:-1]
+        return encode(text)
 
     def _encode_after(self, piece: str, before: str = _ANCHOR) -> list[int]:
         """The tokens of text that follows other text, as they come when the whole is tokenized: after

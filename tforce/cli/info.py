@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -43,7 +44,7 @@ def _arch(config, context: int, dtype: str) -> dict:
 
 
 def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, offload: str,
-               gpu_memory: Optional[int], world: int, rows: int = 1) -> dict:
+               gpu_memory: Optional[int], world: int, rows: int = 1, draft_config=None) -> dict:
     """The plan for GPU 0 as it is (its memory, capped by --gpu-memory; the CUDA context measured), or on
     paper for a GPU of --gpu-memory bytes (the context a named constant; flash-attn assumed). Without
     flash-attn on a CUDA machine, SDPA's memory-efficient backend (placement.Work.attention)."""
@@ -67,7 +68,7 @@ def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, of
     h2d, dev = (h2d_peak_gbps("cuda:0"), device_bandwidth_gbps("cuda:0")) if cuda else (None, None)
     return {"h2d_gbps": h2d, "device_gbps": dev, "offload": offload, "context_measured": cuda,
             **info_plan(config, context, elem, gpu_budget, host_free, offload, budget, h2d, dev, world,
-                        context_bytes=context_bytes, attention=attention, rows=rows)}
+                        draft_config=draft_config, context_bytes=context_bytes, attention=attention, rows=rows)}
 
 
 def _gib(n: int) -> str:
@@ -125,11 +126,16 @@ def info(
         record = {"tforce": __version__, "python": platform.python_version(), "torch": torch.__version__,
                   "transformers": transformers.__version__, "cpu_cores": os.cpu_count(), "cuda_devices": gpus,
                   "host_memory_bytes": mem.total, "host_memory_available_bytes": mem.available}
+        draft_config = None  # the paper's 68M draft, unless run's default draft is a local folder
         if model is not None:
             from ..weights import read_config, resolve
+            from .setup import _default_draft
 
             path = resolve(model)
             config = read_config(path)
+            draft = _default_draft(model)
+            if draft is not None and Path(draft).is_dir():
+                draft_config = read_config(Path(draft))
             record["model"] = {"name": model, "path": str(path),
                                **_arch(config, context or config.max_position_embeddings, dtype), **_prompt(path, config)}
         if synthetic is not None:
@@ -145,7 +151,7 @@ def info(
 
             check_tp(config, ranks)
             record["plan"] = _info_plan(config, record["model"]["kv_context"], dtype, budget, mem.available,
-                                        world=ranks, rows=batch, **placement_options)
+                                        world=ranks, rows=batch, draft_config=draft_config, **placement_options)
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
             return

@@ -184,10 +184,25 @@ def test_bench_without_a_model_times_the_demo_pair_on_its_excerpt(runner, monkey
 def test_bench_on_the_demo_pair_refuses_in_one_line(runner):
     """The demo notice and the excerpt's line came before the check that the prompt and generation fit the
     demo target's context, so a refused bench printed them above its error."""
-    r = runner.invoke(app, ["bench", "--device", "cpu", "--gen-len", "1000", "--methods", "ar"])
+    r = runner.invoke(app, ["bench", "--device", "cpu", "--gen-len", "5000", "--methods", "ar"])
     assert r.exit_code == 2, (r.output, r.exception)
     assert r.stderr.strip().splitlines() == [
-        "tforce: error: --prompt-len 3300 + --gen-len 1000 exceeds the model's context (4096 tokens)"], r.stderr
+        "tforce: error: --prompt-len 3300 + --gen-len 5000 exceeds the model's context (4096 tokens)"], r.stderr
+
+
+def test_bench_fits_its_default_prompt_to_a_short_context(runner, tmp_path):
+    """`tforce bench -m MODEL` with a context under the default 122,880 tokens was refused with an error
+    naming a --prompt-len the user never typed; the default is now cut to what the context leaves, and
+    stderr says so. A --prompt-len that is typed is still refused."""
+    make_checkpoint(tmp_path / "short", seed=0, max_position_embeddings=256)
+    args = ["bench", "-m", str(tmp_path / "short"), "--device", "cpu", "--methods", "ar", "--gen-len", "8"]
+    r = runner.invoke(app, args + ["--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert json.loads(r.stdout)["prompt_tokens"] == 248
+    assert ("tforce: note: the model's context (256 tokens) is shorter than the default --prompt-len 122880 + "
+            "--gen-len 8: benchmarking prompts of 248 tokens") in r.stderr
+    r = runner.invoke(app, args + ["--prompt-len", "250"])
+    assert r.exit_code == 2 and "--prompt-len 250 + --gen-len 8 exceeds the model's context (256 tokens)" in r.stderr
 
 
 def test_bench_split_over_ranks(runner, tmp_path):

@@ -150,7 +150,7 @@ def bench(
                 failed.clear()
 
         record = _bench(b, cfg, target, small, synthetic, dev, dtype, text, world, batch,
-                        None if path is None else save, demo_notes)
+                        None if path is None else save, demo_notes, fit=prompt_len is None)
         if path is not None:
             save(record)
         if as_json:
@@ -168,8 +168,14 @@ def bench(
     _guarded(body)
 
 
-def _check_room(cfg, context: int) -> None:
-    if cfg.prompt_len + cfg.gen_len > context:  # generation would stop early: ms/token of fewer tokens
+def _check_room(cfg, context: int, fit: bool = False) -> None:
+    """Refuse a prompt and generation longer than the model's context (generation would stop early: ms/token
+    of fewer tokens). fit: the prompt's length is the default, not the user's: cut it to fit instead, and say so."""
+    if cfg.prompt_len + cfg.gen_len > context and fit and context - cfg.gen_len >= 1:
+        _say(f"tforce: note: the model's context ({context} tokens) is shorter than the default --prompt-len "
+             f"{cfg.prompt_len} + --gen-len {cfg.gen_len}: benchmarking prompts of {context - cfg.gen_len} tokens")
+        cfg.prompt_len = context - cfg.gen_len
+    if cfg.prompt_len + cfg.gen_len > context:
         raise UsageError(f"--prompt-len {cfg.prompt_len} + --gen-len {cfg.gen_len} exceeds the model's context "
                          f"({context} tokens)")
 
@@ -185,8 +191,9 @@ def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str, ro
 
 def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Optional[str], device: str,
            dtype: str, text: Optional[str], world: int = 1, batch: Optional[int] = None, on_run=None,
-           on_checked=None) -> dict:
-    """on_checked(): once the prompt and generation are checked to fit the model, before the first run."""
+           on_checked=None, fit: bool = False) -> dict:
+    """on_checked(): once the prompt and generation are checked to fit the model, before the first run.
+    fit: --prompt-len was not given, so its default may be cut to what the model's context leaves."""
     import torch
 
     from ..synthetic import ARCHITECTURES, make_config
@@ -197,7 +204,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
             raise UsageError(f"--synthetic must be one of {', '.join(ARCHITECTURES)}, got {synthetic!r}")
         torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if device == "cuda"
                                                                      else torch.float32)
-        _check_room(cfg, ARCHITECTURES[synthetic]["max_position_embeddings"])
+        _check_room(cfg, ARCHITECTURES[synthetic]["max_position_embeddings"], fit)
         target_cfg = make_config(synthetic)
         draft_cfg = make_config(synthetic, **b.DRAFT_SHAPES.get(synthetic, b.LLAMA_68M)) if uses_draft else None
         _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device, batch or 1)
@@ -221,7 +228,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
                                     device, torch_dtype)
         else:
             target_cfg = _read_config(model, "target model")[1]
-            _check_room(cfg, target_cfg.max_position_embeddings)
+            _check_room(cfg, target_cfg.max_position_embeddings, fit)
             draft_cfg = _read_config(draft_name, "draft model")[1] if uses_draft else None
             _check_bench_memory(cfg, target_cfg, draft_cfg,
                                 torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32), device,
@@ -232,7 +239,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
             models, config, tokenizer = b.Models.local(loaded.model, small), loaded.config, loaded.tokenizer
         name = model
     context = config.max_position_embeddings
-    _check_room(cfg, context)
+    _check_room(cfg, context, fit)
     if on_checked:
         on_checked()
     if batch is not None:

@@ -135,6 +135,19 @@ def test_snapshot_refusals_are_one_line(models, tmp_path):
     _one_error_line(_chat(models, str(models / "doc.txt"), "--room", "1", input="q\n"), 2, "--room")
 
 
+def test_a_room_the_context_cannot_hold_is_said_the_default_is_not(models, target):
+    """--room 5000 on a 512-token model was cut to what the context leaves without a word; the default
+    (4096) is cut silently, since nobody asked for it."""
+    n = len(target.tokenizer.encode(DOC + "\n\n"))
+    asked = _chat(models, str(models / "doc.txt"), "--room", "5000", "--json", input="Who?\n")
+    assert asked.exit_code == 0, asked.output
+    assert (f"tforce: note: the model's context (512 tokens) leaves room for {512 - n} tokens of questions and "
+            f"answers after the {n}-token document, not the --room 5000 asked for") in asked.stderr
+    default = _chat(models, str(models / "doc.txt"), "--json", input="Who?\n")
+    assert default.exit_code == 0 and "tforce: note: the model's context" not in default.stderr
+    assert json.loads(default.stdout)["tokens"] == json.loads(asked.stdout)["tokens"]
+
+
 def test_questions_typed_at_a_terminal(models, target):
     """Under a pseudo-terminal: a `> ` prompt, the answer, Ctrl-D ends the chat with exit 0."""
     import pty

@@ -41,6 +41,8 @@ from .live import Progress, TextStream
 from .run import _end_line, _shared_with_stderr
 from .setup import _configure, _dtype_bytes, _read_config, _tp_target, notices
 
+ROOM = 4096  # tokens after the document, by default
+
 
 @app.command()
 def chat(
@@ -50,8 +52,9 @@ def chat(
                                                  "terminal when the document comes on stdin)."),
     keep_history: bool = flag("--keep-history", "Each question follows the earlier questions and answers "
                                                 "(default: each follows the document alone)."),
-    room: int = typer.Option(4096, "--room", help="Tokens after the document for a question and its answer "
-                                                  "(with --keep-history, the whole conversation)."),
+    room: Optional[int] = typer.Option(None, "--room", help=f"Tokens after the document for a question and its "
+                                       f"answer (with --keep-history, the whole conversation; default {ROOM}, or "
+                                       "what the model's context leaves)."),
     model: Optional[str] = o.MODEL,
     draft: Optional[str] = o.DRAFT,
     method: str = o.METHOD,
@@ -90,7 +93,7 @@ def chat(
     params = dict(locals())
 
     def body():
-        if room < 2:
+        if room is not None and room < 2:
             raise UsageError(f"--room must be >= 2, got {room}")
         setup = _configure(params)
         text, from_stdin = _document(book, load_kv, model is None)
@@ -101,8 +104,8 @@ def chat(
     _guarded(body)
 
 
-def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int, keep_history: bool, as_json: bool,
-          save_kv: Optional[str], load_kv: Optional[str], ranks: ExitStack) -> None:
+def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Optional[int], keep_history: bool,
+          as_json: bool, save_kv: Optional[str], load_kv: Optional[str], ranks: ExitStack) -> None:
     from ..engine import _eos_ids
     from ..snapshot import read_manifest
 
@@ -122,7 +125,10 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: int,
         raise UsageError(f"the document is {len(doc)} tokens; the model's context ({context}) leaves no room "
                          "for a question")
     notices(setup, fmt, path)
-    room = min(room, context - len(doc))
+    if room is not None and room > context - len(doc):  # the default is cut without a word
+        _say(f"tforce: note: the model's context ({context} tokens) leaves room for {context - len(doc)} tokens of "
+             f"questions and answers after the {len(doc)}-token document, not the --room {room} asked for")
+    room = min(ROOM if room is None else room, context - len(doc))
     options = dict(setup.options)
     max_new = options.pop("max_new_tokens")
     ignore_eos = options.pop("ignore_eos")

@@ -192,6 +192,8 @@ def test_no_model_uses_the_demo_pair_and_excerpt(runner, tmp_path):
     (["-p", "hi", "--top-p", "1.5"], 2, "top-p"),
     (["-p", "hi", "--method", "beam"], 2, "unknown method"),
     (["-p", "hi", "--policy", "oracle"], 2, "unknown policy"),
+    (["-p", "hi", "--method", "streaming", "--policy", "h2o"], 2, "--method streaming has none"),  # was ignored
+    (["-p", "hi", "--method", "ar", "--policy", "topk"], 2, "--policy topk chooses what the middle level's"),
     (["-p", "hi", "--device", "tpu"], 2, "--device"),
     (["-p", "hi", "--dtype", "int8"], 2, "--dtype"),
 ])

@@ -71,6 +71,9 @@ class Speculation:
             raise UsageError(f"--sinks ({self.sinks}) must be smaller than --budget ({self.budget})")
         if self.policy not in POLICIES:
             raise UsageError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.policy != "retrieval" and self.method not in ("triforce", "retrieval"):  # it would change nothing
+            raise UsageError(f"--policy {self.policy} chooses what the middle level's cache holds; --method "
+                             f"{self.method} has none (triforce and retrieval have)")
         if not 0 <= self.rebuild_below <= 1:
             raise UsageError(f"--rebuild-below must be in [0, 1], got {self.rebuild_below}")
 

@@ -111,6 +111,13 @@ def test_batch_without_a_model_says_it_uses_the_demo_pair(runner, models, tmp_pa
     assert r.exit_code == 0, r.output
     assert f"no --model given: using the trained demo pair {demo / 'demo-target'}" in r.stderr.splitlines()[0]
     assert json.loads(r.stdout)["id"] == 1
+    # with another --draft, the line no longer calls that draft one of the trained demo pair
+    r = runner.invoke(app, ["run", "--batch", str(batch), "-n", "2", "-t", "0", "--draft", str(models / "tiny-target")],
+                      env=env)
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines()[0] == (
+        f"tforce: no --model given: using the trained demo target {demo / 'demo-target'} (a small model trained by "
+        f"scripts/train_demo.py, see models/README.md) with the draft {models / 'tiny-target'}")
 
 
 @pytest.mark.parametrize("content", ["", "\n  \n\n"])

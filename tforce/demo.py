@@ -36,7 +36,10 @@ def demo_pair() -> tuple[str, str]:
 
 
 def notice(target: str, draft: str) -> str:
-    """The stderr line that says the demo pair is in use (draft: the one given, else the demo's)."""
+    """The stderr line that says the demo target is in use (draft: the one given, else the demo's)."""
+    if Path(draft).resolve() != (models_dir() / "demo-draft").resolve():  # --draft: not the demo's own
+        return (f"tforce: no --model given: using the trained demo target {target} (a small model trained by "
+                f"scripts/train_demo.py, see models/README.md) with the draft {draft}")
     return (f"tforce: no --model given: using the trained demo pair {target} (draft: {draft}; "
             "small models trained by scripts/train_demo.py, see models/README.md)")
 

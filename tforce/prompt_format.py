@@ -31,7 +31,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from .errors import UsageError
-from .template_date import date_in, rendered_by, written
+from .template_date import date_in, pieces, rendered_by, written
 
 TEMPLATES = ("auto", "none")
 SEPARATOR = "\n\n"  # between the document (or the previous answer) and a question
@@ -39,7 +39,6 @@ SEPARATOR = "\n\n"  # between the document (or the previous answer) and a questi
 _ANCHOR = "a"  # what a piece is tokenized after (_encode_after)
 _Q1, _ANSWER, _Q2 = "\x00tforce-question-1\x00", "\x00tforce-answer\x00", "\x00tforce-question-2\x00"
 _CUT = f"D{SEPARATOR}{_Q1}"  # where the document's head ends in a rendering
-_MARK_TIME = "\x00tforce-time\x00"  # what a template that writes the date writes with it
 
 
 class PromptFormat:
@@ -96,10 +95,9 @@ class PromptFormat:
                 raise UsageError(f"{source} begins with {self.name}'s chat template (made without --template "
                                  "none?): give the same --template and --system as when it was made")
             return
-        head = self._encode(self._head)[:-1]
+        head = self._head_ids()
         if ids[:len(head)] != head:
-            day = ", or on another day (the template writes the date)" if _MARK_TIME in self._head_with(
-                lambda fmt: _MARK_TIME) else ""
+            day = ", or on another day (the template writes the date)" if len(pieces(self._head_with)) > 1 else ""
             raise UsageError(f"{source} does not begin with {self.name}'s chat template (made with --template none "
                              f"or another --system{day}?): give the same --template and --system as when it was made")
         close = self._encode_after(self._close)
@@ -113,7 +111,7 @@ class PromptFormat:
         itself."""
         if not self.templated:
             return self
-        head = self._encode(self._head)[:-1]
+        head = self._head_ids()
         if list(ids[:len(head)]) == head:
             return self
         text = self.tok.decode(list(ids[:len(head) + 64]), skip_special_tokens=False)
@@ -229,10 +227,13 @@ class PromptFormat:
         one = self._render([{"role": "user", "content": _CUT}], strftime)
         return one[:one.index(_CUT)]
 
+    def _head_ids(self) -> list[int]:
+        """The head's tokens but its last, which may merge with a document's first characters."""
+        return self._encode(self._head)[:-1]
+
     def _undated_head(self) -> str:
         """The document's head up to the date its template writes (a snapshot's may hold another day's)."""
-        head = self._head_with(lambda fmt: _MARK_TIME)
-        return head[:head.index(_MARK_TIME)] if _MARK_TIME in head else self._head
+        return pieces(self._head_with)[0]
 
     def _cut(self) -> None:
         """The template's pieces around the document and the questions (see the module's docstring)."""

@@ -18,12 +18,18 @@ from typing import Callable, Optional
 _MARK = "\x00tforce-date\x00"  # no template writes this
 
 
+def pieces(render: Callable[[Callable[[str], str]], str]) -> list[str]:
+    """The text the template `render` renders (as in date_in), cut at each time it writes: literal, format,
+    literal, ..., literal; one piece when it writes none."""
+    return render(lambda fmt: _MARK + fmt + _MARK).split(_MARK)
+
+
 def date_in(render: Callable[[Callable[[str], str]], str], text: str) -> Optional[datetime]:
     """The time `text` was rendered at, where `render(strftime_now)` renders the same template text with a
     given `strftime_now` and `text` begins with one such rendering: None when the template writes no time
     or `text` is not such a rendering. The first format the template asks for that parses back (strptime)
     into a time whose rendering `text` begins with is the answer."""
-    parts = render(lambda fmt: _MARK + fmt + _MARK).split(_MARK)  # literal, format, literal, ..., literal
+    parts = pieces(render)
     if len(parts) < 3:
         return None
     pattern = "".join(re.escape(p) if i % 2 == 0 else "(.+?)" for i, p in enumerate(parts))
@@ -43,7 +49,7 @@ def date_in(render: Callable[[Callable[[str], str]], str], text: str) -> Optiona
 def written(render: Callable[[Callable[[str], str]], str], when: datetime) -> str:
     """What the template `render` renders (as in date_in) writes for the time `when`: each format it asks
     strftime_now for, rendered, once, in order ("05 Jan 2026" for Llama 3.2's)."""
-    formats = render(lambda fmt: _MARK + fmt + _MARK).split(_MARK)[1::2]
+    formats = pieces(render)[1::2]
     return ", ".join(dict.fromkeys(when.strftime(fmt) for fmt in formats))
 
 

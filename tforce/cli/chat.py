@@ -112,13 +112,14 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
     path, config, tok = _tp_target(setup.target, setup.world)
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
-    fmt = setup.prompt_format(tok, path, load_kv)
+    saved = None if load_kv is None else read_manifest(load_kv)["tokens"]  # the snapshot's token ids
+    fmt = setup.prompt_format(tok, path, saved)
     if keep_history:
         fmt.check_history()
     if text is not None:
         doc = fmt.document_ids(text)
     else:
-        doc = read_manifest(load_kv)["tokens"]
+        doc = saved
         fmt.check_document(doc, f"the KV snapshot {load_kv}")
     context = config.max_position_embeddings
     if len(doc) + 2 > context:

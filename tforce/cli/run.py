@@ -90,13 +90,15 @@ def run(
 
 def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
     from ..engine import generate
+    from ..snapshot import read_manifest
     from ..weights import load_model, resolve
 
     model, draft, device, dtype, world = setup.target, setup.draft, setup.device, setup.dtype, setup.world
     path, config, tok = _tp_target(model, world)  # no weights yet: the prompt and memory are checked first
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
-    fmt = setup.prompt_format(tok, path, options.get("load_kv"))
+    load_kv = options.get("load_kv")
+    fmt = setup.prompt_format(tok, path, None if load_kv is None else read_manifest(load_kv)["tokens"])
     ids = fmt.prompt_ids(text)
     context = config.max_position_embeddings
     if len(ids) >= context:

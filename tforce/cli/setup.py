@@ -91,14 +91,13 @@ class Setup:
     system: Optional[str] = None
     stops: tuple = ()  # --stop strings (stops.StopStrings)
 
-    def prompt_format(self, tok, path, snapshot: Optional[str] = None):
+    def prompt_format(self, tok, path, snapshot_ids: Optional[list] = None):
         """How this command's text becomes tokens (the target's tokenizer `tok`, from folder `path`); with
-        a KV `snapshot` to reuse, as its tokens were laid out (a template that writes the date: theirs)."""
+        the token ids of a KV snapshot to reuse, as they were laid out (a template that writes the date: theirs)."""
         from ..prompt_format import PromptFormat
-        from ..snapshot import read_manifest
 
         fmt = PromptFormat(tok, self.template, self.system, name=str(path))
-        return fmt if snapshot is None else fmt.as_made(read_manifest(snapshot)["tokens"])
+        return fmt if snapshot_ids is None else fmt.as_made(snapshot_ids)
 
 
 def notices(setup: Setup, fmt, path, batch: bool = False) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from . import placement
 from .batch_session import _Batch, _RowState
-from .engine import Result, _eos_ids, _module, _placement, _planned_peak, check_ids, configuration
+from .engine import Result, _eos_ids, _modules, _placement, _planned_peak, check_ids, configuration
 from .session import _plan, _sync_device
 from .errors import UsageError
 
@@ -62,7 +62,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     until(tokens) -> int | None: `generate`'s, asked of each row after each round with the row's tokens so
     far (stops.StopStrings.cut: each row ends at its first stop string, where it would alone); a row it
     ends leaves the batch as a row at EOS does."""
-    target, draft = _module(target), (_module(draft) if draft is not None else None)
+    target, draft = _modules(target, draft)
     spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
                                    seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
                                    draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,

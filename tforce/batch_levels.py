@@ -24,11 +24,13 @@ from .config import Sampling
 from .sampling import sample, to_probs
 from .speculative import verify_rows
 from .sync import host, to_device
+from .vocab import SharedVocabulary
 
 
 class RowsNode:
-    def __init__(self, name: str, model, cache, sampling: Sampling, prefill_chunk: int):
-        self.name, self.model, self.cache, self.sampling = name, model, cache, sampling
+    def __init__(self, name: str, model, cache, sampling: Sampling, prefill_chunk: int,
+                 vocab: SharedVocabulary | None = None):
+        self.name, self.model, self.cache, self.sampling, self.vocab = name, model, cache, sampling, vocab
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
         self.record: list[list[int]] = [[] for _ in range(cache.rows)]  # row i holds record[i][:lengths[i]]
@@ -59,6 +61,8 @@ class RowsNode:
         counts = [len(c) for c in chunks]
         T = max(counts)
         ids = torch.tensor([c + [0] * (T - len(c)) for c in chunks], dtype=torch.long)  # (B, T)
+        if self.vocab is not None:
+            ids = self.vocab.ids(ids)
         starts = [self.held(i) for i in range(len(chunks))]
         self.cache.begin(T)
         logits = self.model(to_device(ids, self.device), self.cache, last_n=None if last else 0)  # (B, T, V)
@@ -70,7 +74,9 @@ class RowsNode:
         pick = torch.tensor(counts)[:, None] - last + torch.arange(last)  # (B, last)
         pick = to_device(pick, logits.device)
         chosen = logits.gather(1, pick[..., None].expand(-1, -1, logits.shape[-1]))
-        return to_probs(chosen.reshape(-1, logits.shape[-1]), self.sampling).view(len(chunks), last, -1)
+        if self.vocab is not None:
+            chosen = self.vocab.logits(chosen)
+        return to_probs(chosen.reshape(-1, chosen.shape[-1]), self.sampling).view(len(chunks), last, -1)
 
     def hold(self, seqs: list[list[int]], refeed: tuple[int, ...] = ()) -> None:
         """Make row i hold exactly seqs[i] (rolled back to what matches, the rest fed in chunks, no

@@ -16,6 +16,7 @@ from .prefill import prefill_rows_layer_major
 from .rope import Rotary
 from .session import _sync_device
 from .stops import end_of_round
+from .vocab import shared_vocabulary
 
 class _RowState:
     """The host-side state of the live rows: index into the caller's list, tokens so far, budget."""
@@ -77,7 +78,7 @@ class _Batch:
                                        rotary=Rotary(dcfg, max_len=total, device=dp.device),
                                        max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
                                        dtype=dp.dtype, device=dp.device)
-            self.small = RowsNode("draft", draft, cache, sampling, chunk)
+            self.small = RowsNode("draft", draft, cache, sampling, chunk, shared_vocabulary(draft, cfg.vocab_size))
         self.top, self.draft_level, self.middle_level = self._compose(B)
 
     def _compose(self, B: int):

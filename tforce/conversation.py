@@ -20,7 +20,7 @@ import time
 import torch
 
 from . import snapshot, snapshot_identity, snapshot_io
-from .engine import Result, _eos_ids, _module, _stats, check_ids, check_prompt, decode, generator, open_session
+from .engine import Result, _eos_ids, _modules, _stats, check_ids, check_prompt, decode, generator, open_session
 from .errors import UsageError
 from .session import Session, _sync_device
 
@@ -34,7 +34,7 @@ class Conversation:
         budgets, placement). load_kv / save_kv: KV snapshots of the document (snapshot.py); group: the
         tensor-parallel ranks (parallel.Group) when target is one rank's shard (conversation_tp.py)."""
         ident = snapshot_identity.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
-        self.target, self.draft = _module(target), (_module(draft) if draft is not None else None)
+        self.target, self.draft = _modules(target, draft)
         if document_ids is None:
             if load_kv is None:
                 raise UsageError("no document: give one, or a snapshot to load (--load-kv)")

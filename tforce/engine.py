@@ -16,6 +16,7 @@ from .config import Sampling, Speculation
 from .errors import UsageError
 from .session import Session, _sync_device
 from .stops import end_of_round
+from .vocab import check_sizes, check_tokenizers
 
 
 @dataclass
@@ -26,6 +27,16 @@ class Result:
 
 def _module(m):
     return getattr(m, "model", m) if not isinstance(m, torch.nn.Module) else m
+
+
+def _modules(target, draft):
+    """(target, draft) as networks; given as LoadedModels with tokenizers, a draft with another tokenizer
+    than the target's is refused here, where the tokenizers are still at hand (vocab.py)."""
+    if draft is None:
+        return _module(target), None
+    check_tokenizers(getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None),
+                     str(getattr(draft, "path", "model")), min(target.config.vocab_size, draft.config.vocab_size))
+    return _module(target), _module(draft)
 
 
 def _eos_ids(config) -> set[int]:
@@ -40,9 +51,7 @@ def _check_pair(target, draft, spec: Speculation) -> None:
         return
     if draft is None:
         raise UsageError(f"method {spec.method!r} needs a draft model (--draft)")
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise UsageError(f"draft and target vocabularies differ ({draft.config.vocab_size} vs "
-                         f"{target.config.vocab_size} tokens): the draft must share the target's tokenizer")
+    check_sizes(target.config.vocab_size, draft.config.vocab_size)
 
 
 def configuration(target, draft, *, method: str, temperature: float, top_p: float, top_k: int, seed: int | None,
@@ -135,7 +144,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     from . import snapshot, snapshot_identity, snapshot_io
 
     identity = snapshot_identity.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
-    target, draft = _module(target), (_module(draft) if draft is not None else None)
+    target, draft = _modules(target, draft)
     prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
     max_new = check_prompt(target, len(prompt), max_new_tokens)
     check_ids(target, prompt)

@@ -33,12 +33,14 @@ from .sampling import sample, to_probs
 from .speculative import Proposal, verify
 from .sync import host, to_device
 from .timing import ForwardTimer
+from .vocab import SharedVocabulary
 
 
 class Node:
     def __init__(self, name: str, model, cache, sampling: Sampling, capacity: int, prefill_chunk: int = 512,
-                 runner=None):
-        self.name, self.model, self.cache, self.sampling = name, model, cache, sampling
+                 runner=None, vocab: SharedVocabulary | None = None):
+        """vocab: a draft's mapping into the target's ids when its embedding table is shorter (vocab.py)."""
+        self.name, self.model, self.cache, self.sampling, self.vocab = name, model, cache, sampling, vocab
         # runner(ids, last_n) replaces model(ids, cache, last_n) when given (graphs.GraphRunner)
         self.runner = runner or (lambda ids, last_n: model(ids, cache, last_n=last_n))
         self.tokens = torch.zeros(capacity, dtype=torch.long)  # what the cache holds: tokens[:cache.length]
@@ -64,7 +66,8 @@ class Node:
         ids = seq[start:end]
         self.cache.begin(len(ids))
         mark = self.timer.start()
-        logits = self.runner(to_device(ids[None], self.device), last_n)
+        fed = ids if self.vocab is None else self.vocab.ids(ids)
+        logits = self.runner(to_device(fed[None], self.device), last_n)
         self.timer.stop(mark)
         self.cache.commit(len(ids))
         self.tokens[start:end] = ids
@@ -81,6 +84,8 @@ class Node:
             self._feed(seq, start, start + step, last_n=0)
             start += step
         logits = self._feed(seq, start, n, last_n=last)[0]  # (last, V)
+        if self.vocab is not None:
+            logits = self.vocab.logits(logits)
         return to_probs(logits, self.sampling)
 
     def adopt(self, seq: torch.Tensor, length: int) -> None:

@@ -20,6 +20,7 @@ from .levels import Drafter, LevelStats, Node, SpecLevel
 from .prefill import prefill_layer_major
 from .rope import Rotary
 from .rowwise import RowwiseRunner
+from .vocab import shared_vocabulary
 
 
 def _sync_device(device: torch.device) -> None:
@@ -86,7 +87,8 @@ class Session:
                                    rotary=Rotary(dcfg, max_len=self.total, device=dp.device),
                                    max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
                                    dtype=dp.dtype, device=dp.device)
-            self.small = Node("draft", draft, cache, sampling, capacity, chunk, _runner(draft, cache, graphs, pool))
+            self.small = Node("draft", draft, cache, sampling, capacity, chunk, _runner(draft, cache, graphs, pool),
+                              shared_vocabulary(draft, cfg.vocab_size))
         self.top, self.draft_level, self.middle_level = self._compose()
 
     def _compose(self):

@@ -13,12 +13,17 @@ from transformers import AutoConfig
 from .errors import TforceError, UsageError
 from .model import Llama
 
-# Short names for the long-context models tforce targets, with the draft that shares their tokenizer.
+# Short names for the long-context models tforce targets, with the default draft: one that shares the
+# target's tokenizer (vocab.py compares them before any weights are read). meta-llama's are gated: their
+# licence is accepted on the model's Hub page, then `hf auth login` (README, Run your own model).
 REGISTRY = {
     "llama2-7b-128k": ("NousResearch/Yarn-Llama-2-7b-128k", "JackFram/llama-68m"),
     "llama2-13b-128k": ("NousResearch/Yarn-Llama-2-13b-128k", "JackFram/llama-68m"),
     "lwm-text-chat-128k": ("LargeWorldModel/LWM-Text-Chat-128K", "JackFram/llama-68m"),
-    "llama3.1-8b-instruct": ("meta-llama/Llama-3.1-8B-Instruct", None),
+    "llama3.1-8b-instruct": ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
+    "qwen2.5-7b-instruct-1m": ("Qwen/Qwen2.5-7B-Instruct-1M", "Qwen/Qwen2.5-0.5B-Instruct"),
+    "qwen2.5-14b-instruct-1m": ("Qwen/Qwen2.5-14B-Instruct-1M", "Qwen/Qwen2.5-0.5B-Instruct"),
+    "qwen3-4b-instruct-2507": ("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-0.6B"),
 }
 SUPPORTED = {"llama", "mistral"}
 

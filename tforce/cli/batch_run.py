@@ -105,7 +105,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     """setup: run.Setup (the models, device, dtype and prompt format)."""
     from ..batch import generate_batch
     from ..weights import load_model
-    from .setup import _dtype_bytes, _read_config, _tp_target, notices
+    from .setup import _draft_config, _dtype_bytes, _tp_target, notices
 
     model, draft, device, dtype = setup.target, setup.draft, setup.device, setup.dtype
     path, config, tok = _tp_target(model, 1)
@@ -125,7 +125,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for fewer new tokens than asked: "
              + ", ".join(short))
     lengths = [len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets)]  # prompt + new tokens
-    draft_config = _read_config(draft, "draft model")[1] if draft else None
+    draft_config = _draft_config(draft, config, tok) if draft else None
 
     def check(rows: range) -> None:  # as the engine plans a batch: its rows, each of its longest row's capacity
         _check_memory(config, draft_config, max(lengths[r] for r in rows), _dtype_bytes(dtype, device), device,

@@ -16,7 +16,7 @@ from .app import app
 from .bench_table import _print_bench
 from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory,
                      _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
-from .setup import _check_local, _default_draft, _parallel, _read_config, _read_prompt, _tp_target
+from .setup import _check_local, _default_draft, _draft_config, _parallel, _read_prompt, _tp_target
 
 PROMPT_LEN = 122880  # the prompt of the paper's setups (README, "Reproducing the paper's setups")
 
@@ -223,13 +223,15 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
         if world > 1:  # the ranks load the weights: here only the config and tokenizer
             path, config, tokenizer = _tp_target(model, world)
+            if uses_draft:
+                _draft_config(draft_name, config, tokenizer)
             torch_dtype = torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
             models = b.Models.split(config, str(path), str(resolve(draft_name)) if uses_draft else None, world,
                                     device, torch_dtype)
         else:
-            target_cfg = _read_config(model, "target model")[1]
+            _, target_cfg, target_tok = _tp_target(model, 1)
             _check_room(cfg, target_cfg.max_position_embeddings, fit)
-            draft_cfg = _read_config(draft_name, "draft model")[1] if uses_draft else None
+            draft_cfg = _draft_config(draft_name, target_cfg, target_tok) if uses_draft else None
             _check_bench_memory(cfg, target_cfg, draft_cfg,
                                 torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32), device,
                                 batch or 1)

@@ -39,7 +39,7 @@ from .chat_input import _document, _question_source
 from .common import _as_role, _check_memory, _guarded, _say, flag
 from .live import Progress, TextStream
 from .run import _end_line, _shared_with_stderr
-from .setup import _configure, _dtype_bytes, _read_config, _tp_target, notices
+from .setup import _configure, _draft_config, _dtype_bytes, _tp_target, notices
 
 ROOM = 4096  # tokens after the document, by default
 
@@ -137,7 +137,7 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
     live = sys.stderr.isatty() and not as_json
     progress = Progress(0, method, TextStream(tok, sys.stdout, enabled=False), shared=False) if live else None
     try:
-        conv = _conversation(setup, path, config, doc, ranks, room=room, keep_history=keep_history,
+        conv = _conversation(setup, path, config, tok, doc, ranks, room=room, keep_history=keep_history,
                              ignore_eos=ignore_eos, load_kv=load_kv, save_kv=save_kv,
                              on_prefill=progress.on_prefill if progress else None, **options)
     finally:
@@ -167,18 +167,18 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
                 raise
 
 
-def _conversation(setup, path, config, doc: list[int], ranks: ExitStack, room: int, **kwargs):
+def _conversation(setup, path, config, tok, doc: list[int], ranks: ExitStack, room: int, **kwargs):
     """A Conversation in this process, or over setup.world ranks (entered on `ranks`, which ends them);
     kwargs: Conversation's."""
     from ..conversation import Conversation
     from ..conversation_tp import ParallelConversation
     from ..weights import load_model, resolve
 
+    draft_config = _draft_config(setup.draft, config, tok) if setup.draft else None
     if setup.world > 1:  # the ranks load their parts of the models
         draft = str(resolve(setup.draft)) if setup.draft else None
         return ranks.enter_context(ParallelConversation(path, draft, doc, setup.world, setup.device, setup.dtype,
                                                         room=room, **kwargs))
-    draft_config = _read_config(setup.draft, "draft model")[1] if setup.draft else None
     _check_memory(config, draft_config, len(doc) + room, _dtype_bytes(setup.dtype, setup.device), setup.device,
                   setup.options["offload"], setup.options["gpu_memory"], setup.options["budget"],
                   setup.options["method"])

@@ -15,7 +15,7 @@ from .app import app
 from . import options as o
 from .batch_run import check_options, read_batch, run_batch
 from .common import _as_role, _check_memory, _guarded, _say, flag
-from .setup import Setup, _configure, _dtype_bytes, _read_config, _read_prompt, _tp_target, notices
+from .setup import Setup, _configure, _draft_config, _dtype_bytes, _read_prompt, _tp_target, notices
 from .live import Progress, TextStream, _summary_line
 
 
@@ -108,8 +108,8 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
     if max_new < options["max_new_tokens"]:
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for {max_new} new tokens after "
              f"the {len(ids)}-token prompt, not the {options['max_new_tokens']} asked for")
+    draft_config = _draft_config(draft, config, tok) if draft else None
     if world == 1:  # split runs: the workers load the weights
-        draft_config = _read_config(draft, "draft model")[1] if draft else None
         _check_memory(config, draft_config, len(ids) + max_new, _dtype_bytes(dtype, device), device,
                       options["offload"], options["gpu_memory"], options["budget"], options["method"])
         target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)

@@ -228,6 +228,18 @@ def _read_config(name: str, role: str):
     return path, _as_role(role, read_config, path)
 
 
+def _draft_config(draft: str, target_config, target_tok):
+    """The draft's config, checked against the target's before any weights are read: an embedding table no
+    larger than the target's and the same tokenizer (vocab.py)."""
+    from ..vocab import check_sizes, check_tokenizers
+    from ..weights import _load_tokenizer
+
+    path, config = _read_config(draft, "draft model")
+    check_sizes(target_config.vocab_size, config.vocab_size)
+    check_tokenizers(target_tok, _load_tokenizer(path), str(path), min(target_config.vocab_size, config.vocab_size))
+    return config
+
+
 def _tp_target(model: str, world: int):
     """(folder, config, tokenizer) of the target without loading weights; split over world > 1 ranks,
     the heads must split."""

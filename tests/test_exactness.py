@@ -81,13 +81,17 @@ SAMPLES = 1000
 SAMPLING = Sampling(temperature=0.9, top_p=0.95, top_k=5)
 
 
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v6")
+def vocab_pair(root, draft_vocab: int = V):
+    """(target, draft) networks over V ids; the draft's table holds the first draft_vocab of them."""
     make_checkpoint(root / "t", seed=11, vocab_size=V, tokenizer=False, num_key_value_heads=2)
-    make_checkpoint(root / "d", seed=12, vocab_size=V, tokenizer=False, hidden_size=32,
+    make_checkpoint(root / "d", seed=12, vocab_size=draft_vocab, tokenizer=False, hidden_size=32,
                     intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
     return tforce.load_model(str(root / "t")).model, tforce.load_model(str(root / "d")).model
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    return vocab_pair(tmp_path_factory.mktemp("v6"))
 
 
 def exact_joint(model, prompt, n):

@@ -17,7 +17,7 @@ from tforce.vocab import PLACEHOLDER, SharedVocabulary, check_tokenizers
 
 from conftest import TINY
 from model_helpers import hf_model
-from test_exactness import SAMPLES, check, draw, exact_joint
+from test_exactness import SAMPLES, check, draw, exact_joint, vocab_pair
 
 DRAFT_USERS = ["triforce", "naive", "streaming"]
 SMALL = dict(budget=16, chunk_size=4, draft_budget=12, sinks=2, gamma1=2, gamma2=4, rebuild_every=8)
@@ -102,16 +102,10 @@ def test_batch_greedy_equals_plain_decoding(wide, cut, method):
         assert row.tokens == tforce.generate(target, prompt, method="ar", **kw).tokens
 
 
-V, OWN = 6, 4  # the target's ids and the draft's rows
-
-
 @pytest.fixture(scope="module")
 def short_draft(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v6short")
-    make_checkpoint(root / "t", seed=11, vocab_size=V, tokenizer=False, num_key_value_heads=2)
-    make_checkpoint(root / "d", seed=12, vocab_size=OWN, tokenizer=False, hidden_size=32,
-                    intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
-    return tforce.load_model(str(root / "t")).model, tforce.load_model(str(root / "d")).model
+    """Six ids; the draft's table holds the first four."""
+    return vocab_pair(tmp_path_factory.mktemp("v6short"), draft_vocab=4)
 
 
 PROMPT = [1, 4, 2, 0, 5, 3, 3, 1, 0, 2, 4, 4, 5, 1, 2, 0, 3, 5, 2, 1, 0, 4, 3]  # 4 and 5: not in the draft

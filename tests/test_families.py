@@ -15,11 +15,15 @@ import tforce
 from model_helpers import feed, forward, full_cache, hf_model, random_ids
 from tforce.cli import app
 from tforce.config import POLICIES
+from tforce.errors import UsageError
 from tforce.peers import no_eos
 from tforce.ranks import launch
+from tforce.rope import Rotary
 from tforce.synthetic import make_family_checkpoint
+from tforce.weights import read_config
 
 from test_cli import _one_error_line
+from test_exactness import PROMPT as SMALL_PROMPT, N_TOKENS, SAMPLES, V, check, draw, exact_joint
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
 # Qwen (v1) shipped its own code through auto_map; tforce and transformers must read the plain family instead.
@@ -114,8 +118,7 @@ def test_a_missing_difference_changes_the_logits(root, loaded, name, remove):
     ids = random_ids(40, seed=3)
     ref = forward(model, full_cache(model), ids)
     if remove == "yarn":
-        cfg = tforce.weights.read_config(root / "qwen2")
-        cache = full_cache(model, rotary=tforce.rope.Rotary(cfg, 128))
+        cache = full_cache(model, rotary=Rotary(read_config(root / "qwen2"), 128))  # same theta, no YaRN
         assert (forward(model, cache, ids) - ref).abs().max() > 1e-2
         return
     attn = model.model.layers[0].self_attn
@@ -131,9 +134,9 @@ def test_a_missing_difference_changes_the_logits(root, loaded, name, remove):
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
-@pytest.mark.parametrize("method", ["ar", "triforce"])
+@pytest.mark.parametrize("method", ["ar", "triforce", "triforce --deterministic"])
 def test_cli_greedy_equals_transformers_generate(root, hf_greedy, name, method):
-    out = _run(root, name, "--method", method, *SMALL)
+    out = _run(root, name, "--method", *method.split(), *SMALL)
     assert out["tokens"] == hf_greedy[name]
     assert out["prompt_tokens"] > 16  # the retrieval budget: it drops tokens
 
@@ -202,3 +205,86 @@ def test_info_counts_the_checkpoint(root, loaded, name):
     assert info["model"]["model_type"] == CHECKPOINTS[name][0] and info["model"]["head_dim"] == model.head_dim
     assert info["plan"]["weights_bytes"] == _tensor_bytes(root / name)
     assert info["model"]["rope_theta"] == 1e6
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_chat_answers_as_plain_decoding(root, loaded, name):
+    r = CliRunner().invoke(app, ["chat", "-m", str(root / name), "--draft", str(root / DRAFT_OF[name]),
+                                 str(root / "doc.txt"), "--json", *SMALL, "-n", "8", "-t", "0"], input="Who?\n")
+    assert r.exit_code == 0, (r.output, r.exception)
+    [record] = [json.loads(line) for line in r.stdout.splitlines()]
+    tok = loaded[name].tokenizer
+    ids = tok.encode(TEXT) + tok.encode("\n\nWho?", add_special_tokens=False)
+    assert record["tokens"] == tforce.generate(loaded[name], ids, method="ar", max_new_tokens=8, temperature=0).tokens
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_bench_and_transformers_peers(root, name):
+    """bench's hf peers run transformers' own class of the family on our tensors: their greedy tokens match."""
+    r = CliRunner().invoke(app, ["bench", "-m", str(root / name), "--draft", str(root / DRAFT_OF[name]), "--device",
+                                 "cpu", "--prompt-len", "48", "--gen-len", "6", "--methods", "ar,triforce", "--budget",
+                                 "16", "--chunk-size", "4", "--draft-budget", "32", "-t", "0", "--peers", "hf", "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    report = json.loads(r.stdout)
+    assert [run["method"] for run in report["runs"]] == ["ar", "triforce"] and report["synthetic"] is False
+    assert all(run["ms_per_token"] > 0 and run["tokens"] == 6 for run in report["runs"])
+    ran = [p for p in report["peers"] if not p["skipped"]]
+    assert {p["method"] for p in ran} == {"hf", "hf-assisted", "hf-lookup"}
+    assert all(p["vs_ar"] == "match" for p in ran), ran
+
+
+def test_snapshot_and_batch_on_qwen3(root, loaded, tmp_path):
+    snap = str(tmp_path / "q3.kv")
+    saved = _run(root, "qwen3", "--save-kv", snap, *SMALL)
+    loaded_run = _run(root, "qwen3", "--load-kv", snap, *SMALL)
+    assert loaded_run["tokens"] == saved["tokens"] and loaded_run["stats"]["kv_reused"] == saved["prompt_tokens"] - 1
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text(json.dumps({"prompt": TEXT}) + "\n" + json.dumps({"prompt": "It was"}) + "\n")
+    r = CliRunner().invoke(app, ["run", "-m", str(root / "qwen3"), "--draft", str(root / "qwen2"), "--batch",
+                                 str(batch), "-t", "0", "-n", "8", "--ignore-eos", *SMALL])
+    assert r.exit_code == 0, (r.output, r.exception)
+    tok = loaded["qwen3"].tokenizer
+    for line, text in zip(r.stdout.strip().splitlines(), [TEXT, "It was"]):
+        expected = tforce.generate(loaded["qwen3"], tok.encode(text), method="ar", max_new_tokens=8, temperature=0,
+                                   ignore_eos=True).tokens
+        assert json.loads(line)["tokens"] == expected
+
+
+def test_qwen3_sampling_matches_target_distribution(tmp_path):
+    """Qwen3 target (q/k norms, head_dim 32), Qwen2 draft (biases), row-wise verification: the tokens
+    triforce samples follow the target's exact distribution (test_exactness's chi-square)."""
+    small = dict(vocab_size=V, max_position_embeddings=512)
+    target = tforce.load_model(str(make_family_checkpoint(tmp_path / "t", "qwen3", seed=5, **small)),
+                               tokenizer=False).model
+    draft = tforce.load_model(str(make_family_checkpoint(tmp_path / "d", "qwen2", seed=6, **small)),
+                              tokenizer=False).model
+    joint = exact_joint(target, SMALL_PROMPT, N_TOKENS)
+    samples, acc = draw(target, draft, SMALL_PROMPT, "triforce", SAMPLES, seed=4, deterministic=True)
+    assert min(check(samples, joint)) > 1e-3
+    assert 0.1 < acc < 0.95, acc
+
+
+def _config_folder(root, tmp_path, name: str, **keys):
+    """A folder holding qwen2's config.json with `keys` changed."""
+    config = json.loads((root / "qwen2" / "config.json").read_text())
+    config.update(keys)
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text(json.dumps(config))
+    return tmp_path / name
+
+
+def test_sliding_window_refused_only_where_a_layer_slides(root, tmp_path):
+    mistral = make_family_checkpoint(tmp_path / "mistral-v0.1", "mistral", sliding_window=4096,
+                                     max_position_embeddings=32768)
+    r = CliRunner().invoke(app, ["run", "-m", str(mistral), "-p", "hi", "--method", "ar"])
+    _one_error_line(r, 2, "sliding-window attention (4096 tokens, shorter than the 32768-token context)")
+    short = dict(sliding_window=1024, max_position_embeddings=4096)
+    for name, keys, refused in [("off", dict(use_sliding_window=False), False),  # Qwen2.5's own flag
+                                ("on", dict(use_sliding_window=True, max_window_layers=0), True),
+                                ("none-slide", dict(use_sliding_window=True, max_window_layers=2), False)]:
+        folder = _config_folder(root, tmp_path, name, **short, **keys)
+        if refused:
+            with pytest.raises(UsageError, match="sliding-window attention"):
+                read_config(folder)
+        else:
+            assert read_config(folder).model_type == "qwen2"

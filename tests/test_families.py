@@ -17,6 +17,7 @@ from tforce.cli import app
 from tforce.config import POLICIES
 from tforce.errors import UsageError
 from tforce.peers import no_eos
+from tforce.placement import weight_bytes
 from tforce.ranks import launch
 from tforce.rope import Rotary
 from tforce.synthetic import make_family_checkpoint
@@ -111,6 +112,16 @@ def test_each_family_holds_its_own_layers(root, loaded):
     assert q3.q_proj.bias is None
 
 
+def test_qwen3_head_size_need_not_divide_the_hidden_size(tmp_path):
+    """5 heads of 16 over a hidden size of 48: refused for a Llama (hidden / heads), read for a Qwen3."""
+    path = make_family_checkpoint(tmp_path / "odd", "qwen3", hidden_size=48, num_attention_heads=5,
+                                  num_key_value_heads=1, head_dim=16)
+    ids = random_ids(20)
+    model = tforce.load_model(str(path)).model
+    with torch.no_grad():
+        torch.testing.assert_close(forward(model, full_cache(model), ids), hf_model(path)(ids).logits, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("name, remove", [("qwen2", "bias"), ("qwen3", "q_norm"), ("qwen2-yarn", "yarn")])
 def test_a_missing_difference_changes_the_logits(root, loaded, name, remove):
     """The comparison above can fail: without the q/k/v biases, the q/k norms or YaRN, the logits move."""
@@ -170,6 +181,7 @@ def _tp_worker(rank, world, root):
         draft = tforce.load_model(f"{root}/{DRAFT_OF[name]}", tokenizer=False).model
         attn = model.model.layers[0].self_attn
         out[name] = {"logits": forward(model, full_cache(model), ids), "q_rows": attn.q_proj.out_features,
+                     "bytes": sum({p.data_ptr(): p.nbytes for p in model.parameters()}.values()),
                      "q_norm": tuple(attn.q_norm.weight.shape) if hasattr(attn.q_norm, "weight") else None,
                      "tokens": tforce.generate(model, ids[0].tolist(), draft=draft, method="triforce",
                                                max_new_tokens=N, temperature=0, ignore_eos=True,
@@ -189,6 +201,7 @@ def test_tp2_shards_every_family(root, loaded):
             torch.testing.assert_close(r[name]["logits"], whole, atol=1e-4, rtol=0)
             assert r[name]["tokens"] == ar, name
             assert r[name]["q_rows"] == model.model.layers[0].self_attn.q_proj.out_features // 2
+            assert r[name]["bytes"] == weight_bytes(model.config, 4, world=2)  # what the planner counts
         assert ranks[0]["qwen3"]["q_norm"] == (32,)  # whole on every rank
 
 

@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .attention import attend
-from .families import head_dim, layout
+from .families import head_dim, kv_heads, layout
 
 
 class Attention(nn.Module):
@@ -24,7 +24,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
+        self.n_kv = kv_heads(config)
         self.head_dim = head_dim(config)
         parts = layout(config)
         h, d = config.hidden_size, self.head_dim

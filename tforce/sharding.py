@@ -21,14 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import UsageError
+from .families import kv_heads
 
 
 def check_tp(config, world: int) -> None:
     """UsageError (one line) unless the model's heads and MLP split evenly over `world` ranks."""
     if world < 1:
         raise UsageError(f"tensor parallelism needs at least 1 rank, got {world}")
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv = config.num_attention_heads, kv_heads(config)
     if kv % world or heads % world:
         raise UsageError(f"cannot split {heads} query heads and {kv} KV heads over {world} ranks: "
                          f"both must divide by {world}")

@@ -73,7 +73,8 @@ def read_config(path: Path):
     if config.model_type not in FAMILIES:
         raise UsageError(f"{path}: model type {config.model_type!r} is not a Llama-family model "
                          f"(tforce runs {', '.join(FAMILIES)})")
-    # transformers 5.4 on refuse it; 5.0 to 5.3 read it. Qwen3 names its head size (head_dim) instead
+    # transformers 5.4 on refuse it for a Llama; 5.0 to 5.3 read it. Qwen3 names its head size (head_dim),
+    # which need not divide the hidden size
     if config.model_type != "qwen3" and config.hidden_size % config.num_attention_heads:
         raise UsageError(f"cannot read {path / 'config.json'}: the hidden size ({config.hidden_size}) is not a "
                          f"multiple of the number of attention heads ({config.num_attention_heads})")

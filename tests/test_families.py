@@ -78,11 +78,8 @@ def _run(root, name, *args):
 
 def _tensor_bytes(path) -> int:
     """Bytes of every tensor in the folder's safetensors files."""
-    total = 0
-    for f in path.glob("*.safetensors"):
-        with safe_open(str(f), framework="pt") as sf:
-            total += sum(sf.get_tensor(k).nbytes for k in sf.keys())
-    return total
+    files = [safe_open(str(f), framework="pt") for f in path.glob("*.safetensors")]
+    return sum(sf.get_tensor(k).nbytes for sf in files for k in sf.keys())
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
@@ -119,7 +116,8 @@ def test_qwen3_head_size_need_not_divide_the_hidden_size(tmp_path):
     ids = random_ids(20)
     model = tforce.load_model(str(path)).model
     with torch.no_grad():
-        torch.testing.assert_close(forward(model, full_cache(model), ids), hf_model(path)(ids).logits, atol=1e-4, rtol=0)
+        ref = hf_model(path)(ids).logits
+    torch.testing.assert_close(forward(model, full_cache(model), ids), ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name, remove", [("qwen2", "bias"), ("qwen3", "q_norm"), ("qwen2-yarn", "yarn")])
@@ -236,7 +234,8 @@ def test_bench_and_transformers_peers(root, name):
     """bench's hf peers run transformers' own class of the family on our tensors: their greedy tokens match."""
     r = CliRunner().invoke(app, ["bench", "-m", str(root / name), "--draft", str(root / DRAFT_OF[name]), "--device",
                                  "cpu", "--prompt-len", "48", "--gen-len", "6", "--methods", "ar,triforce", "--budget",
-                                 "16", "--chunk-size", "4", "--draft-budget", "32", "-t", "0", "--peers", "hf", "--json"])
+                                 "16", "--chunk-size", "4", "--draft-budget", "32", "-t", "0", "--peers", "hf",
+                                 "--json"])
     assert r.exit_code == 0, (r.output, r.exception)
     report = json.loads(r.stdout)
     assert [run["method"] for run in report["runs"]] == ["ar", "triforce"] and report["synthetic"] is False

@@ -51,9 +51,9 @@ def kv_heads(config) -> int:
 def sliding_window(config) -> int | None:
     """The window of the layers that attend through one, or None when every layer attends to the whole
     context. Qwen configs clear sliding_window when use_sliding_window is false and list each layer's kind
-    in layer_types (no layer slides below max_window_layers); Mistral's window applies to every layer."""
-    types = getattr(config, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
+    in layer_types (no layer slides below max_window_layers), which Qwen2Model and Qwen3Model follow;
+    MistralModel applies its window to every layer whatever layer_types says."""
+    if config.model_type in ("qwen2", "qwen3") and "sliding_attention" not in config.layer_types:
         return None
     return getattr(config, "sliding_window", None)
 

@@ -5,10 +5,11 @@ with stock transformers: `hf` (plain decoding), `hf-assisted` (assisted generati
 as `assistant_model`), `hf-lookup` (prompt lookup decoding) and `hf-offload` (transformers' offloaded
 KV cache, CUDA only: on a CPU the cache already lives in host memory).
 
-The peers run transformers' own class of the model's family (LlamaForCausalLM, Qwen2ForCausalLM, ...) whose parameters are the very tensors of the loaded
-tforce model (no second copy, no rounding: the same checkpoint or the same random weights), with
-`sdpa` attention, over the same token ids, the same number of new tokens, EOS ignored, and the same
-sampling (greedy at temperature 0). Greedy outputs are compared with tforce's `ar` token for token.
+The peers run transformers' own class of the model's family (LlamaForCausalLM, Qwen2ForCausalLM, ...)
+whose parameters are the very tensors of the loaded tforce model (no second copy, no rounding: the same
+checkpoint or the same random weights), with `sdpa` attention, over the same token ids, the same number
+of new tokens, EOS ignored, and the same sampling (greedy at temperature 0). Greedy outputs are compared
+with tforce's `ar` token for token.
 
 Timing: a warm-up generation per peer (WARMUP_TOKENS prompt tokens, 4 new) first, as for tforce's
 methods. Then per peer a 1-token generation (prefill and first token: `prefill_s`) and a

@@ -187,6 +187,6 @@ def _load_tokenizer(path: Path):
     if not any((path / name).is_file() for name in VOCABULARY_FILES):
         return None
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception:
         return None

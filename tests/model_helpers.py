@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from tforce.cache import FullCache
 from tforce.rope import Rotary
@@ -47,12 +47,13 @@ def feed(model, cache, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
     return torch.cat(out, dim=1)
 
 
-def hf_model(path) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def hf_model(path):
+    """transformers' own *ForCausalLM of the checkpoint's family, in float32."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
-def hf_logits(hf: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
     return hf(ids).logits.float()
 
 

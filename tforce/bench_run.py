@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import placement
+from . import families, placement
 from .ceilings import Ceilings
 from .config import Speculation
 from .floors import prefill_flops, step_floors_ms
@@ -86,11 +86,10 @@ class Models:
     @classmethod
     def split(cls, config, target_path: str, draft_path: str | None, world: int, device: str,
               dtype: torch.dtype) -> "Models":
-        n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        n_kv, d = families.kv_heads(config), families.head_dim(config)
         elem = torch.empty((), dtype=dtype).element_size()
         return cls(torch.device(device, 0) if device == "cuda" else torch.device(device), dtype,
-                   2 * (n_kv // world) * head_dim * elem, target_path=target_path, draft_path=draft_path,
+                   2 * (n_kv // world) * d * elem, target_path=target_path, draft_path=draft_path,
                    world=world)
 
     def generate(self, ids: list[int], method: str, **options):

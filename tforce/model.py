@@ -1,6 +1,8 @@
-"""The Llama-family decoder (Llama 2, Llama 3/3.1, Mistral-style GQA): the network only.
+"""The Llama-family decoder (Llama 2, Llama 3/3.1, Mistral, Qwen2/Qwen2.5, Qwen3): the network only.
 
-Parameter names mirror transformers' LlamaForCausalLM so a Hugging Face state dict loads as it is.
+Parameter names mirror transformers' *ForCausalLM of each family so a Hugging Face state dict loads as it
+is. The families differ only in what each layer holds (biases, Qwen3's q_norm/k_norm, an explicit head
+size), decided from the config when the model is built (families.py), never while it runs.
 The model knows nothing of positions, cache layout, sampling, tensor parallelism or CUDA graphs: each
 attention layer hands its fresh q, k, v to the cache, which applies its own position rule (RoPE) and
 returns the keys and values to attend to (see cache/base.py).
@@ -10,9 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .attention import attend
+from .families import head_dim, kv_heads, layout
 
 
 class Attention(nn.Module):
@@ -20,23 +24,48 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
-        bias = getattr(config, "attention_bias", False)
+        self.n_kv = kv_heads(config)
+        self.head_dim = head_dim(config)
+        parts = layout(config)
         h, d = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=parts.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=parts.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=parts.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=parts.o_bias)
+        if parts.qk_norm:  # one norm over head_dim shared by every head: whole on every tensor-parallel rank
+            self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, hidden) -> q (B, T, H_q, D), k and v (B, T, H_kv, D), before RoPE (the cache applies it)."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim))
+        return q, k, self.v_proj(x).view(B, T, -1, self.head_dim)
 
     def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H_q, D)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H_kv, D)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H_kv, D)
-        q, view = cache.update(self.layer, q, k, v)
+        q, view = cache.update(self.layer, *self.qkv(x))
         out = attend(q, view)  # (B, T, H_q, D)
         return self.o_proj(out.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU, named as transformers' LlamaMLP (gate_proj, up_proj, down_proj), biased as the family's
+    layout says (LlamaMLP reads config.mlp_bias, which the other families' configs lack)."""
+
+    def __init__(self, config, bias: bool):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -45,7 +74,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = MLP(config, layout(config).mlp_bias)
 
     def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cache)

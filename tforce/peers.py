@@ -5,10 +5,11 @@ with stock transformers: `hf` (plain decoding), `hf-assisted` (assisted generati
 as `assistant_model`), `hf-lookup` (prompt lookup decoding) and `hf-offload` (transformers' offloaded
 KV cache, CUDA only: on a CPU the cache already lives in host memory).
 
-The peers run transformers' LlamaForCausalLM whose parameters are the very tensors of the loaded
-tforce model (no second copy, no rounding: the same checkpoint or the same random weights), with
-`sdpa` attention, over the same token ids, the same number of new tokens, EOS ignored, and the same
-sampling (greedy at temperature 0). Greedy outputs are compared with tforce's `ar` token for token.
+The peers run transformers' own class of the model's family (LlamaForCausalLM, Qwen2ForCausalLM, ...)
+whose parameters are the very tensors of the loaded tforce model (no second copy, no rounding: the same
+checkpoint or the same random weights), with `sdpa` attention, over the same token ids, the same number
+of new tokens, EOS ignored, and the same sampling (greedy at temperature 0). Greedy outputs are compared
+with tforce's `ar` token for token.
 
 Timing: a warm-up generation per peer (WARMUP_TOKENS prompt tokens, 4 new) first, as for tforce's
 methods. Then per peer a 1-token generation (prefill and first token: `prefill_s`) and a
@@ -48,22 +49,23 @@ def transformers_version() -> str:
 
 
 def hf_model(model):
-    """transformers' LlamaForCausalLM whose parameters are `model`'s own tensors (shared, not copied).
+    """transformers' *ForCausalLM of `model`'s family whose parameters are `model`'s own tensors (shared, not
+    copied).
 
     Built on the meta device and assigned, so no random initialisation runs; the rotary embedding holds
     buffers only (computed from the config), built for real on the model's device."""
-    from transformers import LlamaForCausalLM
+    from .families import hf_class
 
     config = copy.deepcopy(model.config)  # transformers writes into its config; ours stays as it was
     config._attn_implementation = ATTENTION
     with torch.device("meta"):
-        hf = LlamaForCausalLM(config)
+        hf = hf_class(config)(config)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False, assign=True)
     if config.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
         missing = [m for m in missing if m != "lm_head.weight"]
     if missing or unexpected:
-        raise TforceError(f"transformers' LlamaForCausalLM does not take these weights (missing {missing[:3]}, "
+        raise TforceError(f"transformers' {type(hf).__name__} does not take these weights (missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]})")
     device = next(model.parameters()).device
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config).to(device)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import families
 from .errors import DoesNotFit, UsageError
 
 GiB = 1024 ** 3
@@ -50,9 +51,7 @@ class Shape:
     @classmethod
     def of(cls, config, dtype_bytes: int, world: int = 1) -> "Shape":
         """From a Hugging Face config, for one of `world` tensor-parallel ranks."""
-        heads = config.num_attention_heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        d = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads, kv, d = config.num_attention_heads, families.kv_heads(config), families.head_dim(config)
         return cls(config.num_hidden_layers, config.hidden_size, config.intermediate_size // world, heads // world,
                    kv // world, d, config.vocab_size, dtype_bytes, weight_bytes(config, dtype_bytes, world))
 
@@ -62,13 +61,17 @@ class Shape:
 
 
 def weight_bytes(config, dtype_bytes: int, world: int = 1) -> int:
-    """Parameter bytes of a Llama config on one of `world` ranks, counted from its shapes (nothing is read):
-    attention and MLP split over the ranks, embeddings, norms and lm_head replicated."""
+    """Parameter bytes of a config of one of the families on one of `world` ranks, counted from its shapes
+    (nothing is read): attention and MLP with their biases split over the ranks; embeddings, norms (Qwen3's
+    q/k norms included) and lm_head replicated."""
     h, i, v, n = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    d = getattr(config, "head_dim", None) or h // heads
-    layer = (h * heads * d * 2 + h * kv * d * 2 + 3 * h * i) // world + 2 * h
+    heads, kv, d = config.num_attention_heads, families.kv_heads(config), families.head_dim(config)
+    parts = families.layout(config)
+    qkv = (heads + 2 * kv) * d
+    split = h * (qkv + heads * d) + 3 * h * i + parts.qkv_bias * qkv + parts.mlp_bias * 2 * i
+    # o_proj's and down_proj's biases live on rank 0 only (sharding.py): counted on every rank, the largest
+    whole = 2 * h + (parts.o_bias + parts.mlp_bias) * h + parts.qk_norm * 2 * d
+    layer = split // world + whole
     tied = getattr(config, "tie_word_embeddings", False)
     return dtype_bytes * (n * layer + h + v * h * (1 if tied else 2))
 

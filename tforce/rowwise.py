@@ -47,9 +47,7 @@ class RowwiseRunner:
     def _layer(self, layer, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         attn = layer.self_attn
         normed = [layer.input_layernorm(x) for x in rows]
-        q = torch.cat([attn.q_proj(h).view(h.shape[0], 1, -1, attn.head_dim) for h in normed], dim=1)
-        k = torch.cat([attn.k_proj(h).view(h.shape[0], 1, -1, attn.head_dim) for h in normed], dim=1)
-        v = torch.cat([attn.v_proj(h).view(h.shape[0], 1, -1, attn.head_dim) for h in normed], dim=1)
+        q, k, v = (torch.cat(parts, dim=1) for parts in zip(*(attn.qkv(h) for h in normed)))
         q, view = self.cache.update(attn.layer, q, k, v)  # writes all T rows' K/V once
         assert view.causal, "row-wise verification needs a cache whose view is prefix + new tokens"
         start = view.k.shape[1] - len(rows)  # keys before the first new token

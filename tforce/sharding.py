@@ -8,9 +8,12 @@ of the MLP's intermediate features (gate/up_proj column-parallel, down_proj row-
 after o_proj and after down_proj gives every rank the full hidden state; embeddings and lm_head are
 replicated, so every rank computes the full logits. Each rank's caches hold only its KV heads (the model
 reads its head count from k_proj), so with offloading each GPU streams its half over its own PCIe link.
+Biases follow their weights: q/k/v's are split with them, o_proj's is added on rank 0 only. Qwen3's
+q_norm and k_norm act on each head over head_dim, whatever the head count: whole on every rank.
 
 Loading: each rank reads from the safetensors files only its slice of every sharded weight
-(`tp_slices`, used by weights.load_model(rank=, world=)); embeddings, norms and lm_head whole."""
+(`tp_slices`, used by weights.load_model(rank=, world=)); embeddings, norms (q_norm, k_norm too) and lm_head
+whole."""
 from __future__ import annotations
 
 import torch
@@ -18,14 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import UsageError
+from .families import kv_heads
 
 
 def check_tp(config, world: int) -> None:
     """UsageError (one line) unless the model's heads and MLP split evenly over `world` ranks."""
     if world < 1:
         raise UsageError(f"tensor parallelism needs at least 1 rank, got {world}")
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv = config.num_attention_heads, kv_heads(config)
     if kv % world or heads % world:
         raise UsageError(f"cannot split {heads} query heads and {kv} KV heads over {world} ranks: "
                          f"both must divide by {world}")

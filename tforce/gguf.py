@@ -94,9 +94,10 @@ def converted(file: Path) -> Path:
     entry = cache_root() / "gguf" / digest
     if complete(entry, digest):
         return entry
-    from .gguf_convert import convert, require_gguf
+    from .gguf_convert import check_file, convert, require_gguf
 
     require_gguf()
+    eos = check_file(file)
     sys.stderr.write(f"tforce: converting {file.name} (dequantizing to float32) into {entry}: once\n")
     sys.stderr.flush()
     try:
@@ -105,7 +106,7 @@ def converted(file: Path) -> Path:
     except OSError as e:
         raise TforceError(f"cannot write the converted model into {entry.parent}: {e.strerror or e}") from e
     try:  # built aside and renamed into place: a conversion that fails or is stopped leaves no entry
-        convert(file, work)
+        convert(file, work, eos)
         _write_marker(work, digest, file.name)
         _install(work, entry, digest)
     finally:

@@ -22,9 +22,12 @@ def require_gguf() -> None:
             from e
 
 
-def read_metadata(file: Path) -> tuple[str, list[int]]:
-    """(architecture, end-of-sequence ids) from the file's metadata, without its tensors."""
+def check_file(file: Path) -> list[int]:
+    """The end-of-sequence ids in the file's metadata, read without its tensors; a GGUF of a model tforce does
+    not run is refused here, before anything is converted."""
     from gguf import GGUFReader
+
+    from .weights import SUPPORTED
 
     try:
         fields = GGUFReader(str(file)).fields
@@ -33,17 +36,15 @@ def read_metadata(file: Path) -> tuple[str, list[int]]:
     except Exception as e:  # the reader's errors (bad magic, a short file) are one line with the file's name
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UsageError(f"cannot read {file}: not a GGUF file ({reason})") from e
-    return arch, list(dict.fromkeys(eos))
-
-
-def convert(file: Path, out: Path) -> None:
-    """Writes the checkpoint of GGUF `file` into the empty folder `out`; a model tforce does not run is
-    refused (from its metadata) before any weight is read."""
-    from .weights import SUPPORTED
-
-    arch, eos = read_metadata(file)
     if arch not in SUPPORTED:
         raise UsageError(f"{file}: GGUF architecture {arch!r} is not a Llama-family model tforce runs")
+    return list(dict.fromkeys(eos))
+
+
+def convert(file: Path, out: Path, eos: list[int]) -> None:
+    """Writes the checkpoint of GGUF `file` into the empty folder `out` (eos: check_file's)."""
+    from .weights import SUPPORTED
+
     try:
         config, state, tokenizer = _load(file)
     except Exception as e:  # transformers' messages run to several lines

@@ -145,6 +145,7 @@ def _refused(args: list[str], needle: str) -> None:
 
 
 def test_refusals(root, tmp_path, monkeypatch):
+    resolve(str(root / "tiny.gguf"))  # converted: the missing draft below is the only line
     _refused(["-m", str(tmp_path / "missing.gguf")], "no GGUF file at")
     two = tmp_path / "two"
     two.mkdir()
@@ -159,6 +160,13 @@ def test_refusals(root, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` fails as if it were not installed
     _refused(["-m", str(root / "tiny.gguf")], "pip install gguf accelerate")
     assert not (tmp_path / "cache").exists()
+
+
+def test_unwritable_cache(root, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("a file, not a folder")
+    monkeypatch.setenv("TFORCE_CACHE", str(tmp_path / "file" / "cache"))
+    _one_error_line(CliRunner().invoke(app, ["run", "-m", str(root / "tiny.gguf"), "-p", "hi", "--method", "ar"]),
+                    1, "cannot write the converted model into")
 
 
 def test_registry_name_without_its_package(monkeypatch):

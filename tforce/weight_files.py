@@ -45,15 +45,18 @@ def weight_files(path: Path) -> list[Path]:
     for kind in (SAFETENSORS, PYTORCH):
         files, missing = _set(path, kind)
         if missing:
-            shown = ", ".join(str(f) for f in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-            raise TforceError(f"{path / kind[0]} names weight files that are not there: {shown} (the download "
-                              "was cut short? fetch them again)")
+            raise TforceError(f"{path / kind[0]} names weight files that are not there: {_few(missing, 3)} "
+                              "(the download was cut short? fetch them again)")
         if files:
             return files
     found = sorted(f.name for f in path.iterdir() if f.is_file() and f.name != "config.json")
-    shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "") if found else "nothing else"
-    raise UsageError(f"{path} holds no weights (found config.json and {shown}): {READS} "
+    raise UsageError(f"{path} holds no weights (found config.json and {_few(found, 8) or 'nothing else'}): {READS} "
                      "(model*.safetensors, pytorch_model*.bin)")
+
+
+def _few(items: list, n: int) -> str:
+    """The first n items, and how many more."""
+    return ", ".join(str(i) for i in items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 def other_format(path: Path, files: list[Path]) -> str:
@@ -61,7 +64,7 @@ def other_format(path: Path, files: list[Path]) -> str:
     the weights may be split between them)."""
     other = PYTORCH if files[0].suffix == ".safetensors" else SAFETENSORS
     rest = sorted(path.glob(other[1]))
-    return (f"; it also holds {', '.join(f.name for f in rest[:3])}: tforce reads one complete set, "
+    return (f"; it also holds {_few([f.name for f in rest], 3)}: tforce reads one complete set, "
             "safetensors or .bin, not halves of both") if rest else ""
 
 

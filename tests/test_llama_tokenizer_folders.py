@@ -100,3 +100,24 @@ def test_without_sentencepiece_the_error_says_what_to_install(folders, monkeypat
     r = CliRunner().invoke(app, ["run", "-m", str(folders / "sp"), "-p", "hi", "--method", "ar", "-n", "2"])
     _one_error_line(r, 1, "needs the sentencepiece and protobuf packages (sentencepiece missing): "
                           "pip install sentencepiece protobuf")
+
+
+# Meta's Llama 2 repositories and the 128K checkpoints derived from them ship a tokenizer_config.json naming
+# LlamaTokenizer (legacy false). transformers 5.24 then builds its own LlamaTokenizer from tokenizer.model,
+# which splits runs of spaces otherwise than SentencePiece ("a  test": "▁▁" + "test", SentencePiece "▁" +
+# "▁test"); the shared tokenizer_config.json above (PreTrainedTokenizerFast) gives SentencePiece's ids.
+LLAMA_TOKENIZER_CONFIG = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+                          "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": False,
+                          "clean_up_tokenization_spaces": False}
+
+
+@pytest.mark.xfail(reason="transformers 5's LlamaTokenizer splits runs of spaces otherwise than SentencePiece",
+                   strict=False)
+def test_a_llama_tokenizer_config_gives_sentencepiece_ids(folders, tmp_path):
+    import sentencepiece
+
+    shutil.copy(LLAMA2 / "tokenizer.model", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(LLAMA_TOKENIZER_CONFIG))
+    expected = [1] + sentencepiece.SentencePieceProcessor(model_file=str(LLAMA2 / "tokenizer.model")).encode(PROMPT)
+    assert AutoTokenizer.from_pretrained(folders / "sp")(PROMPT).input_ids == expected
+    assert AutoTokenizer.from_pretrained(tmp_path)(PROMPT).input_ids == expected

@@ -11,7 +11,7 @@ from transformers import GPT2Config
 
 import tforce
 from model_helpers import forward, full_cache, hf_logits, hf_model, random_ids
-from tforce import weights
+from tforce import weight_files, weights
 from tforce.sharding import apply_tp
 from tforce.synthetic import make_checkpoint
 
@@ -84,7 +84,7 @@ class _CountingFile:
         return tensor
 
 
-_REAL_SAFE_OPEN = weights.safe_open
+_REAL_SAFE_OPEN = weight_files.safe_open
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -93,7 +93,7 @@ def test_tensor_parallel_rank_reads_only_its_slices(tmp_path, monkeypatch, bias)
     and reads from the files only the bytes that rank keeps."""
     path = make_checkpoint(tmp_path / "tiny", seed=5, attention_bias=bias, mlp_bias=bias)
     read = []
-    monkeypatch.setattr(weights, "safe_open", lambda *a, **k: _CountingFile(read, *a, **k))
+    monkeypatch.setattr(weight_files, "safe_open", lambda *a, **k: _CountingFile(read, *a, **k))
     whole = tforce.load_model(str(path), tokenizer=False).model
     whole_bytes = sum(read)
     assert whole_bytes == sum(t.nbytes for t in whole.state_dict().values())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zipfile
 from pathlib import Path
 
 import torch
@@ -47,14 +48,19 @@ def _files_sha(path) -> str | None:
     """The hash of a model folder's weight files: their names, their safetensors headers (every tensor's
     name, dtype, shape and place) and each tensor's first and last TENSOR_EDGE bytes, so that it tells
     apart what _weights_fingerprint (each tensor's first and last 64 values) does, however the model is
-    split; None without a folder. Reads about 1 KiB per tensor, not the weights."""
+    split; None without a folder. Reads about 1 KiB per tensor, not the weights. A PyTorch .bin (a zip):
+    its pickle (the tensors' names, dtypes, shapes and storages) and each storage's size and CRC-32, from
+    the zip's directory."""
     if path is None:
         return None
-    from .weights import _weight_files
+    from .weight_files import weight_files
 
     h = hashlib.sha256()
     try:
-        for f in _weight_files(Path(path)):
+        for f in weight_files(Path(path)):
+            if f.suffix == ".bin":
+                _bin_sha(h, f)
+                continue
             with open(f, "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
                 header = fh.read(n)
@@ -66,9 +72,18 @@ def _files_sha(path) -> str | None:
                     for at in (lo, max(lo, hi - TENSOR_EDGE)):
                         fh.seek(8 + n + at)
                         h.update(fh.read(min(TENSOR_EDGE, hi - at)))
-    except (OSError, ValueError, KeyError, TypeError, TforceError):  # no (readable) weight files there: the
-        return None                                                   # tensors' fingerprint decides
+    except (OSError, ValueError, KeyError, TypeError, TforceError, zipfile.BadZipFile):
+        return None  # no (readable) weight files there: the tensors' fingerprint decides
     return h.hexdigest()
+
+
+def _bin_sha(h, f: Path) -> None:
+    with zipfile.ZipFile(f) as z:
+        h.update(f.name.encode() + b"\0")
+        for info in z.infolist():
+            h.update(f"{info.filename} {info.file_size} {info.CRC}".encode())
+            if info.filename.endswith("data.pkl"):
+                h.update(z.read(info))
 
 
 def _tokenizer_sha(path) -> str | None:

@@ -1,5 +1,6 @@
 """Hugging Face checkpoints -> our Llama: config.json (parsed by transformers), single or sharded
-safetensors, loaded onto the meta device and assigned (no random init, no double copy), then cast."""
+safetensors or PyTorch .bin (weight_files.py), loaded onto the meta device and assigned (no random init, no
+double copy), then cast."""
 from __future__ import annotations
 
 import json
@@ -7,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
 from .errors import TforceError, UsageError
 from .families import FAMILIES, sliding_window
 from .model import Llama
+from .weight_files import other_format, read_tensors, refuse_quantized, weight_files
 
 # Short names for the long-context models tforce targets, with the default draft: one that shares the
 # target's tokenizer (vocab.py compares them before any weights are read). meta-llama's are gated: their
@@ -41,9 +42,10 @@ class LoadedModel:
         return self.model.config
 
 
-def resolve(name_or_path: str) -> Path:
+def resolve(name_or_path: str, weights: bool = True) -> Path:
     """A local folder, a registry short name or a hub id -> a local folder with config.json; a GGUF file
-    (gguf.py) -> the folder it converts to."""
+    (gguf.py) -> the folder it converts to. weights=False fetches from the hub only the config and
+    tokenizer files (hub.py)."""
     from .gguf import gguf_folder
 
     converted = gguf_folder(name_or_path)
@@ -58,17 +60,9 @@ def resolve(name_or_path: str) -> Path:
     if name_or_path not in REGISTRY and (name_or_path.count("/") != 1 or name_or_path.startswith((".", "/", "~"))):
         known = ", ".join(REGISTRY)
         raise UsageError(f"no model folder or known model named {name_or_path!r} (known: {known})")
-    try:
-        from huggingface_hub import snapshot_download
+    from .hub import fetch
 
-        patterns = ["*.json", "*.safetensors", "tokenizer*"]
-        try:
-            return Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=True))
-        except Exception:
-            return Path(snapshot_download(repo, allow_patterns=patterns))
-    except Exception as e:
-        raise TforceError(f"cannot fetch {repo} from the Hugging Face hub ({type(e).__name__}); "
-                          f"download it elsewhere and pass its folder with --model") from e
+    return fetch(repo, weights)
 
 
 def read_config(path: Path):
@@ -94,6 +88,7 @@ def read_config(path: Path):
     if window and window < config.max_position_embeddings:
         raise UsageError(f"{path}: sliding-window attention ({window} tokens, shorter than the "
                          f"{config.max_position_embeddings}-token context) is not supported")
+    refuse_quantized(config, path)
     _add_generation_eos(config, path)
     return config
 
@@ -118,23 +113,13 @@ def _add_generation_eos(config, path: Path) -> None:
         config.eos_token_id = ids if len(ids) > 1 else ids[0]
 
 
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise UsageError(f"{path} holds no .safetensors weights")
-    return files
-
-
 def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str | None = None,
                tokenizer: bool = True, rank: int = 0, world: int = 1) -> LoadedModel:
     """Load a checkpoint of one of the FAMILIES. dtype defaults to float32 on CPU and bfloat16 on CUDA.
 
     world > 1: the model of tensor-parallel rank `rank` (sharding.apply_tp's layout), reading from the
-    files only that rank's slice of each sharded weight (safetensors get_slice), the rest whole."""
+    files only that rank's slice of each sharded weight, the rest whole (weight_files.read_tensors: what
+    that costs in host memory for each format)."""
     path = resolve(name_or_path)
     config = read_config(path)
     if isinstance(dtype, str):
@@ -149,17 +134,9 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
         slices = tp_slices(model, rank, world)
         apply_tp(model, rank, world)  # on the meta device: the shard's shapes, no memory
     state = {}
-    for f in _weight_files(path):
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for key in sf.keys():
-                    if key in slices and slices[key] is None:
-                        continue
-                    state[key] = _read(sf, key, slices.get(key)).to(dtype)
-        except (SafetensorError, OSError) as e:  # safetensors names neither the file nor what is wrong with it
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise TforceError(f"cannot read the weights in {f} ({reason}): the file is missing, truncated or "
-                              "corrupt") from e
+    files = weight_files(path)
+    for f in files:
+        state.update(read_tensors(f, slices, dtype))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -167,21 +144,12 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
     unexpected = [u for u in unexpected if "rotary_emb" not in u]
     if missing or unexpected:
         raise TforceError(f"{path}: weights do not match a {config.model_type} model "
-                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]}){other_format(path, files)}")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device).eval()
     tok = _load_tokenizer(path) if tokenizer else None
     return LoadedModel(model, tok, path, name_or_path)
-
-
-def _read(sf, key: str, cut: tuple[int, int, int] | None) -> torch.Tensor:
-    """The tensor `key`, or its slice [start, end) along dim (0 or 1) read without the rest."""
-    if cut is None:
-        return sf.get_tensor(key)
-    dim, start, end = cut
-    part = sf.get_slice(key)
-    return part[start:end] if dim == 0 else part[:, start:end]
 
 
 # The files a tokenizer's vocabulary is read from (a Llama's tokenizer.json or SentencePiece tokenizer.model,
@@ -198,7 +166,26 @@ def _load_tokenizer(path: Path):
 
     if not any((path / name).is_file() for name in VOCABULARY_FILES):
         return None
+    if (path / "tokenizer.model").is_file() and not (path / "tokenizer.json").is_file():
+        _need_sentencepiece(path)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception:
         return None
+
+
+def _need_sentencepiece(path: Path) -> None:
+    """transformers converts a SentencePiece tokenizer.model with sentencepiece and protobuf; without
+    either it falls back to tiktoken's reader and fails saying tiktoken is required."""
+    import importlib
+
+    absent = []
+    for name, module in (("sentencepiece", "sentencepiece"), ("protobuf", "google.protobuf")):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            absent.append(name)
+    if absent:
+        raise TforceError(f"{path}'s tokenizer is a SentencePiece tokenizer.model: reading it needs the "
+                          f"sentencepiece and protobuf packages ({' and '.join(absent)} missing): "
+                          "pip install sentencepiece protobuf")

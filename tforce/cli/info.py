@@ -131,12 +131,12 @@ def info(
             from ..weights import read_config, resolve
             from .setup import _default_draft
 
-            path = resolve(model)
+            path = resolve(model, weights=False)  # from the hub: config and tokenizer files, no weights
             config = read_config(path)
             draft = _default_draft(model)
             if draft is not None and Path(draft).is_dir():
                 draft_config = read_config(Path(draft))
-            record["model"] = {"name": model, "path": str(path),
+            record["model"] = {"name": model, "path": str(path), "planned_from": "config.json",
                                **_arch(config, context or config.max_position_embeddings, dtype), **_prompt(path, config)}
         if synthetic is not None:
             from ..synthetic import ARCHITECTURES, make_config
@@ -188,6 +188,8 @@ def _print_info(r: dict) -> None:
     if m:
         where = f" ({m['path']})" if m["path"] else ""
         t.add_row("model", f"{m['name']}{where}" + ("  [RANDOM WEIGHTS]" if m["synthetic"] else ""))
+        if m.get("planned_from"):
+            t.add_row("planned from", "the model's config.json, not its weights (neither downloaded nor read)")
         t.add_row("architecture", f"{m['model_type']}: {m['layers']} layers, hidden {m['hidden_size']}, "
                                   f"{m['heads']} heads, {m['kv_heads']} kv heads, head dim {m['head_dim']}")
         t.add_row("context / rope", f"{m['context']} tokens, rope {m['rope_type']} (theta {m['rope_theta']})")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .errors import TforceError, UsageError
+from .families import FAMILIES
 
 # The metadata keys of the ids generation ends at: llama.cpp stops at each (end of text, turn, message).
 EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -27,8 +28,6 @@ def check_file(file: Path) -> list[int]:
     not run is refused here, before anything is converted."""
     from gguf import GGUFReader
 
-    from .weights import SUPPORTED
-
     try:
         fields = GGUFReader(str(file)).fields
         arch = fields["general.architecture"].contents()
@@ -36,21 +35,19 @@ def check_file(file: Path) -> list[int]:
     except Exception as e:  # the reader's errors (bad magic, a short file) are one line with the file's name
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UsageError(f"cannot read {file}: not a GGUF file ({reason})") from e
-    if arch not in SUPPORTED:
+    if arch not in FAMILIES:
         raise UsageError(f"{file}: GGUF architecture {arch!r} is not a Llama-family model tforce runs")
     return list(dict.fromkeys(eos))
 
 
 def convert(file: Path, out: Path, eos: list[int]) -> None:
     """Writes the checkpoint of GGUF `file` into the empty folder `out` (eos: check_file's)."""
-    from .weights import SUPPORTED
-
     try:
         config, state, tokenizer = _load(file)
     except Exception as e:  # transformers' messages run to several lines
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise TforceError(f"cannot convert {file} with transformers ({type(e).__name__}: {reason})") from e
-    if config.model_type not in SUPPORTED:
+    if config.model_type not in FAMILIES:
         raise UsageError(f"{file}: model type {config.model_type!r} is not a Llama-family model tforce runs")
     from safetensors.torch import save_file
 

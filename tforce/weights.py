@@ -4,6 +4,8 @@ double copy), then cast."""
 from __future__ import annotations
 
 import json
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +72,8 @@ def read_config(path: Path):
     memory plan, `tforce info`) reads a Llama's fields from it. Never with remote code: a config whose
     auto_map names its own classes is read as its model_type's transformers config."""
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        with _quiet_yarn_finetuned():
+            config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as e:  # transformers' messages run to several lines: keep the first (errors.py: one line),
         # and the second where the first only introduces it ("Class validation error for validator ...:")
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
@@ -91,6 +94,30 @@ def read_config(path: Path):
     refuse_quantized(config, path)
     _add_generation_eos(config, path)
     return config
+
+
+@contextmanager
+def _quiet_yarn_finetuned():
+    """Yarn-Llama-2's configs carry rope_scaling's `finetuned`, which only their own remote code reads (for
+    its dynamic YaRN); the static YaRN that transformers and tforce compute ignores it, and transformers
+    says so on stderr at every command ("Unrecognized keys ... {'finetuned'}"). That line alone is dropped."""
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    drop = _DropMessage("{'finetuned'}")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, ending: str):
+        super().__init__()
+        self.ending = ending
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Unrecognized keys") and message.endswith(self.ending))
 
 
 def _add_generation_eos(config, path: Path) -> None:
@@ -169,7 +196,8 @@ def _load_tokenizer(path: Path):
     if (path / "tokenizer.model").is_file() and not (path / "tokenizer.json").is_file():
         _need_sentencepiece(path)
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        with _quiet_yarn_finetuned():  # it reads config.json too
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception:
         return None
 

@@ -93,6 +93,14 @@ def test_converted_folder(root):
     assert r.exit_code == 0 and json.loads(r.stdout)["model"]["path"] == str(folder), r.output
 
 
+def test_template_note_names_the_file(root):
+    """The file's chat template lays the prompt out, and the note names the file the user gave, not the cache."""
+    f = str(root / "tiny.gguf")
+    r = CliRunner().invoke(app, ["run", "-m", f, "--method", "ar", "-n", "2", "-p", "hi"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert f"the prompt follows {f}'s chat template" in r.stderr, r.stderr
+
+
 def test_cache_keyed_by_content(root, tmp_path, monkeypatch):
     f = root / "tiny.gguf"
     entry = resolve(str(f))

@@ -118,7 +118,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     for (key, _, _), ids in zip(items, prompts):
         if len(ids) >= context:
             raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
-    notices(setup, fmt, path, batch=True)
+    notices(setup, fmt, batch=True)
     short = [f"{key!r} gets {context - len(ids)}" for (key, _, _), ids, n in zip(items, prompts, budgets)
              if n > context - len(ids)]
     if short:  # as `tforce run` notes it for one prompt

@@ -125,7 +125,7 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
     if len(doc) + 2 > context:
         raise UsageError(f"the document is {len(doc)} tokens; the model's context ({context}) leaves no room "
                          "for a question")
-    notices(setup, fmt, path)
+    notices(setup, fmt)
     if room is not None and room > context - len(doc):  # the default is cut without a word
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for {context - len(doc)} tokens of "
              f"questions and answers after the {len(doc)}-token document, not the --room {room} asked for")

@@ -103,7 +103,7 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
     context = config.max_position_embeddings
     if len(ids) >= context:
         raise UsageError(f"the prompt is {len(ids)} tokens; the model's context is {context}")
-    notices(setup, fmt, path)
+    notices(setup, fmt)
     max_new = min(options["max_new_tokens"], context - len(ids))
     if max_new < options["max_new_tokens"]:
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for {max_new} new tokens after "

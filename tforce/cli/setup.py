@@ -100,7 +100,7 @@ class Setup:
         return fmt if snapshot_ids is None else fmt.as_made(snapshot_ids)
 
 
-def notices(setup: Setup, fmt, path, batch: bool = False) -> None:
+def notices(setup: Setup, fmt, batch: bool = False) -> None:
     """The command's stderr notes (--gpu-memory off CUDA, the demo pair, greedy's exactness in a 16-bit
     dtype, the chat template laying the prompt out): after the prompt's checks, the template's included, so
     that a refused prompt's error is the only line. batch: --batch's."""
@@ -109,7 +109,8 @@ def notices(setup: Setup, fmt, path, batch: bool = False) -> None:
         _say(notice(setup.target, setup.demo))
     _exactness_note(setup, batch)
     if fmt.templated:
-        _say(f"tforce: the prompt follows {path}'s chat template (--template none: the text as it is)")
+        # the model as the user named it: a GGUF file's or a Hub id's folder is a cache path they never typed
+        _say(f"tforce: the prompt follows {setup.target}'s chat template (--template none: the text as it is)")
     if fmt.snapshot_date is not None:
         _say(f"tforce: the chat template writes the date: the prompt has the KV snapshot's ({fmt.snapshot_date}), "
              "which its cache was computed with")

@@ -115,7 +115,7 @@ def distil(model, teacher, stream, seconds: float, lr: float, ce_weight: float, 
 @torch.no_grad()
 def agreement(model, teacher, ids: dict[str, torch.Tensor], seq_len: int, windows: int) -> dict:
     """Per held-out book: the fraction of positions where the student's argmax is the teacher's, over
-    `windows` windows of seq_len tokens spread through the book."""
+    `windows` windows of seq_len tokens spread through `ids` (the start of each book)."""
     model.eval()
     out = {}
     for name, t in ids.items():
@@ -158,7 +158,7 @@ Measured on the held-out books (after training, by the same script):
 |---|---|---|
 """ + "".join(f"| {b} | {card['agreement'][b]} | {card['perplexity'][b]} |\n" for b in card['agreement']) + """
 Top-1 agreement: the fraction of positions where the draft's greedy next token is the teacher's, over
-{windows} windows of {seq_len} tokens per book. Perplexity: the first {eval_tokens} tokens of each book.
+{windows} windows of {seq_len} tokens spread through the first 32,768 characters of each book. Perplexity: the first {eval_tokens} tokens of each book.
 """.format(**card["eval"])
 
 

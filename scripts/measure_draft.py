@@ -6,6 +6,7 @@
 Each excerpt is ~--prompt-tokens tokens from the middle of one of the six held-out books (../shared/data/
 books/*.txt, never trained on); every method runs `tforce run --temperature 0 --template none --json
 --ignore-eos` on the same excerpts, one process each. Prints one row per excerpt and method, then the means.
+Columns: book, method, prompt tokens, ms/token, draft acceptance, retrieval (middle level) acceptance.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--draft", help="default: the registry's")
     ap.add_argument("--methods", default="ar,naive,triforce")
-    ap.add_argument("--books", type=int, default=4)
+    ap.add_argument("--books", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
@@ -54,8 +55,9 @@ def main(argv=None) -> int:
                        "none", "--json", "--ignore-eos", "-n", str(args.new_tokens), "-f", str(Path(tmp) / book),
                        "--threads", str(args.threads)] + (["--draft", args.draft] if args.draft else [])
                 run = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-                acc = run["acceptance"]
-                rows.append((book, method, run["prompt_tokens"], run["ms_per_token"], acc.get("draft"), acc.get("middle")))
+                stats = run["stats"]
+                acc = stats["acceptance"]
+                rows.append((book, method, run["prompt_tokens"], stats["ms_per_token"], acc["draft"], acc["retrieval"]))
                 print(f"| {book} | {method} | {rows[-1][2]} | {rows[-1][3]:.1f} | {rows[-1][4]} | {rows[-1][5]} |",
                       flush=True)
     print("\nmeans over the excerpts:")

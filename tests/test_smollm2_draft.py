@@ -47,4 +47,4 @@ def test_default_method_equals_ar_greedy():
         runs[method] = json.loads(r.stdout)
     assert 150 <= runs["ar"]["prompt_tokens"] <= 250
     assert runs["triforce"]["tokens"] == runs["ar"]["tokens"]
-    assert runs["triforce"]["method"] == "triforce" and runs["triforce"]["acceptance"]["draft"] is not None
+    assert runs["triforce"]["method"] == "triforce" and runs["triforce"]["stats"]["acceptance"]["draft"] is not None

@@ -20,9 +20,12 @@ BENCH_TOKENS = 3300  # of the excerpt, bench's default prompt on the demo pair (
 # 256 it fits the demo target's 4,096-token context
 
 
+REPO_MODELS = Path(__file__).resolve().parent.parent / "models"  # the models committed with tforce
+
+
 def models_dir() -> Path:
     env = os.environ.get("TFORCE_DEMO_MODELS")
-    return Path(env).expanduser() if env else Path(__file__).resolve().parent.parent / "models"
+    return Path(env).expanduser() if env else REPO_MODELS
 
 
 def demo_pair() -> tuple[str, str]:

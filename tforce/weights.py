@@ -50,8 +50,8 @@ class LoadedModel:
 
 def resolve(name_or_path: str, weights: bool = True) -> Path:
     """A local folder, a registry short name, a committed model ("models:NAME") or a hub id -> a local
-    folder with config.json; a GGUF file (gguf.py) -> the folder it converts to. weights=False fetches from the hub only the config and
-    tokenizer files (hub.py)."""
+    folder with config.json; a GGUF file (gguf.py) -> the folder it converts to. weights=False fetches from
+    the hub only the config and tokenizer files (hub.py)."""
     from .demo import REPO_MODELS
     from .gguf import gguf_folder
 
@@ -109,22 +109,16 @@ def _quiet_yarn_finetuned():
     its dynamic YaRN); the static YaRN that transformers and tforce compute ignores it, and transformers
     says so on stderr at every command ("Unrecognized keys ... {'finetuned'}"). That line alone is dropped."""
     logger = logging.getLogger("transformers.modeling_rope_utils")
-    drop = _DropMessage("{'finetuned'}")
-    logger.addFilter(drop)
+    logger.addFilter(_not_finetuned)
     try:
         yield
     finally:
-        logger.removeFilter(drop)
+        logger.removeFilter(_not_finetuned)
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, ending: str):
-        super().__init__()
-        self.ending = ending
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("Unrecognized keys") and message.endswith(self.ending))
+def _not_finetuned(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("Unrecognized keys") and message.endswith("{'finetuned'}"))
 
 
 def _add_generation_eos(config, path: Path) -> None:

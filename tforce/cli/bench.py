@@ -235,10 +235,11 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
             _check_bench_memory(cfg, target_cfg, draft_cfg,
                                 torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32), device,
                                 batch or 1)
-            loaded = _as_role("target model", load_model, model, device=device, dtype=torch_dtype)
+            loaded = _as_role("target model", load_model, model, device=device, dtype=torch_dtype,
+                              tokenizer=False)  # target_tok, read above
             small = _as_role("draft model", load_model, draft_name, device=device, dtype=torch_dtype,
                              tokenizer=False).model if uses_draft else None
-            models, config, tokenizer = b.Models.local(loaded.model, small), loaded.config, loaded.tokenizer
+            models, config, tokenizer = b.Models.local(loaded.model, small), loaded.config, target_tok
         name = model
     context = config.max_position_embeddings
     _check_room(cfg, context, fit)

@@ -15,7 +15,7 @@ from tforce import placement
 from tforce.config import Speculation
 from tforce.batch import generate_batch
 from tforce.session import _plan, model_shape
-from tforce.speculative import verify_rows
+from tforce.speculative import verify
 from tforce.synthetic import make_checkpoint
 
 from model_helpers import eos_token, record_host
@@ -77,7 +77,7 @@ def test_a_row_that_stops_at_eos_leaves_the_others_unchanged(tiny, method):
 
 @pytest.mark.parametrize("method", ["ar", "naive"])
 def test_offloaded_rows_equal_single_prompts(tiny, method):
-    """Every layer of the batch's KV in host memory (cache/rows_offload.py), streamed per step for all
+    """Every layer of the batch's KV in host memory (cache/offload.py), streamed per step for all
     rows, one row leaving early at EOS (the host rows are compacted): every row is still its prompt
     alone, bit for bit on the CPU."""
     prompts = prompts_of(LENGTHS, seed=3)
@@ -204,7 +204,7 @@ def test_sampled_rows_match_their_target_distributions(small_vocab, method):
 
 
 def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
-    monkeypatch.setattr(tforce.batch_levels, "verify_rows", functools.partial(verify_rows, residual=lambda p, q: p))
+    monkeypatch.setattr(tforce.batch_levels, "verify", functools.partial(verify, residual=lambda p, q: p))
     target, draft = small_vocab
     samples, _ = draw_rows(target, draft, "naive", seed=1)
     assert min(pvalues(target, samples)) < 1e-6

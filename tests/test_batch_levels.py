@@ -1,4 +1,4 @@
-"""generate_batch with triforce, retrieval and streaming (batch_levels.py, cache/rows_retrieval.py): every
+"""generate_batch with triforce, retrieval and streaming (batch_levels.py, cache/retrieval.py): every
 greedy row is plain decoding of its prompt alone, with rows of different lengths, rows that finish early
 and at EOS, budgets that really drop tokens and per-row rebuilds that really happen."""
 import pytest
@@ -103,7 +103,7 @@ def test_offloaded_triforce_rows_equal_plain_decoding(tiny):
 def test_a_node_rolls_each_row_back_to_its_longest_matching_prefix(tiny):
     """RowsNode.probs: row 0 drops its last two tokens (they no longer match), row 1 keeps all and feeds
     one more; the distributions equal a fresh cache's fed the same sequences."""
-    from tforce.cache.batched import RowsCache
+    from tforce.cache import FullCache
     from tforce.config import Sampling
     from model_helpers import rotary_for
 
@@ -111,7 +111,7 @@ def test_a_node_rolls_each_row_back_to_its_longest_matching_prefix(tiny):
 
     def node():
         cfg = model.config
-        cache = RowsCache(cfg.num_hidden_layers, 2, model.n_kv_heads, model.head_dim, 64, rotary_for(model))
+        cache = FullCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, 64, rotary_for(model), rows=2)
         return RowsNode("full", model, cache, Sampling(temperature=0), 8)
 
     a, b = prompts_of((20, 11), seed=4)
@@ -127,9 +127,9 @@ def test_rebuilds_refeed_a_token_whose_query_is_not_at_hand(tiny, monkeypatch):
     """Every forward of more than one token forgets its queries (the prefill's chunks, the verifications):
     each rebuild then feeds the row's last committed token again for its query, and every row still
     selects, accepts and rebuilds exactly as alone."""
-    from tforce.cache.batched import RowsCache
+    from tforce.cache import FullCache
 
-    commit = RowsCache.commit
+    commit = FullCache.commit
     refed = []
 
     def forgetful(self, counts):
@@ -140,12 +140,12 @@ def test_rebuilds_refeed_a_token_whose_query_is_not_at_hand(tiny, monkeypatch):
         else:
             refed.append(self.rows)
 
-    monkeypatch.setattr(RowsCache, "commit", forgetful)
+    monkeypatch.setattr(FullCache, "commit", forgetful)
     prompts = prompts_of(LENGTHS, seed=1)
     kw = dict(draft=tiny["draft"], method="retrieval", temperature=0, ignore_eos=True, **SMALL)
     rows = generate_batch(tiny["gqa"], prompts, max_new_tokens=BUDGETS, **kw)
     assert refed  # the one-token re-feeds happened
-    monkeypatch.setattr(RowsCache, "commit", commit)
+    monkeypatch.setattr(FullCache, "commit", commit)
     for prompt, n, row in zip(prompts, BUDGETS, rows):
         one = tforce.generate(tiny["gqa"], prompt, max_new_tokens=n, **kw)
         assert row.tokens == one.tokens

@@ -29,17 +29,18 @@ def retrieval(model, full, budget: int, chunk: int, shared: bool = False) -> Ret
 def last_queries(full):
     """Per layer, the rotated query (H_q, D) of the last forward's last token (after a rollback, one
     that was rolled back: any query will do for the statistics)."""
-    return [q[0, -1] for q in full.queries]
+    start, count, queries = full.row_queries[0]
+    return [q[0, count - 1] for q in queries]
 
 
 def from_scratch(full, chunk: int) -> list[torch.Tensor]:
     """Per layer, the float32 sum of every complete chunk of the committed keys, in one go."""
     n = full.length // chunk
-    return [chunk_sums(full.layer_keys(layer)[0, :n * chunk], chunk) for layer in range(len(full.queries))]
+    return [chunk_sums(full.layer_keys(layer)[0, :n * chunk], chunk) for layer in range(full.n_layers)]
 
 
 def assert_stats_exact(cache: RetrievalCache, full, chunk: int) -> None:
-    stats = cache.stats
+    stats = cache.stats[0]
     for layer, want in enumerate(from_scratch(full, chunk)):
         assert stats.chunks[layer] == len(want), layer
         assert torch.equal(stats.sums[layer][:len(want)], want), layer
@@ -73,7 +74,7 @@ def test_incremental_stats_equal_a_from_scratch_computation(tiny, pattern, offlo
         forward(model, full, ids[:, pos:pos + fed], keep=fed)
         full.truncate(pos + kept)  # a rejected speculation: the tail is rolled back
         pos += kept
-        cache.rebuild(full, last_queries(full))
+        cache.rebuild(full, [0], [last_queries(full)])
         assert_stats_exact(cache, full, 8)
 
 
@@ -84,11 +85,11 @@ def test_stats_follow_a_rollback_below_what_they_cover(tiny):
     full = make_full(model, 128, offloaded=True)
     cache = retrieval(model, full, budget=16, chunk=8)
     forward(model, full, random_ids(45, seed=2))
-    cache.rebuild(full, last_queries(full))
+    cache.rebuild(full, [0], [last_queries(full)])
     full.truncate(30)
-    cache.rebuild(full, last_queries(full))  # a rebuild sees the shorter cache ...
+    cache.rebuild(full, [0], [last_queries(full)])  # a rebuild sees the shorter cache ...
     forward(model, full, random_ids(20, seed=3))  # ... before other tokens replace 30..44
-    cache.rebuild(full, last_queries(full))
+    cache.rebuild(full, [0], [last_queries(full)])
     assert_stats_exact(cache, full, 8)
 
 
@@ -97,11 +98,11 @@ def test_layer_major_prefill_stats_equal_a_from_scratch_computation(tiny, reside
     model = tiny["gqa"].model
     full = make_full(model, 128, offloaded=True, resident=resident)
     cache = retrieval(model, full, budget=16, chunk=8)
-    prefill_layer_major(model, random_ids(61, seed=4)[0], full, chunk=16,
+    prefill_layer_major(model, [random_ids(61, seed=4)[0]], full, chunk=16,
                         on_layer=lambda i, k: cache.observe(full, i, k))
-    assert cache.stats.chunks == [7, 7]
+    assert cache.stats[0].chunks == [7, 7]
     full.host_rows_read = 0
-    cache.rebuild(full, last_queries(full))
+    cache.rebuild(full, [0], [last_queries(full)])
     assert_stats_exact(cache, full, 8)
     # Nothing re-read for the statistics: 5 partial-chunk rows + 16 selected rows per offloaded layer.
     assert full.host_rows_read == (2 - resident) * (5 + 16)
@@ -116,17 +117,17 @@ def test_a_rebuild_reads_budget_plus_new_rows_of_host_kv(tiny, shared):
     ids = random_ids(300, seed=5)
     full = make_full(model, 320, offloaded=True)
     cache = retrieval(model, full, budget, chunk, shared=shared)
-    prefill_layer_major(model, ids[0, :240], full, chunk=64, on_layer=lambda i, k: cache.observe(full, i, k))
+    prefill_layer_major(model, [ids[0, :240]], full, chunk=64, on_layer=lambda i, k: cache.observe(full, i, k))
     start = 240
     for new in (0, 1, 13, 30):
         forward(model, full, ids[:, start:start + new]) if new else None
         start += new
         full.host_rows_read = 0
-        cache.rebuild(full, last_queries(full))
+        cache.rebuild(full, [0], [last_queries(full)])
         assert 0 < full.host_rows_read <= n_layers * (budget + new + chunk), (new, full.host_rows_read)
         assert_stats_exact(cache, full, chunk)
         ref = retrieval(model, full, budget, chunk, shared=shared)  # from scratch (reads every row)
-        ref.rebuild(full, last_queries(full))
+        ref.rebuild(full, [0], [last_queries(full)])
         assert torch.equal(cache.key_pos, ref.key_pos) and torch.equal(cache.k, ref.k)
         assert torch.equal(cache.v, ref.v)
 
@@ -140,7 +141,7 @@ def test_offloaded_selection_equals_the_resident_one(tiny):
         full = make_full(model, 128, offloaded)
         forward(model, full, ids)
         cache = retrieval(model, full, budget=32, chunk=4)
-        cache.rebuild(full, last_queries(full))
+        cache.rebuild(full, [0], [last_queries(full)])
         caches.append(cache)
     assert torch.equal(caches[0].key_pos, caches[1].key_pos) and torch.equal(caches[0].k, caches[1].k)
 

@@ -72,7 +72,7 @@ def test_offloaded_generation_on_cuda_equals_on_chip(tiny_dir, method, temperatu
 @pytest.mark.parametrize("method", ["ar", "triforce"])
 def test_offloaded_batch_on_cuda_equals_on_chip(tiny_dir, method):
     """A batch's layer-major prefill into pinned host memory (prefill.py) and per-step streaming through the
-    copy stream (cache/rows_offload.py): every row's greedy tokens are the all-resident batch's, whose
+    copy stream (cache/offload.py): every row's greedy tokens are the all-resident batch's, whose
     prefill is token-major."""
     from tforce.batch import generate_batch
 
@@ -183,12 +183,12 @@ def test_features_batch_rows_on_cuda_equal_each_prompt_alone(features_six, metho
 
 def test_features_offloaded_rows_are_gathered_into_pinned_memory(features_six):
     """A batch's rebuild reads of an offloaded layer land in page-locked memory (no pageable bounce)."""
-    from tforce.cache.rows_offload import RowsOffloadedCache
+    from tforce.cache.offload import OffloadedCache
 
     model = features_six[0]
-    dims = (model.config.num_hidden_layers, 2, model.n_kv_heads, model.head_dim)
-    full = RowsOffloadedCache(*dims, 64, Rotary(model.config, 64, device="cuda"), resident=0, device="cuda")
-    k, v = full.gather_row(0, 1, torch.zeros(5, model.n_kv_heads, dtype=torch.long, device="cuda"))
+    dims = (model.config.num_hidden_layers, model.n_kv_heads, model.head_dim)
+    full = OffloadedCache(*dims, 64, Rotary(model.config, 64, device="cuda"), resident=0, device="cuda", rows=2)
+    k, v = full.gather_rows(0, torch.zeros(5, model.n_kv_heads, dtype=torch.long, device="cuda"), row=1)
     assert k.is_pinned() and v.is_pinned() and k.shape == (1, 5, model.n_kv_heads, model.head_dim)
 
 

@@ -1,6 +1,6 @@
 """CUDA's asynchronous semantics, simulated on the CPU, over the real code paths (no GPU needed).
 
-Copy stream (cache/offload.py, cache/rows_offload.py): a copy issued on the side stream runs only when
+Copy stream (cache/offload.py): a copy issued on the side stream runs only when
 something waits for it (the compute stream waiting on its event, a stream or device synchronize), as if
 the copy engine were arbitrarily slow. A missing wait then reads stale K/V and changes tokens.
 
@@ -26,7 +26,6 @@ import tforce.graphs
 import tforce.session
 from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
-from tforce.cache.rows_offload import RowsOffloadedCache
 from tforce.rope import Rotary
 from test_offload import run_steps
 
@@ -105,11 +104,10 @@ def copy_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _Event(copies))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "stream", on)
-    for cls in (OffloadedCache, RowsOffloadedCache):
-        def init(self, *a, _init=cls.__init__, **k):
-            _init(self, *a, **k)
-            self.copy_stream = _Stream(copies)
-        monkeypatch.setattr(cls, "__init__", init)
+    def init(self, *a, _init=OffloadedCache.__init__, **k):
+        _init(self, *a, **k)
+        self.copy_stream = _Stream(copies)
+    monkeypatch.setattr(OffloadedCache, "__init__", init)
     # _sync_device is a no-op on the CPU: it does not drain the copies either, so nothing may rely on it
     return copies
 

@@ -67,12 +67,12 @@ def test_layer_major_prefill_is_bit_identical(tiny, resident, n):
         full.commit(b - a)
     off = OffloadedCache(*dims, capacity=64, rotary=rotary, resident=resident)
     seen = []
-    prefill_layer_major(model, ids, off, chunk=16, progress=lambda d, t: seen.append((d, t)))
+    prefill_layer_major(model, [ids], off, chunk=16, progress=lambda d, t: seen.append((d, t)))
     assert off.length == full.length == n and seen[-1] == (dims[0] * n, dims[0] * n)
     for layer in range(dims[0]):
         assert torch.equal(off.layer_keys(layer)[:, :n], full.layer_keys(layer)[:, :n])
         assert torch.equal(off.layer_values(layer)[:, :n], full.layer_values(layer)[:, :n])
-        assert torch.equal(off.query_at(layer, n - 1), full.query_at(layer, n - 1))
+        assert torch.equal(off.query_at(0, n - 1)[layer], full.query_at(0, n - 1)[layer])
     nxt = torch.tensor([[5]])
     for cache in (full, off):
         cache.begin(1)

@@ -194,7 +194,7 @@ def test_items_equal_the_bytes_the_caches_and_prefill_allocate(resident):
     assert p.item("target weights") == _nbytes(*target.parameters())
     if p.offloaded:  # the layer-major prefill: the prompt's hidden states, K/V in a staging slot
         ids = torch.arange(3, n + 2)[: n - 1]
-        allocated = prefill_layer_major(target, ids, full, s.full.prefill_chunk)
+        allocated = prefill_layer_major(target, [ids], full, s.full.prefill_chunk)
         assert allocated == p.item("prefill hidden states") + p.item("prefill K/V scratch (a staging slot)")
         assert allocated == (n - 1) * target.config.hidden_size * 4
 

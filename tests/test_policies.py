@@ -17,18 +17,18 @@ def build(model, full, budget, select):
     cfg = model.config
     cache = RetrievalCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, budget, 4, full.rotary,
                            select=select)
-    cache.rebuild(full, [full.query_at(layer, full.length - 1) for layer in range(len(full.queries))])
+    cache.rebuild(full, [0], [full.query_at(0, full.length - 1)])
     return cache
 
 
 def held(cache, layer, head):
-    return {p for p in cache.key_pos[layer, head].tolist() if p >= 0}
+    return {p for p in cache.key_pos[layer, 0, head].tolist() if p >= 0}
 
 
 def check_contents(cache, full):
     for layer in range(cache.k.shape[0]):
         for h in range(cache.k.shape[3]):
-            for slot, p in enumerate(cache.key_pos[layer, h].tolist()):
+            for slot, p in enumerate(cache.key_pos[layer, 0, h].tolist()):
                 if p >= 0:
                     assert torch.equal(cache.k[layer, 0, slot, h], full.k[layer, 0, p, h])
                     assert torch.equal(cache.v[layer, 0, slot, h], full.v[layer, 0, p, h])
@@ -67,7 +67,7 @@ def test_topk_holds_the_brute_force_top_attention(tiny, name, length, budget):
     forward(model, full, random_ids(length, seed=length))
     cache = build(model, full, budget, TopK())
     for layer in range(model.config.num_hidden_layers):
-        query = full.query_at(layer, length - 1)
+        query = full.query_at(0, length - 1)[layer]
         scores = brute_attention(full.k[layer, 0], length, query, model.n_kv_heads)
         for h in range(model.n_kv_heads):
             assert held(cache, layer, h) == top_set(scores[h], budget), (layer, h)
@@ -82,7 +82,7 @@ def test_streaming_holds_sinks_and_recent_window(tiny):
     for layer in range(model.config.num_hidden_layers):
         for h in range(model.n_kv_heads):
             assert held(cache, layer, h) == set(range(4)) | set(range(38, 50))
-            assert cache.key_pos[layer, h].tolist()[4:] == list(range(49, 37, -1))  # newest first
+            assert cache.key_pos[layer, 0, h].tolist()[4:] == list(range(49, 37, -1))  # newest first
     check_contents(cache, full)
 
 
@@ -94,7 +94,7 @@ def brute_accumulated(model, ids):
     for t in range(n):
         forward(model, full, ids[:, t:t + 1])
         for layer in range(len(queries)):
-            queries[layer].append(full.queries[layer][0, 0])
+            queries[layer].append(full.query_at(0, t)[layer])
     n_kv = model.n_kv_heads
     out = []
     for layer in range(len(queries)):

@@ -188,7 +188,7 @@ def test_projected_rebuilds_at_a_low_measured_acceptance_are_the_runs(tiny, meth
     s, n = r.stats, len(r.tokens)
     spec = Speculation(method=method, **opts)
     spec = spec.fitted(spec.capacity(300 + 96))  # as the Session fitted it
-    assert s["acceptance"]["retrieval"] < 0.05 and spec.rebuild_after == 51
+    assert s["acceptance"]["retrieval"] < 0.05 and spec.rebuild_after() == 51
     assert s["rebuilds"] >= 8  # the budget's rule alone: at most one in 96 tokens
     p = project(s, spec, s["acceptance"])
     assert p["low_acceptance_rebuilds"] == {"active": True, "rebuild_below": 0.3, "window_rounds": 8,

@@ -36,11 +36,11 @@ def test_recomputed_selection_equals_the_kept_one_bit_for_bit(tiny, pattern, off
         full.truncate(pos + n)  # a rejected speculation: the tail is rolled back
         pos += n
         for cache in (kept, redone):
-            cache.rebuild(full, last_queries(full))
+            cache.rebuild(full, [0], [last_queries(full)])
         assert torch.equal(kept.key_pos, redone.key_pos)
         assert torch.equal(kept.k, redone.k) and torch.equal(kept.v, redone.v)
     # On a CPU run host memory is the compute device's: no layer keeps its sums (on CUDA: tested below).
-    assert all(s is None for s in redone.stats.sums)
+    assert all(s is None for s in redone.stats[0].sums)
 
 
 @pytest.mark.cuda
@@ -57,8 +57,8 @@ def test_on_cuda_offloaded_layers_keep_their_statistics_and_resident_ones_do_not
     caches[1].recompute_stats = True
     for cache in caches:
         cache.key_pos, cache.k, cache.v = cache.key_pos.cuda(), cache.k.cuda(), cache.v.cuda()
-        cache.rebuild(full, last_queries(full))
-    sums = caches[1].stats.sums
+        cache.rebuild(full, [0], [last_queries(full)])
+    sums = caches[1].stats[0].sums
     assert sums[0] is None and sums[1].device.type == "cpu" and sums[1].is_pinned()
     assert torch.equal(caches[0].key_pos, caches[1].key_pos) and torch.equal(caches[0].k, caches[1].k)
 
@@ -68,7 +68,7 @@ def test_recomputed_means_cover_a_partial_last_chunk(tiny):
     full = make_full(model, 64, offloaded=False)
     forward(model, full, random_ids(29, seed=3))  # 3 complete chunks of 8 and 5 rows
     kept, redone = ChunkStats.for_cache(full, 8), ChunkStats.for_cache(full, 8, recompute_resident=True)
-    for layer in range(len(full.queries)):
+    for layer in range(full.n_layers):
         kept.update(layer, full, 29)
         want = kept.means(layer, full, 29, full.k.device)
         assert want.shape[0] == 4 and torch.equal(redone.means(layer, full, 29, full.k.device), want)

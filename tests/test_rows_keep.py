@@ -1,4 +1,4 @@
-"""keep() of the batched caches (cache/batched.py, cache/rows_offload.py): finished rows leave, the live ones
+"""keep() of the batched caches (cache/rows.py): finished rows leave, the live ones
 move to the front with what they hold, and the move needs no scratch memory. It gathered every kept
 row's whole capacity into a temporary first (one layer's kept rows: up to a full layer of the batch's
 KV, on the device for resident layers), which placement.py does not plan, so a batch planned to fill
@@ -10,8 +10,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from model_helpers import rotary_for
-from tforce.cache.batched import RowsCache, RowsStreamingCache
-from tforce.cache.rows_offload import RowsOffloadedCache
+from tforce.cache import FullCache, StreamingCache
+from tforce.cache.offload import OffloadedCache
 
 LENGTHS = [10, 20, 30, 40]
 KEEP = [1, 3]
@@ -27,9 +27,11 @@ def largest_allocation(fn) -> int:
 def caches(model):
     dims = (model.config.num_hidden_layers, len(LENGTHS), model.n_kv_heads, model.head_dim)
     rotary = rotary_for(model)
-    return {"full": RowsCache(*dims, 500, rotary),
-            "offloaded": RowsOffloadedCache(*dims, 500, rotary, resident=1),
-            "streaming": RowsStreamingCache(*dims, budget=300, sinks=4, rotary=rotary, max_rollback=10, max_new=100)}
+    one = (dims[0], *dims[2:])  # the one-row caches' dimensions: rows are a keyword
+    return {"full": FullCache(*one, 500, rotary, rows=len(LENGTHS)),
+            "offloaded": OffloadedCache(*one, 500, rotary, resident=1, rows=len(LENGTHS)),
+            "streaming": StreamingCache(*one, budget=300, sinks=4, rotary=rotary, max_rollback=10, max_new=100,
+                                        rows=len(LENGTHS))}
 
 
 def stores(cache) -> list[torch.Tensor]:
@@ -61,12 +63,12 @@ def test_keep_moves_the_live_rows_without_scratch(tiny, name):
 @pytest.mark.cuda
 def test_keep_allocates_nothing_on_the_device():
     """The same on CUDA, measured by the caching allocator (untested here: no GPU on the machine that wrote it)."""
-    from tforce.cache.batched import RowsCache
+    from tforce.cache import FullCache
 
     class _Rotary:  # keep() never rotates
         pass
 
-    cache = RowsCache(2, len(LENGTHS), 2, 16, 4096, _Rotary(), device="cuda")
+    cache = FullCache(2, 2, 16, 4096, _Rotary(), device="cuda", rows=len(LENGTHS))
     cache.lengths[:] = torch.tensor(LENGTHS)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -77,14 +79,14 @@ def test_keep_allocates_nothing_on_the_device():
 
 
 def test_retrieval_keep_moves_rows_without_scratch(tiny):
-    """RowsRetrievalCache.keep gathered the kept rows' slots and key positions of every layer into
+    """RetrievalCache.keep (of rows) gathered the kept rows' slots and key positions of every layer into
     temporaries (the positions twice: an index copy, then a clone), unplanned: at a 4K budget, 32 rows and
     32 layers, over half a GiB. Each moving row is now copied in place."""
-    from tforce.cache.rows_retrieval import RowsRetrievalCache
+    from tforce.cache import RetrievalCache
 
     model = tiny["gqa"].model
-    cache = RowsRetrievalCache(model.config.num_hidden_layers, len(LENGTHS), model.n_kv_heads, model.head_dim,
-                               budget=256, chunk_size=4, rotary=rotary_for(model))
+    cache = RetrievalCache(model.config.num_hidden_layers, model.n_kv_heads, model.head_dim,
+                           budget=256, chunk_size=4, rotary=rotary_for(model), rows=len(LENGTHS))
     g = torch.Generator().manual_seed(1)
     for x in (cache.k, cache.v):
         x.copy_(torch.randn(x.shape, generator=g))

@@ -1,4 +1,4 @@
-"""The batch's layer-major prefill (prefill.py, prefill_rows_layer_major): bit for bit the token-major
+"""The batch's layer-major prefill (prefill.py, prefill_layer_major): bit for bit the token-major
 prefill of RowsNode.hold (same chunks, same matmul shapes: float32 on the CPU, no tolerance), the per-row
 retrieval statistics taken on the device, and PCIe traffic linear in the prompts."""
 from __future__ import annotations
@@ -10,11 +10,10 @@ import tforce.batch_session
 from model_helpers import rotary_for
 from tforce.batch import generate_batch
 from tforce.batch_levels import RowsNode
-from tforce.cache.batched import RowsCache
-from tforce.cache.rows_offload import RowsOffloadedCache
-from tforce.cache.rows_retrieval import RowsRetrievalCache
+from tforce.cache import FullCache, RetrievalCache
+from tforce.cache.offload import OffloadedCache
 from tforce.config import Sampling
-from tforce.prefill import prefill_rows_layer_major
+from tforce.prefill import prefill_layer_major
 
 from test_batch import prompts_of
 
@@ -25,8 +24,8 @@ CHUNK = 8
 def make(model, rows: int, resident: int | None, capacity: int = 64):
     n_layers, n_kv, d = model.config.num_hidden_layers, model.n_kv_heads, model.head_dim
     if resident is None:
-        return RowsCache(n_layers, rows, n_kv, d, capacity, rotary_for(model))
-    return RowsOffloadedCache(n_layers, rows, n_kv, d, capacity, rotary_for(model), resident=resident)
+        return FullCache(n_layers, n_kv, d, capacity, rotary_for(model), rows=rows)
+    return OffloadedCache(n_layers, n_kv, d, capacity, rotary_for(model), resident=resident, rows=rows)
 
 
 def token_major(model, seqs, resident=None, capacity=64):
@@ -50,7 +49,7 @@ def test_rows_layer_major_prefill_is_bit_identical_to_token_major(tiny, resident
     want = token_major(model, seqs)
     got = make(model, len(seqs), resident)
     seen = []
-    prefill_rows_layer_major(model, seqs, got, CHUNK, progress=lambda d, t: seen.append((d, t)))
+    prefill_layer_major(model, seqs, got, CHUNK, progress=lambda d, t: seen.append((d, t)))
     total = model.config.num_hidden_layers * sum(HEADS)
     assert got.lengths.tolist() == want.lengths.tolist() == list(HEADS) and seen[-1] == (total, total)
     for layer in range(model.config.num_hidden_layers):
@@ -84,7 +83,7 @@ def test_rows_retrieval_statistics_are_taken_during_the_prefill(tiny, resident):
     counts = [len(s) for s in seqs]
 
     def retrieval(full):
-        return RowsRetrievalCache(n_layers, len(seqs), n_kv, d, budget, chunk, full.rotary)
+        return RetrievalCache(n_layers, n_kv, d, budget, chunk, full.rotary, rows=len(seqs))
 
     def rebuild(cache, full):
         rows = list(range(len(seqs)))
@@ -92,7 +91,7 @@ def test_rows_retrieval_statistics_are_taken_during_the_prefill(tiny, resident):
 
     full = make(model, len(seqs), resident)
     cache = retrieval(full)
-    prefill_rows_layer_major(model, seqs, full, CHUNK, on_layer=lambda i, k: cache.observe(full, i, k, counts))
+    prefill_layer_major(model, seqs, full, CHUNK, on_layer=lambda i, k: cache.observe(full, i, k, counts))
     assert [s.chunks for s in cache.stats] == [[n // chunk] * n_layers for n in counts]
     full.host_rows_read = 0
     rebuild(cache, full)
@@ -117,7 +116,7 @@ def test_rows_prefill_traffic_is_linear_not_quadratic(tiny):
         seqs = prompts_of((n, n // 2), seed=2)
         tm = token_major(model, seqs, resident=0, capacity=128)
         lm = make(model, 2, 0, capacity=128)
-        prefill_rows_layer_major(model, seqs, lm, CHUNK)
+        prefill_layer_major(model, seqs, lm, CHUNK)
         traffic[n] = (tm.host_rows_streamed, lm.host_rows_streamed, lm.host_rows_written)
         assert lm.host_rows_written == layers * (n + n // 2)
     (tm48, lm48, w48), (tm96, lm96, w96) = traffic[48], traffic[96]
@@ -130,12 +129,12 @@ def test_generate_batch_prefill_traffic_is_linear(tiny, monkeypatch):
     host -> device rows (the prefill's rebuild and the one verification's streaming) double, no more."""
     caches = []
 
-    class Counted(RowsOffloadedCache):
+    class Counted(OffloadedCache):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             caches.append(self)
 
-    monkeypatch.setattr(tforce.batch_session, "RowsOffloadedCache", Counted)
+    monkeypatch.setattr(tforce.batch_session, "OffloadedCache", Counted)
     h2d = []
     for n in (40, 80):
         generate_batch(tiny["gqa"], prompts_of((n, n // 2 + 1, 1), seed=3), draft=tiny["draft"], method="triforce",
@@ -156,6 +155,6 @@ def test_the_plan_counts_the_rows_prefill_hidden_states(tiny, resident):
     N = max(HEADS)
     work = placement.Work(capacity=64, prompt=N, method="ar", attention="math", rows=len(seqs), cuda_graphs=False)
     plan = placement.layout(model_shape(model), work, resident, None, 0)
-    allocated = prefill_rows_layer_major(model, seqs, make(model, len(seqs), resident), CHUNK)
+    allocated = prefill_layer_major(model, seqs, make(model, len(seqs), resident), CHUNK)
     assert allocated == plan.item("prefill hidden states") + plan.item("prefill K/V scratch (a staging slot)")
     assert allocated == len(seqs) * N * model.config.hidden_size * 4

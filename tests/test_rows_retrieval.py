@@ -1,4 +1,4 @@
-"""RowsRetrievalCache (cache/rows_retrieval.py): the batched middle cache against RowsCache and against a
+"""RetrievalCache of B rows (cache/retrieval.py): the batched middle cache against FullCache of B rows and against a
 single-row RetrievalCache rebuilt on each row alone; the offloaded full cache gives the same rebuild."""
 from __future__ import annotations
 
@@ -6,11 +6,9 @@ import pytest
 import torch
 
 from model_helpers import full_cache, rotary_for
-from tforce.cache import RetrievalCache
-from tforce.cache.batched import RowsCache
+from tforce.cache import FullCache, RetrievalCache
 from tforce.cache.policies import make_select
-from tforce.cache.rows_offload import RowsOffloadedCache
-from tforce.cache.rows_retrieval import RowsRetrievalCache
+from tforce.cache.offload import OffloadedCache
 from tforce.errors import TforceError
 
 LENGTHS = (37, 5, 23, 1)  # rows of different lengths, one of one token, one a partial last chunk
@@ -35,9 +33,9 @@ def dims(model):
     return model.config.num_hidden_layers, model.n_kv_heads, model.head_dim
 
 
-def filled(model, lengths, cls=RowsCache, **kw):
+def filled(model, lengths, cls=FullCache, **kw):
     n_layers, n_kv, d = dims(model)
-    full = cls(n_layers, len(lengths), n_kv, d, 128, rotary_for(model), **kw)
+    full = cls(n_layers, n_kv, d, 128, rotary_for(model), rows=len(lengths), **kw)
     ids = rows_ids(lengths)
     for start in range(0, max(lengths), 16):  # in chunks: short rows see forwards of only padding
         feed(model, full, [r[start:start + 16] for r in ids])
@@ -46,7 +44,7 @@ def filled(model, lengths, cls=RowsCache, **kw):
 
 def rebuilt(model, full, budget, chunk, shared=False):
     n_layers, n_kv, d = dims(model)
-    cache = RowsRetrievalCache(n_layers, full.rows, n_kv, d, budget, chunk, full.rotary, shared=shared)
+    cache = RetrievalCache(n_layers, n_kv, d, budget, chunk, full.rotary, shared=shared, rows=full.rows)
     rows = list(range(full.rows))
     cache.rebuild(full, rows, [full.query_at(b, int(full.lengths[b]) - 1) for b in rows])
     return cache
@@ -74,10 +72,10 @@ def test_each_row_selects_what_a_single_cache_selects_on_it_alone(tiny, name, sh
     for b, L in enumerate(LENGTHS):
         one = full_cache(model, 128, full.rotary)
         one.k[:, 0, :L], one.v[:, 0, :L] = full.k[:, b, :L], full.v[:, b, :L]
-        one.length = L
+        one.lengths[0] = L
         single = RetrievalCache(n_layers, n_kv, d, budget, chunk, full.rotary, shared=shared)
-        single.rebuild(one, full.query_at(b, L - 1))
-        assert torch.equal(batched.key_pos[:, b], single.key_pos)
+        single.rebuild(one, [0], [full.query_at(b, L - 1)])
+        assert torch.equal(batched.key_pos[:, b], single.key_pos[:, 0])
         assert torch.equal(batched.k[:, b], single.k[:, 0]) and torch.equal(batched.v[:, b], single.v[:, 0])
     assert (batched.key_pos[:, 0] >= 0).sum(-1).max() == budget  # the longest row really dropped tokens
 
@@ -88,21 +86,21 @@ def test_a_select_rule_picks_per_row_what_a_single_cache_picks_on_it_alone(tiny,
     """policies.py's rules, asked per row and layer: with the full cache resident or an offloaded layer
     (scored in host memory), each row holds what a single RetrievalCache with that rule holds for it."""
     model = tiny["gqa"].model
-    full = filled(model, LENGTHS) if resident is None else filled(model, LENGTHS, RowsOffloadedCache, resident=1)
+    full = filled(model, LENGTHS) if resident is None else filled(model, LENGTHS, OffloadedCache, resident=1)
     ref = filled(model, LENGTHS)  # the same K/V, resident, to copy into single caches
     budget, chunk = 16, 4
     n_layers, n_kv, d = dims(model)
-    batched = RowsRetrievalCache(n_layers, full.rows, n_kv, d, budget, chunk, full.rotary,
-                                 select=make_select(policy, sinks=2))
+    batched = RetrievalCache(n_layers, n_kv, d, budget, chunk, full.rotary, select=make_select(policy, sinks=2),
+                             rows=full.rows)
     rows = list(range(full.rows))
     batched.rebuild(full, rows, [full.query_at(b, L - 1) for b, L in enumerate(LENGTHS)])
     for b, L in enumerate(LENGTHS):
         one = full_cache(model, 128, full.rotary)
         one.k[:, 0, :L], one.v[:, 0, :L] = ref.k[:, b, :L], ref.v[:, b, :L]
-        one.length = L
+        one.lengths[0] = L
         single = RetrievalCache(n_layers, n_kv, d, budget, chunk, full.rotary, select=make_select(policy, sinks=2))
-        single.rebuild(one, full.query_at(b, L - 1))
-        assert torch.equal(batched.key_pos[:, b], single.key_pos)
+        single.rebuild(one, [0], [full.query_at(b, L - 1)])
+        assert torch.equal(batched.key_pos[:, b], single.key_pos[:, 0])
         assert torch.equal(batched.k[:, b], single.k[:, 0]) and torch.equal(batched.v[:, b], single.v[:, 0])
     assert (batched.key_pos[:, 0] >= 0).sum(-1).max() == budget  # the longest row really dropped tokens
 
@@ -116,7 +114,7 @@ def test_a_select_rules_empty_slots_stay_empty(tiny):
     def first_and_empty(layer, keys, length, query, budget):
         return torch.tensor([[0, -1]] * keys.shape[1])
 
-    cache = RowsRetrievalCache(n_layers, full.rows, n_kv, d, 16, 4, full.rotary, select=first_and_empty)
+    cache = RetrievalCache(n_layers, n_kv, d, 16, 4, full.rotary, select=first_and_empty, rows=full.rows)
     cache.rebuild(full, [0], [full.query_at(0, LENGTHS[0] - 1)])
     assert cache.key_pos[:, 0, :, :3].tolist() == [[[0, -1, -1]] * n_kv] * n_layers
     assert torch.equal(cache.k[:, 0, 0], full.k[:, 0, 0])
@@ -125,7 +123,7 @@ def test_a_select_rules_empty_slots_stay_empty(tiny):
 def test_offloaded_rows_rebuild_bit_for_bit_reading_few_rows(tiny):
     model = tiny["gqa"].model
     resident = filled(model, LENGTHS)
-    offloaded = filled(model, LENGTHS, RowsOffloadedCache, resident=1)
+    offloaded = filled(model, LENGTHS, OffloadedCache, resident=1)
     assert torch.equal(offloaded.host_k[0][:, :37], resident.k[1, :, :37])
     a = rebuilt(model, resident, 16, 4)
     offloaded.host_rows_read = 0
@@ -170,10 +168,10 @@ def test_offloaded_rows_are_gathered_into_one_reused_host_buffer(tiny):
     each holding exactly the row's selected positions."""
     from tforce.cache.full import gather_heads
 
-    full = filled(tiny["gqa"].model, LENGTHS, RowsOffloadedCache, resident=0)
+    full = filled(tiny["gqa"].model, LENGTHS, OffloadedCache, resident=0)
     idx = torch.tensor([[0, 1], [2, 3], [4, 4]])  # (n, H_kv) positions
-    k1, v1 = full.gather_row(0, 0, idx)
-    k2, v2 = full.gather_row(1, 2, idx[:2])
+    k1, v1 = full.gather_rows(0, idx, row=0)
+    k2, v2 = full.gather_rows(1, idx[:2], row=2)
     assert (k1.data_ptr(), v1.data_ptr()) == (k2.data_ptr(), v2.data_ptr())
     assert torch.equal(k2, gather_heads(full.host_k[1][2:3], idx[:2]))
     assert torch.equal(v2, gather_heads(full.host_v[1][2:3], idx[:2]))

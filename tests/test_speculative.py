@@ -7,11 +7,17 @@ import torch
 
 from tforce.sampling import residual, to_probs
 from tforce.config import Sampling
-from tforce.speculative import Proposal, verify
+from tforce.speculative import verify
 
 from stats_util import chi2_pvalue
 
 V = 6
+
+
+def verify_one(x, q, p, gen, **kw):
+    """verify on one row: (accepted count, next token)."""
+    [n], [token] = verify(x[None], q[None], p[None], gen, **kw)
+    return n, token
 
 
 def first_token_counts(p, q, n=6000, seed=0, **kw):
@@ -20,8 +26,8 @@ def first_token_counts(p, q, n=6000, seed=0, **kw):
     counts = np.zeros(V)
     for _ in range(n):
         x = torch.multinomial(q, 1, generator=gen)[:, 0]  # (2,) one draw per position
-        verdict = verify(Proposal(x, q), p, gen, **kw)
-        first = int(x[0]) if verdict.n_accepted > 0 else verdict.next_token
+        n_accepted, next_token = verify_one(x, q, p, gen, **kw)
+        first = int(x[0]) if n_accepted > 0 else next_token
         counts[first] += 1
     return counts
 
@@ -56,25 +62,25 @@ def test_wrong_residual_is_caught():
     """Resampling a rejected token from p instead of the residual (the public reference's bug) is biased."""
     p = normalised(dists(1))
     q = normalised(dists(2))[:2]
-    wrong = functools.partial(verify, residual=lambda p, q: p)
+    wrong = functools.partial(verify_one, residual=lambda p, q: p)
     gen = torch.Generator().manual_seed(0)
     counts = np.zeros(V)
     for _ in range(6000):
         x = torch.multinomial(q, 1, generator=gen)[:, 0]
-        verdict = wrong(Proposal(x, q), p, gen)
-        counts[int(x[0]) if verdict.n_accepted > 0 else verdict.next_token] += 1
+        n_accepted, next_token = wrong(x, q, p, gen)
+        counts[int(x[0]) if n_accepted > 0 else next_token] += 1
     assert chi2_pvalue(counts, p[0].numpy()) < 1e-6
 
 
 def test_acceptance_counts_and_bonus():
     p = torch.eye(V)[[1, 2, 3]]
     q = torch.eye(V)[[1, 2]]
-    v = verify(Proposal(torch.tensor([1, 2]), q), p, torch.Generator().manual_seed(0))
-    assert (v.n_accepted, v.next_token) == (2, 3)  # all accepted, bonus from p[2]
-    v = verify(Proposal(torch.tensor([1, 4]), torch.eye(V)[[1, 4]]), p, torch.Generator().manual_seed(0))
-    assert (v.n_accepted, v.next_token) == (1, 2)  # second rejected, replaced by argmax of the residual
-    v = verify(Proposal(torch.tensor([5, 2]), torch.eye(V)[[5, 2]]), p, torch.Generator().manual_seed(0))
-    assert (v.n_accepted, v.next_token) == (0, 1)  # rejected at once; later drafts never count
+    v = verify_one(torch.tensor([1, 2]), q, p, torch.Generator().manual_seed(0))
+    assert v == (2, 3)  # all accepted, bonus from p[2]
+    v = verify_one(torch.tensor([1, 4]), torch.eye(V)[[1, 4]], p, torch.Generator().manual_seed(0))
+    assert v == (1, 2)  # second rejected, replaced by argmax of the residual
+    v = verify_one(torch.tensor([5, 2]), torch.eye(V)[[5, 2]], p, torch.Generator().manual_seed(0))
+    assert v == (0, 1)  # rejected at once; later drafts never count
 
 
 def test_residual_rule():

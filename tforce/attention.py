@@ -4,7 +4,7 @@ flash-attn (`flash_attn_func`, causal and bottom-right aligned) on CUDA when it 
 view's mask is plain causal; PyTorch SDPA otherwise (and for the retrieval cache's per-head masks),
 with each KV head's query heads folded into the query axis so that memory stays O(S x H_kv);
 `attend_reference` is the plain-math oracle the tests compare against.
-Layouts are the ones fixed in cache/base.py: q (B, T, H_q, D), view.k / view.v (B, S, H_kv, D).
+Layouts are the ones fixed in docs/architecture.md: q (B, T, H_q, D), view.k / view.v (B, S, H_kv, D).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _unfold(out: torch.Tensor, T: int) -> torch.Tensor:
 
 def _batch_mask(m: torch.Tensor) -> torch.Tensor:
     """A view's mask as (B_m, H_m, T, S): (H_m, T, S) is the same for every row (B_m = 1); a batched
-    cache's (B, 1, T, S) has one per row (cache/base.py, rows of different lengths)."""
+    cache's (B, 1, T, S) has one per row (docs/architecture.md, rows of different lengths)."""
     return m if m.dim() == 4 else m[None]
 
 

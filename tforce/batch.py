@@ -1,17 +1,17 @@
 """generate_batch: several prompts through one decode loop, each row exact on its own.
 
 Every forward feeds all live rows at once (the weights are read once per step for the whole batch); each
-row keeps its own length in the caches (cache/batched.py, cache/rows_retrieval.py, the rule in
-cache/base.py), accepts its own number of drafted tokens, and leaves the batch when it reaches EOS, a stop
-string (`until`) or its token budget (its cache rows are compacted away, so it costs no further work).
+row keeps its own length in the caches (one class per cache kind, one row per prompt: docs/architecture.md),
+accepts its own number of drafted tokens, and leaves the batch when it reaches EOS, a stop string (`until`)
+or its token budget (its cache rows are compacted away, so it costs no further work).
 Every method of `generate`, composed as session.Session composes it (batch_session.py: _Batch), from the
 batched levels of batch_levels.py: `ar`, `naive`, `retrieval` (the target with a per-row retrieval cache
 drafts gamma2 tokens per row), `streaming` and `triforce` (the small draft, then the target with a per-row
 StreamingLLM or retrieval cache verifying gamma1 tokens per row, until every row has gamma2 middle-level
 tokens, then the full cache). Retrieval rebuilds are per row, with the single path's rules
 (_Batch._maybe_rebuild), selecting by the chunk rule (policy retrieval or shared) or a policies.py rule
-(topk, streaming). The full cache may be offloaded in part (cache/rows_offload.py); the prefill then runs
-layer-major for all rows (prefill.py, prefill_rows_layer_major: each offloaded layer's prompt K/V cross to
+(topk, streaming). The full cache may be offloaded in part (cache/offload.py); the prefill then runs
+layer-major for all rows (prefill.py: each offloaded layer's prompt K/V cross to
 host memory once, nothing streams back; PCIe traffic linear in the prompts), as the single-prompt path's
 does.
 """

@@ -1,11 +1,11 @@
 """The speculation hierarchy of levels.py for a batch of rows (batch.py): the same composition, a row
 dimension everywhere.
 
-A RowsNode is one network with one batched cache (cache/batched.py, cache/rows_offload.py,
-cache/rows_retrieval.py) and a host record of the tokens each row's cache holds. Asked for distributions
+A RowsNode is one network with one batched cache (cache/full.py, cache/offload.py, cache/streaming.py,
+cache/retrieval.py) and a host record of the tokens each row's cache holds. Asked for distributions
 after each row's sequence, it rolls every row back to the longest prefix it holds that still matches
 that row's sequence (levels.Node.sync, per row) and feeds every row the rest in one forward, padded at
-the end to the longest (the row rule of cache/base.py).
+the end to the longest (the row rule of docs/architecture.md).
 
 RowsDrafter and RowsSpecLevel are levels.Drafter and levels.SpecLevel with per-row acceptance: every
 row's yielded tokens are labelled with the verifying node's distribution (the accepted tokens and the
@@ -14,7 +14,7 @@ is a proposer for the level above. A level proposing k tokens repeats its rounds
 a row that has them already goes on drafting from its first k tokens (its results are dropped and not
 counted), so no cache runs further ahead than levels.Level.propose lets it in the single-prompt path.
 Host syncs per round: one per drafted token for all rows (the sampled tokens join the host-side
-sequences), one per verification for all rows (speculative.verify_rows).
+sequences), one per verification for all rows (speculative.verify).
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import torch
 
 from .config import Sampling
 from .sampling import sample, to_probs
-from .speculative import verify_rows
+from .levels import REBUILD_WINDOW
+from .speculative import verify
 from .sync import host, to_device
 from .vocab import SharedVocabulary
 
@@ -163,7 +164,7 @@ class RowsDrafter(RowsLevel):
 
 class RowsSpecLevel(RowsLevel):
     def __init__(self, proposer: RowsLevel, node: RowsNode, gamma: int, ids: list[int], n_prompts: int,
-                 window: int = 8):
+                 window: int = REBUILD_WINDOW):
         self.proposer, self.node, self.gamma = proposer, node, gamma
         self.ids = ids  # live row i is prompt ids[i] (the caller's list, updated in place)
         self.stats = RowStats(n_prompts, window)
@@ -171,7 +172,7 @@ class RowsSpecLevel(RowsLevel):
     def round(self, seqs, gen, active):
         drafts, q = self.proposer.propose(seqs, self.gamma, gen, active)
         p = self.node.probs([s + d for s, d in zip(seqs, drafts)], last=self.gamma + 1)  # (B, gamma + 1, V)
-        n_acc, nxt = verify_rows(to_device(torch.tensor(drafts), p.device), q.to(p.device), p, gen)
+        n_acc, nxt = verify(to_device(torch.tensor(drafts), p.device), q.to(p.device), p, gen)
         tokens, probs = [], []
         for i, (d, a) in enumerate(zip(drafts, n_acc)):
             tokens.append(d[:a] + [nxt[i]])

@@ -7,12 +7,11 @@ from __future__ import annotations
 import time
 
 from .batch_levels import RowsDrafter, RowsNode, RowsSpecLevel
-from .cache.batched import RowsCache, RowsStreamingCache
+from .cache import FullCache, RetrievalCache, StreamingCache
+from .cache.offload import OffloadedCache
 from .cache.policies import make_select
-from .cache.rows_offload import RowsOffloadedCache
-from .cache.rows_retrieval import RowsRetrievalCache
 from .config import Sampling, Speculation
-from .prefill import prefill_rows_layer_major
+from .prefill import prefill_layer_major
 from .rope import Rotary
 from .session import _sync_device
 from .stops import end_of_round
@@ -52,32 +51,33 @@ class _Batch:
         B, cfg, p = len(rows.seq), target.config, next(target.parameters())
         capacity = spec.capacity(total)
         rotary = Rotary(cfg, max_len=total, device=p.device)
-        dims = (cfg.num_hidden_layers, B, target.n_kv_heads, target.head_dim)
+        dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
         if resident == cfg.num_hidden_layers:
-            full = RowsCache(*dims, capacity, rotary, dtype=p.dtype, device=p.device)
+            full = FullCache(*dims, capacity, rotary, dtype=p.dtype, device=p.device, rows=B)
         else:
-            full = RowsOffloadedCache(*dims, capacity, rotary, resident=resident, dtype=p.dtype, device=p.device)
+            full = OffloadedCache(*dims, capacity, rotary, resident=resident, dtype=p.dtype, device=p.device,
+                                  rows=B)
         self.full = RowsNode("full", target, full, sampling, prefill_chunk)
         self.middle = self.small = self.retrieval = None
         if spec.method in ("triforce", "retrieval"):
-            self.retrieval = RowsRetrievalCache(*dims, spec.budget, spec.chunk_size, rotary, dtype=p.dtype,
-                                                device=p.device, shared=spec.policy == "shared",
-                                                select=make_select(spec.policy, spec.sinks),
-                                                recompute_stats=recompute_stats)
+            self.retrieval = RetrievalCache(*dims, spec.budget, spec.chunk_size, rotary, dtype=p.dtype,
+                                            device=p.device, shared=spec.policy == "shared",
+                                            select=make_select(spec.policy, spec.sinks),
+                                            recompute_stats=recompute_stats, rows=B)
             self.middle = RowsNode("retrieval", target, self.retrieval, sampling, prefill_chunk)
         elif spec.method == "streaming":
-            cache = RowsStreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
-                                       max_rollback=spec.max_lookahead, max_new=prefill_chunk + spec.max_lookahead,
-                                       dtype=p.dtype, device=p.device)
+            cache = StreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
+                                   max_rollback=spec.max_lookahead, max_new=prefill_chunk + spec.max_lookahead,
+                                   dtype=p.dtype, device=p.device, rows=B)
             self.middle = RowsNode("streaming", target, cache, sampling, prefill_chunk)
         if spec.uses_draft:
             dcfg, dp = draft.config, next(draft.parameters())
             chunk = min(prefill_chunk, spec.draft_budget)
-            cache = RowsStreamingCache(dcfg.num_hidden_layers, B, draft.n_kv_heads, draft.head_dim,
-                                       budget=spec.draft_budget, sinks=spec.sinks,
-                                       rotary=Rotary(dcfg, max_len=total, device=dp.device),
-                                       max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
-                                       dtype=dp.dtype, device=dp.device)
+            cache = StreamingCache(dcfg.num_hidden_layers, draft.n_kv_heads, draft.head_dim,
+                                   budget=spec.draft_budget, sinks=spec.sinks,
+                                   rotary=Rotary(dcfg, max_len=total, device=dp.device),
+                                   max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
+                                   dtype=dp.dtype, device=dp.device, rows=B)
             self.small = RowsNode("draft", draft, cache, sampling, chunk, shared_vocabulary(draft, cfg.vocab_size))
         self.top, self.draft_level, self.middle_level = self._compose(B)
 
@@ -109,11 +109,11 @@ class _Batch:
         on the device), as Session.prefill does for one prompt."""
         heads = [p[:-1] for p in prompts]
         full = self.full.cache
-        if isinstance(full, RowsOffloadedCache) and max(map(len, heads)):
+        if isinstance(full, OffloadedCache) and max(map(len, heads)):
             counts = [len(h) for h in heads]
             chunk_rule = self.retrieval is not None and self.retrieval.select is None
             observe = (lambda i, k: self.retrieval.observe(full, i, k, counts)) if chunk_rule else None
-            prefill_rows_layer_major(self.target, heads, full, self.full.prefill_chunk, on_layer=observe)
+            prefill_layer_major(self.target, heads, full, self.full.prefill_chunk, on_layer=observe)
             for i, h in enumerate(heads):
                 self.full.adopt(i, h)
         else:
@@ -148,19 +148,17 @@ class _Batch:
         self.rebuild_times += (time.perf_counter() - t0,)
 
     def _maybe_rebuild(self) -> None:
-        """Before a round, per row: rebuild when new tokens crowd the budget (the round's lookahead and
-        another lookahead for padding up to another row's count: cache/rows_retrieval.py), every
-        `rebuild_every` tokens, or when the row's rolling acceptance of the middle level falls under
-        `rebuild_below`."""
+        """Before a round, per row, Session._maybe_rebuild's rule: rebuild when new tokens crowd the budget
+        (Speculation.rebuild_after: with padding while other rows are live) or number `rebuild_every`, or
+        when the row's rolling acceptance of the middle level falls under `rebuild_below`."""
         if self.retrieval is None:
             return
         s = self.spec
         self.full.sync(self._seqs())  # drop each row's rejected tail: rebuild from committed tokens
         new = [self.full.held(i) - int(self.retrieval.base[i]) for i in range(len(self.rows.ids))]
         stats = self.middle_level.stats
-        stale = [i for i, r in enumerate(self.rows.ids)
-                 if new[i] + 2 * s.max_lookahead + 1 > s.budget - s.chunk_size or new[i] >= s.rebuild_every
-                 or stats.low(r, s.rebuild_below)]
+        after = s.rebuild_after(len(self.rows.ids))
+        stale = [i for i, r in enumerate(self.rows.ids) if new[i] >= after or stats.low(r, s.rebuild_below)]
         if stale:
             self._rebuild(stale)
             for i in stale:

@@ -158,10 +158,11 @@ class SpecLevel(Level):
     def round(self, seq, n, gen):
         proposal = self.proposer.propose(seq, n, self.gamma, gen)  # writes seq[n:n + gamma] (host)
         p = self.node.probs(seq, n + self.gamma, last=self.gamma + 1)  # (gamma + 1, V)
-        verdict = verify(proposal, p.to(proposal.probs.device), gen)
-        tokens = seq[n:n + verdict.n_accepted].tolist() + [verdict.next_token]
+        [n_accepted], [next_token] = verify(proposal.tokens[None], proposal.probs[None],
+                                            p.to(proposal.probs.device)[None], gen)
+        tokens = seq[n:n + n_accepted].tolist() + [next_token]
         seq[n:n + len(tokens)] = torch.tensor(tokens)
-        self._count(verdict.n_accepted)
+        self._count(n_accepted)
         return tokens, p[:len(tokens)]
 
     def _count(self, n_accepted: int) -> None:

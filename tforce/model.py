@@ -5,7 +5,7 @@ is. The families differ only in what each layer holds (biases, Qwen3's q_norm/k_
 size), decided from the config when the model is built (families.py), never while it runs.
 The model knows nothing of positions, cache layout, sampling, tensor parallelism or CUDA graphs: each
 attention layer hands its fresh q, k, v to the cache, which applies its own position rule (RoPE) and
-returns the keys and values to attend to (see cache/base.py).
+returns the keys and values to attend to (see docs/architecture.md).
 """
 from __future__ import annotations
 

@@ -226,8 +226,8 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
         cap = streaming_capacity(w.draft_budget, w.sinks, w.lookahead, min(w.prefill_chunk, w.draft_budget) + w.lookahead)
         out.append(Item("draft StreamingLLM cache", b * draft.layers * kv_layer_bytes(draft.kv_heads, draft.head_dim,
                                                                                        cap, draft.dtype_bytes), "both"))
-    # Rotated queries of the last forward, kept per layer for rebuilds (FullCache.queries; RowsCache keeps
-    # each row's, at most a prefill chunk per row).
+    # Rotated queries of the last forward, kept per layer for rebuilds (FullCache.row_queries: each
+    # row's, at most a prefill chunk per row).
     out.append(Item("stored queries", b * n * w.prefill_chunk * s.heads * d * e, "both"))
     layer_major = offloaded and w.prompt > 1  # session.Session.prefill, batch_session._Batch.prefill (every row)
     out += [Item("prefill hidden states", b * w.prompt * s.hidden * e if layer_major else 0, "prefill"),

@@ -139,14 +139,14 @@ def low_acceptance_rule(spec: Speculation, rate, window: int = REBUILD_WINDOW) -
 
 def rebuild_interval(spec: Speculation, rate, window: int = REBUILD_WINDOW) -> float:
     """Expected tokens between retrieval rebuilds. Session._maybe_rebuild rebuilds before the first round
-    that starts with at least spec.rebuild_after tokens committed since the last rebuild (at least one:
+    that starts with at least spec.rebuild_after() tokens committed since the last rebuild (at least one:
     with a threshold of zero or less it rebuilds before every round), or, where low_acceptance_rule is
     active, `window` rounds after the last rebuild, whichever comes first; rounds commit several tokens,
     so the interval is the tokens of the rounds until then: E[rounds] x E[tokens per round] (Wald's
     identity)."""
     top = hierarchy(spec)
     most = window if low_acceptance_rule(spec, rate, window)["active"] else None
-    return _rounds_for(top, max(1, spec.rebuild_after), rate, most) * _mean_tokens(top, rate)
+    return _rounds_for(top, max(1, spec.rebuild_after()), rate, most) * _mean_tokens(top, rate)
 
 
 def project(stats: dict, spec: Speculation, rate) -> dict | None:

@@ -1,7 +1,7 @@
 """Rotary position embedding: the frequencies come from transformers (every variant its configs use:
 default, linear, dynamic, yarn, llama3, ...); only the rotation of our (B, T, H, D) tensors is ours.
 
-Positions are chosen by the cache (see cache/base.py), never by the model.
+Positions are chosen by the cache (see docs/architecture.md), never by the model.
 """
 from __future__ import annotations
 

@@ -121,7 +121,7 @@ class Session:
             # PCIe traffic linear in the prompt
             chunk_rule = self.retrieval is not None and self.retrieval.select is None
             observe = (lambda i, k: self.retrieval.observe(self.full.cache, i, k)) if chunk_rule else None
-            prefill_layer_major(self.target, self.seq[:m], self.full.cache, self.full.prefill_chunk, progress,
+            prefill_layer_major(self.target, [self.seq[:m]], self.full.cache, self.full.prefill_chunk, progress,
                                 observe)
             self.full.adopt(self.seq, m)
         else:
@@ -221,7 +221,7 @@ class Session:
         _sync_device(device)  # time the rebuild alone, not the work queued before it
         t0 = time.perf_counter()
         queries = self.last_queries(L) if L else []
-        self.retrieval.rebuild(full, queries)
+        self.retrieval.rebuild(full, [0], [queries])
         _sync_device(device)
         self.rebuild_times += (time.perf_counter() - t0,)
         self.middle.adopt(self.seq, L)
@@ -232,13 +232,14 @@ class Session:
         """Per layer, the rotated query (H_q, D) of the last committed token, from the full cache's last
         forward; a snapshot's saved ones after loading; else that token is fed again to compute them."""
         full = self.full.cache
-        pos = full.query_pos
-        if not (len(pos) and int(pos[0]) <= L - 1 < int(pos[0]) + len(pos)):
+        queries = full.query_at(0, L - 1)
+        if queries is None:
             if self.loaded_queries is not None and self.loaded_queries[0] == L:
                 return self.loaded_queries[1]
             full.truncate(L - 1)
             self.full.prefill(self.seq, L)
-        return [full.query_at(i, L - 1) for i in range(len(full.queries))]
+            queries = full.query_at(0, L - 1)
+        return queries
 
     def _maybe_rebuild(self, n: int) -> None:
         """Before a round over seq[:n]: rebuild when new tokens crowd the budget, every `rebuild_every`
@@ -246,10 +247,10 @@ class Session:
         if self.retrieval is None:
             return
         self.full.sync(self.seq, n)  # drop the full cache's rejected tail: rebuild from committed tokens
-        new = self.full.cache.length - self.retrieval.base
+        new = self.full.cache.length - int(self.retrieval.base[0])
         recent = self.middle_level.stats.recent
         low = len(recent) == self.middle_level.window and sum(recent) / len(recent) < self.spec.rebuild_below
-        if new >= self.spec.rebuild_after or low:
+        if new >= self.spec.rebuild_after() or low:
             self._rebuild()
 
     def round(self, n: int, gen: torch.Generator) -> list[int]:

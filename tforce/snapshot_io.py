@@ -67,7 +67,7 @@ def save(path, session, ident: dict, group=None) -> None:
             manifest = {"format": FORMAT, "version": VERSION if world == 1 else TP_VERSION, "tforce": _version(),
                         "target": ident["target"],
                         "tokenizer_sha256": ident["tokenizer_sha256"],
-                        "dtype": str(full.k.dtype).replace("torch.", ""), "layers": len(full.queries),
+                        "dtype": str(full.k.dtype).replace("torch.", ""), "layers": full.n_layers,
                         "tokens": session.seq[:P].tolist(), "queries": P > 0, "streaming": streaming,
                         "files": files}
             if world > 1:
@@ -93,7 +93,7 @@ def _write_part(folder: Path, session, ident: dict) -> tuple[dict, dict]:
     P = full.length
     files = {}
     queries = session.last_queries(P) if P else None
-    for layer in range(len(full.queries)):
+    for layer in range(full.n_layers):
         t = {"k": full.layer_keys(layer)[:, :P], "v": full.layer_values(layer)[:, :P]}
         if queries is not None:
             t["q"] = queries[layer]

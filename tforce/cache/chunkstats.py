@@ -62,7 +62,7 @@ class ChunkStats:
     def for_cache(cls, full, chunk: int, recompute_resident: bool = False) -> "ChunkStats":
         """Statistics shaped for a FullCache (or OffloadedCache), each layer's next to its KV; with
         recompute_resident, none kept for the layers on the compute device."""
-        homes = [full.kv_home(layer) for layer in range(len(full.queries))]
+        homes = [full.kv_home(layer) for layer in range(full.n_layers)]
         return cls(kept_homes(homes, full.k.device, recompute_resident), full.capacity, chunk, *full.k.shape[-2:],
                    pin=full.k.device.type == "cuda")
 

@@ -1,68 +1,117 @@
-"""FullCache: every token's K/V at its own position; the verifier's cache and the oracle for the others."""
+"""FullCache: every token's K/V at its own position, one row per sequence; the verifier's cache and the
+oracle for the others.
+
+Rows of one length (always so for one row) take the fast path: the new tokens are written as one block and
+the view is contiguous and causal (flash-attn's kernel applies; no mask for one new token). Rows of
+different lengths write each row at its own positions and carry a per-row mask (the row rule of
+docs/architecture.md).
+
+Like the retrieval rebuilds need, the cache keeps each row's rotated queries of the last forward that fed
+the row real tokens (`query_at`). With one row they are the forward's own tensors (no copy); with several,
+each row's are copied out, so a row's queries never keep a whole batch's forward alive.
+"""
 from __future__ import annotations
 
 import torch
 
 from ..errors import TforceError
 from ..rope import Rotary
+from ..sync import to_device
 from .base import CacheView, visibility
+from .rows import Rows, rotation
 
 
-class FullCache:
+class FullCache(Rows):
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int, rotary: Rotary,
-                 dtype=torch.float32, device="cpu"):
-        shape = (n_layers, 1, capacity, n_kv, head_dim)  # per layer (B, S, H_kv, D)
+                 dtype=torch.float32, device="cpu", rows: int = 1):
+        shape = (n_layers, rows, capacity, n_kv, head_dim)  # per layer (B, S, H_kv, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity = capacity
-        self.rotary = rotary
-        self.length = 0
-        self.pending = 0
-        # Rotated queries of the last forward, kept to rebuild a retrieval cache from (per layer
-        # (B, T, H_q, D)), and the sequence positions they belong to.
-        self.queries: list[torch.Tensor | None] = [None] * n_layers
-        self.query_pos = torch.empty(0, dtype=torch.long)
+        self.capacity, self.rotary, self.n_layers = capacity, rotary, n_layers
+        self._init_rows(rows)
+        self._fresh: dict[int, torch.Tensor] = {}  # layer -> this forward's rotated queries (B, T, H_q, D)
+        # per row: (first position, count, per layer (1, >= count, H_q, D) queries) or None
+        self.row_queries: list[tuple[int, int, list[torch.Tensor]] | None] = [None] * rows
 
     def begin(self, n: int) -> None:
-        if self.length + n > self.capacity:
-            raise TforceError(f"KV cache full: {self.length} + {n} tokens > capacity {self.capacity}")
-        self.pending = n
-        L, device = self.length, self.k.device
-        # On the host, for query_at (retrieval rebuilds): no device -> host copy to read it back.
-        self.query_pos = torch.arange(L, L + n)
-        pos = torch.arange(L, L + n, device=device)  # built on the device: no host -> device copy
-        self._cos, self._sin = self.rotary.cos_sin(pos, self.k.dtype)
-        # One new token sees everything before it: no mask needed.
-        self._mask = None if n == 1 else visibility(torch.arange(L + n, device=device)[None], pos)
+        lo, hi = self.span()
+        if hi + n > self.capacity:
+            raise TforceError(f"KV cache full: {hi} + {n} tokens > capacity {self.capacity}")
+        self.pending, self._S = n, hi + n
+        device = self.k.device
+        if lo == hi:  # one block at [lo, lo + n) for every row; positions built on the device, no copy
+            self._uniform = lo
+            pos = torch.arange(lo, lo + n, device=device)
+            self._cos, self._sin = self.rotary.cos_sin(pos, self.k.dtype)
+            # One new token sees everything before it: no mask needed.
+            self._mask = None if n == 1 else visibility(torch.arange(lo + n, device=device)[None], pos)
+            return
+        self._uniform = None
+        pos = to_device(self.lengths[:self.rows], device)[:, None] + torch.arange(n, device=device)  # (B, T)
+        self._cos, self._sin = rotation(self.rotary, pos, self.k.dtype)
+        self._rows_idx = torch.arange(self.rows, device=device)[:, None].expand(-1, n)  # (B, T)
+        self._slots = pos
+        # slot s visible to row b's query t iff s <= lengths[b] + t: hides each row's unused tail
+        self._mask = (torch.arange(self._S, device=device) <= pos[:, :, None])[:, None]  # (B, 1, T, S)
+
+    def _write(self, k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This forward's K/V (B, T, H_kv, D) into one layer's storage (B', S, H_kv, D), at each row's slots."""
+        L = self._uniform
+        if L is None:
+            k_store[self._rows_idx, self._slots] = k
+            v_store[self._rows_idx, self._slots] = v
+        else:
+            k_store[:self.rows, L:self._S] = k
+            v_store[:self.rows, L:self._S] = v
 
     def update(self, layer, q, k, v):
-        L, n = self.length, self.pending
         q = self.rotary.rotate(q, self._cos, self._sin)
-        self.k[layer, :, L:L + n] = self.rotary.rotate(k, self._cos, self._sin)
-        self.v[layer, :, L:L + n] = v
-        self.queries[layer] = q
-        return q, CacheView(self.k[layer, :, :L + n], self.v[layer, :, :L + n], self._mask, causal=True)
+        self._fresh[layer] = q
+        self._write(self.k[layer], self.v[layer], self.rotary.rotate(k, self._cos, self._sin), v)
+        B, S = self.rows, self._S
+        return q, CacheView(self.k[layer, :B, :S], self.v[layer, :B, :S], self._mask,
+                            causal=self._uniform is not None)
 
-    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one layer's rotated K/V (B, n, H_kv, D) after the committed tokens, outside a forward
-        (layer-major prefill); commit_written(n) then commits them for every layer at once."""
-        L, n = self.length, k.shape[1]
-        self.k[layer, :, L:L + n] = k
-        self.v[layer, :, L:L + n] = v
+    def commit(self, counts) -> None:
+        starts = [int(self.lengths[0])] if self.rows == 1 else self.lengths[:self.rows].tolist()
+        super().commit(counts)
+        if self._fresh:
+            fresh = [self._fresh[i] for i in sorted(self._fresh)]
+            ns = [counts] * self.rows if isinstance(counts, int) else torch.as_tensor(counts).expand(self.rows).tolist()
+            for b, n in enumerate(ns):
+                if n:
+                    # one row: the forward's own tensors; several: copies of the row's (see the docstring)
+                    held = fresh if self.rows == 1 else [q[b:b + 1, :n].clone() for q in fresh]
+                    self.row_queries[b] = (starts[b], n, held)
+        self._fresh = {}
 
-    def commit_written(self, n: int) -> None:
-        if self.length + n > self.capacity:
-            raise TforceError(f"KV cache full: {self.length} + {n} tokens > capacity {self.capacity}")
-        self.length += n
+    def query_at(self, b: int, position: int) -> list[torch.Tensor] | None:
+        """Row b's rotated queries (per layer (H_q, D)) at a sequence position, if a kept forward computed
+        them; else None (the caller feeds that token again)."""
+        held = self.row_queries[b]
+        if held is None or not held[0] <= position < held[0] + held[1]:
+            return None
+        return [q[0, position - held[0]] for q in held[2]]
 
-    def commit(self, n: int) -> None:
-        assert 0 <= n <= self.pending
-        self.length += n
-        self.pending = 0
+    def keep(self, rows: list[int]) -> None:
+        self.row_queries = [self.row_queries[i] for i in rows] + [None] * (len(self.row_queries) - len(rows))
+        super().keep(rows)
 
-    def truncate(self, length: int) -> None:
-        assert 0 <= length <= self.length
-        self.length = length
+    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts: list[int] | None = None) -> None:
+        """Write one layer's rotated K/V (B, n, H_kv, D) after each row's committed tokens, outside a forward
+        (layer-major prefill, a snapshot's load): row b's first counts[b] (None: all n of every row);
+        commit_written(counts) then commits them for every layer at once."""
+        for b, n in enumerate(counts if counts is not None else [k.shape[1]] * self.rows):
+            L = int(self.lengths[b])
+            self.k[layer, b, L:L + n] = k[b, :n]
+            self.v[layer, b, L:L + n] = v[b, :n]
+
+    def commit_written(self, counts) -> None:
+        """counts: one per row, or an int for every row."""
+        new = self.lengths[:self.rows] + torch.as_tensor(counts, dtype=torch.long)
+        if int(new.max()) > self.capacity:
+            raise TforceError(f"KV cache full: {int(new.max())} tokens > capacity {self.capacity}")
+        self.lengths[:self.rows] = new
 
     def layer_keys(self, layer: int) -> torch.Tensor:
         """Keys (B, S, H_kv, D) of one layer, committed ones first (for retrieval rebuilds)."""
@@ -71,26 +120,22 @@ class FullCache:
     def layer_values(self, layer: int) -> torch.Tensor:
         return self.v[layer]
 
-    def query_at(self, layer: int, position: int) -> torch.Tensor:
-        """The rotated query (H_q, D) of the last forward at a sequence position."""
-        i = position - int(self.query_pos[0])
-        assert 0 <= i < len(self.query_pos), "no stored query at that position"
-        return self.queries[layer][0, i]
-
-    # Reads for retrieval rebuilds (cache/retrieval.py, cache/chunkstats.py): rows, never whole layers.
+    # Reads of one row for retrieval rebuilds (cache/retrieval.py, cache/chunkstats.py): rows of tokens,
+    # never whole layers.
 
     def kv_home(self, layer: int) -> torch.device:
         """Where a layer's K/V live (its chunk statistics live there too)."""
         return self.k.device
 
-    def read_keys(self, layer: int, start: int, end: int) -> torch.Tensor:
-        """Keys (B, end - start, H_kv, D) of positions [start, end), on the layer's home device."""
-        return self.k[layer, :, start:end]
+    def read_keys(self, layer: int, start: int, end: int, row: int = 0) -> torch.Tensor:
+        """A row's keys (1, end - start, H_kv, D) of positions [start, end), on the layer's home device."""
+        return self.k[layer, row:row + 1, start:end]
 
-    def gather_rows(self, layer: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """idx (n, H_kv) positions -> K, V (B, n, H_kv, D): for each KV head, the rows at its positions."""
+    def gather_rows(self, layer: int, idx: torch.Tensor, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx (n, H_kv) positions -> a row's K, V (1, n, H_kv, D): for each KV head, the tokens at its
+        positions."""
         idx = idx.to(self.k.device)
-        return gather_heads(self.k[layer], idx), gather_heads(self.v[layer], idx)
+        return gather_heads(self.k[layer, row:row + 1], idx), gather_heads(self.v[layer, row:row + 1], idx)
 
 
 def gather_heads(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,15 @@
 """OffloadedCache: a FullCache whose first `resident` layers live on the device and the rest in host
-memory (one tensor per layer, pinned when the device is CUDA), streamed back layer by layer at every forward.
+memory (one (B, S, H_kv, D) tensor per layer, pinned when the device is CUDA), streamed back layer by layer
+at every forward for all rows at once: the weights and each offloaded layer cross once per step for the
+whole batch.
 
-Per forward, for offloaded layer i: its committed K/V [0, length) were copied host -> device into one
-of two staging buffers on a copy stream while the previous layer computed; the new tokens' K/V are
-written into the staging buffer (the attention reads them from there) and only those rows are copied
-back device -> host. Copies are ordered with CUDA events; nothing synchronises the whole device.
+Per forward, for offloaded layer i: every live row's committed K/V [0, lengths[b]) were copied host ->
+device into one of two staging buffers on a copy stream while the previous layer computed (rows of one
+length: one copy of the block; else one copy per row, exactly its bytes, never another row's unused tail);
+the new tokens' K/V are written into the staging buffer (the attention reads them from there) and only
+those tokens go back device -> host. Copies are ordered with CUDA events; nothing synchronises the whole
+device. The prefill is layer-major (prefill.py): write_layer sends each row's prompt K/V of an offloaded
+layer to host memory once, nothing streams back during the prefill.
 On the CPU code path the same steps run as plain copies, so the results are bit-identical to FullCache.
 """
 from __future__ import annotations
@@ -101,9 +106,8 @@ class HostGather:
 
 
 class StagedLayers:
-    """The staging discipline the one-row and the batched offloaded caches share: two device buffers,
-    offloaded layer i's committed prefix copied into buffer i % 2 on the copy stream (the class's _prefetch)
-    while the layer before it computes."""
+    """The staging discipline: two device buffers, offloaded layer i's committed prefix copied into buffer
+    i % 2 on the copy stream (the class's _prefetch) while the layer before it computes."""
 
     def _slot(self, layer: int) -> int:
         return (layer - self.resident) % 2
@@ -124,24 +128,20 @@ class StagedLayers:
 
 class OffloadedCache(StagedLayers, FullCache):
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int, rotary: Rotary,
-                 resident: int, dtype=torch.float32, device="cpu"):
-        self.resident = resident
-        self.n_layers = n_layers
+                 resident: int, dtype=torch.float32, device="cpu", rows: int = 1):
         device = torch.device(device)
         cuda = device.type == "cuda"
         # Resident layers, as in FullCache (self.k / self.v hold only them).
-        super().__init__(resident, n_kv, head_dim, capacity, rotary, dtype, device)
-        self.queries = [None] * n_layers
+        super().__init__(resident, n_kv, head_dim, capacity, rotary, dtype, device, rows)
+        self.resident, self.n_layers = resident, n_layers
         # One tensor per offloaded layer (B, S, H_kv, D), page-locked as allocated (host_tensor).
-        host_shape = (1, capacity, n_kv, head_dim)
-        pin = device if cuda else None
-        self.host_k = [host_tensor(host_shape, dtype, pin) for _ in range(n_layers - resident)]
-        self.host_v = [host_tensor(host_shape, dtype, pin) for _ in range(n_layers - resident)]
-        stage_shape = (2, 1, capacity, n_kv, head_dim)
-        self.stage_k = torch.zeros(stage_shape, dtype=dtype, device=device)
-        self.stage_v = torch.zeros(stage_shape, dtype=dtype, device=device)
+        shape, pin = (rows, capacity, n_kv, head_dim), device if cuda else None
+        self.host_k = [host_tensor(shape, dtype, pin) for _ in range(n_layers - resident)]
+        self.host_v = [host_tensor(shape, dtype, pin) for _ in range(n_layers - resident)]
+        self.stage_k = torch.zeros((2, *shape), dtype=dtype, device=device)
+        self.stage_v = torch.zeros((2, *shape), dtype=dtype, device=device)
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
-        self._ready = [None, None]  # events: staging buffer j holds its layer's prefix
+        self._ready = [None, None]  # events: staging buffer j holds its layer's prefixes
         self._gather = HostGather(pin)  # page-locked K and V rows for rebuilds
 
     @property
@@ -149,77 +149,113 @@ class OffloadedCache(StagedLayers, FullCache):
         """Bytes of host storage, all of them pinned when the device is CUDA (no rounding: host_tensor)."""
         return sum(t.nbytes for t in self.host_k + self.host_v)
 
+    def _spans(self, n: int) -> list[tuple[slice, int, int]]:
+        """(rows, first, end) blocks that together cover each live row's [lengths[b], lengths[b] + n): one
+        block for rows of one length, else one per row."""
+        lo, hi = self.span()
+        if lo == hi:
+            return [(slice(0, self.rows), lo, lo + n)]
+        return [(slice(b, b + 1), L, L + n) for b, L in enumerate(self.lengths[:self.rows].tolist())]
+
     def _prefetch(self, layer: int) -> None:
         """Start copying offloaded `layer`'s committed K/V into its staging buffer."""
         if layer >= self.n_layers:
             return
-        j, h, L = self._slot(layer), layer - self.resident, self.length
+        j, h = self._slot(layer), layer - self.resident
+        pairs = []
+        for rows, _, L in self._spans(0):
+            pairs += [(self.stage_k[j, rows, :L], self.host_k[h][rows, :L]),
+                      (self.stage_v[j, rows, :L], self.host_v[h][rows, :L])]
+        self.host_rows_streamed += int(self.lengths[:self.rows].sum())
         # After the compute stream's work so far: the layer that last used this buffer.
-        self._ready[j] = copy_on(self.copy_stream, [(self.stage_k[j, :, :L], self.host_k[h][:, :L]),
-                                                    (self.stage_v[j, :, :L], self.host_v[h][:, :L])], record=True)
+        self._ready[j] = copy_on(self.copy_stream, pairs, record=True)
 
     def update(self, layer, q, k, v):
         if layer < self.resident:
             return super().update(layer, q, k, v)
-        L, n = self.length, self.pending
         j, h = self._enter(layer)
         q = self.rotary.rotate(q, self._cos, self._sin)
-        self.stage_k[j, :, L:L + n] = self.rotary.rotate(k, self._cos, self._sin)
-        self.stage_v[j, :, L:L + n] = v
-        self.queries[layer] = q
-        self._write_back(j, h, L, n)
-        return q, CacheView(self.stage_k[j, :, :L + n], self.stage_v[j, :, :L + n], self._mask, causal=True)
+        self._fresh[layer] = q
+        self._write(self.stage_k[j], self.stage_v[j], self.rotary.rotate(k, self._cos, self._sin), v)
+        self._write_back(j, h)
+        B, S = self.rows, self._S
+        return q, CacheView(self.stage_k[j, :B, :S], self.stage_v[j, :B, :S], self._mask,
+                            causal=self._uniform is not None)
 
-    def _write_back(self, j: int, h: int, L: int, n: int) -> None:
-        """Only the new tokens' rows go back to host memory."""
-        copy_on(self.copy_stream, [(self.host_k[h][:, L:L + n], self.stage_k[j, :, L:L + n]),
-                                   (self.host_v[h][:, L:L + n], self.stage_v[j, :, L:L + n])])
+    def _write_back(self, j: int, h: int) -> None:
+        """Only the new tokens go back to host memory."""
+        pairs = []
+        for rows, a, e in self._spans(self.pending):
+            pairs += [(self.host_k[h][rows, a:e], self.stage_k[j, rows, a:e]),
+                      (self.host_v[h][rows, a:e], self.stage_v[j, rows, a:e])]
+        self.host_rows_written += self.rows * self.pending
+        copy_on(self.copy_stream, pairs)
 
-    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer-major prefill hands over one layer: an offloaded one goes to host memory once."""
+    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts: list[int] | None = None) -> None:
+        """Layer-major prefill hands over one layer: an offloaded one goes to host memory once, each row's
+        counts[b] tokens exactly (one copy per row)."""
         if layer < self.resident:
-            return super().write_layer(layer, k, v)
-        L, n, h = self.length, k.shape[1], layer - self.resident
-        # Synchronous on purpose: the caller reuses k and v's storage for the next layer right away.
-        self.host_k[h][:, L:L + n].copy_(k)
-        self.host_v[h][:, L:L + n].copy_(v)
+            return super().write_layer(layer, k, v, counts)
+        h = layer - self.resident
+        for b, n in enumerate(counts if counts is not None else [k.shape[1]] * self.rows):
+            L = int(self.lengths[b])
+            # Synchronous on purpose: the caller reuses k and v's storage for the next layer right away.
+            self.host_k[h][b, L:L + n].copy_(k[b, :n])
+            self.host_v[h][b, L:L + n].copy_(v[b, :n])
+            self.host_rows_written += n
+
+    def _synced(self) -> None:
+        """Wait for the copy stream (the write-backs of the last forward) before the host reads or moves rows."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
 
     def layer_keys(self, layer: int) -> torch.Tensor:
         """Committed keys (B, S, H_kv, D) of one layer, wherever they live (for retrieval rebuilds)."""
         if layer < self.resident:
             return self.k[layer]
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
+        self._synced()
         return self.host_k[layer - self.resident]
 
     def layer_values(self, layer: int) -> torch.Tensor:
         if layer < self.resident:
             return self.v[layer]
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
+        self._synced()
         return self.host_v[layer - self.resident]
 
-    # Reads for retrieval rebuilds: an offloaded layer's rows come from host memory, counted in
-    # host_rows_read (token rows of one layer, K and V together; per-forward streaming is not counted).
-    host_rows_read = 0
+    # PCIe traffic of the offloaded layers, in tokens of one row and layer (K and V together):
+    # host_rows_streamed, host -> device at each forward (every live row's committed prefix, _prefetch);
+    # host_rows_written, device -> host (a forward's new tokens of every live row, padding included, and
+    # the layer-major prefill's); host_rows_read, rebuild reads of host memory (only the selected tokens
+    # cross to the device).
+    host_rows_streamed = host_rows_written = host_rows_read = 0
 
     def kv_home(self, layer: int) -> torch.device:
         return super().kv_home(layer) if layer < self.resident else self.host_k[layer - self.resident].device
 
-    def read_keys(self, layer: int, start: int, end: int) -> torch.Tensor:
+    def read_keys(self, layer: int, start: int, end: int, row: int = 0) -> torch.Tensor:
         if layer < self.resident:
-            return super().read_keys(layer, start, end)
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()  # write-backs of the last forward
+            return super().read_keys(layer, start, end, row)
+        self._synced()
         self.host_rows_read += end - start
-        return self.host_k[layer - self.resident][:, start:end]
+        return self.host_k[layer - self.resident][row:row + 1, start:end]
 
-    def gather_rows(self, layer: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gathered in host memory: only the selected rows cross to the device (the caller moves them)."""
+    def gather_rows(self, layer: int, idx: torch.Tensor, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered in host memory: only the selected tokens cross to the device (the caller moves them)."""
         if layer < self.resident:
-            return super().gather_rows(layer, idx)
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
+            return super().gather_rows(layer, idx, row)
+        self._synced()
         h, idx = layer - self.resident, idx.cpu()
         self.host_rows_read += idx.shape[0]
-        return self._gather(self.host_k[h], idx, 0), self._gather(self.host_v[h], idx, 1)
+        return (self._gather(self.host_k[h][row:row + 1], idx, 0),
+                self._gather(self.host_v[h][row:row + 1], idx, 1))
+
+    def keep(self, rows: list[int]) -> None:
+        """FullCache.keep; the host layers' rows follow, once no copy still reads or writes them."""
+        self._synced()
+        super().keep(rows)
+
+    def _move_row(self, i: int, j: int) -> None:
+        super()._move_row(i, j)
+        n = self._used(i)
+        for x in self.host_k + self.host_v:
+            x[j, :n] = x[i, :n]

@@ -16,8 +16,8 @@ come in descending importance: tokens generated after a rebuild overwrite the en
   softmaxed chunk scores; `RetrievalCache(shared=True)`, `select=None`).
   Both score chunks from per-chunk key sums kept with the cache (cache/chunkstats.py), so a rebuild
   reads O(budget + new tokens) rows of each layer. The rules below are evaluation baselines: at every
-  rebuild they read each layer's full keys (`FullCache.layer_keys`; from host memory for an offloaded
-  layer), O(context) per layer.
+  rebuild they read each row's committed keys of every layer (`FullCache.read_keys`; from host memory for
+  an offloaded layer), O(context) per layer.
 - "topk": the exact highest-attention tokens of the current query, per layer and KV head, attention
   probabilities summed over the GQA group's query heads. An oracle upper bound for any selection of
   `budget` single tokens for this query (it reads every key, as the full cache does).
@@ -88,7 +88,7 @@ class _Recorder(FullCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.all_queries: list[list[torch.Tensor]] = [[] for _ in self.queries]
+        self.all_queries: list[list[torch.Tensor]] = [[] for _ in range(self.n_layers)]
 
     def update(self, layer, q, k, v):
         q, view = super().update(layer, q, k, v)

@@ -14,8 +14,23 @@ computed on this cache's device, where the query is.
 
 New tokens (after a rebuild) take slots from the end backwards, replacing the least important entries
 first; the engine rebuilds before they would reach the first chunk. Keys keep the rotation of their
-true position (cache/base.py), so any subset is attended exactly as in the full cache: with a budget
+true position (docs/architecture.md), so any subset is attended exactly as in the full cache: with a budget
 >= the context, this cache gives the full cache's attention.
+
+Rows. Each row has its own budget of slots, its own key positions (key_pos (layers, B, H_kv, budget),
+-1 = empty), its committed `lengths[b]` and `base[b]` (its length at its last rebuild), and its own chunk
+statistics; rebuild(full, rows, queries) re-selects only the listed rows, each from its own committed keys
+in `full` (a FullCache or OffloadedCache of as many rows) and its own query, exactly what a one-row cache
+on that row alone selects. Row b's position p >= base[b] takes slot budget - 1 - ((p - base[b]) mod
+budget) (from the end backwards, wrapping), so a padded position and the real token that later takes that
+position share a slot, and a padded slot carries a position no real query of the row can see before it
+is overwritten (the row rule of docs/architecture.md). New tokens past budget - chunk_size overwrite the first
+chunk, then wrap onto the newest ones (the engine rebuilds before that when the budget leaves room; with
+a smaller one it cannot, and the middle level then drafts from fewer tokens): what a slot holds is always
+what key_pos says, so attention stays consistent and exactness never depends on it (the full cache
+verifies). Rows that share a length and a base (always one row) write one set of slots and their
+forwards may be replayed from CUDA graphs; the mask is per row and KV head either way, (B, H_kv, T, S)
+per layer.
 
 With `shared=True` ("shared" policy) one selection serves every layer and KV head: each (layer, head)'s
 chunk scores, scaled by 1/sqrt(head_dim), become a softmax over chunks; their mean over layers and
@@ -34,10 +49,12 @@ import math
 
 import torch
 
+from ..errors import TforceError
 from ..rope import Rotary
-from .base import CacheView, StaticInputs, visibility
+from ..sync import to_device
+from .base import CacheView, StaticInputs
 from .chunkstats import ChunkStats
-from .full import FullCache
+from .rows import Rows, rotation
 
 
 def chunk_scores(means: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -86,113 +103,164 @@ def chunk_positions(stats: ChunkStats, full, queries: list[torch.Tensor], L: int
     return positions
 
 
-class RetrievalCache(StaticInputs):
+class _Row:
+    """One row of a full cache, seen as ChunkStats and chunk_positions read a cache of one row."""
+
+    def __init__(self, full, b: int):
+        self.full, self.b = full, b
+
+    def kv_home(self, layer: int) -> torch.device:
+        return self.full.kv_home(layer)
+
+    def read_keys(self, layer: int, start: int, end: int) -> torch.Tensor:
+        return self.full.read_keys(layer, start, end, self.b)
+
+    def gather_rows(self, layer: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.full.gather_rows(layer, idx, self.b)
+
+
+class RetrievalCache(StaticInputs, Rows):
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, budget: int, chunk_size: int,
                  rotary: Rotary, dtype=torch.float32, device="cpu", select=None, shared: bool = False,
-                 recompute_stats: bool = False):
+                 recompute_stats: bool = False, rows: int = 1):
         self.select = select  # None: the chunk rule; else a policies.py rule
         self.recompute_stats = recompute_stats  # no chunk sums kept for layers on `device` (placement.Plan)
         self.shared = shared  # the chunk rule with one selection for all layers and heads
-        shape = (n_layers, 1, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
+        shape = (n_layers, rows, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.key_pos = torch.full((n_layers, n_kv, budget), -1, dtype=torch.long, device=device)
+        self.key_pos = torch.full((n_layers, rows, n_kv, budget), -1, dtype=torch.long, device=device)
         self.budget, self.chunk_size, self.rotary = budget, chunk_size, rotary
-        self.length = 0
-        self.base = 0  # sequence length at the last rebuild; later tokens are "new"
-        self.pending = 0
-        self.stats: ChunkStats | None = None  # the chunk rule's statistics of the full cache _stats_of
-        self._stats_of: FullCache | None = None
+        self._init_rows(rows)
+        self.base = torch.zeros(rows, dtype=torch.long)  # each row's length at its last rebuild
+        # each row's chunk statistics (the chunk rule's) and the full cache they describe
+        self.stats: list[ChunkStats | None] = [None] * rows
+        self._stats_of: list = [None] * rows
+        self._same = True
 
-    @property
-    def new_tokens(self) -> int:
-        return self.length - self.base
+    def new_tokens(self) -> torch.Tensor:
+        """(rows,) tokens committed since each row's last rebuild."""
+        return self.lengths[:self.rows] - self.base[:self.rows]
 
-    def room(self) -> int:
-        """New tokens that still fit before they would overwrite the first chunk."""
-        return self.budget - self.chunk_size - self.new_tokens
+    # ---- rebuild ----------------------------------------------------------------------------------
 
-    def stats_for(self, full: FullCache) -> ChunkStats:
-        """The chunk statistics of `full` (allocated at first use, next to each layer's KV)."""
-        if self._stats_of is not full:
-            self.stats = ChunkStats.for_cache(full, self.chunk_size, self.recompute_stats)
-            self._stats_of = full
-        return self.stats
+    def stats_for(self, full, b: int = 0) -> ChunkStats:
+        """Row b's chunk statistics of `full` (allocated at first use, next to each layer's KV)."""
+        if self._stats_of[b] is not full:
+            self.stats[b] = ChunkStats.for_cache(full, self.chunk_size, self.recompute_stats)
+            self._stats_of[b] = full
+        return self.stats[b]
 
-    def forget_rows(self, length: int) -> None:
-        """The full cache was rolled back to `length` and will be written again from there (a conversation's
-        next prompt): its chunk statistics above `length` no longer hold."""
-        if self.stats is not None:
-            self.stats.truncate(length)
+    def forget_rows(self, length: int, b: int = 0) -> None:
+        """Row b of the full cache was rolled back to `length` and will be written again from there (a
+        conversation's next prompt): its chunk statistics above `length` no longer hold."""
+        if self.stats[b] is not None:
+            self.stats[b].truncate(length)
 
-    def observe(self, full: FullCache, layer: int, keys: torch.Tensor) -> None:
-        """Layer-major prefill hands over a layer's keys (B, n, H_kv, D) of positions [full.length,
-        full.length + n) while they are on the device: their chunk sums are taken now, not re-read later."""
-        self.stats_for(full).observe(layer, keys, full.length)
+    def observe(self, full, layer: int, keys: torch.Tensor, counts: list[int] | None = None) -> None:
+        """Layer-major prefill hands over a layer's keys (B, n, H_kv, D), row b's first counts[b] (None: all)
+        of them at its positions [full.lengths[b], ...), while they are on the device: each row's chunk
+        sums are taken now, not read back later."""
+        for b, n in enumerate(counts if counts is not None else [keys.shape[1]] * self.rows):
+            if n:
+                self.stats_for(full, b).observe(layer, keys[b:b + 1, :n], int(full.lengths[b]))
 
-    def rebuild(self, full: FullCache, queries: list[torch.Tensor]) -> None:
-        """Refill from the full cache's committed tokens; queries: per layer (H_q, D), rotated."""
-        L = full.length
-        self.key_pos.fill_(-1)
+    def rebuild(self, full, rows: list[int], queries: list[list[torch.Tensor]]) -> None:
+        """Refill the listed rows from their committed tokens in `full`; queries[i]: row rows[i]'s rotated
+        query per layer (H_q, D) at its last committed token ([] for an empty row)."""
+        for b, query in zip(rows, queries):
+            L = int(full.lengths[b])
+            self.key_pos[:, b] = -1
+            if L:
+                row = _Row(full, b)
+                for layer, pos in enumerate(self._positions(full, row, query, L)):
+                    self._fill(row, layer, b, pos, L)
+            self.lengths[b] = self.base[b] = L
+
+    def _positions(self, full, row: _Row, query: list[torch.Tensor], L: int) -> list[torch.Tensor]:
+        """Per layer (H_kv, n <= budget) the positions row `row.b` holds after the rebuild."""
         if self.select is None:
-            positions = self._chunk_positions(full, queries, L)
-        else:
-            positions = [self._select(full, layer, query, L) for layer, query in enumerate(queries)]
-        for layer, pos in enumerate(positions):
-            self._fill(full, layer, pos, L)
-        self.length = self.base = L
+            return chunk_positions(self.stats_for(full, row.b), row, query, L, self.budget, self.shared,
+                                   self.key_pos.device)
+        positions = []
+        for layer, q in enumerate(query):
+            keys = row.read_keys(layer, 0, L)[0]  # (L, H_kv, D), the row's committed keys, wherever they live
+            positions.append(self.select(layer, keys, L, q.to(keys.device), self.budget))
+            assert positions[-1].shape[1] <= self.budget, "a select rule returned more positions than the budget"
+        return positions
 
-    def _chunk_positions(self, full: FullCache, queries: list[torch.Tensor], L: int) -> list[torch.Tensor]:
-        return chunk_positions(self.stats_for(full), full, queries, L, self.budget, self.shared,
-                               self.key_pos.device)
+    def _fill(self, row: _Row, layer: int, b: int, pos: torch.Tensor, L: int) -> None:
+        """Row b holds the K/V at pos (H_kv, n <= budget) in slots [0, n); -1 or >= L (the partial last
+        chunk's padding): an empty slot."""
+        n = pos.shape[1]
+        k, v = row.gather_rows(layer, pos.clamp(min=0, max=L - 1).T)  # only these, wherever the layer lives
+        self.k[layer, b, :n] = k[0].to(self.k.device)
+        self.v[layer, b, :n] = v[0].to(self.v.device)
+        self.key_pos[layer, b, :, :n] = torch.where(pos < L, pos, -1).to(self.key_pos.device)
 
-    def _select(self, full: FullCache, layer: int, query: torch.Tensor, L: int) -> torch.Tensor:
-        keys = full.layer_keys(layer)  # the whole layer, wherever it lives
-        pos = self.select(layer, keys[0], L, query.to(keys.device), self.budget)
-        assert pos.shape[1] <= self.budget, "a select rule returned more positions than the budget"
-        return pos
-
-    def _fill(self, full: FullCache, layer: int, pos: torch.Tensor, L: int) -> None:
-        """Hold the K/V at pos (H_kv, n <= budget) in slots [0, n); -1 or >= L: an empty slot."""
-        valid = (pos >= 0) & (pos < L)
-        idx = pos.clamp(min=0, max=L - 1).T  # (n, H_kv)
-        n = idx.shape[0]
-        k, v = full.gather_rows(layer, idx)  # only these rows, wherever the layer lives
-        self.k[layer, :, :n] = k.to(self.k.device)
-        self.v[layer, :, :n] = v.to(self.v.device)
-        self.key_pos[layer, :, :n] = torch.where(valid, pos, -1).to(self.key_pos.device)
-
-    def _slots(self, start: int, n: int) -> torch.Tensor:
-        """Slots of sequence positions [start, start + n): from the end of the buffer backwards."""
-        offset = torch.arange(start - self.base, start - self.base + n, device=self.key_pos.device)
-        return self.budget - 1 - offset % self.budget
+    # ---- forwards (the row rule of docs/architecture.md) -------------------------------------------------
 
     def graph_key(self):
-        return "retrieval"  # fixed shapes: every forward of T tokens looks the same
+        """Fixed shapes while the rows share their slots: every forward of T tokens looks the same."""
+        return ("retrieval", self.rows) if self._same else None
 
     def begin(self, n: int) -> None:
+        if n > self.budget:
+            raise TforceError(f"retrieval cache: {n} tokens in one forward > its budget {self.budget}")
         self.pending = n
-        device = self.key_pos.device
-        pos = torch.arange(self.length, self.length + n, device=device)
-        self._slot = self._static("slot", self._slots(self.length, n))  # built on the device
-        cos, sin = self.rotary.cos_sin(pos, self.k.dtype)
-        self._cos, self._sin = self._static("cos", cos), self._static("sin", sin)
-        self.key_pos[:, :, self._slot] = pos
-        mask = visibility(self.key_pos.flatten(0, 1), pos).view(
-            self.key_pos.shape[0], self.key_pos.shape[1], n, self.budget)  # (layers, H_kv, T, S)
-        self._mask = self._static("mask", mask)
+        shared = self.common(self.base)  # (length, base) of every row, or None
+        self._same = shared is not None
+        B, device = self.rows, self.key_pos.device
+        if self._same:  # one set of slots; built on the device from Python ints, kept in static buffers
+            L, base = shared
+            pos = torch.arange(L, L + n, device=device)
+            offset = torch.arange(L - base, L - base + n, device=device)
+            self._slot = self._static("slot", self.budget - 1 - offset % self.budget)  # from the end backwards
+            cos, sin = self.rotary.cos_sin(pos, self.k.dtype)
+            self._cos, self._sin = self._static("cos", cos), self._static("sin", sin)
+            self.key_pos[:, :B, :, self._slot] = pos
+            qpos = pos[:, None]  # (T, 1)
+        else:
+            pos = self.lengths[:B, None] + torch.arange(n)  # (B, T) per-row positions
+            slots = self.budget - 1 - (pos - self.base[:B, None]) % self.budget  # (B, T), wrapping
+            pos, slots = to_device(pos, device), to_device(slots, device)
+            self._cos, self._sin = rotation(self.rotary, pos, self.k.dtype)
+            self._rows_idx = torch.arange(B, device=device)[:, None].expand(-1, n)  # (B, T)
+            self._slots = slots
+            self.key_pos[:, self._rows_idx, :, slots] = pos[:, :, None, None]
+            qpos = pos[None, :, None, :, None]  # (1, B, 1, T, 1)
+        kp = self.key_pos[:, :B, :, None, :]  # (layers, B, H_kv, 1, S)
+        mask = (kp >= 0) & (kp <= qpos)  # (layers, B, H_kv, T, S): the visibility rule, per row
+        self._mask = self._static("mask", mask) if self._same else mask
 
     def update(self, layer, q, k, v):
         q = self.rotary.rotate(q, self._cos, self._sin)
-        self.k[layer, :, self._slot] = self.rotary.rotate(k, self._cos, self._sin)
-        self.v[layer, :, self._slot] = v
-        return q, CacheView(self.k[layer], self.v[layer], self._mask[layer])
+        k = self.rotary.rotate(k, self._cos, self._sin)
+        B = self.rows
+        if self._same:
+            self.k[layer, :B, self._slot] = k
+            self.v[layer, :B, self._slot] = v
+        else:
+            self.k[layer][self._rows_idx, self._slots] = k
+            self.v[layer][self._rows_idx, self._slots] = v
+        return q, CacheView(self.k[layer, :B], self.v[layer, :B], self._mask[layer])
 
-    def commit(self, n: int) -> None:
-        assert 0 <= n <= self.pending
-        self.length += n
-        self.pending = 0
+    def truncate(self, lengths) -> None:
+        """Row b keeps lengths[b] committed tokens (between its last rebuild and what it holds)."""
+        assert bool((torch.as_tensor(lengths) >= self.base[:self.rows]).all()), "cannot roll back past a rebuild"
+        super().truncate(lengths)
 
-    def truncate(self, length: int) -> None:
-        assert self.base <= length <= self.length, "cannot roll back past a rebuild"
-        self.length = length
+    def keep(self, rows: list[int]) -> None:
+        """Rows.keep (rows moved in place, no scratch memory); finished rows' chunk statistics dropped."""
+        super().keep(rows)
+        gone = len(self.stats) - len(rows)
+        self.stats[len(rows):], self._stats_of[len(rows):] = [None] * gone, [None] * gone
+
+    def _used(self, b: int) -> int:
+        return self.budget  # slots wrap: a row may use any of them
+
+    def _move_row(self, i: int, j: int) -> None:
+        super()._move_row(i, j)
+        self.key_pos[:, j] = self.key_pos[:, i]
+        self.base[j] = self.base[i]
+        self.stats[j], self._stats_of[j] = self.stats[i], self._stats_of[i]

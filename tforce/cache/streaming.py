@@ -1,13 +1,19 @@
-"""StreamingCache: StreamingLLM's attention sinks + recent window, in fixed buffers.
+"""StreamingCache: StreamingLLM's attention sinks + recent window, in fixed buffers, one row per sequence.
 
 The view a forward of T new tokens attends to is: the first `sinks` tokens of the sequence, the last
 `window = budget - sinks` committed tokens before the new ones, and the T new tokens (causally).
 Keys are stored un-rotated and rotated by their slot in that view at each forward (StreamingLLM's
-position rule, cache/base.py): RoPE positions never exceed budget + T, whatever the sequence length.
+position rule, docs/architecture.md): RoPE positions never exceed budget + T, whatever the sequence length.
 
-Storage: rows [0, sinks) hold the sinks; rows [sinks, capacity) hold a run of consecutive positions
-starting at `offset`. Speculative tokens can be rolled back up to `max_rollback` tokens below the
-longest committed length, so compaction keeps that many tokens beyond the window.
+Storage, per row: slots [0, sinks) hold the sinks; slots [sinks, capacity) hold a run of consecutive
+positions starting at the row's `offset` (position s >= sinks sits in slot sinks + s - offset[b]).
+Speculative tokens can be rolled back up to `max_rollback` tokens below the longest committed length,
+so compaction keeps that many tokens beyond the window; a row is compacted when its new tokens would
+pass the capacity.
+
+Rows that share a length and an offset (always one row) take the fast path: one set of slots for every
+row, a contiguous causal view (CUDA graphs and flash-attn apply). Rows of different lengths gather each
+row's view from its own slots, padded at the end to the longest with masked slots (docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -15,106 +21,146 @@ import torch
 
 from ..errors import TforceError
 from ..rope import Rotary
+from ..sync import to_device
 from .base import CacheView, StaticInputs, visibility
+from .rows import Rows, rotation
 
 
-class StreamingCache(StaticInputs):
+class StreamingCache(StaticInputs, Rows):
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, budget: int, sinks: int, rotary: Rotary,
-                 max_rollback: int, max_new: int, dtype=torch.float32, device="cpu"):
+                 max_rollback: int, max_new: int, dtype=torch.float32, device="cpu", rows: int = 1):
         assert 0 <= sinks < budget
         self.sinks, self.window = sinks, budget - sinks
-        self.keep = self.window + max_rollback  # tokens kept beyond the sinks at compaction
-        self.capacity = sinks + self.keep + max_new
-        shape = (n_layers, 1, self.capacity, n_kv, head_dim)  # per layer (B, S, H_kv, D), un-rotated keys
+        self.kept = self.window + max_rollback  # tokens kept beyond the sinks at compaction
+        self.capacity = sinks + self.kept + max_new
+        shape = (n_layers, rows, self.capacity, n_kv, head_dim)  # per layer (B, S, H_kv, D), un-rotated keys
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.rotary = rotary
-        self.max_new = max_new
-        self.length = 0
-        self.offset = sinks  # sequence position held in row `sinks`
-        self.pending = 0
+        self.rotary, self.max_new = rotary, max_new
+        self.offset = torch.full((rows,), sinks, dtype=torch.long)  # position held in slot `sinks`, per row
+        self._init_rows(rows)
+        self._same = True
 
-    def _row(self, pos: int) -> int:
-        return pos if pos < self.sinks else self.sinks + pos - self.offset
+    def _slot(self, b: int, pos: int) -> int:
+        return pos if pos < self.sinks else self.sinks + pos - int(self.offset[b])
 
-    def _view_start(self) -> tuple[int, int]:
-        """(sinks held, first sequence position of the recent window) of the next view."""
-        n_sinks = min(self.sinks, self.length)
-        return n_sinks, max(n_sinks, self.length - self.window)
+    def _view_start(self, length: int) -> tuple[int, int]:
+        """(sinks held, first sequence position of the recent window) of a row's next view."""
+        n_sinks = min(self.sinks, length)
+        return n_sinks, max(n_sinks, length - self.window)
 
-    def positions(self, n: int) -> torch.Tensor:
-        """Sequence positions (S,) of the view for n new tokens: sinks, the recent window, the new
-        tokens; built on the cache's device from Python ints."""
-        n_sinks, lo = self._view_start()
-        device = self.k.device
-        return torch.cat([torch.arange(n_sinks, device=device), torch.arange(lo, self.length + n, device=device)])
-
-    def _compact(self) -> None:
-        start = max(self.sinks, self.length - self.keep)
-        if start <= self.offset:
-            return
-        a, b = self._row(start), self._row(self.length)
-        self.k[:, :, self.sinks:self.sinks + b - a] = self.k[:, :, a:b].clone()
-        self.v[:, :, self.sinks:self.sinks + b - a] = self.v[:, :, a:b].clone()
-        self.offset = start
+    def _compact(self, rows: slice, length: int, offset: int) -> int:
+        """Move the rows' kept run to slot `sinks`; returns their new offset."""
+        start = max(self.sinks, length - self.kept)
+        if start <= offset:
+            return offset
+        a, e = self.sinks + start - offset, self.sinks + length - offset
+        self.k[:, rows, self.sinks:self.sinks + e - a] = self.k[:, rows, a:e].clone()
+        self.v[:, rows, self.sinks:self.sinks + e - a] = self.v[:, rows, a:e].clone()
+        self.offset[rows] = start
+        return start
 
     def begin(self, n: int) -> None:
         if n > self.max_new:
             raise TforceError(f"streaming cache takes at most {self.max_new} tokens per forward, got {n}")
-        if self._row(self.length + n) > self.capacity:
-            self._compact()
         self.pending = n
-        # Everything below is built on the device from Python ints: no host -> device copy.
-        pos = self.positions(n)  # (S,) sequence positions, in view order
-        n_sinks, lo = self._view_start()
-        first, device = self._row(lo), self.k.device
-        rows = torch.cat([torch.arange(n_sinks, device=device),
-                          torch.arange(first, first + self.length + n - lo, device=device)])
-        self._rows = self._static("rows", rows)
-        first = self._row(self.length)
-        self._new_rows = self._static("new_rows", torch.arange(first, first + n, device=device))
+        shared = self.common(self.offset)  # (length, offset) of every row, or None
+        self._same = shared is not None
+        if self._same:
+            self._begin_shared(n, *shared)
+        else:
+            self._begin_rows(n)
+
+    def _begin_shared(self, n: int, length: int, offset: int) -> None:
+        """One view for every row; everything built on the device from Python ints: no host -> device copy."""
+        if self.sinks + length + n - offset > self.capacity and length + n > self.sinks:
+            offset = self._compact(slice(0, self.rows), length, offset)
+        n_sinks, lo = self._view_start(length)
+        device = self.k.device
+        pos = torch.cat([torch.arange(n_sinks, device=device), torch.arange(lo, length + n, device=device)])  # (S,)
+        first = lo if lo < self.sinks else self.sinks + lo - offset
+        slots = torch.cat([torch.arange(n_sinks, device=device),
+                           torch.arange(first, first + length + n - lo, device=device)])
+        self._view = self._static("view", slots)
+        first = length if length < self.sinks else self.sinks + length - offset
+        self._new = self._static("new", torch.arange(first, first + n, device=device))
         cos, sin = self.rotary.cos_sin(torch.arange(len(pos), device=device), self.k.dtype)
         self._cos, self._sin = self._static("cos", cos), self._static("sin", sin)
         self._qcos, self._qsin = self._cos[-n:], self._sin[-n:]
         self._mask = None if n == 1 else self._static("mask", visibility(pos[None], pos[-n:]))
         self.view_positions = pos
 
+    def _begin_rows(self, n: int) -> None:
+        """Each row's own view, padded at the end to the longest with masked slots."""
+        views, news = [], []
+        for b in range(self.rows):
+            length = int(self.lengths[b])
+            if self._slot(b, length + n) > self.capacity:
+                self._compact(slice(b, b + 1), length, int(self.offset[b]))
+            n_sinks, lo = self._view_start(length)
+            first = self._slot(b, lo)
+            views.append(list(range(n_sinks)) + list(range(first, first + length + n - lo)))
+            news.append(list(range(self._slot(b, length), self._slot(b, length) + n)))
+        S = max(len(r) for r in views)
+        sizes = torch.tensor([len(r) for r in views])
+        device = self.k.device
+        self._view_slots = to_device(torch.tensor([r + [0] * (S - len(r)) for r in views]), device)  # (B, S)
+        self._new_slots = to_device(torch.tensor(news), device)  # (B, T)
+        self._rows_view = torch.arange(self.rows, device=device)[:, None]
+        self._cos, self._sin = self.rotary.cos_sin(torch.arange(S, device=device), self.k.dtype)  # by view slot
+        qpos = to_device((sizes - n)[:, None] + torch.arange(n), device)  # (B, T): each new token's view slot
+        self._qcos, self._qsin = rotation(self.rotary, qpos, self.k.dtype)
+        self._mask = (torch.arange(S, device=device) <= qpos[:, :, None])[:, None]  # (B, 1, T, S)
+
     def graph_key(self):
-        """The view's size, once the window is full (before that it grows every step)."""
-        full = self.length >= self.sinks + self.window
-        return ("streaming", self.sinks + self.window + self.pending) if full else None
+        """The view's size and the row count, once the window is full (before that it grows every step) and
+        while the rows share one view."""
+        full = self._same and self.length >= self.sinks + self.window
+        return ("streaming", self.sinks + self.window + self.pending, self.rows) if full else None
 
     def update(self, layer, q, k, v):
-        self.k[layer, :, self._new_rows] = k
-        self.v[layer, :, self._new_rows] = v
-        keys = self.rotary.rotate(self.k[layer, :, self._rows], self._cos, self._sin)
+        if self._same:
+            B = self.rows
+            self.k[layer, :B, self._new] = k
+            self.v[layer, :B, self._new] = v
+            keys = self.rotary.rotate(self.k[layer, :B, self._view], self._cos, self._sin)
+            q = self.rotary.rotate(q, self._qcos, self._qsin)
+            return q, CacheView(keys, self.v[layer, :B, self._view], self._mask, causal=True)
+        self.k[layer][self._rows_view, self._new_slots] = k
+        self.v[layer][self._rows_view, self._new_slots] = v
+        keys = self.rotary.rotate(self.k[layer][self._rows_view, self._view_slots], self._cos, self._sin)
         q = self.rotary.rotate(q, self._qcos, self._qsin)
-        return q, CacheView(keys, self.v[layer, :, self._rows], self._mask, causal=True)
+        return q, CacheView(keys, self.v[layer][self._rows_view, self._view_slots], self._mask)
 
-    def commit(self, n: int) -> None:
-        assert 0 <= n <= self.pending
-        self.length += n
-        self.pending = 0
+    def _reach(self, b: int, length: int) -> bool:
+        """Whether row b can roll back to `length` (its window's start is still held)."""
+        return not self.sinks <= max(min(self.sinks, length), length - self.window) < int(self.offset[b])
 
-    def truncate(self, length: int) -> None:
-        assert length <= self.length
-        if self.sinks <= max(min(self.sinks, length), length - self.window) < self.offset:
+    def truncate(self, lengths) -> None:
+        keep = torch.as_tensor(lengths, dtype=torch.long).expand(self.rows).tolist()
+        if not all(self._reach(b, n) for b, n in enumerate(keep)):
             raise TforceError("streaming cache rolled back further than it keeps (max_rollback too small)")
-        self.length = length
+        super().truncate(lengths)
 
-    # Saved states: the cache rolls back only max_rollback tokens, so a conversation that returns to a
-    # document's end (or a KV snapshot) restores the state taken there instead.
+    def _used(self, b: int) -> int:
+        return self._slot(b, int(self.lengths[b]))
+
+    def _move_row(self, i: int, j: int) -> None:
+        super()._move_row(i, j)
+        self.offset[j] = self.offset[i]
+
+    # Saved states of one row: the cache rolls back only max_rollback tokens, so a conversation that returns
+    # to a document's end (or a KV snapshot) restores the state taken there instead.
 
     def reachable(self, length: int) -> bool:
         """Whether truncate(length) can roll back to that length."""
-        return length <= self.length and not (
-            self.sinks <= max(min(self.sinks, length), length - self.window) < self.offset)
+        return length <= self.length and self._reach(0, length)
 
     def state(self) -> dict:
-        """A copy in host memory of what the cache holds: its rows, length and offset."""
-        rows = self._row(self.length)
-        return {"k": self.k[:, :, :rows].to("cpu", copy=True), "v": self.v[:, :, :rows].to("cpu", copy=True),
-                "length": self.length, "offset": self.offset}
+        """A copy in host memory of what the cache holds: its slots, length and offset."""
+        used = self._used(0)
+        return {"k": self.k[:, :, :used].to("cpu", copy=True), "v": self.v[:, :, :used].to("cpu", copy=True),
+                "length": self.length, "offset": int(self.offset[0])}
 
     def fits(self, state: dict) -> bool:
         """Whether a state (of this cache's geometry, e.g. from a snapshot) can be restored here."""
@@ -126,9 +172,10 @@ class StreamingCache(StaticInputs):
         """Hold exactly what state() copied (None: nothing, as when built)."""
         self.pending = 0
         if state is None:
-            self.length, self.offset = 0, self.sinks
+            self.lengths[:] = 0
+            self.offset[:] = self.sinks
             return
-        rows = state["k"].shape[2]
-        self.k[:, :, :rows] = state["k"].to(self.k.device)
-        self.v[:, :, :rows] = state["v"].to(self.v.device)
-        self.length, self.offset = int(state["length"]), int(state["offset"])
+        used = state["k"].shape[2]
+        self.k[:, :, :used] = state["k"].to(self.k.device)
+        self.v[:, :, :used] = state["v"].to(self.v.device)
+        self.lengths[0], self.offset[0] = int(state["length"]), int(state["offset"])

@@ -1,0 +1,88 @@
+"""Row bookkeeping every cache shares (the row rule of docs/architecture.md): each row's committed length on the
+host (`lengths`, (B,) long; the decode loop decides acceptance on the host, so no device -> host copy is
+needed to size a view), the live row count, commit, truncate, and keep (finished rows compacted away).
+One prompt is one row: `length` is then that row's count.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..rope import Rotary
+
+
+def rotation(rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):
+    """positions (B, T) -> cos, sin (B, T, 1, D), broadcasting over (B, T, H, D): per-row positions."""
+    B, T = positions.shape
+    cos, sin = rotary.cos_sin(positions.reshape(-1), dtype)  # (B * T, 1, D)
+    return cos.view(B, T, 1, -1), sin.view(B, T, 1, -1)
+
+
+class Rows:
+    def _init_rows(self, n_rows: int) -> None:
+        self.rows = n_rows
+        self.lengths = torch.zeros(n_rows, dtype=torch.long)
+        self.pending = 0
+
+    def span(self) -> tuple[int, int]:
+        """(shortest, longest) committed length of the live rows; equal for one row."""
+        if self.rows == 1:
+            n = int(self.lengths[0])
+            return n, n
+        live = self.lengths[:self.rows]
+        return int(live.min()), int(live.max())
+
+    def common(self, per_row: torch.Tensor) -> tuple[int, int] | None:
+        """(length, per_row's value) when every live row has the same of both (always, for one row): the
+        fast path of docs/architecture.md; else None."""
+        if self.rows == 1:
+            return int(self.lengths[0]), int(per_row[0])
+        lengths, values = self.lengths[:self.rows], per_row[:self.rows]
+        if bool((lengths == lengths[0]).all()) and bool((values == values[0]).all()):
+            return int(lengths[0]), int(values[0])
+        return None
+
+    @property
+    def length(self) -> int:
+        """The committed length every live row shares (one row's count; rows of different lengths have none)."""
+        lo, hi = self.span()
+        assert lo == hi, "rows of different lengths have no common length"
+        return lo
+
+    def commit(self, counts) -> None:
+        """Row b keeps the first counts[b] of the pending tokens (counts: (rows,) or an int for all)."""
+        if isinstance(counts, int):
+            assert 0 <= counts <= self.pending
+            self.lengths[:self.rows] += counts
+        else:
+            counts = torch.as_tensor(counts, dtype=torch.long).expand(self.rows)
+            assert bool(((counts >= 0) & (counts <= self.pending)).all())
+            self.lengths[:self.rows] += counts
+        self.pending = 0
+
+    def truncate(self, lengths) -> None:
+        """Drop committed tokens from the rows' ends: row b keeps lengths[b] (an int: every row), at most what
+        it holds."""
+        lengths = torch.as_tensor(lengths, dtype=torch.long)
+        assert bool(((lengths >= 0) & (lengths <= self.lengths[:self.rows])).all())
+        self.lengths[:self.rows] = lengths
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only the listed live rows (increasing), moved to the front in that order (finished rows cost
+        nothing after this). Each row that moves is copied in place, row i to row j < i, only the slots it
+        uses: no scratch memory (placement.py plans none), and no copy of a row's unused tail."""
+        assert all(a < b for a, b in zip(rows, rows[1:])), "keep takes live rows in increasing order"
+        for j, i in enumerate(rows):
+            if i != j:
+                self._move_row(i, j)
+        self.lengths[:len(rows)] = self.lengths[torch.tensor(rows, dtype=torch.long)].clone()
+        self.rows = len(rows)
+
+    def _used(self, b: int) -> int:
+        """Slots row b uses (its committed tokens)."""
+        return int(self.lengths[b])
+
+    def _move_row(self, i: int, j: int) -> None:
+        """Row i's K/V (every layer) and per-row state go to row j (j < i: row j's are no longer needed)."""
+        n = self._used(i)
+        self.k[:, j, :n] = self.k[:, i, :n]
+        self.v[:, j, :n] = self.v[:, i, :n]

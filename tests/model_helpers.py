@@ -86,7 +86,7 @@ def eos_token(model, token: int):
 
 def record_host(monkeypatch) -> list[int]:
     """The sizes of every device -> host transfer (sync.host) the batch levels and verifications make."""
-    import tforce.batch_levels
+    import tforce.levels
     import tforce.speculative
 
     calls = []
@@ -95,6 +95,6 @@ def record_host(monkeypatch) -> list[int]:
         calls.append(t.numel())
         return t.tolist()
 
-    monkeypatch.setattr(tforce.batch_levels, "host", host)
+    monkeypatch.setattr(tforce.levels, "host", host)
     monkeypatch.setattr(tforce.speculative, "host", host)
     return calls

@@ -10,7 +10,7 @@ import torch
 
 import tforce
 import tforce.batch
-import tforce.batch_levels
+import tforce.levels
 from tforce import placement
 from tforce.config import Speculation
 from tforce.batch import generate_batch
@@ -204,7 +204,7 @@ def test_sampled_rows_match_their_target_distributions(small_vocab, method):
 
 
 def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
-    monkeypatch.setattr(tforce.batch_levels, "verify", functools.partial(verify, residual=lambda p, q: p))
+    monkeypatch.setattr(tforce.levels, "verify", functools.partial(verify, residual=lambda p, q: p))
     target, draft = small_vocab
     samples, _ = draw_rows(target, draft, "naive", seed=1)
     assert min(pvalues(target, samples)) < 1e-6

@@ -1,4 +1,4 @@
-"""generate_batch with triforce, retrieval and streaming (batch_levels.py, cache/retrieval.py): every
+"""generate_batch with triforce, retrieval and streaming (levels.py, cache/retrieval.py): every
 greedy row is plain decoding of its prompt alone, with rows of different lengths, rows that finish early
 and at EOS, budgets that really drop tokens and per-row rebuilds that really happen."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 import tforce
 from tforce.batch import generate_batch
-from tforce.batch_levels import RowsNode
+from tforce.levels import Node
 
 from model_helpers import eos_token, record_host
 from test_batch import prompts_of
@@ -101,7 +101,7 @@ def test_offloaded_triforce_rows_equal_plain_decoding(tiny):
 
 
 def test_a_node_rolls_each_row_back_to_its_longest_matching_prefix(tiny):
-    """RowsNode.probs: row 0 drops its last two tokens (they no longer match), row 1 keeps all and feeds
+    """Node.probs: row 0 drops its last two tokens (they no longer match), row 1 keeps all and feeds
     one more; the distributions equal a fresh cache's fed the same sequences."""
     from tforce.cache import FullCache
     from tforce.config import Sampling
@@ -112,14 +112,19 @@ def test_a_node_rolls_each_row_back_to_its_longest_matching_prefix(tiny):
     def node():
         cfg = model.config
         cache = FullCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, 64, rotary_for(model), rows=2)
-        return RowsNode("full", model, cache, Sampling(temperature=0), 8)
+        return Node("full", model, cache, Sampling(temperature=0), 64, 8)
 
     a, b = prompts_of((20, 11), seed=4)
     n = node()
-    n.hold([a, b])
+    held = torch.zeros(2, 64, dtype=torch.long)
+    held[0, :20], held[1, :11] = torch.tensor(a), torch.tensor(b)
+    n.prefill(held, [20, 11])
     seqs = [a[:-2] + [7, 8, 9], b + [5]]
-    got, want = n.probs(seqs, last=2), node().probs(seqs, last=2)
-    assert n.cache.lengths.tolist() == [21, 12] and n.record == seqs
+    buf = torch.zeros(2, 64, dtype=torch.long)
+    buf[0, :21], buf[1, :12] = torch.tensor(seqs[0]), torch.tensor(seqs[1])
+    got, want = n.probs(buf, [21, 12], last=2), node().probs(buf, [21, 12], last=2)
+    assert n.cache.lengths.tolist() == [21, 12] and torch.equal(n.tokens[:, :21][0], buf[0, :21])
+    assert torch.equal(n.tokens[1, :12], buf[1, :12])
     torch.testing.assert_close(got, want)
 
 

@@ -124,8 +124,8 @@ def draw(target, draft, prompt, method, n_samples, seed, policy="retrieval", det
             got += session.round(n + len(got), gen)
         samples.append(tuple(got[:N_TOKENS]))
         if method != "ar":
-            drafted += session.top.stats.drafted
-            accepted += session.top.stats.accepted
+            drafted += session.top.stats.drafted[0]
+            accepted += session.top.stats.accepted[0]
     return samples, (accepted / drafted if drafted else None)
 
 

@@ -36,9 +36,9 @@ def test_probs_over_held_tokens_match_a_fresh_node(tiny, kind):
         return RetrievalCache(model.config.num_hidden_layers, model.n_kv_heads, model.head_dim, 64, 8, full.rotary)
 
     used = node_over(model, make())
-    used.probs(seq, 30)  # the cache now holds seq[:30]
-    got = used.probs(seq, 32, last=5)  # distributions after seq[:28], ..., seq[:32]: re-feeds 27..29
-    want = node_over(model, make()).probs(seq, 32, last=5)
+    used.probs(seq[None], [30])  # the cache now holds seq[:30]
+    got = used.probs(seq[None], [32], last=5)  # distributions after seq[:28], ..., seq[:32]: re-feeds 27..29
+    want = node_over(model, make()).probs(seq[None], [32], last=5)
     assert used.cache.length == 32
     torch.testing.assert_close(got, want)
 

@@ -12,6 +12,7 @@ import torch
 import tforce
 from tforce.config import METHODS, Sampling, Speculation
 from tforce.engine import Session, decode, open_session
+from tforce.cache.rows import Rows
 from tforce.levels import Drafter, Node, SpecLevel
 from tforce.projection import (forwards_per_token, hierarchy, low_acceptance_rule, per_token, project,
                                rebuild_interval)
@@ -27,18 +28,12 @@ def _dists(alpha: float) -> dict[str, torch.Tensor]:
             "full": torch.tensor([alpha, 0, 0, 1 - alpha])}
 
 
-class _Cache:
+class _Cache(Rows):
     def __init__(self):
-        self.length = self.pending = 0
+        self._init_rows(1)
 
     def begin(self, n):
         self.pending = n
-
-    def commit(self, n):
-        self.length += n
-
-    def truncate(self, n):
-        self.length = n
 
 
 def _node(name: str, probs: torch.Tensor, capacity: int) -> Node:
@@ -63,15 +58,15 @@ def _measured(spec: Speculation, alpha: float, n_tokens: int) -> tuple[dict[str,
     capacity = n_tokens + 64
     nodes = {name: _node(name, p, capacity) for name, p in _dists(alpha).items()}
     top = _build(hierarchy(spec), nodes)
-    seq, gen = torch.zeros(capacity, dtype=torch.long), torch.Generator().manual_seed(0)
+    seq, gen = torch.zeros(1, capacity, dtype=torch.long), torch.Generator().manual_seed(0)
     n = 1
     while n < n_tokens:
-        n += len(top.round(seq, n, gen)[0])
+        n += len(top.round(seq, [n], gen)[0][0])
     rates = {}
     level = top
     while isinstance(level, SpecLevel):
         key = "draft" if isinstance(level.proposer, Drafter) and level.proposer.node.name == "draft" else "retrieval"
-        rates[key] = level.stats.acceptance
+        rates[key] = level.stats.acceptance()
         level = level.proposer
     return {name: node.forwards / (n - 1) for name, node in nodes.items() if node.forwards}, rates
 
@@ -167,7 +162,7 @@ def test_rebuild_interval_is_the_sessions(tiny, every, budget, n_prompt, n_new, 
     session._rebuild = lambda: (at.append(session.full.cache.length), rebuild())
     session.prefill(ids)
     decode(session, n_prompt, n_new, torch.Generator().manual_seed(0), set())
-    assert session.draft_level.stats.acceptance == session.middle_level.stats.acceptance == 1.0
+    assert session.draft_level.stats.acceptance() == session.middle_level.stats.acceptance() == 1.0
     assert len(at) >= 2 and {b - a for a, b in zip(at, at[1:])} == {interval}
     spec = Speculation(method="triforce", budget=budget, chunk_size=4, draft_budget=512, sinks=4,
                        rebuild_every=every, rebuild_below=0.0)

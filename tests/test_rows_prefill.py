@@ -1,5 +1,5 @@
 """The batch's layer-major prefill (prefill.py, prefill_layer_major): bit for bit the token-major
-prefill of RowsNode.hold (same chunks, same matmul shapes: float32 on the CPU, no tolerance), the per-row
+prefill of Node.prefill (same chunks, same matmul shapes: float32 on the CPU, no tolerance), the per-row
 retrieval statistics taken on the device, and PCIe traffic linear in the prompts."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import tforce.batch_session
 from model_helpers import rotary_for
 from tforce.batch import generate_batch
-from tforce.batch_levels import RowsNode
+from tforce.levels import Node
 from tforce.cache import FullCache, RetrievalCache
 from tforce.cache.offload import OffloadedCache
 from tforce.config import Sampling
@@ -29,8 +29,11 @@ def make(model, rows: int, resident: int | None, capacity: int = 64):
 
 
 def token_major(model, seqs, resident=None, capacity=64):
-    node = RowsNode("full", model, make(model, len(seqs), resident, capacity), Sampling(), CHUNK)
-    node.hold(seqs)
+    node = Node("full", model, make(model, len(seqs), resident, capacity), Sampling(), capacity, CHUNK)
+    buf = torch.zeros(len(seqs), capacity, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        buf[b, :len(s)] = torch.tensor(s, dtype=torch.long)
+    node.prefill(buf, [len(s) for s in seqs])
     return node.cache
 
 

@@ -116,7 +116,7 @@ def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload
     gen, n, rounds = torch.Generator().manual_seed(0), len(prompt), 0
     while n < len(prompt) + 30:
         calls0 = len(drafted) + len(verified)
-        middle0 = session.draft_level.stats.rounds if session.draft_level else 0
+        middle0 = session.draft_level.stats.rounds[0] if session.draft_level else 0
         n += len(session.round(n, gen))
         rounds += 1
         calls = len(drafted) + len(verified) - calls0
@@ -125,11 +125,11 @@ def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload
         elif method in ("naive", "retrieval"):
             assert calls == g2 + 1
         else:
-            middle_rounds = session.draft_level.stats.rounds - middle0  # the level verifying the draft
+            middle_rounds = session.draft_level.stats.rounds[0] - middle0  # the level verifying the draft
             assert 1 <= middle_rounds <= g2
             assert calls == (g1 + 1) * middle_rounds + 1
     assert drafted == [1] * len(drafter_rounds)  # one token per transfer
-    assert verified == [2] * sum(lv.stats.rounds for lv in _levels(session))  # (n accepted, next token)
+    assert verified == [2] * sum(lv.stats.rounds[0] for lv in _levels(session))  # (n accepted, next token)
     assert rounds >= 3
 
 

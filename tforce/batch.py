@@ -5,7 +5,7 @@ row keeps its own length in the caches (one class per cache kind, one row per pr
 accepts its own number of drafted tokens, and leaves the batch when it reaches EOS, a stop string (`until`)
 or its token budget (its cache rows are compacted away, so it costs no further work).
 Every method of `generate`, composed as session.Session composes it (batch_session.py: _Batch), from the
-batched levels of batch_levels.py: `ar`, `naive`, `retrieval` (the target with a per-row retrieval cache
+levels of levels.py: `ar`, `naive`, `retrieval` (the target with a per-row retrieval cache
 drafts gamma2 tokens per row), `streaming` and `triforce` (the small draft, then the target with a per-row
 StreamingLLM or retrieval cache verifying gamma1 tokens per row, until every row has gamma2 middle-level
 tokens, then the full cache). Retrieval rebuilds are per row, with the single path's rules
@@ -103,6 +103,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     _sync_device(device)
     t1 = time.perf_counter()
     eos = set() if ignore_eos else _eos_ids(target.config)
+    before = batch.counts()
     _finished(rows, [max_new[r] == 0 for r in range(B)], on_row)
     batch.keep([i for i in range(B) if max_new[i] > 0])
     while rows.ids:
@@ -113,7 +114,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
             batch.keep([i for i, d in enumerate(done) if not d])
     _sync_device(device)
     t2 = time.perf_counter()
-    return [Result(rows.out[r], {**batch.stats(r, t1 - t0, t2 - t1), **_placement(plan), **_planned_peak(plan)})
+    return [Result(rows.out[r], {**batch.stats(r, t1 - t0, t2 - t1, before), **_placement(plan), **_planned_peak(plan)})
             for r in range(B)]
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import time
 
-from .batch_levels import RowsDrafter, RowsNode, RowsSpecLevel
+import torch
+
 from .cache import FullCache, RetrievalCache, StreamingCache
 from .cache.offload import OffloadedCache
 from .cache.policies import make_select
 from .config import Sampling, Speculation
+from .levels import Drafter, Node, SpecLevel
 from .prefill import prefill_layer_major
 from .rope import Rotary
 from .session import _sync_device
@@ -49,7 +51,7 @@ class _Batch:
                  resident: int, prefill_chunk: int, recompute_stats: bool = False):
         self.spec, self.rows, self.target = spec, rows, target
         B, cfg, p = len(rows.seq), target.config, next(target.parameters())
-        capacity = spec.capacity(total)
+        self.capacity = capacity = spec.capacity(total)
         rotary = Rotary(cfg, max_len=total, device=p.device)
         dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
         if resident == cfg.num_hidden_layers:
@@ -57,19 +59,19 @@ class _Batch:
         else:
             full = OffloadedCache(*dims, capacity, rotary, resident=resident, dtype=p.dtype, device=p.device,
                                   rows=B)
-        self.full = RowsNode("full", target, full, sampling, prefill_chunk)
+        self.full = Node("full", target, full, sampling, capacity, prefill_chunk)
         self.middle = self.small = self.retrieval = None
         if spec.method in ("triforce", "retrieval"):
             self.retrieval = RetrievalCache(*dims, spec.budget, spec.chunk_size, rotary, dtype=p.dtype,
                                             device=p.device, shared=spec.policy == "shared",
                                             select=make_select(spec.policy, spec.sinks),
                                             recompute_stats=recompute_stats, rows=B)
-            self.middle = RowsNode("retrieval", target, self.retrieval, sampling, prefill_chunk)
+            self.middle = Node("retrieval", target, self.retrieval, sampling, capacity, prefill_chunk)
         elif spec.method == "streaming":
             cache = StreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
                                    max_rollback=spec.max_lookahead, max_new=prefill_chunk + spec.max_lookahead,
                                    dtype=p.dtype, device=p.device, rows=B)
-            self.middle = RowsNode("streaming", target, cache, sampling, prefill_chunk)
+            self.middle = Node("streaming", target, cache, sampling, capacity, prefill_chunk)
         if spec.uses_draft:
             dcfg, dp = draft.config, next(draft.parameters())
             chunk = min(prefill_chunk, spec.draft_budget)
@@ -78,29 +80,35 @@ class _Batch:
                                    rotary=Rotary(dcfg, max_len=total, device=dp.device),
                                    max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
                                    dtype=dp.dtype, device=dp.device, rows=B)
-            self.small = RowsNode("draft", draft, cache, sampling, chunk, shared_vocabulary(draft, cfg.vocab_size))
+            self.small = Node("draft", draft, cache, sampling, capacity, chunk,
+                              vocab=shared_vocabulary(draft, cfg.vocab_size))
         self.top, self.draft_level, self.middle_level = self._compose(B)
 
     def _compose(self, B: int):
         """(top level, level verifying the small draft, level verifying the middle level), as Session's."""
         s, ids = self.spec, self.rows.ids
         if s.method == "ar":
-            return RowsDrafter(self.full), None, None
+            return Drafter(self.full), None, None
         if s.method == "naive":
-            top = RowsSpecLevel(RowsDrafter(self.small), self.full, s.gamma2, ids, B)
+            top = SpecLevel(Drafter(self.small), self.full, s.gamma2, ids, B)
             return top, top, None
         if s.method == "retrieval":
-            top = RowsSpecLevel(RowsDrafter(self.middle), self.full, s.gamma2, ids, B)
+            top = SpecLevel(Drafter(self.middle), self.full, s.gamma2, ids, B)
             return top, None, top
-        mid = RowsSpecLevel(RowsDrafter(self.small), self.middle, s.gamma1, ids, B)
-        top = RowsSpecLevel(mid, self.full, s.gamma2, ids, B)
+        mid = SpecLevel(Drafter(self.small), self.middle, s.gamma1, ids, B)
+        top = SpecLevel(mid, self.full, s.gamma2, ids, B)
         return top, mid, top
 
-    def nodes(self) -> list[RowsNode]:
+    def nodes(self) -> list[Node]:
         return [n for n in (self.full, self.middle, self.small) if n is not None]
 
-    def _seqs(self) -> list[list[int]]:
-        return [self.rows.seq[r] for r in self.rows.ids]
+    def _buffer(self, seqs: list[list[int]] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """The live rows' sequences (or `seqs`) as the levels' (B, capacity) buffer, and their lengths."""
+        seqs = [self.rows.seq[r] for r in self.rows.ids] if seqs is None else seqs
+        buf = torch.zeros(len(seqs), self.capacity, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            buf[b, :len(s)] = torch.tensor(s, dtype=torch.long)
+        return buf, [len(s) for s in seqs]
 
     def prefill(self, prompts: list[list[int]]) -> None:
         """Every node takes each row's prompt but its last token; the retrieval cache is built from the
@@ -108,67 +116,66 @@ class _Batch:
         filled layer-major (prefill.py: PCIe traffic linear in the prompts, the retrieval statistics taken
         on the device), as Session.prefill does for one prompt."""
         heads = [p[:-1] for p in prompts]
+        buf, counts = self._buffer(heads)
         full = self.full.cache
         if isinstance(full, OffloadedCache) and max(map(len, heads)):
-            counts = [len(h) for h in heads]
             chunk_rule = self.retrieval is not None and self.retrieval.select is None
             observe = (lambda i, k: self.retrieval.observe(full, i, k, counts)) if chunk_rule else None
             prefill_layer_major(self.target, heads, full, self.full.prefill_chunk, on_layer=observe)
-            for i, h in enumerate(heads):
-                self.full.adopt(i, h)
+            self.full.adopt(buf, counts)
         else:
-            self.full.hold(heads)
+            self.full.prefill(buf, counts)
         if self.retrieval is not None:
-            self._rebuild(list(range(len(prompts))))
+            self._rebuild(list(range(len(prompts))), buf)
         elif self.middle is not None:
-            self.middle.hold(heads)
+            self.middle.prefill(buf, counts)
         if self.small is not None:
-            self.small.hold(heads)
+            self.small.prefill(buf, counts)
 
     rebuild_times: tuple[float, ...] = ()  # seconds of each _rebuild call (all its rows), the prefill's first
 
-    def _rebuild(self, live: list[int]) -> None:
-        """Rebuild the listed live rows from what the full cache holds (re-feeding a row's last token when
-        its query is not at hand); timed as Session._rebuild times one, for all the rows together."""
+    def _rebuild(self, live: list[int], buf: torch.Tensor) -> None:
+        """Rebuild the listed live rows from what the full cache holds of buf (re-feeding a row's last token
+        when its query is not at hand); timed as Session._rebuild times one, for all the rows together."""
         device = self.full.device
         _sync_device(device)  # time the rebuild alone, not the work queued before it
         t0 = time.perf_counter()
-        full, seqs = self.full.cache, self._seqs()
+        full = self.full.cache
         lengths = [self.full.held(i) for i in live]
         missing = tuple(i for i, L in zip(live, lengths) if L and full.query_at(i, L - 1) is None)
         if missing:
-            self.full.hold([s[:self.full.held(i)] for i, s in enumerate(seqs)], refeed=missing)
+            self.full.prefill(buf, [self.full.held(i) for i in range(len(buf))], refeed=missing)
         queries = [full.query_at(i, L - 1) if L else [] for i, L in zip(live, lengths)]
         self.retrieval.rebuild(full, live, queries)
-        for i, L in zip(live, lengths):
-            self.middle.adopt(i, seqs[i][:L])
+        self.middle.adopt(buf[live], lengths, live)
+        for i in live:
             if self.middle_level is not None:
                 self.middle_level.stats.recent[self.rows.ids[i]] = []
         _sync_device(device)
         self.rebuild_times += (time.perf_counter() - t0,)
 
-    def _maybe_rebuild(self) -> None:
+    def _maybe_rebuild(self, buf: torch.Tensor, n: list[int]) -> None:
         """Before a round, per row, Session._maybe_rebuild's rule: rebuild when new tokens crowd the budget
         (Speculation.rebuild_after: with padding while other rows are live) or number `rebuild_every`, or
         when the row's rolling acceptance of the middle level falls under `rebuild_below`."""
         if self.retrieval is None:
             return
         s = self.spec
-        self.full.sync(self._seqs())  # drop each row's rejected tail: rebuild from committed tokens
+        self.full.sync(buf, n)  # drop each row's rejected tail: rebuild from committed tokens
         new = [self.full.held(i) - int(self.retrieval.base[i]) for i in range(len(self.rows.ids))]
         stats = self.middle_level.stats
         after = s.rebuild_after(len(self.rows.ids))
         stale = [i for i, r in enumerate(self.rows.ids) if new[i] >= after or stats.low(r, s.rebuild_below)]
         if stale:
-            self._rebuild(stale)
+            self._rebuild(stale, buf)
             for i in stale:
                 self.rows.rebuilds[self.rows.ids[i]] += 1
 
     def round(self, gen) -> list[list[int]]:
         """Every live row's new tokens of one round of the top level."""
-        self._maybe_rebuild()
-        live = len(self.rows.ids)
-        tokens, _ = self.top.round(self._seqs(), gen, [True] * live)
+        buf, n = self._buffer()
+        self._maybe_rebuild(buf, n)
+        tokens, _ = self.top.round(buf, n, gen, [True] * len(n))
         for r in self.rows.ids:
             self.rows.verified[r] += 1
         return tokens
@@ -179,7 +186,11 @@ class _Batch:
         for node in self.nodes():
             node.keep(live)
 
-    def stats(self, r: int, prefill_s: float, decode_s: float) -> dict:
+    def counts(self) -> dict[str, tuple[int, float]]:
+        """(forwards run so far, seconds in them) per node, by node name, as Session.counts."""
+        return {node.name: (node.forwards, node.timer.seconds()) for node in self.nodes()}
+
+    def stats(self, r: int, prefill_s: float, decode_s: float, before: dict | None = None) -> dict:
         """Prompt r's statistics, with engine._stats's names: the batch's (prefill_s, decode_s, batch_size,
         batch_tokens_per_s, ms_per_token, prefill_rebuild_s, rebuild_s) and the row's own (verifications,
         tokens_per_verification, acceptance, rebuilds)."""
@@ -192,6 +203,9 @@ class _Batch:
         return {
             "prefill_s": prefill_s,
             "decode_s": decode_s,
+            # the batch's forwards per node while decoding, and seconds in them (engine._stats's names)
+            **({"forwards": {k: n - before[k][0] for k, (n, _) in self.counts().items()},
+                "stage_s": {k: s - before[k][1] for k, (_, s) in self.counts().items()}} if before else {}),
             "batch_size": len(self.rows.out),
             "batch_tokens_per_s": n_all / decode_s if n_all and decode_s > 0 else None,
             "ms_per_token": 1000 * decode_s / n_all if n_all else None,  # the batch's: all rows' tokens

@@ -206,7 +206,7 @@ def decode(session: Session, n: int, max_new: int, gen: torch.Generator, eos: se
 
 def _acceptance(session: Session) -> dict:
     def acc(level):
-        return None if level is None else level.stats.acceptance
+        return None if level is None else level.stats.acceptance()
 
     return {"draft": acc(session.draft_level), "retrieval": acc(session.middle_level)}
 

@@ -43,6 +43,7 @@ class Session:
         spec = spec.fitted(capacity)
         self.spec, self.sampling = spec, sampling
         self.seq = torch.zeros(capacity, dtype=torch.long)
+        self.buffer = self.seq[None]  # the levels' (B, capacity) buffer: one row, a view of seq
         p = next(target.parameters())
         dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
         rotary = Rotary(cfg, max_len=self.total, device=p.device)
@@ -114,7 +115,7 @@ class Session:
         n = len(prompt)
         m = n - 1 if upto is None else upto
         self.seq[:n] = prompt
-        kept = self.full.sync(self.seq, m + 1)
+        [kept] = self.full.sync(self.buffer, [m + 1])
         if self.retrieval is not None:
             self.retrieval.forget_rows(kept)  # what the full cache holds from `kept` on is fed again
         if isinstance(self.full.cache, OffloadedCache) and kept == 0 and m > 0:
@@ -123,9 +124,9 @@ class Session:
             observe = (lambda i, k: self.retrieval.observe(self.full.cache, i, k)) if chunk_rule else None
             prefill_layer_major(self.target, [self.seq[:m]], self.full.cache, self.full.prefill_chunk, progress,
                                 observe)
-            self.full.adopt(self.seq, m)
+            self.full.adopt(self.buffer, [m])
         else:
-            self.full.prefill(self.seq, m, progress)
+            self.full.prefill(self.buffer, [m], progress)
         if self.middle is not None:
             if self.retrieval is not None:
                 prepare = getattr(self.retrieval.select, "prepare", None)  # H2O: a pass over the prompt
@@ -173,10 +174,10 @@ class Session:
         if prefix is not None:
             self.seq[:len(prefix)] = prefix
         for node in self._streaming_nodes():
-            keep = node.cache.length if prefix is None else node.matching(self.seq, len(prefix) + 1)
+            keep = node.cache.length if prefix is None else node.matching(self.buffer, [len(prefix) + 1])[0]
             if node.cache.reachable(keep):  # else the earlier mark stays
                 node.cache.truncate(keep)
-                marks[node.name] = (node.cache.state(), node.tokens[:keep].clone())
+                marks[node.name] = (node.cache.state(), node.tokens[0, :keep].clone())
         self.marks = marks
 
     def rewind(self, n: int) -> None:
@@ -188,17 +189,17 @@ class Session:
         for node in self._streaming_nodes():
             state, tokens = self.marks.get(node.name, (None, self.seq[:0]))
             node.cache.restore(state)
-            node.adopt(tokens, len(tokens))
+            node.adopt(tokens[None], [len(tokens)])
 
     def _catch_up(self, node: Node, m: int) -> None:
         """Feed a streaming node seq[:m]: rolled back within reach, else from the marked state if seq extends
         it, else from the start."""
-        if not node.cache.reachable(node.matching(self.seq, m + 1)):
+        if not node.cache.reachable(node.matching(self.buffer, [m + 1])[0]):
             state, tokens = self.marks.get(node.name, (None, self.seq[:0]))
             usable = state is not None and len(tokens) <= m and torch.equal(tokens, self.seq[:len(tokens)])
             node.cache.restore(state if usable else None)
-            node.adopt(self.seq, node.cache.length)
-        node.prefill(self.seq, m)
+            node.adopt(self.buffer, [node.cache.length])
+        node.prefill(self.buffer, [m])
 
     def counts(self) -> dict[str, tuple[int, float]]:
         """(forwards run so far, seconds in them) per node, by node name (draft; retrieval or streaming;
@@ -209,7 +210,7 @@ class Session:
     def reset_stats(self) -> None:
         """Acceptance and rebuild times count from here (a conversation's next question)."""
         for level in {self.draft_level, self.middle_level} - {None}:
-            level.stats = LevelStats()
+            level.stats = LevelStats(1, level.window)
         self.rebuild_times = ()
 
     rebuild_times: tuple[float, ...] = ()  # seconds of each retrieval rebuild, the prefill's first
@@ -224,9 +225,9 @@ class Session:
         self.retrieval.rebuild(full, [0], [queries])
         _sync_device(device)
         self.rebuild_times += (time.perf_counter() - t0,)
-        self.middle.adopt(self.seq, L)
+        self.middle.adopt(self.buffer, [L])
         if self.middle_level is not None:
-            self.middle_level.stats.recent = []
+            self.middle_level.stats.recent[0] = []
 
     def last_queries(self, L: int) -> list[torch.Tensor]:
         """Per layer, the rotated query (H_q, D) of the last committed token, from the full cache's last
@@ -237,7 +238,7 @@ class Session:
             if self.loaded_queries is not None and self.loaded_queries[0] == L:
                 return self.loaded_queries[1]
             full.truncate(L - 1)
-            self.full.prefill(self.seq, L)
+            self.full.prefill(self.buffer, [L])
             queries = full.query_at(0, L - 1)
         return queries
 
@@ -246,17 +247,16 @@ class Session:
         tokens, or when the middle level's rolling acceptance falls under `rebuild_below`."""
         if self.retrieval is None:
             return
-        self.full.sync(self.seq, n)  # drop the full cache's rejected tail: rebuild from committed tokens
+        self.full.sync(self.buffer, [n])  # drop the full cache's rejected tail: rebuild from committed tokens
         new = self.full.cache.length - int(self.retrieval.base[0])
-        recent = self.middle_level.stats.recent
-        low = len(recent) == self.middle_level.window and sum(recent) / len(recent) < self.spec.rebuild_below
+        low = self.middle_level.stats.low(0, self.spec.rebuild_below)
         if new >= self.spec.rebuild_after() or low:
             self._rebuild()
 
     def round(self, n: int, gen: torch.Generator) -> list[int]:
         self._maybe_rebuild(n)
-        tokens, _ = self.top.round(self.seq, n, gen)
-        return tokens
+        tokens, _ = self.top.round(self.buffer, [n], gen)
+        return tokens[0]
 
 
 def _runner(model, cache, enabled: bool, pool):

@@ -225,7 +225,7 @@ def load(path, session, prompt: torch.Tensor, upto: int, ident: dict, group=None
             if "q" in t:
                 queries.append(t["q"].to(device))
         full.commit_written(c)
-        session.full.adopt(prompt, c)
+        session.full.adopt(prompt[None], [c])
         if c == len(prefix) and manifest["queries"]:
             session.loaded_queries = (c, queries)
         _load_streaming(session, manifest, ident, heads, world)
@@ -247,10 +247,10 @@ def _load_streaming(session, manifest: dict, ident: dict, heads: _Heads, world: 
             and (info["model"]["weights"] == model["weights"] if node.name == "draft"
                  else same_weights(manifest, info["model"], model, world))
         if (not same or info["sinks"] != node.cache.sinks
-                or info["window"] != node.cache.window or info["length"] > len(node.tokens)):
+                or info["window"] != node.cache.window or info["length"] > node.tokens.shape[1]):
             continue  # session.prefill feeds it from the start
         t = heads.read(f"{node.name}.safetensors", {} if node.name == "draft" else {"k": 3, "v": 3})
         state = {"k": t["k"], "v": t["v"], "length": info["length"], "offset": info["offset"]}
         if node.cache.fits(state):
             node.cache.restore(state)
-            node.adopt(ids, info["length"])
+            node.adopt(ids[None], [info["length"]])

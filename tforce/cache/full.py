@@ -66,17 +66,22 @@ class FullCache(Rows):
 
     def update(self, layer, q, k, v):
         q = self.rotary.rotate(q, self._cos, self._sin)
+        k = self.rotary.rotate(k, self._cos, self._sin)
         self._fresh[layer] = q
-        self._write(self.k[layer], self.v[layer], self.rotary.rotate(k, self._cos, self._sin), v)
-        B, S = self.rows, self._S
+        B, S, L = self.rows, self._S, self._uniform
+        if L is None:
+            self._write(self.k[layer], self.v[layer], k, v)
+        else:  # inline: the one-prompt path's host time
+            self.k[layer, :B, L:S] = k
+            self.v[layer, :B, L:S] = v
         return q, CacheView(self.k[layer, :B, :S], self.v[layer, :B, :S], self._mask,
                             causal=self._uniform is not None)
 
     def commit(self, counts) -> None:
-        starts = [int(self.lengths[0])] if self.rows == 1 else self.lengths[:self.rows].tolist()
+        starts = self.lengths[:self.rows].tolist()
         super().commit(counts)
         if self._fresh:
-            fresh = [self._fresh[i] for i in sorted(self._fresh)]
+            fresh = list(self._fresh.values())  # in layer order: update() runs layer after layer
             ns = [counts] * self.rows if isinstance(counts, int) else torch.as_tensor(counts).expand(self.rows).tolist()
             for b, n in enumerate(ns):
                 if n:

@@ -247,7 +247,10 @@ class RetrievalCache(StaticInputs, Rows):
 
     def truncate(self, lengths) -> None:
         """Row b keeps lengths[b] committed tokens (between its last rebuild and what it holds)."""
-        assert bool((torch.as_tensor(lengths) >= self.base[:self.rows]).all()), "cannot roll back past a rebuild"
+        if isinstance(lengths, int) and self.rows == 1:
+            assert lengths >= int(self.base[0]), "cannot roll back past a rebuild"
+        else:
+            assert bool((torch.as_tensor(lengths) >= self.base[:self.rows]).all()), "cannot roll back past a rebuild"
         super().truncate(lengths)
 
     def keep(self, rows: list[int]) -> None:

@@ -52,7 +52,10 @@ class Rows:
         """Row b keeps the first counts[b] of the pending tokens (counts: (rows,) or an int for all)."""
         if isinstance(counts, int):
             assert 0 <= counts <= self.pending
-            self.lengths[:self.rows] += counts
+            if self.rows == len(self.lengths):  # no row compacted away: the whole tensor, no slice (host time)
+                self.lengths += counts
+            else:
+                self.lengths[:self.rows] += counts
         else:
             counts = torch.as_tensor(counts, dtype=torch.long).expand(self.rows)
             assert bool(((counts >= 0) & (counts <= self.pending)).all())
@@ -62,6 +65,10 @@ class Rows:
     def truncate(self, lengths) -> None:
         """Drop committed tokens from the rows' ends: row b keeps lengths[b] (an int: every row), at most what
         it holds."""
+        if isinstance(lengths, int) and self.rows == 1:  # one prompt: plain ints (host time per round)
+            assert 0 <= lengths <= int(self.lengths[0])
+            self.lengths[0] = lengths
+            return
         lengths = torch.as_tensor(lengths, dtype=torch.long)
         assert bool(((lengths >= 0) & (lengths <= self.lengths[:self.rows])).all())
         self.lengths[:self.rows] = lengths

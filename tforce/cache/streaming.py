@@ -137,7 +137,7 @@ class StreamingCache(StaticInputs, Rows):
         return not self.sinks <= max(min(self.sinks, length), length - self.window) < int(self.offset[b])
 
     def truncate(self, lengths) -> None:
-        keep = torch.as_tensor(lengths, dtype=torch.long).expand(self.rows).tolist()
+        keep = [lengths] * self.rows if isinstance(lengths, int) else torch.as_tensor(lengths).expand(self.rows).tolist()
         if not all(self._reach(b, n) for b, n in enumerate(keep)):
             raise TforceError("streaming cache rolled back further than it keeps (max_rollback too small)")
         super().truncate(lengths)

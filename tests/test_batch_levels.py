@@ -123,7 +123,7 @@ def test_a_node_rolls_each_row_back_to_its_longest_matching_prefix(tiny):
     buf = torch.zeros(2, 64, dtype=torch.long)
     buf[0, :21], buf[1, :12] = torch.tensor(seqs[0]), torch.tensor(seqs[1])
     got, want = n.probs(buf, [21, 12], last=2), node().probs(buf, [21, 12], last=2)
-    assert n.cache.lengths.tolist() == [21, 12] and torch.equal(n.tokens[:, :21][0], buf[0, :21])
+    assert n.cache.lengths == [21, 12] and torch.equal(n.tokens[:, :21][0], buf[0, :21])
     assert torch.equal(n.tokens[1, :12], buf[1, :12])
     torch.testing.assert_close(got, want)
 

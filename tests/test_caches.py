@@ -111,7 +111,7 @@ def test_retrieval_picks_brute_force_chunks(tiny, name, length, chunk, budget):
                     assert torch.equal(cache.k[layer, 0, slot, h], full.k[layer, 0, p, h])
                     assert torch.equal(cache.v[layer, 0, slot, h], full.v[layer, 0, p, h])
     assert not_prefix > 0 or length <= budget  # the choice is not simply the first chunks
-    assert cache.length == cache.base == length
+    assert cache.length == cache.base[0] == length
 
 
 def brute_force_votes(full: FullCache, length: int, chunk: int) -> list[float]:
@@ -192,7 +192,7 @@ def test_retrieval_new_tokens_take_the_last_slots(tiny):
     # Layer 0's keys depend on the token alone, so they equal the full cache's bit for bit.
     assert torch.equal(cache.k[0, 0, 23], full.k[0, 0, 45])
     assert torch.equal(cache.k[0, 0, 22], full.k[0, 0, 46])
-    assert cache.new_tokens().tolist() == [2]
+    assert cache.new_tokens() == [2]
 
 
 def test_retrieval_truncate_hides_rolled_back_tokens(tiny):

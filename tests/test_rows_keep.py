@@ -45,19 +45,19 @@ def test_keep_moves_the_live_rows_without_scratch(tiny, name):
     g = torch.Generator().manual_seed(0)
     for x in stores(cache):
         x.copy_(torch.randn(x.shape, generator=g))
-    cache.lengths[:] = torch.tensor(LENGTHS)
+    cache.lengths[:] = LENGTHS
     if name == "streaming":
-        cache.offset[:] = torch.tensor([4, 9, 4, 14])  # rows 1, 3 compacted: position p >= 4 in slot p - 5, p - 10
+        cache.offset[:] = [4, 9, 4, 14]  # rows 1, 3 compacted: position p >= 4 in slot p - 5, p - 10
     used = [int(L) if name != "streaming" else cache._slot(b, int(L)) for b, L in enumerate(cache.lengths)]
     before = [x.clone() for x in stores(cache)]
     row_bytes = stores(cache)[0][0].nbytes  # one row of one layer
     assert largest_allocation(lambda: cache.keep(KEEP)) < row_bytes
-    assert cache.rows == 2 and cache.lengths[:2].tolist() == [LENGTHS[i] for i in KEEP]
+    assert cache.rows == 2 and cache.lengths[:2] == [LENGTHS[i] for i in KEEP]
     for x, old in zip(stores(cache), before):
         for j, i in enumerate(KEEP):
             assert torch.equal(x[j, :used[i]], old[i, :used[i]])
     if name == "streaming":
-        assert cache.offset[:2].tolist() == [9, 14]
+        assert cache.offset[:2] == [9, 14]
 
 
 @pytest.mark.cuda
@@ -69,7 +69,7 @@ def test_keep_allocates_nothing_on_the_device():
         pass
 
     cache = FullCache(2, 2, 16, 4096, _Rotary(), device="cuda", rows=len(LENGTHS))
-    cache.lengths[:] = torch.tensor(LENGTHS)
+    cache.lengths[:] = LENGTHS
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
@@ -91,11 +91,11 @@ def test_retrieval_keep_moves_rows_without_scratch(tiny):
     for x in (cache.k, cache.v):
         x.copy_(torch.randn(x.shape, generator=g))
     cache.key_pos.copy_(torch.randint(-1, 50, cache.key_pos.shape, generator=g))
-    cache.lengths[:], cache.base[:] = torch.tensor(LENGTHS), torch.tensor([5, 15, 25, 35])
+    cache.lengths[:], cache.base[:] = LENGTHS, [5, 15, 25, 35]
     cache.stats = ["s0", "s1", "s2", "s3"]  # each row's ChunkStats, moved with it
     before = [x.clone() for x in (cache.k, cache.v, cache.key_pos)]
     assert largest_allocation(lambda: cache.keep(KEEP)) < cache.k[0, 0].nbytes
     for x, old in zip((cache.k, cache.v, cache.key_pos), before):
         assert torch.equal(x[:, :2], old[:, KEEP])
-    assert cache.rows == 2 and cache.lengths[:2].tolist() == [20, 40] and cache.base[:2].tolist() == [15, 35]
+    assert cache.rows == 2 and cache.lengths[:2] == [20, 40] and cache.base[:2] == [15, 35]
     assert cache.stats[:2] == ["s1", "s3"] and cache.stats[2:] == [None, None]

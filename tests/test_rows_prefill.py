@@ -54,7 +54,7 @@ def test_rows_layer_major_prefill_is_bit_identical_to_token_major(tiny, resident
     seen = []
     prefill_layer_major(model, seqs, got, CHUNK, progress=lambda d, t: seen.append((d, t)))
     total = model.config.num_hidden_layers * sum(HEADS)
-    assert got.lengths.tolist() == want.lengths.tolist() == list(HEADS) and seen[-1] == (total, total)
+    assert got.lengths == want.lengths == list(HEADS) and seen[-1] == (total, total)
     for layer in range(model.config.num_hidden_layers):
         (gk, gv), (wk, wv) = layer_kv(got, layer), layer_kv(want, layer)
         for b, n in enumerate(HEADS):

@@ -58,7 +58,7 @@ def test_budget_over_every_row_gives_the_full_cache_logits(tiny):
     got, want = feed(model, retrieval, new), feed(model, full, new)
     for b, r in enumerate(new):
         torch.testing.assert_close(got[b, :len(r)], want[b, :len(r)], rtol=1e-5, atol=1e-5)
-    assert retrieval.lengths.tolist() == full.lengths.tolist()
+    assert retrieval.lengths == full.lengths
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -140,10 +140,10 @@ def test_rebuild_of_listed_rows_only_and_keep(tiny):
     before = cache.key_pos.clone()
     feed(model, full, rows_ids((4, 4, 4, 4), seed=2))
     cache.rebuild(full, [2], [full.query_at(2, int(full.lengths[2]) - 1)])
-    assert cache.base.tolist() == [37, 5, 27, 1] and torch.equal(cache.key_pos[:, [0, 1, 3]], before[:, [0, 1, 3]])
+    assert cache.base == [37, 5, 27, 1] and torch.equal(cache.key_pos[:, [0, 1, 3]], before[:, [0, 1, 3]])
     kept = cache.key_pos[:, [0, 2]].clone()
     cache.keep([0, 2])
-    assert cache.rows == 2 and cache.base[:2].tolist() == [37, 27] and torch.equal(cache.key_pos[:, :2], kept)
+    assert cache.rows == 2 and cache.base[:2] == [37, 27] and torch.equal(cache.key_pos[:, :2], kept)
 
 
 def test_new_tokens_wrap_as_a_single_caches_do(tiny):
@@ -153,7 +153,7 @@ def test_new_tokens_wrap_as_a_single_caches_do(tiny):
     full = filled(model, LENGTHS)
     cache = rebuilt(model, full, 16, 4)
     cache.begin(16)
-    base = cache.base[:4, None] + torch.arange(16)  # (B, 16): every slot holds one new position
+    base = torch.tensor(cache.base[:4])[:, None] + torch.arange(16)  # (B, 16): every slot holds one new position
     assert torch.equal(cache.key_pos[:, :4].sort(-1).values, base[None, :, None].expand_as(cache.key_pos[:, :4]))
     cache.commit(16)
     cache.begin(2)  # wraps onto the newest slots, from the end backwards again

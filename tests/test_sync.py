@@ -78,7 +78,7 @@ def _caches(cfg, device):
 def test_begin_builds_its_inputs_on_the_cache_device(tiny, kind, n):
     """On the meta device, any host tensor copied in (positions, slots, cos/sin, masks built on the CPU
     and moved: a host -> device copy per forward on CUDA) shows as an op mixing devices. The rows' lengths
-    are host tensors (cache/rows.py): reading them is no sync; no value is read from the device."""
+    live on the host (cache/rows.py); no value is read from the device."""
     cache = _caches(tiny["gqa"].model.config, "meta")[kind]
     for _ in range(3):  # past the streaming window's sinks, with committed tokens
         with _Ops() as ops:

@@ -52,7 +52,7 @@ class Node:
         self.timer = ForwardTimer(self.device)  # seconds in forwards, read after decoding (stage times)
 
     def held(self, b: int) -> int:
-        return int(self.cache.lengths[b])
+        return self.cache.lengths[b]
 
     def matching(self, seq: torch.Tensor, n: list[int]) -> list[int]:
         """Per row, how many of the tokens its cache holds match seq[b, :n[b] - 1] (the prefix sync keeps)."""
@@ -65,7 +65,7 @@ class Node:
 
     def _roll_back(self, keep: list[int]) -> None:
         if any(k < self.held(b) for b, k in enumerate(keep)):
-            self.cache.truncate(keep[0] if len(keep) == 1 else torch.tensor(keep))
+            self.cache.truncate(keep[0] if len(keep) == 1 else keep)
 
     def sync(self, seq: torch.Tensor, n: list[int]) -> list[int]:
         """Roll each row back to the matching prefix of seq[b, :n[b]]; returns where feeding must start
@@ -78,30 +78,30 @@ class Node:
         """Feed row b seq[b, held(b):ends[b]] (padded at the end to the longest; the padding is never
         committed); probs (B, last, V) after each row's last `last` real tokens (every row feeds at least
         `last`), or None for last=0."""
-        starts = [self.held(b) for b in range(len(ends))]
+        B, starts = len(ends), self.cache.lengths[:len(ends)]
         counts = [e - s for s, e in zip(starts, ends)]
         T = max(counts)
-        if min(counts) == T:  # rows of one count (always one row): the forward keeps only `last` logits
+        same = min(counts) == T  # rows of one count (always one row): the forward keeps only `last` logits
+        if B == 1:
+            ids = seq[:1, starts[0]:ends[0]]  # (1, T), a view
+        elif same:
             ids = torch.stack([seq[b, s:e] for b, (s, e) in enumerate(zip(starts, ends))])  # (B, T)
         else:
-            ids = torch.zeros(len(ends), T, dtype=torch.long)
+            ids = torch.zeros(B, T, dtype=torch.long)
             for b, (s, e) in enumerate(zip(starts, ends)):
                 ids[b, :e - s] = seq[b, s:e]
         fed = ids if self.vocab is None else self.vocab.ids(ids)
         self.cache.begin(T)
         mark = self.timer.start()
-        if min(counts) == T:
-            logits = self.runner(to_device(fed, self.device), last)  # (B, last, V)
-        else:
-            logits = self.runner(to_device(fed, self.device), None if last else 0)  # (B, T, V)
+        logits = self.runner(to_device(fed, self.device), last if same else None if last else 0)  # (B, last or T, V)
         self.timer.stop(mark)
-        self.cache.commit(T if min(counts) == T else torch.tensor(counts))
+        self.cache.commit(T if same else counts)
         for b, (s, e) in enumerate(zip(starts, ends)):
             self.tokens[b, s:e] = seq[b, s:e]
         self.forwards += 1
         if not last:
             return None
-        if min(counts) != T:
+        if not same:
             pick = torch.tensor(counts)[:, None] - last + torch.arange(last)  # (B, last)
             pick = to_device(pick, logits.device)
             logits = logits.gather(1, pick[..., None].expand(-1, -1, logits.shape[-1]))

@@ -73,7 +73,7 @@ def prefill_layer_major(model, seqs, full: FullCache, chunk: int, progress=None,
     Returns the device bytes it allocated beyond the model's own activations (hidden states, scratch)."""
     seqs = [s.tolist() if torch.is_tensor(s) else list(s) for s in seqs]
     B, lengths = len(seqs), [len(s) for s in seqs]
-    assert full.rows == B and not full.lengths[:B].any(), "layer-major prefill starts from empty rows"
+    assert full.rows == B and not any(full.lengths[:B]), "layer-major prefill starts from empty rows"
     N = max(lengths)
     scratch, scratch_bytes = _scratch(model, full, N, B)
     ids = torch.tensor([s + [0] * (N - len(s)) for s in seqs], dtype=torch.long)  # (B, N), padded at the end

@@ -18,7 +18,7 @@ from ..errors import TforceError
 from ..rope import Rotary
 from ..sync import to_device
 from .base import CacheView, visibility
-from .rows import Rows, rotation
+from .rows import Rows, per_row, rotation
 
 
 class FullCache(Rows):
@@ -47,7 +47,8 @@ class FullCache(Rows):
             self._mask = None if n == 1 else visibility(torch.arange(lo + n, device=device)[None], pos)
             return
         self._uniform = None
-        pos = to_device(self.lengths[:self.rows], device)[:, None] + torch.arange(n, device=device)  # (B, T)
+        lengths = to_device(torch.tensor(self.lengths[:self.rows]), device)
+        pos = lengths[:, None] + torch.arange(n, device=device)  # (B, T)
         self._cos, self._sin = rotation(self.rotary, pos, self.k.dtype)
         self._rows_idx = torch.arange(self.rows, device=device)[:, None].expand(-1, n)  # (B, T)
         self._slots = pos
@@ -78,11 +79,11 @@ class FullCache(Rows):
                             causal=self._uniform is not None)
 
     def commit(self, counts) -> None:
-        starts = self.lengths[:self.rows].tolist()
+        starts = self.lengths[:self.rows]
         super().commit(counts)
         if self._fresh:
             fresh = list(self._fresh.values())  # in layer order: update() runs layer after layer
-            ns = [counts] * self.rows if isinstance(counts, int) else torch.as_tensor(counts).expand(self.rows).tolist()
+            ns = per_row(counts, self.rows)
             for b, n in enumerate(ns):
                 if n:
                     # one row: the forward's own tensors; several: copies of the row's (see the docstring)
@@ -107,15 +108,15 @@ class FullCache(Rows):
         (layer-major prefill, a snapshot's load): row b's first counts[b] (None: all n of every row);
         commit_written(counts) then commits them for every layer at once."""
         for b, n in enumerate(counts if counts is not None else [k.shape[1]] * self.rows):
-            L = int(self.lengths[b])
+            L = self.lengths[b]
             self.k[layer, b, L:L + n] = k[b, :n]
             self.v[layer, b, L:L + n] = v[b, :n]
 
     def commit_written(self, counts) -> None:
         """counts: one per row, or an int for every row."""
-        new = self.lengths[:self.rows] + torch.as_tensor(counts, dtype=torch.long)
-        if int(new.max()) > self.capacity:
-            raise TforceError(f"KV cache full: {int(new.max())} tokens > capacity {self.capacity}")
+        new = [a + b for a, b in zip(self.lengths, per_row(counts, self.rows))]
+        if max(new) > self.capacity:
+            raise TforceError(f"KV cache full: {max(new)} tokens > capacity {self.capacity}")
         self.lengths[:self.rows] = new
 
     def layer_keys(self, layer: int) -> torch.Tensor:

@@ -155,7 +155,7 @@ class OffloadedCache(StagedLayers, FullCache):
         lo, hi = self.span()
         if lo == hi:
             return [(slice(0, self.rows), lo, lo + n)]
-        return [(slice(b, b + 1), L, L + n) for b, L in enumerate(self.lengths[:self.rows].tolist())]
+        return [(slice(b, b + 1), L, L + n) for b, L in enumerate(self.lengths[:self.rows])]
 
     def _prefetch(self, layer: int) -> None:
         """Start copying offloaded `layer`'s committed K/V into its staging buffer."""
@@ -166,7 +166,7 @@ class OffloadedCache(StagedLayers, FullCache):
         for rows, _, L in self._spans(0):
             pairs += [(self.stage_k[j, rows, :L], self.host_k[h][rows, :L]),
                       (self.stage_v[j, rows, :L], self.host_v[h][rows, :L])]
-        self.host_rows_streamed += int(self.lengths[:self.rows].sum())
+        self.host_rows_streamed += sum(self.lengths[:self.rows])
         # After the compute stream's work so far: the layer that last used this buffer.
         self._ready[j] = copy_on(self.copy_stream, pairs, record=True)
 
@@ -198,7 +198,7 @@ class OffloadedCache(StagedLayers, FullCache):
             return super().write_layer(layer, k, v, counts)
         h = layer - self.resident
         for b, n in enumerate(counts if counts is not None else [k.shape[1]] * self.rows):
-            L = int(self.lengths[b])
+            L = self.lengths[b]
             # Synchronous on purpose: the caller reuses k and v's storage for the next layer right away.
             self.host_k[h][b, L:L + n].copy_(k[b, :n])
             self.host_v[h][b, L:L + n].copy_(v[b, :n])

@@ -54,7 +54,7 @@ from ..rope import Rotary
 from ..sync import to_device
 from .base import CacheView, StaticInputs
 from .chunkstats import ChunkStats
-from .rows import Rows, rotation
+from .rows import Rows, per_row, rotation
 
 
 def chunk_scores(means: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -132,15 +132,15 @@ class RetrievalCache(StaticInputs, Rows):
         self.key_pos = torch.full((n_layers, rows, n_kv, budget), -1, dtype=torch.long, device=device)
         self.budget, self.chunk_size, self.rotary = budget, chunk_size, rotary
         self._init_rows(rows)
-        self.base = torch.zeros(rows, dtype=torch.long)  # each row's length at its last rebuild
+        self.base = [0] * rows  # each row's length at its last rebuild
         # each row's chunk statistics (the chunk rule's) and the full cache they describe
         self.stats: list[ChunkStats | None] = [None] * rows
         self._stats_of: list = [None] * rows
         self._same = True
 
-    def new_tokens(self) -> torch.Tensor:
-        """(rows,) tokens committed since each row's last rebuild."""
-        return self.lengths[:self.rows] - self.base[:self.rows]
+    def new_tokens(self) -> list[int]:
+        """Per live row, tokens committed since its last rebuild."""
+        return [n - b for n, b in zip(self.lengths[:self.rows], self.base)]
 
     # ---- rebuild ----------------------------------------------------------------------------------
 
@@ -163,13 +163,13 @@ class RetrievalCache(StaticInputs, Rows):
         sums are taken now, not read back later."""
         for b, n in enumerate(counts if counts is not None else [keys.shape[1]] * self.rows):
             if n:
-                self.stats_for(full, b).observe(layer, keys[b:b + 1, :n], int(full.lengths[b]))
+                self.stats_for(full, b).observe(layer, keys[b:b + 1, :n], full.lengths[b])
 
     def rebuild(self, full, rows: list[int], queries: list[list[torch.Tensor]]) -> None:
         """Refill the listed rows from their committed tokens in `full`; queries[i]: row rows[i]'s rotated
         query per layer (H_q, D) at its last committed token ([] for an empty row)."""
         for b, query in zip(rows, queries):
-            L = int(full.lengths[b])
+            L = full.lengths[b]
             self.key_pos[:, b] = -1
             if L:
                 row = _Row(full, b)
@@ -221,8 +221,8 @@ class RetrievalCache(StaticInputs, Rows):
             self.key_pos[:, :B, :, self._slot] = pos
             qpos = pos[:, None]  # (T, 1)
         else:
-            pos = self.lengths[:B, None] + torch.arange(n)  # (B, T) per-row positions
-            slots = self.budget - 1 - (pos - self.base[:B, None]) % self.budget  # (B, T), wrapping
+            pos = torch.tensor(self.lengths[:B])[:, None] + torch.arange(n)  # (B, T) per-row positions
+            slots = self.budget - 1 - (pos - torch.tensor(self.base[:B])[:, None]) % self.budget  # (B, T), wrapping
             pos, slots = to_device(pos, device), to_device(slots, device)
             self._cos, self._sin = rotation(self.rotary, pos, self.k.dtype)
             self._rows_idx = torch.arange(B, device=device)[:, None].expand(-1, n)  # (B, T)
@@ -247,10 +247,7 @@ class RetrievalCache(StaticInputs, Rows):
 
     def truncate(self, lengths) -> None:
         """Row b keeps lengths[b] committed tokens (between its last rebuild and what it holds)."""
-        if isinstance(lengths, int) and self.rows == 1:
-            assert lengths >= int(self.base[0]), "cannot roll back past a rebuild"
-        else:
-            assert bool((torch.as_tensor(lengths) >= self.base[:self.rows]).all()), "cannot roll back past a rebuild"
+        assert all(k >= b for k, b in zip(per_row(lengths, self.rows), self.base)), "cannot roll back past a rebuild"
         super().truncate(lengths)
 
     def keep(self, rows: list[int]) -> None:

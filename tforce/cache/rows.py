@@ -1,6 +1,7 @@
 """Row bookkeeping every cache shares (the row rule of docs/architecture.md): each row's committed length on the
-host (`lengths`, (B,) long; the decode loop decides acceptance on the host, so no device -> host copy is
-needed to size a view), the live row count, commit, truncate, and keep (finished rows compacted away).
+host (`lengths`, a list of ints: the decode loop decides acceptance on the host, so no device -> host copy is
+needed to size a view, and reading one costs no tensor op), the live row count, commit, truncate, and keep
+(finished rows compacted away).
 One prompt is one row: `length` is then that row's count.
 """
 from __future__ import annotations
@@ -17,28 +18,36 @@ def rotation(rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):
     return cos.view(B, T, 1, -1), sin.view(B, T, 1, -1)
 
 
+def per_row(x, rows: int) -> list[int]:
+    """Counts or lengths as one int per row: an int (every row), a (rows,) or 0-dim tensor, or a list."""
+    if isinstance(x, int):
+        return [x] * rows
+    if torch.is_tensor(x):
+        return x.expand(rows).tolist() if x.dim() == 0 else x.tolist()
+    return [int(v) for v in x]
+
+
 class Rows:
     def _init_rows(self, n_rows: int) -> None:
         self.rows = n_rows
-        self.lengths = torch.zeros(n_rows, dtype=torch.long)
+        self.lengths = [0] * n_rows
         self.pending = 0
 
     def span(self) -> tuple[int, int]:
         """(shortest, longest) committed length of the live rows; equal for one row."""
         if self.rows == 1:
-            n = int(self.lengths[0])
-            return n, n
+            return self.lengths[0], self.lengths[0]
         live = self.lengths[:self.rows]
-        return int(live.min()), int(live.max())
+        return min(live), max(live)
 
-    def common(self, per_row: torch.Tensor) -> tuple[int, int] | None:
+    def common(self, per_row: list[int]) -> tuple[int, int] | None:
         """(length, per_row's value) when every live row has the same of both (always, for one row): the
         fast path of docs/architecture.md; else None."""
         if self.rows == 1:
-            return int(self.lengths[0]), int(per_row[0])
+            return self.lengths[0], per_row[0]
         lengths, values = self.lengths[:self.rows], per_row[:self.rows]
-        if bool((lengths == lengths[0]).all()) and bool((values == values[0]).all()):
-            return int(lengths[0]), int(values[0])
+        if min(lengths) == max(lengths) and min(values) == max(values):
+            return lengths[0], values[0]
         return None
 
     @property
@@ -49,29 +58,19 @@ class Rows:
         return lo
 
     def commit(self, counts) -> None:
-        """Row b keeps the first counts[b] of the pending tokens (counts: (rows,) or an int for all)."""
-        if isinstance(counts, int):
-            assert 0 <= counts <= self.pending
-            if self.rows == len(self.lengths):  # no row compacted away: the whole tensor, no slice (host time)
-                self.lengths += counts
-            else:
-                self.lengths[:self.rows] += counts
-        else:
-            counts = torch.as_tensor(counts, dtype=torch.long).expand(self.rows)
-            assert bool(((counts >= 0) & (counts <= self.pending)).all())
-            self.lengths[:self.rows] += counts
+        """Row b keeps the first counts[b] of the pending tokens (counts: one per row, or an int for all)."""
+        counts = per_row(counts, self.rows)
+        assert all(0 <= n <= self.pending for n in counts)
+        for b, n in enumerate(counts):
+            self.lengths[b] += n
         self.pending = 0
 
     def truncate(self, lengths) -> None:
         """Drop committed tokens from the rows' ends: row b keeps lengths[b] (an int: every row), at most what
         it holds."""
-        if isinstance(lengths, int) and self.rows == 1:  # one prompt: plain ints (host time per round)
-            assert 0 <= lengths <= int(self.lengths[0])
-            self.lengths[0] = lengths
-            return
-        lengths = torch.as_tensor(lengths, dtype=torch.long)
-        assert bool(((lengths >= 0) & (lengths <= self.lengths[:self.rows])).all())
-        self.lengths[:self.rows] = lengths
+        keep = per_row(lengths, self.rows)
+        assert all(0 <= k <= n for k, n in zip(keep, self.lengths))
+        self.lengths[:self.rows] = keep
 
     def keep(self, rows: list[int]) -> None:
         """Keep only the listed live rows (increasing), moved to the front in that order (finished rows cost
@@ -81,12 +80,12 @@ class Rows:
         for j, i in enumerate(rows):
             if i != j:
                 self._move_row(i, j)
-        self.lengths[:len(rows)] = self.lengths[torch.tensor(rows, dtype=torch.long)].clone()
+        self.lengths[:len(rows)] = [self.lengths[i] for i in rows]
         self.rows = len(rows)
 
     def _used(self, b: int) -> int:
         """Slots row b uses (its committed tokens)."""
-        return int(self.lengths[b])
+        return self.lengths[b]
 
     def _move_row(self, i: int, j: int) -> None:
         """Row i's K/V (every layer) and per-row state go to row j (j < i: row j's are no longer needed)."""

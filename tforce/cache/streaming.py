@@ -23,7 +23,7 @@ from ..errors import TforceError
 from ..rope import Rotary
 from ..sync import to_device
 from .base import CacheView, StaticInputs, visibility
-from .rows import Rows, rotation
+from .rows import Rows, per_row, rotation
 
 
 class StreamingCache(StaticInputs, Rows):
@@ -37,27 +37,29 @@ class StreamingCache(StaticInputs, Rows):
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.rotary, self.max_new = rotary, max_new
-        self.offset = torch.full((rows,), sinks, dtype=torch.long)  # position held in slot `sinks`, per row
+        self.offset = [sinks] * rows  # position held in slot `sinks`, per row
         self._init_rows(rows)
         self._same = True
 
     def _slot(self, b: int, pos: int) -> int:
-        return pos if pos < self.sinks else self.sinks + pos - int(self.offset[b])
+        return pos if pos < self.sinks else self.sinks + pos - self.offset[b]
 
     def _view_start(self, length: int) -> tuple[int, int]:
         """(sinks held, first sequence position of the recent window) of a row's next view."""
         n_sinks = min(self.sinks, length)
         return n_sinks, max(n_sinks, length - self.window)
 
-    def _compact(self, rows: slice, length: int, offset: int) -> int:
+    def _compact(self, rows: range, length: int, offset: int) -> int:
         """Move the rows' kept run to slot `sinks`; returns their new offset."""
         start = max(self.sinks, length - self.kept)
         if start <= offset:
             return offset
         a, e = self.sinks + start - offset, self.sinks + length - offset
-        self.k[:, rows, self.sinks:self.sinks + e - a] = self.k[:, rows, a:e].clone()
-        self.v[:, rows, self.sinks:self.sinks + e - a] = self.v[:, rows, a:e].clone()
-        self.offset[rows] = start
+        r = slice(rows.start, rows.stop)
+        self.k[:, r, self.sinks:self.sinks + e - a] = self.k[:, r, a:e].clone()
+        self.v[:, r, self.sinks:self.sinks + e - a] = self.v[:, r, a:e].clone()
+        for b in rows:
+            self.offset[b] = start
         return start
 
     def begin(self, n: int) -> None:
@@ -74,7 +76,7 @@ class StreamingCache(StaticInputs, Rows):
     def _begin_shared(self, n: int, length: int, offset: int) -> None:
         """One view for every row; everything built on the device from Python ints: no host -> device copy."""
         if self.sinks + length + n - offset > self.capacity and length + n > self.sinks:
-            offset = self._compact(slice(0, self.rows), length, offset)
+            offset = self._compact(range(self.rows), length, offset)
         n_sinks, lo = self._view_start(length)
         device = self.k.device
         pos = torch.cat([torch.arange(n_sinks, device=device), torch.arange(lo, length + n, device=device)])  # (S,)
@@ -94,9 +96,9 @@ class StreamingCache(StaticInputs, Rows):
         """Each row's own view, padded at the end to the longest with masked slots."""
         views, news = [], []
         for b in range(self.rows):
-            length = int(self.lengths[b])
+            length = self.lengths[b]
             if self._slot(b, length + n) > self.capacity:
-                self._compact(slice(b, b + 1), length, int(self.offset[b]))
+                self._compact(range(b, b + 1), length, self.offset[b])
             n_sinks, lo = self._view_start(length)
             first = self._slot(b, lo)
             views.append(list(range(n_sinks)) + list(range(first, first + length + n - lo)))
@@ -134,16 +136,16 @@ class StreamingCache(StaticInputs, Rows):
 
     def _reach(self, b: int, length: int) -> bool:
         """Whether row b can roll back to `length` (its window's start is still held)."""
-        return not self.sinks <= max(min(self.sinks, length), length - self.window) < int(self.offset[b])
+        return not self.sinks <= max(min(self.sinks, length), length - self.window) < self.offset[b]
 
     def truncate(self, lengths) -> None:
-        keep = [lengths] * self.rows if isinstance(lengths, int) else torch.as_tensor(lengths).expand(self.rows).tolist()
+        keep = per_row(lengths, self.rows)
         if not all(self._reach(b, n) for b, n in enumerate(keep)):
             raise TforceError("streaming cache rolled back further than it keeps (max_rollback too small)")
         super().truncate(lengths)
 
     def _used(self, b: int) -> int:
-        return self._slot(b, int(self.lengths[b]))
+        return self._slot(b, self.lengths[b])
 
     def _move_row(self, i: int, j: int) -> None:
         super()._move_row(i, j)
@@ -160,7 +162,7 @@ class StreamingCache(StaticInputs, Rows):
         """A copy in host memory of what the cache holds: its slots, length and offset."""
         used = self._used(0)
         return {"k": self.k[:, :, :used].to("cpu", copy=True), "v": self.v[:, :, :used].to("cpu", copy=True),
-                "length": self.length, "offset": int(self.offset[0])}
+                "length": self.length, "offset": self.offset[0]}
 
     def fits(self, state: dict) -> bool:
         """Whether a state (of this cache's geometry, e.g. from a snapshot) can be restored here."""
@@ -172,8 +174,8 @@ class StreamingCache(StaticInputs, Rows):
         """Hold exactly what state() copied (None: nothing, as when built)."""
         self.pending = 0
         if state is None:
-            self.lengths[:] = 0
-            self.offset[:] = self.sinks
+            self.lengths[:] = [0] * len(self.lengths)
+            self.offset[:] = [self.sinks] * len(self.offset)
             return
         used = state["k"].shape[2]
         self.k[:, :, :used] = state["k"].to(self.k.device)

@@ -9,7 +9,7 @@ from tforce.cli import app
 from tforce.synthetic import make_checkpoint
 
 
-def test_eval_writes_results_and_plots(tmp_path):
+def _tiny_pair(tmp_path):
     target = make_checkpoint(tmp_path / "t-target", seed=0, num_key_value_heads=2, max_position_embeddings=512)
     make_checkpoint(tmp_path / "t-draft", seed=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                     num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=512)
@@ -17,6 +17,11 @@ def test_eval_writes_results_and_plots(tmp_path):
     books.mkdir()
     for i in range(2):
         (books / f"b{i}.txt").write_text(" ".join(f"word{j * (i + 3)}" for j in range(800)))
+    return target, books
+
+
+def test_eval_writes_results_and_plots(tmp_path):
+    target, books = _tiny_pair(tmp_path)
     out = tmp_path / "out"
     result = CliRunner().invoke(app, [
         "eval", "-m", str(target), "--books", str(books / "*.txt"), "--context", "120,160",
@@ -59,3 +64,56 @@ def test_needle_prompts_generate_the_key_and_one_more_token():
     assert ev._gen_len({"answer": None}) == 40
     cfg.needle_gen_len = 12
     assert ev._gen_len({"answer": [5, 6, 7, 8, 9]}) == 12
+
+
+
+def test_eval_parts_and_reused_prefill(tmp_path):
+    """--parts runs only the named measurements (report and figures follow); --reuse-prefill prefills each
+    prompt once: 2 books + 9 needle depths at one context = 11 prefills for 11 x 5 policies + 1 triforce run."""
+    target, books = _tiny_pair(tmp_path)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [
+        "eval", "-m", str(target), "--books", str(books / "*.txt"), "--context", "120", "--budget", "32",
+        "--gamma1s", "2", "--temperature", "0", "--gen-len", "4", "--sweep-prompts", "1", "--threads", "1",
+        "--parts", "table1,gamma1", "--reuse-prefill", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    res = json.loads(result.stdout)
+    assert {"table1", "gamma1"} <= set(res) and not {"budget", "chunk_size", "gamma2", "temperature", "speed"} & set(res)
+    assert res["runs"] == 11 * 5 + 1 and res["prefills"] == 11
+    assert sorted(p.name for p in out.glob("*.png")) == ["gamma1.png", "table1_policies.png"]
+    md = (out / "results.md").read_text()
+    assert "Table 1" in md and "gamma1" in md and "Speed" not in md and "Budget" not in md
+
+
+def test_eval_refuses_unknown_parts(tmp_path):
+    target, _ = _tiny_pair(tmp_path)
+    result = CliRunner().invoke(app, ["eval", "-m", str(target), "--parts", "table1,tables"])
+    assert result.exit_code == 2
+    assert "--parts" in result.stderr
+
+
+def test_reused_prefill_gives_the_same_runs(tmp_path):
+    """A run that loads its prompt's KV cache (a snapshot of the first run's) generates the same tokens with
+    the same acceptance as one that prefills, for every policy and for triforce."""
+    from tforce.evaluate import EvalConfig, Evaluator
+    from tforce.weights import load_model
+
+    target, books = _tiny_pair(tmp_path)
+    t = load_model(str(target), device="cpu")
+    d = load_model(str(tmp_path / "t-draft"), device="cpu", tokenizer=False).model
+    texts = [f.read_text() for f in sorted(books.glob("*.txt"))]
+    cfg = EvalConfig(tasks=["pg19"], contexts=[160], policies=[], budgets=[], chunk_sizes=[], gamma1s=[],
+                     gamma2s=[], temperatures=[], gen_len=12, budget=32, temperature=0.0)
+    fresh = Evaluator(t.model, d, t.tokenizer, texts, cfg)
+    kv = tmp_path / "kv"
+    kv.mkdir()
+    reused = Evaluator(t.model, d, t.tokenizer, texts, cfg, kv_dir=kv)
+    ids = fresh.prompts("pg19", 160)[0]["ids"]
+    reused.one(ids, policy="streaming")  # saves the snapshot
+    for method, policy in [("retrieval", p) for p in ("retrieval", "shared", "topk", "streaming", "h2o")] + \
+            [("triforce", "retrieval")]:
+        a, b = fresh.one(ids, method=method, policy=policy), reused.one(ids, method=method, policy=policy)
+        assert a["tokens"] == b["tokens"], (method, policy)
+        assert (a["acceptance"], a["draft_acceptance"], a["tokens_per_verification"]) == \
+            (b["acceptance"], b["draft_acceptance"], b["tokens_per_verification"]), (method, policy)
+    assert reused.prefills == 1 and fresh.prefills == 6

@@ -146,3 +146,18 @@ def test_unknown_policy_is_a_usage_error(tiny):
         tforce.generate(tiny["gqa"], [1, 2, 3], method="retrieval", policy="nope", max_new_tokens=2)
     with pytest.raises(ValueError):
         make_select("nope")
+
+
+def test_h2o_accumulated_attention_is_the_causal_attention_summed_over_queries():
+    """accumulated_attention (blocks of queries, each against only the keys it can see) equals the
+    attention matrix computed whole, causally masked, summed over queries and each group's heads."""
+    from tforce.cache.policies import accumulated_attention
+
+    g = torch.Generator().manual_seed(0)
+    L, n_kv, G, d = 70, 2, 3, 8
+    keys, queries = torch.randn(L, n_kv, d, generator=g), torch.randn(L, n_kv * G, d, generator=g)
+    logits = torch.einsum("thgd,lhd->hgtl", queries.view(L, n_kv, G, d), keys) / math.sqrt(d)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    want = logits.masked_fill(~causal, float("-inf")).softmax(-1).sum((1, 2))
+    for block in (1, 16, 70, 256):
+        torch.testing.assert_close(accumulated_attention(keys, queries, block=block), want)

@@ -9,11 +9,19 @@ Prompts: "pg19" is the first N tokens of each book (bos + text); "needle" is tfo
 prompt of N tokens at depths 10%..90% (the fillers cycle over the books). Every run is seeded; a
 result is the mean over prompts of the per-run acceptance and tokens per full verification. write puts
 the results in a folder: JSON, and the Markdown report and figures of eval_report.py.
+
+PARTS names the measurements; EvalConfig.parts runs a subset. EvalConfig.reuse_prefill prefills each prompt
+once: the first run of a prompt saves its caches as a KV snapshot (snapshot.py) in a temporary folder and
+every later run of it (another policy, budget, gamma...) loads them and prefills nothing; the output is the
+same (exact either way), the time is that of one prefill per prompt, and the folder holds the full KV
+cache of every prompt (context x layers x KV heads x head size x 2 x the dtype's bytes each) until the end.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +31,7 @@ from .eval_report import markdown, plots
 from .needle import needle_prompt, random_key
 
 TASKS = ("pg19", "needle")
+PARTS = ("table1", "budget", "chunk_size", "gamma2", "gamma1", "temperature", "speed")
 DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
@@ -52,6 +61,8 @@ class EvalConfig:
     rebuild_every: int = 128  # the middle cache is re-selected every N tokens (engine default 128)
     seed: int = 0
     books: list[str] = field(default_factory=list)
+    parts: list[str] = field(default_factory=lambda: list(PARTS))  # which measurements to run
+    reuse_prefill: bool = False  # one prefill per prompt, its caches reused through a KV snapshot
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -83,11 +94,14 @@ def prompts(task: str, tokenizer, texts: list[str], context: int, seed: int = 0)
 
 
 class Evaluator:
-    def __init__(self, target, draft, tokenizer, texts: list[str], cfg: EvalConfig, progress=None):
+    def __init__(self, target, draft, tokenizer, texts: list[str], cfg: EvalConfig, progress=None,
+                 kv_dir: Path | None = None):
         self.target, self.draft, self.tok, self.texts, self.cfg = target, draft, tokenizer, texts, cfg
         self.progress = progress or (lambda line: None)
+        self.kv_dir = kv_dir  # where reuse_prefill's snapshots go (None: every run prefills)
         self._prompts: dict = {}
         self.runs = 0
+        self.prefills = 0  # runs that prefilled their prompt (all of them without kv_dir)
 
     def prompts(self, task: str, context: int, limit: int | None = None) -> list[dict]:
         key = (task, context)
@@ -105,15 +119,27 @@ class Evaluator:
                   temperature=c.temperature)
         kw.update(over)
         kw["chunk_size"] = min(kw["chunk_size"], kw["budget"])
-        r = generate(self.target, ids, draft=self.draft if method in ("triforce", "naive", "streaming") else None,
+        draft = self.draft if method in ("triforce", "naive", "streaming") else None
+        kv = self._snapshot(ids)
+        r = generate(self.target, ids, draft=draft,
                      method=method, policy=policy, max_new_tokens=gen_len or c.gen_len, top_p=c.top_p, seed=c.seed,
                      ignore_eos=True, sinks=c.sinks, draft_budget=c.draft_budget, rebuild_every=c.rebuild_every,
-                     cuda_graphs=False, **kw)
+                     cuda_graphs=False, **kv, **kw)
         self.runs += 1
+        self.prefills += "load_kv" not in kv
         s = r.stats
         return {"acceptance": s["acceptance"]["retrieval"], "draft_acceptance": s["acceptance"]["draft"],
                 "tokens_per_verification": s["tokens_per_verification"], "ms_per_token": s["ms_per_token"],
                 "tokens": r.tokens}
+
+    def _snapshot(self, ids) -> dict:
+        """generate's save_kv (the prompt's first run) or load_kv (a later one); {} without kv_dir. One
+        snapshot per prompt: a run of another method feeds the caches the snapshot lacks (a draft's)."""
+        if self.kv_dir is None:
+            return {}
+        h = hashlib.sha256(json.dumps(list(map(int, ids))).encode()).hexdigest()[:24]
+        folder = self.kv_dir / h
+        return {"load_kv": folder} if folder.is_dir() else {"save_kv": folder}
 
     def point(self, task, context, limit=None, **run) -> dict:
         """Mean over the prompts of one task and context of one setting."""
@@ -145,7 +171,14 @@ class Evaluator:
 
 
 def evaluate(target, draft, tokenizer, texts: list[str], cfg: EvalConfig, progress=None) -> dict:
-    ev = Evaluator(target, draft, tokenizer, texts, cfg, progress)
+    if not cfg.reuse_prefill:
+        return _evaluate(Evaluator(target, draft, tokenizer, texts, cfg, progress))
+    with tempfile.TemporaryDirectory(prefix="tforce-eval-kv-") as tmp:
+        return _evaluate(Evaluator(target, draft, tokenizer, texts, cfg, progress, kv_dir=Path(tmp)))
+
+
+def _evaluate(ev: Evaluator) -> dict:
+    cfg, draft = ev.cfg, ev.draft
     say = ev.progress
     t0 = time.perf_counter()
     top = max(cfg.contexts)
@@ -153,28 +186,36 @@ def evaluate(target, draft, tokenizer, texts: list[str], cfg: EvalConfig, progre
     lim = cfg.sweep_prompts
     out: dict = {"config": asdict(cfg)}
 
-    say("table 1: acceptance by policy, task and context")
-    out["table1"] = [dict(ev.point(task, ctx, policy=p), policy=p)
-                     for task in cfg.tasks for ctx in cfg.contexts for p in cfg.policies]
-    say(f"budget sweep ({main}, context {top})")
-    out["budget"] = [dict(ev.point(main, top, lim, policy=p, budget=b), policy=p, budget=b)
-                     for p in cfg.policies for b in cfg.budgets]
-    say("chunk-size sweep (retrieval)")
-    out["chunk_size"] = [dict(ev.point(main, top, lim, chunk_size=c), chunk_size=c)
-                         for c in cfg.chunk_sizes if c <= cfg.budget]
-    say("gamma2 sweep (retrieval drafting for the full cache)")
-    out["gamma2"] = [dict(ev.point(main, top, lim, gamma2=g), gamma2=g) for g in cfg.gamma2s]
-    if draft is not None:
+    parts = set(cfg.parts)
+    if "table1" in parts:
+        say("table 1: acceptance by policy, task and context")
+        out["table1"] = [dict(ev.point(task, ctx, policy=p), policy=p)
+                         for task in cfg.tasks for ctx in cfg.contexts for p in cfg.policies]
+    if "budget" in parts:
+        say(f"budget sweep ({main}, context {top})")
+        out["budget"] = [dict(ev.point(main, top, lim, policy=p, budget=b), policy=p, budget=b)
+                         for p in cfg.policies for b in cfg.budgets]
+    if "chunk_size" in parts:
+        say("chunk-size sweep (retrieval)")
+        out["chunk_size"] = [dict(ev.point(main, top, lim, chunk_size=c), chunk_size=c)
+                             for c in cfg.chunk_sizes if c <= cfg.budget]
+    if "gamma2" in parts:
+        say("gamma2 sweep (retrieval drafting for the full cache)")
+        out["gamma2"] = [dict(ev.point(main, top, lim, gamma2=g), gamma2=g) for g in cfg.gamma2s]
+    if draft is not None and "gamma1" in parts:
         say("gamma1 sweep (triforce: small draft -> retrieval -> full)")
         out["gamma1"] = [dict(ev.point(main, top, lim, method="triforce", gamma1=g), gamma1=g)
                          for g in cfg.gamma1s]
-    say("temperature sweep")
-    out["temperature"] = [dict(ev.point(task, top, lim, policy=p, temperature=t), policy=p, temperature=t)
-                          for task in cfg.tasks for p in cfg.policies for t in cfg.temperatures]
-    say("speed: ar and triforce by context")
-    methods = ["ar", "triforce"] if draft is not None else ["ar", "retrieval"]
-    out["speed"] = [dict(ev.point(main, ctx, 1, method=m), method=m) for ctx in cfg.contexts for m in methods]
+    if "temperature" in parts:
+        say("temperature sweep")
+        out["temperature"] = [dict(ev.point(task, top, lim, policy=p, temperature=t), policy=p, temperature=t)
+                              for task in cfg.tasks for p in cfg.policies for t in cfg.temperatures]
+    if "speed" in parts:
+        say("speed: ar and triforce by context")
+        methods = ["ar", "triforce"] if draft is not None else ["ar", "retrieval"]
+        out["speed"] = [dict(ev.point(main, ctx, 1, method=m), method=m) for ctx in cfg.contexts for m in methods]
     out["runs"] = ev.runs
+    out["prefills"] = ev.prefills
     out["wall_s"] = time.perf_counter() - t0
     return out
 

@@ -55,6 +55,11 @@ def eval_(
                                        help="Tokens generated per needle prompt (0: the key's length + 1)."),
     sweep_prompts: int = typer.Option(3, "--sweep-prompts", help="Prompts per task at each sweep point."),
     rebuild_every: int = typer.Option(128, "--rebuild-every", help="Re-select the middle cache every N tokens."),
+    parts: str = typer.Option("all", "--parts", help="Measurements to run: all, or a comma-separated subset of "
+                                                     "table1, budget, chunk_size, gamma2, gamma1, temperature, speed."),
+    reuse_prefill: bool = flag("--reuse-prefill", "Prefill each prompt once and reuse its KV cache for every "
+                                                  "other setting (a KV snapshot per prompt in a temporary folder: "
+                                                  "disk for the full KV cache of every prompt)."),
     seed: int = typer.Option(0, "--seed"),
     out: str = typer.Option("eval-out", "--out", help="Folder for results.json, results.md and the PNGs."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
@@ -69,6 +74,9 @@ def eval_(
         tasks = list(E.TASKS) if task == "both" else [task]
         if any(t not in E.TASKS for t in tasks):
             raise UsageError(f"--task must be pg19, needle or both, got {task!r}")
+        chosen = list(E.PARTS) if parts.strip() == "all" else [x.strip() for x in parts.split(",") if x.strip()]
+        if not chosen or any(x not in E.PARTS for x in chosen):
+            raise UsageError(f"--parts must be all or a comma-separated subset of {', '.join(E.PARTS)}, got {parts!r}")
         names = [p.strip() for p in policies.split(",") if p.strip()]
         bad = [p for p in names if p not in POLICIES]
         if bad or not names:
@@ -81,7 +89,8 @@ def eval_(
                            temperatures=_list(temperatures, float, "temperatures"), gen_len=gen_len, needle_gen_len=needle_gen_len,
                            budget=budget,
                            chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, temperature=temperature,
-                           sinks=sinks, sweep_prompts=sweep_prompts, rebuild_every=rebuild_every, seed=seed)
+                           sinks=sinks, sweep_prompts=sweep_prompts, rebuild_every=rebuild_every, seed=seed,
+                           parts=chosen, reuse_prefill=reuse_prefill)
         if gen_len < 1 or sweep_prompts < 1 or needle_gen_len < 0 or min(cfg.contexts) < 2:
             raise UsageError("--gen-len and --sweep-prompts must be >= 1, --needle-gen-len >= 0 and "
                              "--context lengths >= 2")
@@ -119,7 +128,7 @@ def eval_(
                          progress=lambda line: _say(f"tforce: eval: {line}"))
         res["model"], res["draft"] = model, draft_name
         written = E.write(res, Path(out), title=f"tforce eval: {model}")
-        _say(f"tforce: eval: {res['runs']} runs in {res['wall_s']:.0f} s; wrote {', '.join(written)} to {out}")
+        _say(f"tforce: eval: {res['runs']} runs ({res['prefills']} prefills) in {res['wall_s']:.0f} s; wrote {', '.join(written)} to {out}")
         if as_json:
             sys.stdout.write(json.dumps(res) + "\n")
         else:

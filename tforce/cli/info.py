@@ -101,7 +101,7 @@ def info(
         import torch
         import transformers
 
-        from .. import __version__
+        from .. import __version__, threads
 
         if context is not None and context <= 0:
             raise UsageError(f"--context must be positive, got {context}")
@@ -124,7 +124,8 @@ def info(
                 for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
         mem = psutil.virtual_memory()
         record = {"tforce": __version__, "python": platform.python_version(), "torch": torch.__version__,
-                  "transformers": transformers.__version__, "cpu_cores": os.cpu_count(), "cuda_devices": gpus,
+                  "transformers": transformers.__version__, "cpu_cores": os.cpu_count(), "cpu_threads": threads.describe(),
+                  "cuda_devices": gpus,
                   "host_memory_bytes": mem.total, "host_memory_available_bytes": mem.available}
         draft_config = None  # the paper's 68M draft, unless run's default draft is a local folder
         if model is not None:
@@ -182,6 +183,10 @@ def _print_info(r: dict) -> None:
     t.add_row("python / torch / transformers", f"{r['python']} / {r['torch']} / {r['transformers']}")
     t.add_row("cpu cores", str(r["cpu_cores"]))
     gpus = ", ".join(f"{g['name']} ({_gib(g['memory_bytes'])})" for g in r["cuda_devices"]) or "none"
+    c = r["cpu_threads"]
+    seen = "" if c["others_busy_cores"] is None else f", other processes keeping {c['others_busy_cores']:.1f} busy"
+    t.add_row("cpu threads", f"{c['threads']} of {c['cores']} cores{seen}; OpenMP wait: {c['omp_wait_policy']} "
+                             f"({c['omp_wait_why']})")
     t.add_row("cuda devices", gpus)
     t.add_row("host memory", f"{_gib(r['host_memory_bytes'])} ({_gib(r['host_memory_available_bytes'])} available)")
     m = r.get("model")

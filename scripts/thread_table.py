@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-NAME = re.compile(r"(?P<model>.+)-load(?P<load>\d+)-(?P<setting>[A-Za-z0-9-]+?)-r\d+\.json$")
+NAME = re.compile(r"(?P<model>.+)-load(?P<load>\d+|T)-(?P<setting>[A-Za-z0-9-]+?)-r\d+\.json$")
 COLUMNS = ("ar", "triforce", "hf", "hf-assisted")
 
 
@@ -26,9 +26,11 @@ def rows(folder: Path) -> dict:
             report = json.loads(path.read_text())
         except ValueError:
             continue
-        cells = table.setdefault((m["model"], int(m["load"]), m["setting"]), {"used": set(), "n": 0})
+        cells = table.setdefault((m["model"], m["load"], m["setting"]), {"used": set(), "n": 0})
         t = report.get("cpu_threads") or {}
-        cells["used"].add(f"{t.get('omp_wait_policy') or 'default'}/{t.get('threads')}")
+        policy = t.get("omp_wait_policy", report.get("omp_wait_policy")) or "default"
+        changes = f" ({t['changes']} changes)" if t.get("changes") else ""
+        cells["used"].add(f"{policy}/{t.get('threads')}{changes}")
         cells["n"] += 1
         for run in report.get("runs", []) + report.get("peers", []):
             if run.get("ms_per_token") is not None:

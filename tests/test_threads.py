@@ -1,17 +1,24 @@
-"""CPU threading chosen per run (tforce/threads.py): sleeping OpenMP workers and the free cores on a busy
-machine, OpenMP's and torch's defaults on a quiet one, and what the user set always kept."""
+"""CPU threads for a command-line run (tforce/threads.py): all cores on a quiet machine, the cores busy
+processes leave free beside them, followed while decoding; what the user set is kept."""
+import json
 import os
 import subprocess
 import sys
 import time
+from collections import namedtuple
+from types import SimpleNamespace
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from tforce import threads
+from tforce.cli import app
 from tforce.threads import Load
 
 BUSY_LOOP = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = [os.path.join(ROOT, "models", "demo-target"), os.path.join(ROOT, "models", "demo-draft")]
 
 
 @pytest.mark.parametrize("load, busy, free", [
@@ -22,87 +29,106 @@ def test_free_cores(load, busy, free):
     assert load.busy is busy and load.free_cores == free
 
 
-def busy_neighbour(seconds: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP.format(s=seconds)])
+@pytest.fixture
+def neighbour():
+    """Another process keeping one core busy for the test's length."""
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP.format(s=60)])
     time.sleep(0.5)  # past its start-up
-    return proc
+    yield proc
+    proc.kill()
+    proc.wait()
 
 
-def test_a_busy_neighbour_is_seen_and_our_own_work_is_not():
-    proc = busy_neighbour(3)
-    try:
-        seen = threads.look(0.5)
-    finally:
-        proc.kill()
-        proc.wait()
+def test_a_busy_neighbour_is_seen(neighbour):
+    seen = threads.look(0.5)
     assert seen.others is not None and seen.others >= 0.7, seen
 
 
 def test_our_own_cpu_time_is_not_counted_as_another_process(monkeypatch):
-    """System: 0.30 s busy over the 0.2 s sample (1.5 cores), of which 0.18 s ours: others kept 0.6 busy."""
-    from collections import namedtuple
-    from types import SimpleNamespace
-
+    """System: 0.30 s busy over 0.2 s (1.5 cores), of which 0.18 s ours: others kept 0.6 cores busy."""
     System = namedtuple("System", "user system idle iowait")
     Own = namedtuple("Own", "user system")
     system = iter([System(10.0, 1.0, 50.0, 0.5), System(10.25, 1.05, 50.1, 0.6)])
     own = iter([Own(2.0, 0.1), Own(2.17, 0.11)])
-    fake = SimpleNamespace(cpu_times=lambda: next(system), Process=lambda: SimpleNamespace(cpu_times=lambda: next(own)),
-                           cpu_count=lambda: 2)
+    clock = iter([100.0, 100.2])
+    fake = SimpleNamespace(cpu_times=lambda: next(system),
+                           Process=lambda: SimpleNamespace(cpu_times=lambda: next(own)))
     monkeypatch.setitem(sys.modules, "psutil", fake)
-    monkeypatch.setattr(threads.time, "sleep", lambda s: None)
-    seen = threads.look(0.2)
-    assert seen.others == pytest.approx(0.6) and seen.busy
+    monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
+    assert threads.Meter().others() == pytest.approx(0.6)
 
 
-def _import_policy(env: dict) -> str:
-    code = "import tforce, os; print(os.environ.get('OMP_WAIT_POLICY', 'unset'))"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()
+class FakeMeter:
+    def __init__(self, loads):
+        self.loads = iter(loads)
+
+    def others(self):
+        return next(self.loads)
 
 
-def test_a_busy_machine_gets_sleeping_openmp_workers_and_a_set_policy_is_kept():
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    proc = busy_neighbour(15)
+def test_the_governor_follows_a_neighbour_that_comes_and_goes(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "INTERVAL_S", 0.0)
     try:
-        assert _import_policy(env) == "PASSIVE"
-        assert _import_policy({**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
+        g = threads.Governor(FakeMeter([1.0, 1.1, 0.1, 2.0]), 4, Load(4, 0.0))
+        assert g.threads == 4 == torch.get_num_threads()
+        seen = []
+        for _ in range(4):
+            g.tick()
+            seen.append(torch.get_num_threads())
+        assert seen == [3, 3, 4, 2] and g.changes == 3
     finally:
-        proc.kill()
-        proc.wait()
+        torch.set_num_threads(before)
 
 
-def test_a_quiet_machine_keeps_openmp_default(monkeypatch):
-    """The decision itself, with the look stubbed (a test machine running other tests is never quiet)."""
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setattr(threads, "_wait", None)
-    monkeypatch.setattr(threads.sys, "modules", {k: v for k, v in sys.modules.items() if k != "torch"})
-    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
-    monkeypatch.setattr(threads, "look", lambda sample_s=0: Load(2, 0.1))
-    assert threads.choose_wait_policy() == threads.WaitChoice(None, "quiet machine")
-    assert "OMP_WAIT_POLICY" not in os.environ
-    monkeypatch.setattr(threads, "_wait", None)
-    monkeypatch.setattr(threads, "look", lambda sample_s=0: Load(2, 1.2))
-    assert threads.choose_wait_policy().policy == "PASSIVE" == os.environ["OMP_WAIT_POLICY"]
-
-
-def test_thread_count(monkeypatch):
+def test_ticks_wait_for_the_interval(monkeypatch):
     before = torch.get_num_threads()
     try:
-        monkeypatch.setattr(threads, "_load", Load(4, 1.0))
-        assert threads.choose_threads(0)[0] == 3 == torch.get_num_threads()
-        assert threads.choose_threads(2) == (2, "set by you") and torch.get_num_threads() == 2
-        torch.set_num_threads(before)
-        monkeypatch.setattr(threads, "_load", Load(4, 0.0))
-        assert threads.choose_threads(0) == (before, "torch's default")
+        g = threads.Governor(FakeMeter([1.0]), 2, Load(2, 0.0))
+        g.tick()  # not yet due: the meter is not read
+        assert g.threads == 2 and g.changes == 0
     finally:
         torch.set_num_threads(before)
 
 
-def test_info_says_what_a_run_will_use():
+def test_requested_threads_are_kept_and_not_governed():
+    before = torch.get_num_threads()
+    try:
+        c = threads.choose(2)
+        assert c["threads"] == 2 and "set by you" in c["why"] and threads._governor is None
+        threads.tick()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_importing_tforce_leaves_openmp_as_configured():
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-m", "tforce", "info"], env={**env, "OMP_WAIT_POLICY": "PASSIVE",
-                                                                       "COLUMNS": "200"},
+    code = "import tforce, os; print(os.environ.get('OMP_WAIT_POLICY', 'unset'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "unset"
+
+
+def _run_json(*extra):
+    r = CliRunner().invoke(app, ["run", "-m", DEMO[0], "--draft", DEMO[1], "-p", "Once upon a time", "-n", "8",
+                                 "--temperature", "0", "--method", "ar", "--json", *extra])
+    assert r.exit_code == 0, (r.output, r.exception)
+    return json.loads(r.stdout)["cpu_threads"]
+
+
+@pytest.mark.skipif(threads.usable_cores() < 2, reason="one usable core: nothing to share")
+def test_a_run_beside_a_busy_process_leaves_it_a_core(neighbour):
+    before = torch.get_num_threads()
+    try:
+        c = _run_json()
+        assert c["threads"] <= c["cores"] - 1 and c["others_busy_cores"] >= threads.BUSY_CORES, c
+        assert _run_json("--threads", "2")["threads"] == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_info_says_what_a_run_would_start_with():
+    out = subprocess.run([sys.executable, "-m", "tforce", "info"], env={**os.environ, "COLUMNS": "200"},
                          capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("cpu threads"))
-    assert "OpenMP wait: PASSIVE (set by you)" in line, line
+    assert f"of {threads.usable_cores()} cores" in line and "followed while decoding" in line, line

@@ -1,10 +1,4 @@
 """tforce: lossless hierarchical speculative decoding (TriForce) for long-context Llama models."""
-# Before torch loads its OpenMP runtime (read once, at load): sleeping OpenMP workers on a busy machine,
-# OpenMP's default on a quiet one (threads.py says why, BENCHMARKS.md "CPU threading" has the measurements).
-from .threads import choose_wait_policy
-
-choose_wait_policy()
-
 from .batch import generate_batch
 from .conversation import Conversation
 from .engine import Result, generate

@@ -137,7 +137,6 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
         "warmup_s": warmup_s,
         "project": cfg.project,
         "methods": list(cfg.methods),
-        "cpu_threads": _cpu_threads(),
     }
     runs, outputs = [], {}
     for method in cfg.methods:
@@ -152,19 +151,7 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
         from . import peers
 
         others = peers.run(models, ids, cfg, outputs.get("ar"), WARMUP_TOKENS, progress)
-    return _report(head, runs, others, complete=True)
-
-
-def _cpu_threads() -> dict:
-    """The threading this run used (threads.py): the thread count and OpenMP wait policy in force."""
-    import os
-
-    from . import threads
-
-    wait = threads.choose_wait_policy()
-    seen = threads.load()
-    return {"threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "omp_wait_why": wait.why, "cores": seen.cores, "others_busy_cores": seen.others}
+    return _report(head, runs, others, complete=True)  # cpu_threads: the CLI adds threads.choice()
 
 
 def _report(head: dict, runs: list[dict], others: list[dict], complete: bool) -> dict:

@@ -1,28 +1,31 @@
-"""CPU threading chosen per run from the load other processes put on the machine.
+"""CPU threads for a command-line run, chosen from the load other processes put on the machine, and
+re-chosen while it decodes.
 
-Two knobs matter for small, memory-light forwards on a CPU (measured on the 2-core test machine, numbers
-in BENCHMARKS.md, "CPU threading"):
-- OpenMP's wait policy. Spinning workers (OpenMP's default: spin a while, then sleep) are fastest on a
-  quiet machine; beside a busy process they fight it for the cores and a run collapses. Sleeping workers
-  (`PASSIVE`) survive the busy machine but make every small forward on a quiet one wait for threads to
-  wake (plain decoding about 2x slower). The policy is read once, when torch loads OpenMP, so it is chosen
-  on import of tforce, before torch.
-- torch's thread count: beside busy processes, the cores they leave free.
+A decode step on a CPU is many small forwards, each a handful of multi-threaded matrix products that end
+in a barrier. On a quiet machine torch's default (one thread per core, OpenMP's spin-then-sleep wait)
+is the fastest setting; beside a busy process one of those threads shares a core with it and every
+barrier waits for the thread that lost its core, so a 2-thread run beside one busy process is slower
+than a 1-thread run (BENCHMARKS.md, "CPU threading", has the table). With one thread there is no barrier
+and no worker to spin, whatever the wait policy, so tforce leaves the wait policy alone and changes only
+the thread count: all usable cores while others keep fewer than BUSY_CORES cores busy, else the cores
+they leave free (at least one).
 
-So a run looks at the machine for a moment (SAMPLE_S) when tforce is imported: quiet, it keeps OpenMP's
-and torch's defaults; busy (others keep at least BUSY_CORES cores busy), it sets `PASSIVE` and, in the
-CLI, as many threads as there are free cores. What the user set (`OMP_WAIT_POLICY`, `--threads`) is kept.
+The load is the system's busy CPU time less this process's own, over SAMPLE_S when a run starts and then
+over each INTERVAL_S of decoding (`tick`, once per round: a clock read, and two /proc reads when due),
+so a neighbour that starts or stops mid-run is followed within about INTERVAL_S. What the user set
+(`--threads N`) is kept and never re-chosen. Library calls (`tforce.generate`) are not governed: the
+thread count is then the caller's, as torch's is.
 """
 from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
 
-SAMPLE_S = 0.12
+SAMPLE_S = 0.1
+INTERVAL_S = 0.5
 BUSY_CORES = 0.5
 
 
@@ -30,7 +33,7 @@ BUSY_CORES = 0.5
 class Load:
     """What one look at the machine saw."""
     cores: int  # cores this process may run on
-    others: Optional[float]  # cores other processes kept busy over the sample; None when not sampled
+    others: Optional[float]  # cores other processes kept busy; None where psutil is missing
 
     @property
     def busy(self) -> bool:
@@ -51,87 +54,110 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _busy_seconds(t) -> float:
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+class Meter:
+    """Busy CPU seconds of the whole system and of this process, read from the kernel's counters."""
+
+    def __init__(self):
+        import psutil
+
+        self._psutil, self._me = psutil, psutil.Process()
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float, float]:
+        s, m = self._psutil.cpu_times(), self._me.cpu_times()
+        busy = sum(s) - s.idle - getattr(s, "iowait", 0.0)
+        return time.monotonic(), busy, m.user + m.system
+
+    def others(self) -> float:
+        """Cores other processes kept busy since the previous call (or since the meter was made)."""
+        now = self._read()
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, now
+        self._last = now
+        if t1 <= t0:
+            return 0.0
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
 
 
 def look(sample_s: float = SAMPLE_S) -> Load:
-    """The cores other processes keep busy: the system's busy CPU time over a short sleep, less ours."""
+    """The cores other processes keep busy over a short sleep."""
     cores = usable_cores()
     try:
-        import psutil
+        meter = Meter()
     except ImportError:
         return Load(cores, None)
-    me = psutil.Process()
-    s0, m0 = psutil.cpu_times(), me.cpu_times()
     time.sleep(sample_s)
-    s1, m1 = psutil.cpu_times(), me.cpu_times()
-    own = (m1.user + m1.system) - (m0.user + m0.system)
-    others = max(0.0, _busy_seconds(s1) - _busy_seconds(s0) - own) / sample_s
-    return Load(cores, min(others, float(psutil.cpu_count() or cores)))
+    return Load(cores, meter.others())
 
 
-@dataclass(frozen=True)
-class WaitChoice:
-    policy: Optional[str]  # the OMP_WAIT_POLICY in force; None: OpenMP's default
-    why: str
+class Governor:
+    """Sets torch's thread count to the free cores when a run starts and again every INTERVAL_S."""
+
+    def __init__(self, meter: Meter, cores: int, first: Load):
+        self.meter, self.cores, self.seen, self.changes = meter, cores, first, 0
+        self.due = time.monotonic() + INTERVAL_S
+        self.threads = self._set(first.free_cores)
+
+    def _set(self, n: int) -> int:
+        import torch
+
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return n
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now < self.due:
+            return
+        self.due = now + INTERVAL_S
+        self.seen = Load(self.cores, self.meter.others())
+        n = self.seen.free_cores
+        if n != self.threads:
+            self.threads, self.changes = self._set(n), self.changes + 1
 
 
-_load: Optional[Load] = None
-_wait: Optional[WaitChoice] = None
+_governor: Optional[Governor] = None
+_choice = {"threads": None, "why": "not chosen: a library call keeps torch's setting"}
 
 
-def choose_wait_policy() -> WaitChoice:
-    """Once per process, on import of tforce: set OMP_WAIT_POLICY=PASSIVE on a busy machine."""
-    global _load, _wait
-    if _wait is not None:
-        return _wait
-    if "OMP_WAIT_POLICY" in os.environ:
-        _wait = WaitChoice(os.environ["OMP_WAIT_POLICY"], "set by you")
-    elif "torch" in sys.modules:
-        _wait = WaitChoice(None, "torch was loaded before tforce, so its OpenMP runtime was already set up")
-    elif usable_cores() < 2:
-        _wait = WaitChoice(None, "one core: no worker threads to wait")
-    else:
-        _load = look()
-        if _load.busy:
-            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-            _wait = WaitChoice("PASSIVE", "busy machine")
-        else:
-            _wait = WaitChoice(None, "quiet machine" if _load.others is not None else "psutil missing: not looked")
-    return _wait
-
-
-def load() -> Load:
-    """The look taken on import (or a fresh one when none was taken)."""
-    global _load
-    if _load is None:
-        _load = look()
-    return _load
-
-
-def choose_threads(requested: int) -> tuple[int, str]:
-    """torch's thread count for a run: what the user asked for, else the free cores beside busy processes
-    (torch's default, the usable cores, on a quiet machine)."""
+def choose(requested: int) -> dict:
+    """The CLI's choice for this run: `requested` threads when given (kept), else the free cores, followed
+    while decoding (tick). Returns what `choice()` reports."""
     import torch
 
+    global _governor
+    _governor = None
     if requested:
         torch.set_num_threads(requested)
-        return requested, "set by you"
-    seen = load()
-    if seen.busy:
-        n = seen.free_cores
-        torch.set_num_threads(n)
-        return n, f"the free cores: others kept {seen.others:.1f} of {seen.cores} busy"
-    return torch.get_num_threads(), "torch's default"
+        _choice.update(threads=requested, why="set by you (--threads)")
+        return choice()
+    cores = usable_cores()
+    try:
+        meter = Meter()
+    except ImportError:
+        _choice.update(threads=torch.get_num_threads(), why="torch's default (psutil missing: load not seen)")
+        return choice()
+    time.sleep(SAMPLE_S)
+    first = Load(cores, meter.others())
+    _governor = Governor(meter, cores, first)
+    _choice.update(threads=None, why="followed while decoding: all cores on a quiet machine, the free ones "
+                                     "beside busy processes")
+    return choice()
 
 
-def describe() -> dict:
-    """For `tforce info`: what a run started now would use."""
+def tick() -> None:
+    """Once per decode round: re-choose the thread count when INTERVAL_S has passed (a no-op unless the
+    CLI chose threads for this run)."""
+    if _governor is not None:
+        _governor.tick()
+
+
+def choice() -> dict:
+    """What this run uses: threads now, why, and the load last seen (for --json and tforce info)."""
     import torch
 
-    wait = choose_wait_policy()
-    seen = load()
-    return {"cores": seen.cores, "others_busy_cores": seen.others,
-            "omp_wait_policy": wait.policy or "OpenMP's default (spin, then sleep)", "omp_wait_why": wait.why,
-            "threads": seen.free_cores if seen.busy else torch.get_num_threads()}
+    g = _governor
+    return {"threads": torch.get_num_threads(), "why": _choice["why"],
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "cores": g.cores if g else usable_cores(),
+            "others_busy_cores": None if g is None or g.seen.others is None else round(g.seen.others, 2),
+            "changes": g.changes if g else 0}

@@ -37,15 +37,15 @@ def _placement_options(offload: str, gpu_memory: Optional[str]) -> dict:
 
 
 THREADS_HELP = ("CPU threads for torch. 0 (the default): all cores on a quiet machine, the cores other "
-                "processes leave free on a busy one (seen when the run starts).")
+                "processes leave free on a busy one, followed while decoding.")
 
 
 def _threads(n: int) -> None:
     if n < 0:
         raise UsageError(f"--threads must be >= 0, got {n}")
-    from ..threads import choose_threads
+    from ..threads import choose
 
-    choose_threads(n)
+    choose(n)
 
 
 def _gpu_memory_note(gpu_memory: Optional[str], device: str) -> None:

@@ -25,6 +25,17 @@ TINY = {
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def one_thread_again():
+    """A CLI run inside a test chooses threads for the process (tforce/threads.py); the next test starts
+    from the suite's one thread, ungoverned."""
+    yield
+    from tforce import threads
+
+    threads._governor = None
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

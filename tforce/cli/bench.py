@@ -151,6 +151,9 @@ def bench(
 
         record = _bench(b, cfg, target, small, synthetic, dev, dtype, text, world, batch,
                         None if path is None else save, demo_notes, fit=prompt_len is None)
+        from ..threads import choice
+
+        record["cpu_threads"] = choice()
         if path is not None:
             save(record)
         if as_json:

@@ -1,10 +1,13 @@
 """Shared fixtures: tiny random checkpoints written with transformers' save_pretrained, once per session."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import tforce
+from tforce.demo import REPO_MODELS
 from tforce.synthetic import make_checkpoint
 
 # name -> make_checkpoint overrides. All share the 259-token byte vocabulary so any pair can draft.
@@ -20,6 +23,10 @@ TINY = {
                   num_hidden_layers=1),
 }
 
+
+# Runs without --model use the small demo pair (fast), not SmolLM2: set for the whole session, fixtures of
+# every scope included (tests/test_default_model.py removes it to check the choice itself).
+os.environ.setdefault("TFORCE_DEMO_MODELS", str(REPO_MODELS))
 
 # The test models are tiny: one thread is faster than two fighting over a 2-core machine.
 torch.set_num_threads(1)

@@ -10,7 +10,7 @@ import typer
 
 from .. import bench_record
 from ..config import Sampling, Speculation
-from ..demo import BENCH_TOKENS, EXCERPT, NAME, demo_pair, notice
+from ..demo import BENCH_TOKENS, EXCERPT, NAME, default_pair, notice
 from ..errors import TforceError, UsageError
 from .app import app
 from .bench_table import _print_bench
@@ -124,7 +124,7 @@ def bench(
             raise UsageError("--batch runs in one process, without --peers, so far")
         target, small = model, draft
         if demo:  # as `tforce run` without --model: the demo pair, on its excerpt unless a prompt file is given
-            target, demo_draft = demo_pair()
+            target, demo_draft = default_pair()
             small = draft or demo_draft
         excerpt = demo and prompt_file is None
         if excerpt:

@@ -69,7 +69,8 @@ def test_greedy_json_matches_plain_decoding(runner, models):
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1
     obj = json.loads(lines[0])
-    assert set(obj) == {"text", "tokens", "prompt_tokens", "method", "device", "chat_template", "stopped_by", "stats"}
+    assert set(obj) == {"text", "tokens", "prompt_tokens", "method", "device", "chat_template", "stopped_by", "stats",
+                        "cpu_threads"}
     assert obj["chat_template"] is False  # the byte tokenizer has none
     assert obj["device"] == "cpu" and "kv_device_bytes" in obj["stats"] and "kv_gpu_bytes" not in obj["stats"]
     assert set(obj["stats"]) >= {"prefill_s", "decode_s", "ms_per_token", "tokens_per_s", "acceptance",

@@ -1,0 +1,125 @@
+"""`tforce serve`: the model pair behind an OpenAI-compatible HTTP API (tforce/serve/, docs/serve.md).
+
+The options are run's (model, method, sampling defaults, budgets, placement, template); the server's own
+are where it listens, its API key, the largest request body and the context its one KV cache holds.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..errors import TforceError, UsageError
+from . import options as o
+from .app import app
+from .common import _as_role, _check_memory, _guarded, _say
+from .setup import _configure, _draft_config, _dtype_bytes, _tp_target, notices
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: one the system picks)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TFORCE_API_KEY",
+                                          help="Refuse requests without 'Authorization: Bearer KEY' (401)."),
+    max_body: int = typer.Option(16 * 2**20, "--max-body", help="Largest request body in bytes (413 above)."),
+    ctx_size: Optional[int] = typer.Option(None, "--ctx-size", help="Tokens the server's KV cache holds, prompt "
+                                           "and answer (default: the model's context)."),
+    name: Optional[str] = typer.Option(None, "--name", help="The model's id in the API (default: --model as given, "
+                                       "or the demo target's folder name)."),
+    model: Optional[str] = o.MODEL,
+    draft: Optional[str] = o.DRAFT,
+    method: str = o.METHOD,
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="max_tokens when a request gives none."),
+    temperature: float = typer.Option(0.6, "--temperature", "-t", help="temperature when a request gives none."),
+    top_p: float = typer.Option(0.9, "--top-p", help="top_p when a request gives none."),
+    top_k: int = o.TOP_K,
+    seed: Optional[int] = typer.Option(None, "--seed", help="seed when a request gives none (default: random)."),
+    ignore_eos: bool = o.IGNORE_EOS,
+    budget: int = o.BUDGET,
+    chunk_size: int = o.CHUNK_SIZE,
+    gamma1: int = o.GAMMA1,
+    gamma2: int = o.GAMMA2,
+    draft_budget: int = o.DRAFT_BUDGET,
+    prefill_chunk: int = o.PREFILL_CHUNK,
+    sinks: int = o.SINKS,
+    rebuild_every: int = o.REBUILD_EVERY,
+    rebuild_below: float = o.REBUILD_BELOW,
+    policy: str = o.POLICY,
+    deterministic: bool = o.DETERMINISTIC,
+    device: str = o.DEVICE,
+    threads: int = o.THREADS,
+    dtype: str = o.DTYPE,
+    offload: str = o.OFFLOAD,
+    gpu_memory: Optional[str] = o.GPU_MEMORY,
+    template: str = typer.Option("auto", "--template", help="auto: chat requests are laid out in the model's chat "
+                                 "template | none: refuse chat requests (completions take text as it is)."),
+    system: Optional[str] = o.SYSTEM,
+    stop: Optional[List[str]] = o.STOP,
+    tp: int = o.TP,
+    gpus: Optional[int] = o.GPUS,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    params = dict(locals(), save_kv=None, load_kv=None)
+
+    def body():
+        missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise TforceError(f"tforce serve needs {' and '.join(missing)}: pip install 'tforce[serve]'")
+        if not 0 <= port <= 65535:
+            raise UsageError(f"--port must be in [0, 65535], got {port}")
+        if max_body < 1:
+            raise UsageError(f"--max-body must be >= 1, got {max_body}")
+        if api_key is not None and not api_key.strip():
+            raise UsageError("--api-key must not be empty")
+        setup = _configure(params)
+        if setup.world > 1:
+            raise UsageError("tforce serve runs in one process: --tp and --gpus are not supported yet")
+        _serve(setup, host, port, api_key, max_body, ctx_size, name or model or Path(setup.target).name)
+
+    _guarded(body)
+
+
+def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, ctx_size: Optional[int],
+           name: str) -> None:
+    from ..serve.app import Settings, build
+    from ..serve.server import listen, run
+    from ..serve.worker import Worker
+    from ..weights import load_model
+
+    path, config, tok = _tp_target(setup.target, 1)
+    if tok is None:
+        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
+    context = config.max_position_embeddings
+    if ctx_size is not None and not 2 <= ctx_size <= context:
+        raise UsageError(f"--ctx-size must be in [2, {context}] (the model's context), got {ctx_size}")
+    context = ctx_size or context
+    fmt = setup.prompt_format(tok, path)
+    notices(setup, fmt, serving=True)
+    draft_config = _draft_config(setup.draft, config, tok) if setup.draft else None
+    opts = setup.options
+    _check_memory(config, draft_config, context, _dtype_bytes(setup.dtype, setup.device), setup.device,
+                  opts["offload"], opts["gpu_memory"], opts["budget"], opts["method"])
+    target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
+                      tokenizer=False)
+    small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,
+                     tokenizer=False) if setup.draft else None
+    try:
+        sock = listen(host, port)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    worker = Worker(target.model, small.model if small else None, tok, name, context, opts, setup.template,
+                    setup.system, setup.stops, log=_say)
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    _say(f"tforce: serving {name} ({opts['method']}, {context}-token context) on http://{shown}:{bound}/v1"
+         + (" (API key required)" if api_key else ""))
+    try:
+        run(build(Settings(worker, name, api_key, max_body, _say)), sock, worker.stop)
+    finally:
+        worker.stop()
+        worker.join(5)
+        sock.close()
+    _say("tforce: serve: stopped")

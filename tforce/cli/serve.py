@@ -14,7 +14,7 @@ import typer
 from ..errors import TforceError, UsageError
 from . import options as o
 from .app import app
-from .common import _as_role, _check_memory, _guarded, _say
+from .common import _as_role, _check_memory, _debug, _guarded, _say
 from .setup import _configure, _draft_config, _dtype_bytes, _tp_target, notices
 
 
@@ -111,13 +111,13 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
     except OSError as e:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
     worker = Worker(target.model, small.model if small else None, tok, name, context, opts, setup.template,
-                    setup.system, setup.stops, log=_say)
+                    setup.system, setup.stops, log=_say, debug=_debug())
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     _say(f"tforce: serving {name} ({opts['method']}, {context}-token context) on http://{shown}:{bound}/v1"
          + (" (API key required)" if api_key else ""))
     try:
-        run(build(Settings(worker, name, api_key, max_body, _say)), sock, worker.stop)
+        run(build(Settings(worker, name, api_key, max_body, _say, _debug())), sock, worker.stop)
     finally:
         worker.stop()
         worker.join(5)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -33,6 +34,7 @@ class Settings:
     api_key: Optional[str]
     max_body: int  # bytes
     log: Callable[[str], None]
+    debug: bool = False  # a failure's traceback on stderr (TFORCE_DEBUG=1)
 
 
 def build(settings: Settings) -> Starlette:
@@ -70,6 +72,8 @@ def _guard(endpoint, settings: Settings):
         except ApiError as e:
             return _refuse(request, settings, e)
         except Exception as e:  # a bug: a 500 of OpenAI's shape, not a traceback
+            if settings.debug:
+                traceback.print_exc()
             first = (str(e).strip().splitlines() or [""])[0]
             return _refuse(request, settings, ApiError(500, f"{type(e).__name__}: {first}"))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import queue
 import threading
+import traceback
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -75,10 +76,11 @@ class _Events:
 
 class Worker:
     def __init__(self, target, draft, tokenizer, name: str, context: int, options: dict, template: str = "auto",
-                 system: Optional[str] = None, stops: tuple = (), log: Callable = print):
+                 system: Optional[str] = None, stops: tuple = (), log: Callable = print, debug: bool = False):
         """target, draft: loaded networks (draft None for methods without one); context: tokens the shared
         session holds (prompt and answer); options: generate's keyword arguments, the server's defaults
-        (max_new_tokens, temperature, top_p, seed) and the speculation and placement settings."""
+        (max_new_tokens, temperature, top_p, seed) and the speculation and placement settings. debug: a
+        failure's traceback on stderr (TFORCE_DEBUG=1)."""
         options = dict(options)
         self.max_new = options.pop("max_new_tokens")
         self.eos = set() if options.pop("ignore_eos") else _eos_ids(target.config)
@@ -88,7 +90,7 @@ class Worker:
         # thread encodes with (which sets its truncation state) and another decodes with at once fails
         # ("Already borrowed"), so the server's side has a copy of its own, one request at a time.
         self.encoder, self.encoding = copy.deepcopy(tokenizer), threading.Lock()
-        self.template, self.system, self.stops, self.log = template, system, stops, log
+        self.template, self.system, self.stops, self.log, self.debug = template, system, stops, log, debug
         self.session = open_session(target, draft, context - 1, 1, **options)
         self.marked: Optional[torch.Tensor] = None  # the prefix the streaming caches' states are marked at
         self.jobs: queue.Queue = queue.Queue()
@@ -159,6 +161,8 @@ class Worker:
             except TforceError as e:
                 job.post(("error", ApiError(400 if isinstance(e, UsageError) else 500, str(e))))
             except Exception as e:  # a bug or a device failure: the caches may be half-written
+                if self.debug:
+                    traceback.print_exc()
                 self.session.rewind(0)
                 self.marked = None
                 first = (str(e).strip().splitlines() or [""])[0]

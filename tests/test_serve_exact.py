@@ -114,3 +114,43 @@ def test_clients_at_once_get_what_they_get_alone(server):
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda p: _complete(server, p), prompts))
     assert together == alone
+
+
+def test_kv_dir_serves_a_document_after_a_restart(pair, tmp_path):
+    """A long prompt's KV is kept in --kv-dir; a new server's question about the same document loads it
+    (prefilling only the question) and answers as a server that prefilled it all."""
+    target, draft = pair
+    opts = ["-m", str(target), "--draft", str(draft), *FAST, "-n", "16", "--kv-dir", str(tmp_path / "kv"),
+            "--kv-dir-min", "64"]
+    doc = (DOC + " ") * 3
+    first = Server(*opts)
+    try:
+        _complete(first, doc + "\n\n" + QUESTIONS[0])
+        first.wait_line("--kv-dir: ")
+    finally:
+        assert first.stop() == 0
+    assert len(list((tmp_path / "kv").iterdir())) == 1
+    second = Server(*opts)
+    try:
+        r = second.post("/completions", {"prompt": doc + "\n\n" + QUESTIONS[1], "max_tokens": 16, "temperature": 0})
+        stats = r.json()["tforce"]
+        assert stats["prefix_from_kv_dir"] >= len(byte_tokenizer().encode(doc + "\n\n"))
+        assert stats["prefilled_tokens"] < 20
+    finally:
+        assert second.stop() == 0
+    assert r.json()["choices"][0]["text"] == _run(pair, doc + "\n\n" + QUESTIONS[1], "--template", "none")
+
+
+def test_kv_dir_keeps_under_its_size_the_most_recent(pair, tmp_path):
+    target, draft = pair
+    server = Server("-m", str(target), "--draft", str(draft), *FAST, "-n", "4", "--kv-dir", str(tmp_path / "kv"),
+                    "--kv-dir-min", "64", "--kv-dir-size", "1")
+    try:
+        for doc in ("First document. " * 8, "Second document. " * 8):
+            _complete(server, doc, max_tokens=4)
+        assert sum("--kv-dir: " in line and "saved" in line for line in server.lines) == 2
+    finally:
+        assert server.stop() == 0
+    [kept] = (tmp_path / "kv").iterdir()
+    tokens = json.loads((kept / "manifest.json").read_text())["tokens"]
+    assert byte_tokenizer().decode(tokens).startswith("Second document.")

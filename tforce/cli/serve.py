@@ -29,6 +29,12 @@ def serve(
                                            "and answer (default: the model's context)."),
     name: Optional[str] = typer.Option(None, "--name", help="The model's id in the API (default: --model as given, "
                                        "or the demo target's folder name)."),
+    kv_dir: Optional[str] = typer.Option(None, "--kv-dir", metavar="DIR", help="Keep long prompts' KV caches there "
+                                         "as snapshots, reused across restarts."),
+    kv_dir_size: str = typer.Option("16GiB", "--kv-dir-size", help="Most bytes --kv-dir holds (least recently "
+                                    "used snapshots removed first)."),
+    kv_dir_min: int = typer.Option(1024, "--kv-dir-min", help="Prompt tokens a request must prefill to be kept "
+                                   "in --kv-dir."),
     model: Optional[str] = o.MODEL,
     draft: Optional[str] = o.DRAFT,
     method: str = o.METHOD,
@@ -77,13 +83,19 @@ def serve(
         setup = _configure(params)
         if setup.world > 1:
             raise UsageError("tforce serve runs in one process: --tp and --gpus are not supported yet")
-        _serve(setup, host, port, api_key, max_body, ctx_size, name or model or Path(setup.target).name)
+        from ..bench import parse_size
+
+        store = None if kv_dir is None else (kv_dir, parse_size(kv_dir_size, "--kv-dir-size"), kv_dir_min)
+        if kv_dir_min < 1:
+            raise UsageError(f"--kv-dir-min must be >= 1, got {kv_dir_min}")
+        _serve(setup, host, port, api_key, max_body, ctx_size, name or model or Path(setup.target).name, store)
 
     _guarded(body)
 
 
 def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, ctx_size: Optional[int],
-           name: str) -> None:
+           name: str, store: Optional[tuple]) -> None:
+    """store: (--kv-dir, its size limit in bytes, --kv-dir-min) or None."""
     from ..serve.app import Settings, build
     from ..serve.server import listen, run
     from ..serve.worker import Worker
@@ -110,8 +122,13 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
         sock = listen(host, port)
     except OSError as e:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    if store is not None:
+        from ..serve.kv_store import KVStore
+        from ..snapshot_identity import identity
+
+        store = KVStore(*store, identity(target, small), log=_say)
     worker = Worker(target.model, small.model if small else None, tok, name, context, opts, setup.template,
-                    setup.system, setup.stops, log=_say, debug=_debug())
+                    setup.system, setup.stops, log=_say, debug=_debug(), store=store)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     _say(f"tforce: serving {name} ({opts['method']}, {context}-token context) on http://{shown}:{bound}/v1"

@@ -32,6 +32,7 @@ from ..errors import TforceError, UsageError
 from ..prompt_format import PromptFormat
 from ..session import _sync_device
 from ..stops import StopStrings
+from .kv_store import KVStore, shared_prefix
 from .requests import ApiError, Ask
 from .responses import Done
 
@@ -76,11 +77,12 @@ class _Events:
 
 class Worker:
     def __init__(self, target, draft, tokenizer, name: str, context: int, options: dict, template: str = "auto",
-                 system: Optional[str] = None, stops: tuple = (), log: Callable = print, debug: bool = False):
+                 system: Optional[str] = None, stops: tuple = (), log: Callable = print, debug: bool = False,
+                 store: Optional[KVStore] = None):
         """target, draft: loaded networks (draft None for methods without one); context: tokens the shared
         session holds (prompt and answer); options: generate's keyword arguments, the server's defaults
         (max_new_tokens, temperature, top_p, seed) and the speculation and placement settings. debug: a
-        failure's traceback on stderr (TFORCE_DEBUG=1)."""
+        failure's traceback on stderr (TFORCE_DEBUG=1). store: prompts' KV snapshots on disk (--kv-dir)."""
         options = dict(options)
         self.max_new = options.pop("max_new_tokens")
         self.eos = set() if options.pop("ignore_eos") else _eos_ids(target.config)
@@ -91,6 +93,7 @@ class Worker:
         # ("Already borrowed"), so the server's side has a copy of its own, one request at a time.
         self.encoder, self.encoding = copy.deepcopy(tokenizer), threading.Lock()
         self.template, self.system, self.stops, self.log, self.debug = template, system, stops, log, debug
+        self.store = store
         self.session = open_session(target, draft, context - 1, 1, **options)
         self.marked: Optional[torch.Tensor] = None  # the prefix the streaming caches' states are marked at
         self.jobs: queue.Queue = queue.Queue()
@@ -184,9 +187,14 @@ class Worker:
                 raise Cancelled()
 
         s.resample(job.sampling)
+        loaded = self.store.restore(s, prompt, self._held(prompt)) if self.store is not None else None
+        if loaded is not None:
+            self.marked = None  # the streaming caches hold the snapshot's states now
         reused = self._reuse(prompt, check)
         s.reset_stats()
         s.prefill(prompt, check)
+        if self.store is not None and len(job.ids) - 1 - reused >= self.store.min_tokens:
+            self.store.save(s)
         _sync_device(device)
         t1 = time.perf_counter()
         stops = StopStrings(self.tok, job.stops)
@@ -210,25 +218,27 @@ class Worker:
         text = stream.finish()
         stopped = bool(out) and (out[-1] in self.eos or stops.matched(out) is not None)
         stats = _stats(s, len(out), t1 - t0, t2 - t1, before)
-        extension = {"prefix_reused": reused, "prefilled_tokens": len(job.ids) - 1 - reused,
+        extension = {"prefix_reused": reused, "prefix_from_kv_dir": loaded or 0, "prefilled_tokens": len(job.ids) - 1 - reused,
                      "ttft_s": (first[0] if first else t2) - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1,
                      "ms_per_token": stats["ms_per_token"], "acceptance": stats["acceptance"],
                      "tokens_per_verification": stats["tokens_per_verification"],
                      "method": s.spec.method, **({"server_stopped": True} if self.stopping else {})}
         job.post(("done", text, Done("stop" if stopped else "length", len(job.ids), len(out), extension)))
 
+    def _held(self, prompt: torch.Tensor) -> int:
+        """How many of the prompt's tokens, but its last, the full cache holds."""
+        full = self.session.full
+        return shared_prefix(full.tokens[0, :full.cache.length], prompt[:-1])
+
     def _reuse(self, prompt: torch.Tensor, check: Callable) -> int:
         """How many of the prompt's tokens (but its last, which the first round feeds) the caches hold
         already. When the prompt branches off what they hold below the streaming caches' reach, they are
         prefilled to the branch point and marked there first (unless marked at or beyond it already)."""
         s = self.session
-        held = s.full.tokens[0, :s.full.cache.length]
-        n = min(len(held), len(prompt) - 1)
-        diff = (held[:n] != prompt[:n]).nonzero()
-        shared = int(diff[0]) if len(diff) else n
+        held, shared = s.full.cache.length, self._held(prompt)
         marked = self.marked
         usable = marked is not None and len(marked) <= len(prompt) and torch.equal(marked, prompt[:len(marked)])
-        if shared < len(held) and shared > 0 and s._streaming_nodes() and not (usable and len(marked) >= shared):
+        if shared < held and shared > 0 and s._streaming_nodes() and not (usable and len(marked) >= shared):
             s.prefill(prompt, check, upto=shared)
             s.mark()
             self.marked = prompt[:shared].clone()

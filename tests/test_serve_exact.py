@@ -154,3 +154,16 @@ def test_kv_dir_keeps_under_its_size_the_most_recent(pair, tmp_path):
     [kept] = (tmp_path / "kv").iterdir()
     tokens = json.loads((kept / "manifest.json").read_text())["tokens"]
     assert byte_tokenizer().decode(tokens).startswith("Second document.")
+
+
+def test_seeded_sample_is_runs_whatever_the_cache_held(server, pair):
+    """temperature > 0 with a seed: the draw `tforce run --seed` makes, whether the document's KV was
+    prefilled for it, kept from an earlier question or reused after another document."""
+    prompt = DOC + "\n\n" + QUESTIONS[3]
+    want = _run(pair, prompt, "--template", "none", "--temperature", "0.9", "--seed", "7")
+    got = []
+    for before in ("Another document.", DOC + "\n\n" + QUESTIONS[0], prompt):
+        _complete(server, before)
+        got.append(_complete(server, prompt, temperature=0.9, seed=7))
+    assert got == [want] * 3
+    assert _complete(server, prompt, temperature=0.9, seed=8) != want  # the seed mattered

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -89,6 +90,8 @@ def test_api_key(server):
     with pytest.raises(AuthenticationError):
         server.client("wrong").completions.create(model=server.model(), prompt="Hi", max_tokens=1)
     assert server.client(KEY).completions.create(model=server.model(), prompt="Hi", max_tokens=1).choices
+    health = httpx.get(server.url.removesuffix("/v1") + "/health")  # a supervisor's check needs no key
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
     _still_answers(server)
 
 

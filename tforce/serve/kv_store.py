@@ -67,7 +67,11 @@ class KVStore:
         tokens = session.seq[:session.full.cache.length].clone()
         path = self.folder / hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:24]
         t0 = time.perf_counter()
-        snapshot_io.save(path, session, self.ident)
+        try:
+            snapshot_io.save(path, session, self.ident)
+        except TforceError as e:  # a full disk: the answer goes on without its snapshot
+            self.log(f"tforce: serve: --kv-dir: not saved: {e}")
+            return
         self.index[path] = tokens
         self.log(f"tforce: serve: --kv-dir: {len(tokens)} tokens saved to {path.name} in "
                  f"{time.perf_counter() - t0:.2f} s")

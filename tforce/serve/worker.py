@@ -7,11 +7,15 @@ that the prompt shares and is fed only the rest, so a second question about the 
 only its own tokens. The small draft's streaming cache (sinks and a recent window) cannot roll back far;
 when a prompt branches off what the caches hold (a new question after the same document), its state is
 marked at the branch point (session.Session.mark), so that later prompts sharing that prefix restore it
-instead of feeding the draft the whole prefix again. The output is what the same prompt gives alone:
-the target's greedy tokens at temperature 0 (tests/test_serve_exact.py), an exact sample otherwise.
+instead of feeding the draft the whole prefix again. With a KVStore (--kv-dir), a prompt that shares
+more with a snapshot on disk than with the live caches starts from that snapshot. The output is what
+the same prompt gives alone: at temperature 0 `tforce run`'s greedy tokens, with a seed its draw
+(tests/test_serve_exact.py).
 
-Cancelling (a client that disconnects, the server stopping) is checked between rounds and between prefill
-chunks, where every cache is consistent, and ends the generation there; the caches keep what they hold.
+A client that disconnects cancels its job: checked between decoding rounds and after each prefill chunk
+of the full cache, where every cache has committed what it was fed (the next prompt rolls each back to
+what it shares); the caches keep what they hold. The server stopping ends a running answer at its next
+round and refuses a prompt still in its prefill.
 """
 from __future__ import annotations
 
@@ -161,15 +165,16 @@ class Worker:
                 job.post(("cancelled",))
             except ApiError as e:
                 job.post(("error", e))
-            except TforceError as e:
-                job.post(("error", ApiError(400 if isinstance(e, UsageError) else 500, str(e))))
+            except UsageError as e:  # refused before any work
+                job.post(("error", ApiError(400, str(e))))
             except Exception as e:  # a bug or a device failure: the caches may be half-written
                 if self.debug:
                     traceback.print_exc()
                 self.session.rewind(0)
                 self.marked = None
                 first = (str(e).strip().splitlines() or [""])[0]
-                job.post(("error", ApiError(500, f"{type(e).__name__}: {first}")))
+                what = "" if isinstance(e, TforceError) else f"{type(e).__name__}: "
+                job.post(("error", ApiError(500, what + first)))
         while not self.jobs.empty():  # refused: the server stopped before their turn
             job = self.jobs.get()
             if job is not None:

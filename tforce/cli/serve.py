@@ -129,6 +129,8 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
         store = KVStore(*store, identity(target, small), log=_say)
     worker = Worker(target.model, small.model if small else None, tok, name, context, opts, setup.template,
                     setup.system, setup.stops, log=_say, debug=_debug(), store=store)
+    if api_key is None and not _loopback(host):
+        _say(f"tforce: note: listening on {host} without --api-key: whoever reaches the port can use the model")
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     _say(f"tforce: serving {name} ({opts['method']}, {context}-token context) on http://{shown}:{bound}/v1"
@@ -140,3 +142,12 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
         worker.join(5)
         sock.close()
     _say("tforce: serve: stopped")
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -100,15 +100,18 @@ class Setup:
         return fmt if snapshot_ids is None else fmt.as_made(snapshot_ids)
 
 
-def notices(setup: Setup, fmt, batch: bool = False) -> None:
+def notices(setup: Setup, fmt, batch: bool = False, serving: bool = False) -> None:
     """The command's stderr notes (--gpu-memory off CUDA, the demo pair, greedy's exactness in a 16-bit
     dtype, the chat template laying the prompt out): after the prompt's checks, the template's included, so
-    that a refused prompt's error is the only line. batch: --batch's."""
+    that a refused prompt's error is the only line. batch: --batch's. serving: `tforce serve`'s, where only
+    chat requests take the template."""
     _gpu_memory_note(setup.options["gpu_memory"], setup.device)
     if setup.demo is not None:
         _say(notice(setup.target, setup.demo))
     _exactness_note(setup, batch)
-    if fmt.templated:
+    if fmt.templated and serving:
+        _say(f"tforce: chat requests follow {setup.target}'s chat template; completions take the text as it is")
+    elif fmt.templated:
         # the model as the user named it: a GGUF file's or a Hub id's folder is a cache path they never typed
         _say(f"tforce: the prompt follows {setup.target}'s chat template (--template none: the text as it is)")
     if fmt.snapshot_date is not None:

@@ -28,6 +28,10 @@ TINY = {
 # every scope included (tests/test_default_model.py removes it to check the choice itself).
 os.environ.setdefault("TFORCE_DEMO_MODELS", str(REPO_MODELS))
 
+# A fixed thread count for the suite's command-line runs (tforce/threads.py would follow the machine's
+# load, which the other test worker changes): results and timings do not depend on the neighbour.
+os.environ.setdefault("TFORCE_THREADS", "1")
+
 # The test models are tiny: one thread is faster than two fighting over a 2-core machine.
 torch.set_num_threads(1)
 

@@ -78,15 +78,20 @@ class Meter:
         return max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
 
 
-def look(sample_s: float = SAMPLE_S) -> Load:
-    """The cores other processes keep busy over a short sleep."""
+def _sample(sample_s: float) -> tuple[Optional[Meter], Load]:
+    """The meter (None without psutil) and the cores other processes kept busy over a short sleep."""
     cores = usable_cores()
     try:
         meter = Meter()
     except ImportError:
-        return Load(cores, None)
+        return None, Load(cores, None)
     time.sleep(sample_s)
-    return Load(cores, meter.others())
+    return meter, Load(cores, meter.others())
+
+
+def look(sample_s: float = SAMPLE_S) -> Load:
+    """The cores other processes keep busy over a short sleep."""
+    return _sample(sample_s)[1]
 
 
 class Governor:
@@ -131,15 +136,11 @@ def choose(requested: int) -> dict:
         torch.set_num_threads(requested)
         _choice.update(threads=requested, why="set by you (--threads or TFORCE_THREADS)")
         return choice()
-    cores = usable_cores()
-    try:
-        meter = Meter()
-    except ImportError:
+    meter, first = _sample(SAMPLE_S)
+    if meter is None:
         _choice.update(threads=torch.get_num_threads(), why="torch's default (psutil missing: load not seen)")
         return choice()
-    time.sleep(SAMPLE_S)
-    first = Load(cores, meter.others())
-    _governor = Governor(meter, cores, first)
+    _governor = Governor(meter, first.cores, first)
     _choice.update(threads=None, why="followed while decoding: all cores on a quiet machine, the free ones "
                                      "beside busy processes")
     return choice()

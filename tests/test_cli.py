@@ -64,12 +64,14 @@ def _one_error_line(result, code: int, needle: str = "") -> None:
 
 
 def test_greedy_json_matches_plain_decoding(runner, models):
-    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json")
+    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--method", "triforce")
     assert r.exit_code == 0, r.output
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1
     obj = json.loads(lines[0])
-    assert set(obj) == {"text", "tokens", "prompt_tokens", "method", "device", "chat_template", "stopped_by", "stats"}
+    assert set(obj) == {"text", "tokens", "prompt_tokens", "method", "device", "chat_template", "stopped_by", "stats",
+                        "auto"}
+    assert obj["auto"] is None  # a method was named: nothing planned
     assert obj["chat_template"] is False  # the byte tokenizer has none
     assert obj["device"] == "cpu" and "kv_device_bytes" in obj["stats"] and "kv_gpu_bytes" not in obj["stats"]
     assert set(obj["stats"]) >= {"prefill_s", "decode_s", "ms_per_token", "tokens_per_s", "acceptance",
@@ -139,7 +141,8 @@ def test_prompt_text_alone(runner, models):
 
 
 def test_sibling_draft_default(runner, models):
-    r = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "-p", "Hi", *FAST, "-n", "3", "--json"])
+    r = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "-p", "Hi", *FAST, "-n", "3", "--json",
+                            "--method", "triforce"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["method"] == "triforce"
 

@@ -95,10 +95,6 @@ class Models:
     def generate(self, ids: list[int], method: str, **options):
         method, deterministic = split_method(method)
         options["deterministic"] = deterministic
-        if method == "auto" and self.world > 1:  # each rank would time its own share: no calibration
-            from .planner import uncalibrated
-
-            method = uncalibrated(self.device.type, self.draft_path is not None)
         uses_draft = method == "auto" or Speculation(method=method).uses_draft
         if self.world == 1:
             from .engine import generate
@@ -106,8 +102,17 @@ class Models:
             return generate(self.target, ids, draft=self.draft if uses_draft else None, method=method, **options)
         from .parallel import generate_tp
 
-        return generate_tp(self.target_path, self.draft_path if uses_draft else None, ids, self.world,
-                           self.device.type, self.dtype, method=method, **options)
+        record = None
+        if method == "auto":  # each rank would time its own share: no calibration (planner.uncalibrated)
+            from .planner import uncalibrated
+
+            method = uncalibrated(self.device.type, self.draft_path is not None)
+            uses_draft, record = Speculation(method=method).uses_draft, {"method": method, "calibrated_now": False}
+        result = generate_tp(self.target_path, self.draft_path if uses_draft else None, ids, self.world,
+                             self.device.type, self.dtype, method=method, **options)
+        if record is not None:
+            result.stats["auto"] = record
+        return result
 
 
 def _options(cfg: BenchConfig, max_new: int) -> dict:

@@ -111,6 +111,8 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
              f"the {len(ids)}-token prompt, not the {options['max_new_tokens']} asked for")
     draft_config = _draft_config(draft, config, tok) if draft else None
     auto = options["method"] == AUTO  # planned here, once the models are loaded (one process: world == 1)
+    if auto and max_new == 0:  # nothing to generate: nothing to plan (or calibrate) for
+        auto, options = False, {**options, "method": "ar"}
     if world == 1:  # split runs: the workers load the weights
         def check(method: str) -> None:
             _check_memory(config, draft_config, len(ids) + max_new, _dtype_bytes(dtype, device), device,

@@ -88,7 +88,7 @@ def test_runs_that_accept_less_change_the_next_plan(tiny, tmp_path, monkeypatch)
     the next plan ar where the calibration's acceptance made it naive."""
     target, draft = tiny["gqa"], tiny["draft"]
     ids = list(range(3, 203))
-    entry = _entry(full=10.0, draft=1.0, middle=10.0, rate=1.0)
+    entry = _entry(full=10.0, draft=1.0, middle=100.0, rate=1.0)  # a middle level too dear to win
     entry.update(key=calibration.key(target, draft, len(ids), OPTIONS), measured_at=time.time())
     calibration.write(entry, tmp_path)
     monkeypatch.setattr(calibration, "measure", lambda *a: pytest.fail("measured again: the cache was not read"))

@@ -44,21 +44,26 @@ def cache_dir() -> Path:
 
 
 def context_bucket(n_prompt: int) -> int:
-    """The bucket of a prompt of n_prompt tokens: round(CONTEXT_STEPS * log2(n)), so 1,000 and 1,300
-    tokens share one (20) and 3,300 is another (23)."""
-    return round(CONTEXT_STEPS * math.log2(max(1, n_prompt)))
+    """The bucket of a prompt of n_prompt tokens: floor(CONTEXT_STEPS * log2(n)), so 1,100 and 1,400
+    tokens share one (20: 1,024 to 1,448) and 3,300 is another (23)."""
+    return math.floor(CONTEXT_STEPS * math.log2(max(1, n_prompt)))
 
 
 def fingerprint(model) -> str:
     """A digest of a network's config and a sample of its weights: the same checkpoint, whatever path or
     object it was loaded through, has the same one."""
-    model = getattr(model, "model", model)
+    model = _network(model)
     first = next(model.parameters())
     sample = first.detach().flatten()[:256].float().cpu()
     config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
     text = json.dumps(config, sort_keys=True, default=str) + repr(sample.tolist()) + str(sum(
         p.numel() for p in model.parameters()))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _network(model) -> torch.nn.Module:
+    """The network of a LoadedModel, or the network itself (which has a `model` attribute of its own)."""
+    return model if isinstance(model, torch.nn.Module) else model.model
 
 
 def machine() -> dict:
@@ -77,7 +82,7 @@ COST_OPTIONS = ("budget", "chunk_size", "draft_budget", "sinks", "rebuild_every"
 def key(target, draft, n_prompt: int, options: dict) -> dict:
     """The identity of an entry: machine, models, dtype, device, threads, context bucket, greedy or not, and
     the options that change a step's cost."""
-    p = next(getattr(target, "model", target).parameters())
+    p = next(_network(target).parameters())
     device = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
     return {"format": FORMAT, **machine(), "device": device, "dtype": str(p.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "target": fingerprint(target),

@@ -147,9 +147,10 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     if method == "auto":
         if group is not None:  # each rank would time its own share and might choose differently
             raise UsageError("method 'auto' is not planned across tensor-parallel ranks: pass a method")
+        args = dict(locals())  # generate's arguments, before the import below adds a name
         from .planner import generate_auto
 
-        return generate_auto(dict(locals()))
+        return generate_auto(args)
     from . import snapshot, snapshot_identity, snapshot_io
 
     identity = snapshot_identity.identity(target, draft, group) if load_kv is not None or save_kv is not None else None

@@ -81,7 +81,8 @@ def predictions(entry: dict, methods, options: dict, total: int, fixed: dict) ->
                                    calibration.level_gamma(method, level, gammas))
                     for level, r in held["acceptance"].items()}
             ms = predict(held["costs"], spec, rate)["ms_per_token"]
-            out.append({"method": method, **(gammas if method != "ar" else {}), "ms_per_token": ms,
+            used = {k: v for k, v in gammas.items() if k in _grid(method, {"gamma1": 0, "gamma2": 0})[0]}
+            out.append({"method": method, **used, "ms_per_token": ms,
                         "acceptance": rate if method != "ar" else None})
     out.sort(key=lambda c: (c["ms_per_token"], ORDER.index(c["method"])))
     return out
@@ -129,7 +130,7 @@ class Choice:
         """Folds the run's measured acceptance into the cached entry (calibration.remember)."""
         if self.cache is None or self.best["method"] == "ar":
             return
-        gammas = {k: self.best[k] for k in ("gamma1", "gamma2")}
+        gammas = {k: self.best[k] for k in ("gamma1", "gamma2") if k in self.best}
         try:
             calibration.remember(self.entry, self.best["method"], stats["acceptance"], tokens, gammas, self.folder)
         except OSError:  # a cache that went read-only since: the run's output is what matters

@@ -107,8 +107,6 @@ def notices(setup: Setup, fmt, batch: bool = False) -> None:
     dtype, the chat template laying the prompt out): after the prompt's checks, the template's included, so
     that a refused prompt's error is the only line. batch: --batch's."""
     _gpu_memory_note(setup.options["gpu_memory"], setup.device)
-    if setup.auto_note is not None:
-        _say(setup.auto_note)
     if setup.demo is not None:
         _say(notice(setup.target, setup.demo))
     _exactness_note(setup, batch)
@@ -118,6 +116,8 @@ def notices(setup: Setup, fmt, batch: bool = False) -> None:
     if fmt.snapshot_date is not None:
         _say(f"tforce: the chat template writes the date: the prompt has the KV snapshot's ({fmt.snapshot_date}), "
              "which its cache was computed with")
+    if setup.auto_note is not None:
+        _say(setup.auto_note)
 
 
 def _configure(p: dict, calibrate: bool = True) -> Setup:

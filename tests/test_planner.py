@@ -99,3 +99,15 @@ def test_runs_that_accept_less_change_the_next_plan(tiny, tmp_path, monkeypatch)
     # the calibration's 24 tokens at 1.0 beside the run's 4,096 at 0
     assert again.entry["methods"]["naive"]["acceptance"]["draft"] == pytest.approx(24 / (24 + 4096))
     assert again.best["method"] == "ar"
+
+
+def test_a_verification_fed_fewer_tokens_costs_less():
+    # ar's full forward (1 token) 10 ms, the others' (gamma2 + 1 = 7 tokens) 16 ms: 1 ms per token fed. At
+    # gamma2 = 2 naive's verification is fed 3 tokens: 12 ms; at full acceptance, rounds of 2 draft
+    # forwards (1 ms) and one verification yield 3 tokens: (2 + 12) / 3 ms/token.
+    entry = _entry(full=10.0, draft=1.0, middle=100.0, rate=1.0)
+    for method in ALL[1:]:
+        entry["methods"][method]["costs"]["ms_per_forward"]["full"] = 16.0
+    naive = {c["gamma2"]: c for c in predictions(entry, ["naive"], OPTIONS, 1000, {})}
+    assert naive[2]["ms_per_token"] == pytest.approx((2 + 12) / 3)
+    assert naive[10]["ms_per_token"] == pytest.approx((10 + 20) / 11)

@@ -28,6 +28,9 @@ assert sorted(ORDER) == sorted(METHODS)
 RUN_OPTIONS = ("temperature", "top_p", "top_k", "budget", "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks",
                "rebuild_every", "rebuild_below", "policy", "prefill_chunk", "offload", "gpu_memory", "cuda_graphs",
                "device_free", "deterministic")
+# per method, the nodes that verify drafts and the gamma they verify (projection.hierarchy's levels)
+VERIFIERS = {"ar": {}, "naive": {"full": "gamma2"}, "retrieval": {"full": "gamma2"},
+             "streaming": {"streaming": "gamma1", "full": "gamma2"}, "triforce": {"retrieval": "gamma1", "full": "gamma2"}}
 SPEC_OPTIONS = ("budget", "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every",
                 "rebuild_below", "policy")
 
@@ -69,6 +72,7 @@ def predictions(entry: dict, methods, options: dict, total: int, fixed: dict) ->
     """Every candidate setting's predicted ms/token, cheapest first: each method of `methods` the entry
     measured, at each gamma of the grid (fixed: the gammas given, kept), for `total` tokens of context."""
     out = []
+    slope = target_slope(entry)
     for method in methods:
         held = entry["methods"].get(method)
         if held is None or held["costs"] is None:
@@ -80,12 +84,36 @@ def predictions(entry: dict, methods, options: dict, total: int, fixed: dict) ->
             rate = {level: rate_at(r or 0.0, calibration.level_gamma(method, level, held),
                                    calibration.level_gamma(method, level, gammas))
                     for level, r in held["acceptance"].items()}
-            ms = predict(held["costs"], spec, rate)["ms_per_token"]
+            ms = predict(_at_gammas(held, gammas, method, slope), spec, rate)["ms_per_token"]
             used = {k: v for k, v in gammas.items() if k in _grid(method, {"gamma1": 0, "gamma2": 0})[0]}
             out.append({"method": method, **used, "ms_per_token": ms,
                         "acceptance": rate if method != "ar" else None})
     out.sort(key=lambda c: (c["ms_per_token"], ORDER.index(c["method"])))
     return out
+
+
+def target_slope(entry: dict) -> float:
+    """Milliseconds a target forward costs per token it is fed, from the calibration: the full cache's
+    forward fed 1 token (ar) against gamma2 + 1 (each speculative method's verification), the median over
+    those methods, at least 0; 0 without ar or without another method."""
+    methods = entry["methods"]
+    one = (methods.get("ar") or {}).get("costs")
+    if one is None:
+        return 0.0
+    slopes = sorted((held["costs"]["ms_per_forward"]["full"] - one["ms_per_forward"]["full"]) / held["gamma2"]
+                    for m, held in methods.items() if m != "ar" and held["costs"] is not None)
+    return max(0.0, slopes[len(slopes) // 2]) if slopes else 0.0
+
+
+def _at_gammas(held: dict, gammas: dict, method: str, slope: float) -> dict:
+    """A method's stage costs at other gammas than it was measured at: each target forward that verifies
+    gamma drafts is fed gamma + 1 tokens, so it costs `slope` ms more per added token (target_slope: measured
+    on the full cache's forward, applied to the middle level's too: the same network). Drafters' forwards
+    are fed one or two tokens whatever the gammas."""
+    costs, fed = held["costs"], VERIFIERS[method]
+    per = {node: ms + slope * (gammas[fed[node]] - held[fed[node]]) if node in fed else ms
+           for node, ms in costs["ms_per_forward"].items()}
+    return {**costs, "ms_per_forward": per}
 
 
 @dataclass

@@ -58,7 +58,7 @@ def test_unsupported_architecture_is_a_usage_error(runner, models, args, role):
 
 def _run(runner, models, *args):
     return runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"),
-                               "-p", "hi", "-n", "2", "-t", "0", *args])
+                               "-p", "hi", "-n", "2", "-t", "0", "--method", "triforce", *args])
 
 
 def test_save_kv_keeps_a_folder_whose_manifest_is_not_tforces(runner, models, tmp_path):

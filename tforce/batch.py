@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from . import placement
+from . import placement, threads
 from .batch_session import _Batch, _RowState
 from .engine import Result, _eos_ids, _modules, _placement, _planned_peak, check_ids, configuration
 from .session import _plan, _sync_device
@@ -107,6 +107,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     _finished(rows, [max_new[r] == 0 for r in range(B)], on_row)
     batch.keep([i for i in range(B) if max_new[i] > 0])
     while rows.ids:
+        threads.tick()
         news = batch.round(gen)
         done = [rows.add(i, tokens, eos, until) for i, tokens in enumerate(news)]
         if any(done):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import placement
+from . import placement, threads
 from .config import Sampling, Speculation
 from .errors import UsageError
 from .session import Session, _sync_device
@@ -199,6 +199,7 @@ def decode(session: Session, n: int, max_new: int, gen: torch.Generator, eos: se
     callbacks as generate's."""
     out: list[int] = []
     while len(out) < max_new:
+        threads.tick()
         tokens = session.round(n, gen)[: max_new - len(out)]
         end = end_of_round(out, tokens, eos, until)
         if end is not None:

@@ -70,7 +70,7 @@ def test_greedy_json_matches_plain_decoding(runner, models):
     assert len(lines) == 1
     obj = json.loads(lines[0])
     assert set(obj) == {"text", "tokens", "prompt_tokens", "method", "device", "chat_template", "stopped_by", "stats",
-                        "auto"}
+                        "auto", "cpu_threads"}
     assert obj["auto"] is None  # a method was named: nothing planned
     assert obj["chat_template"] is False  # the byte tokenizer has none
     assert obj["device"] == "cpu" and "kv_device_bytes" in obj["stats"] and "kv_gpu_bytes" not in obj["stats"]

@@ -152,7 +152,7 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
         target_name, demo_draft = default_pair()
     else:  # the target first: a missing target folder is not a missing draft
         _check_local(model, "target model")
-    if draft is not None and spec.uses_draft:
+    if draft is not None and (spec.uses_draft or spec.method == AUTO):  # auto takes a draft where one is given
         _check_local(draft, "draft model")
     draft_name = draft if draft is not None else _default_draft(target_name)
     if spec.uses_draft and draft_name is None:

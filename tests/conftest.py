@@ -56,6 +56,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def auto_cache(tmp_path_factory):
+    """--method auto's calibrations (tforce/calibration.py) go to this session's folder, not the user's cache."""
+    folder = tmp_path_factory.mktemp("auto-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tforce.calibration.cache_dir", lambda: folder)
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """Folder with one subfolder per TINY entry, each a Hugging Face checkpoint."""

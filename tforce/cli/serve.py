@@ -80,7 +80,7 @@ def serve(
             raise UsageError(f"--max-body must be >= 1, got {max_body}")
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key must not be empty")
-        setup = _configure(params)
+        setup = _configure(params, calibrate=False)
         if setup.world > 1:
             raise UsageError("tforce serve runs in one process: --tp and --gpus are not supported yet")
         from ..bench import parse_size

@@ -1,7 +1,10 @@
 """Shared fixtures: tiny random checkpoints written with transformers' save_pretrained, once per session."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -31,6 +34,12 @@ os.environ.setdefault("TFORCE_DEMO_MODELS", str(REPO_MODELS))
 # A fixed thread count for the suite's command-line runs (tforce/threads.py would follow the machine's
 # load, which the other test worker changes): results and timings do not depend on the neighbour.
 os.environ.setdefault("TFORCE_THREADS", "1")
+
+# --method auto's calibrations (tforce/calibration.py) and GGUF conversions go to a folder of this session,
+# not the user's cache: a calibration left by an earlier session would decide what a test's run measures.
+if "TFORCE_CACHE" not in os.environ:
+    os.environ["TFORCE_CACHE"] = tempfile.mkdtemp(prefix="tforce-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TFORCE_CACHE"], True)
 
 # The test models are tiny: one thread is faster than two fighting over a 2-core machine.
 torch.set_num_threads(1)

@@ -1,9 +1,11 @@
 """`tforce run`: a prompt in, the target's exact continuation streamed out."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from typing import List, Optional
 
 import typer
@@ -91,6 +93,11 @@ def run(
 
 
 def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
+    with contextlib.ExitStack() as stack:  # what --method auto's calibration keeps for the run (a KV snapshot)
+        _run_in(stack, text, setup, as_json, options)
+
+
+def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool, options: dict) -> None:
     from ..engine import generate
     from ..snapshot import read_manifest
     from ..weights import load_model, resolve
@@ -127,7 +134,8 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
     if auto:
         from ..planner import choose
 
-        choice = choose(target, small, ids, options, fixed=setup.gammas_given, exclude=unfit)
+        kv_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tforce-auto-"))
+        choice = choose(target, small, ids, options, fixed=setup.gammas_given, exclude=unfit, kv_dir=kv_dir)
         _say(choice.line())
         options = {**options, **choice.options}
         small = small if Speculation(method=options["method"]).uses_draft else None
@@ -145,7 +153,8 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
             result = generate_tp(str(path), str(resolve(draft)) if draft else None, ids, world, device, dtype,
                                  **callbacks, **options)
         else:
-            result = generate(target, ids, draft=small, **callbacks, **options)
+            run_kv = choice.run_kv() if choice is not None else {}  # the calibration's prefill of the prompt
+            result = generate(target, ids, draft=small, **callbacks, **{**options, **run_kv})
         out = stream.finish()
     except BaseException:  # end the live view and keep the text written so far (Ctrl-C, errors)
         if progress:

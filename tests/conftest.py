@@ -35,8 +35,9 @@ os.environ.setdefault("TFORCE_DEMO_MODELS", str(REPO_MODELS))
 # load, which the other test worker changes): results and timings do not depend on the neighbour.
 os.environ.setdefault("TFORCE_THREADS", "1")
 
-# --method auto's calibrations (tforce/calibration.py) and GGUF conversions go to a folder of this session,
-# not the user's cache: a calibration left by an earlier session would decide what a test's run measures.
+# --method auto's calibrations (tforce/calibration.py) and GGUF conversions go to a folder of this session
+# (command-line runs in subprocesses included), not the user's cache: a calibration left by an earlier
+# session would decide what a test's run measures.
 if "TFORCE_CACHE" not in os.environ:
     os.environ["TFORCE_CACHE"] = tempfile.mkdtemp(prefix="tforce-test-cache-")
     atexit.register(shutil.rmtree, os.environ["TFORCE_CACHE"], True)
@@ -63,15 +64,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def auto_cache(tmp_path_factory):
-    """--method auto's calibrations (tforce/calibration.py) go to this session's folder, not the user's cache."""
-    folder = tmp_path_factory.mktemp("auto-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("tforce.calibration.cache_dir", lambda: folder)
-        yield folder
 
 
 @pytest.fixture(scope="session")

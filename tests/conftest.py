@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tforce
-from tforce.demo import REPO_MODELS
+from tforce.defaults import REPO_MODELS
 from tforce.synthetic import make_checkpoint
 
 # name -> make_checkpoint overrides. All share the 259-token byte vocabulary so any pair can draft.

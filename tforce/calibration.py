@@ -85,7 +85,7 @@ def _network(model) -> torch.nn.Module:
 
 def machine() -> dict:
     """What makes this machine's timings its own."""
-    from . import __version__
+    from .version import __version__
 
     return {"host": platform.node(), "arch": platform.machine(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "tforce": __version__}

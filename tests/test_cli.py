@@ -384,21 +384,6 @@ def test_main_turns_parse_errors_into_one_line(monkeypatch, capsys, argv, needle
     assert out == "" and len(err.strip().splitlines()) == 1 and needle in err, err
 
 
-def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
-    """Spinning OpenMP threads made a CPU run on a shared machine 30-40x slower (tforce/__init__.py)."""
-    import os
-    import subprocess
-    import sys
-
-    code = "import tforce, os; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PASSIVE"
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "ACTIVE"
-
-
 @pytest.mark.parametrize("command", ["run", "chat"])
 def test_prefill_chunk_reaches_the_engine(runner, models, monkeypatch, command):
     """--prefill-chunk: the prompt's tokens per prefill forward, in run and chat alike; 0 refused in one line."""

@@ -151,7 +151,7 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
         from . import peers
 
         others = peers.run(models, ids, cfg, outputs.get("ar"), WARMUP_TOKENS, progress)
-    return _report(head, runs, others, complete=True)
+    return _report(head, runs, others, complete=True)  # cpu_threads: the CLI adds threads.choice()
 
 
 def _report(head: dict, runs: list[dict], others: list[dict], complete: bool) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import placement
+from . import placement, threads
 from .stops import end_of_round
 
 
@@ -25,6 +25,7 @@ def decode(session, n: list[int], max_new: list[int], gen: torch.Generator, eos:
     if not _finish(session, out, [m == 0 for m in max_new], on_row):
         return out
     while True:
+        threads.tick()
         ids = list(session.ids)
         news = session.round([n[r] for r in ids], gen)
         done = []

@@ -10,7 +10,7 @@ import typer
 
 from .. import bench_record
 from ..config import Sampling, Speculation
-from ..demo import BENCH_TOKENS, EXCERPT, NAME, demo_pair, notice
+from ..demo import BENCH_TOKENS, EXCERPT, NAME, default_pair, notice
 from ..errors import TforceError, UsageError
 from .app import app
 from .bench_table import _print_bench
@@ -124,7 +124,7 @@ def bench(
             raise UsageError("--batch runs in one process, without --peers, so far")
         target, small = model, draft
         if demo:  # as `tforce run` without --model: the demo pair, on its excerpt unless a prompt file is given
-            target, demo_draft = demo_pair()
+            target, demo_draft = default_pair()
             small = draft or demo_draft
         excerpt = demo and prompt_file is None
         if excerpt:
@@ -151,6 +151,9 @@ def bench(
 
         record = _bench(b, cfg, target, small, synthetic, dev, dtype, text, world, batch,
                         None if path is None else save, demo_notes, fit=prompt_len is None)
+        from ..threads import choice
+
+        record["cpu_threads"] = choice()
         if path is not None:
             save(record)
         if as_json:

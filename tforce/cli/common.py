@@ -36,17 +36,16 @@ def _placement_options(offload: str, gpu_memory: Optional[str]) -> dict:
     return {"offload": offload, "gpu_memory": None if gpu_memory is None else parse_size(gpu_memory)}
 
 
-THREADS_HELP = ("CPU threads for torch (0 = torch's default). Small models on a busy machine run faster "
-                "with 1: multi-threaded small matrix products spin against other processes.")
+THREADS_HELP = ("CPU threads for torch. 0 (the default): all cores on a quiet machine, the cores other "
+                "processes leave free on a busy one, followed while decoding.")
 
 
 def _threads(n: int) -> None:
     if n < 0:
         raise UsageError(f"--threads must be >= 0, got {n}")
-    if n:
-        import torch
+    from ..threads import choose
 
-        torch.set_num_threads(n)
+    choose(n)
 
 
 def _gpu_memory_note(gpu_memory: Optional[str], device: str) -> None:

@@ -71,6 +71,15 @@ def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, of
                         draft_config=draft_config, context_bytes=context_bytes, attention=attention, rows=rows)}
 
 
+def _threads_now() -> dict:
+    """The thread count a run started now would begin with (threads.py), from one look at the load."""
+    from ..threads import look
+
+    seen = look()
+    return {"threads": seen.free_cores, "cores": seen.cores,
+            "others_busy_cores": None if seen.others is None else round(seen.others, 2)}
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -124,7 +133,8 @@ def info(
                 for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
         mem = psutil.virtual_memory()
         record = {"tforce": __version__, "python": platform.python_version(), "torch": torch.__version__,
-                  "transformers": transformers.__version__, "cpu_cores": os.cpu_count(), "cuda_devices": gpus,
+                  "transformers": transformers.__version__, "cpu_cores": os.cpu_count(), "cpu_threads": _threads_now(),
+                  "cuda_devices": gpus,
                   "host_memory_bytes": mem.total, "host_memory_available_bytes": mem.available}
         draft_config = None  # the paper's 68M draft, unless run's default draft is a local folder
         if model is not None:
@@ -182,6 +192,10 @@ def _print_info(r: dict) -> None:
     t.add_row("python / torch / transformers", f"{r['python']} / {r['torch']} / {r['transformers']}")
     t.add_row("cpu cores", str(r["cpu_cores"]))
     gpus = ", ".join(f"{g['name']} ({_gib(g['memory_bytes'])})" for g in r["cuda_devices"]) or "none"
+    c = r["cpu_threads"]
+    seen = "" if c["others_busy_cores"] is None else f" (other processes keep {c['others_busy_cores']:.1f} busy now)"
+    t.add_row("cpu threads", f"a run starting now: {c['threads']} of {c['cores']} cores{seen}; without --threads, "
+                             "followed while decoding")
     t.add_row("cuda devices", gpus)
     t.add_row("host memory", f"{_gib(r['host_memory_bytes'])} ({_gib(r['host_memory_available_bytes'])} available)")
     m = r.get("model")

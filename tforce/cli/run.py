@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 
+from .. import threads
 from ..demo import demo_prompt
 from ..errors import UsageError
 from ..stops import StopStrings
@@ -142,7 +143,7 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
     if as_json:
         record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
                   "chat_template": fmt.templated, "stopped_by": stops.matched(result.tokens),
-                  "device": device, "stats": result.stats}
+                  "device": device, "stats": result.stats, "cpu_threads": threads.choice()}
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
         return

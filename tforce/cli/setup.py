@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import Sampling, Speculation
-from ..demo import NAME, demo_pair, notice
+from ..demo import NAME, default_pair, notice
 from ..errors import UsageError
 from .common import DTYPES, _as_role, _decode_text, _device, _gpu_memory_note, _placement_options, _say, _threads
 from .options import ENGINE
@@ -140,7 +140,7 @@ def _configure(p: dict) -> Setup:
     model, draft, demo_draft = p["model"], p["draft"], None
     target_name = model
     if model is None:
-        target_name, demo_draft = demo_pair()
+        target_name, demo_draft = default_pair()
     else:  # the target first: a missing target folder is not a missing draft
         _check_local(model, "target model")
     if draft is not None and spec.uses_draft:

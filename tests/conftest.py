@@ -28,6 +28,10 @@ TINY = {
 # every scope included (tests/test_default_model.py removes it to check the choice itself).
 os.environ.setdefault("TFORCE_DEMO_MODELS", str(REPO_MODELS))
 
+# A fixed thread count for the suite's command-line runs (tforce/threads.py would follow the machine's
+# load, which the other test worker changes): results and timings do not depend on the neighbour.
+os.environ.setdefault("TFORCE_THREADS", "1")
+
 # The test models are tiny: one thread is faster than two fighting over a 2-core machine.
 torch.set_num_threads(1)
 
@@ -50,6 +54,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def auto_cache(tmp_path_factory):
+    """--method auto's calibrations (tforce/calibration.py) go to this session's folder, not the user's cache."""
+    folder = tmp_path_factory.mktemp("auto-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tforce.calibration.cache_dir", lambda: folder)
+        yield folder
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ BENCH = ["bench", "--synthetic", "tiny", "--device", "cpu", "--prompt-len", "200
 RUN_FIELDS = {"method", "ms_per_token", "speedup_vs_ar", "acceptance", "tokens_per_verification", "prefill_s",
               "h2d_gbps", "gpu_mem_gib", "pinned_gib", "floor_ms_per_verification", "placement", "rebuild_s",
               "rebuilds", "prefill_rebuild_s", "forwards", "stage_s", "projection", "gpu_reserved_gib",
-              "planned_peak_gib"}
+              "planned_peak_gib", "auto"}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,8 @@ def report(runner):
 def test_bench_json_has_every_field(report):
     assert {"device", "h2d_peak_gbps", "synthetic", "runs", "warmup_s"} <= set(report)
     assert report["synthetic"] is True and report["h2d_peak_gbps"] is None
-    assert [r["method"] for r in report["runs"]] == ["ar", "triforce", "naive", "retrieval", "streaming"]
+    assert [r["method"] for r in report["runs"]] == ["ar", "triforce", "naive", "retrieval", "streaming", "auto"]
+    assert report["runs"][-1]["auto"]["method"] in report["methods"] and report["runs"][0]["auto"] is None
     for r in report["runs"]:
         assert RUN_FIELDS <= set(r), RUN_FIELDS - set(r)
         assert r["ms_per_token"] > 0 and r["prefill_s"] >= 0 and r["tokens_per_verification"] >= 1

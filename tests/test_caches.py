@@ -321,6 +321,30 @@ def test_streaming_rollback_after_compaction(tiny):
         cache.truncate(compacted_at - max_rollback - 1)
 
 
+def test_streaming_truncated_into_its_sinks_takes_new_tokens_as_a_fresh_cache(tiny):
+    """A cache whose window has slid on (offset past the sinks), rolled back to within its sinks (the next
+    prompt shares only its first tokens: a server's new document), holds those tokens and nothing of the
+    window: what follows is placed and seen as in a fresh cache."""
+    model = tiny["gqa"].model
+    cfg, rotary = model.config, rotary_for(model)
+
+    def make():
+        return StreamingCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, budget=16, sinks=4,
+                              rotary=rotary, max_rollback=4, max_new=20)
+
+    ids, other = random_ids(60, seed=9), random_ids(30, seed=10)
+    other[:, :3] = ids[:, :3]
+    used, fresh = make(), make()
+    for start in range(0, 60, 20):
+        forward(model, used, ids[:, start:start + 20])
+    assert used.offset[0] > 4 and used.reachable(3)
+    used.truncate(3)
+    forward(model, fresh, other[:, :3])
+    for start, end in [(3, 20), (20, 21), (21, 30)]:
+        torch.testing.assert_close(forward(model, used, other[:, start:end]),
+                                   forward(model, fresh, other[:, start:end]), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["gqa", "llama3", "draft"])
 def test_streaming_short_prompt_equals_full_cache(tiny, name):
     """While the sequence fits in the budget, slots are sequence positions: the full cache's logits."""

@@ -39,7 +39,8 @@ def target(models):
 
 
 def _chat(models, *args, input=None):
-    base = ["chat", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST]
+    base = ["chat", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST, "--method",
+            "triforce"]
     return CliRunner().invoke(app, base + list(args), input=input)
 
 
@@ -108,8 +109,8 @@ def test_chat_saves_and_loads_the_document(models, tmp_path):
 
 
 def test_run_saves_and_loads_a_snapshot(models, tmp_path):
-    base = ["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST,
-            str(models / "doc.txt"), "--json"]
+    base = ["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), "--method", "triforce",
+            *FAST, str(models / "doc.txt"), "--json"]
     snap = str(tmp_path / "run.kv")
     saved = CliRunner().invoke(app, base + ["--save-kv", snap])
     loaded = CliRunner().invoke(app, base + ["--load-kv", snap, "-p", "And then?"])

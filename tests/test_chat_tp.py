@@ -66,7 +66,8 @@ def _invoke(args, input=None):
 
 
 def _chat(models, *args, tp=True, input="\n".join(QUESTIONS) + "\n"):
-    base = ["chat", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST, "--json"]
+    base = ["chat", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST, "--json",
+            "--method", "triforce"]
     return _invoke(base + list(args) + (["--tp", "2", "--device", "cpu"] if tp else []), input=input)
 
 
@@ -99,7 +100,7 @@ def _run_reuses_the_document(models, target, snapshot) -> None:
     """`run --tp 2 --load-kv snapshot` after the document: a fresh prefill's answer, the document reused."""
     r = _invoke(["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST,
                  str(models / "doc.txt"), "-p", "And then?", "--json", "--tp", "2", "--device", "cpu",
-                 "--load-kv", str(snapshot)])
+                 "--load-kv", str(snapshot), "--method", "triforce"])
     assert r.exit_code == 0, r.output
     record = json.loads(r.stdout)
     assert record["tokens"] == _greedy(target, target.tokenizer.encode(DOC + "\n\nAnd then?"))

@@ -44,8 +44,8 @@ def runner():
 
 
 def _run(runner, models, *args, input=None, env=None):
-    base = ["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft")]
-    return runner.invoke(app, base + list(args), input=input, env=env)
+    base = ["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), "--method", "triforce"]
+    return runner.invoke(app, base + list(args), input=input, env=env)  # a later --method wins
 
 
 def _expected(models, text: str, n: int = 12) -> list[int]:
@@ -64,12 +64,14 @@ def _one_error_line(result, code: int, needle: str = "") -> None:
 
 
 def test_greedy_json_matches_plain_decoding(runner, models):
-    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json")
+    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--method", "triforce")
     assert r.exit_code == 0, r.output
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1
     obj = json.loads(lines[0])
-    assert set(obj) == {"text", "tokens", "prompt_tokens", "method", "device", "chat_template", "stopped_by", "stats"}
+    assert set(obj) == {"text", "tokens", "prompt_tokens", "method", "device", "chat_template", "stopped_by", "stats",
+                        "auto", "cpu_threads"}
+    assert obj["auto"] is None  # a method was named: nothing planned
     assert obj["chat_template"] is False  # the byte tokenizer has none
     assert obj["device"] == "cpu" and "kv_device_bytes" in obj["stats"] and "kv_gpu_bytes" not in obj["stats"]
     assert set(obj["stats"]) >= {"prefill_s", "decode_s", "ms_per_token", "tokens_per_s", "acceptance",
@@ -96,7 +98,7 @@ def test_deterministic_flag_reaches_the_engine(runner, models, monkeypatch):
     from model_helpers import count_rowwise_runners
 
     built = count_rowwise_runners(monkeypatch)
-    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--deterministic")
+    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--deterministic", "--method", "triforce")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["tokens"] == _expected(models, DOC) and built == [1]
 
@@ -139,7 +141,8 @@ def test_prompt_text_alone(runner, models):
 
 
 def test_sibling_draft_default(runner, models):
-    r = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "-p", "Hi", *FAST, "-n", "3", "--json"])
+    r = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "-p", "Hi", *FAST, "-n", "3", "--json",
+                            "--method", "triforce"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["method"] == "triforce"
 
@@ -275,7 +278,7 @@ def test_run_refuses_what_cannot_fit_before_loading(runner, models, monkeypatch)
 
 def test_memory_check_plans_the_method_asked_for(runner, models, monkeypatch):
     """Host memory that holds ar's plan but not triforce's (its retrieval cache, the draft and its cache):
-    --method ar runs, triforce is refused before loading."""
+    --method ar runs, triforce is refused before loading, and auto leaves triforce out of its plan."""
     from transformers import AutoConfig
 
     from tforce.bench import info_plan
@@ -291,7 +294,11 @@ def test_memory_check_plans_the_method_asked_for(runner, models, monkeypatch):
     monkeypatch.setattr("tforce.cli.common._host_available", lambda: (need("ar") + need("triforce")) // 2)
     r = _run(runner, models, "-p", "hi", "-n", "4", "--method", "ar", "--temperature", "0")
     assert r.exit_code == 0, (r.output, r.exception)
-    _one_error_line(_run(runner, models, "-p", "hi", "-n", "4"), 1, "not enough memory")
+    _one_error_line(_run(runner, models, "-p", "hi", "-n", "4", "--method", "triforce"), 1, "not enough memory")
+    auto = _run(runner, models, "-p", "hi", "-n", "4", "--temperature", "0", "--json", "--method", "auto")
+    assert auto.exit_code == 0, (auto.output, auto.exception)
+    planned = {c["method"] for c in json.loads(auto.stdout)["auto"]["candidates"]}
+    assert "ar" in planned and "triforce" not in planned
 
 
 def test_context_full_is_said(runner, models):
@@ -397,7 +404,8 @@ def test_prefill_chunk_reaches_the_engine(runner, models, monkeypatch, command):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(engine.Session, "__init__", spy)
-    base = [command, "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST]
+    base = [command, "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST, "--method",
+            "triforce"]
     source = ["--prompt", DOC] if command == "run" else [str(models / "doc.txt"), "--questions", "-"]
     result = runner.invoke(app, base + source + ["--prefill-chunk", "16"], input="Who?\n")
     assert result.exit_code == 0, (result.output, result.exception)

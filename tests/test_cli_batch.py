@@ -233,6 +233,7 @@ def test_batch_note_on_greedy_in_16_bits_offers_no_refused_option(runner, models
     """The exactness note ended "--deterministic makes them plain decoding's bit for bit", which --batch
     refuses: a batch's note says the rest."""
     batch = _write(tmp_path, json.dumps({"prompt": "Who?"}))
-    r = _run(runner, models, "--batch", batch, *FAST, "-n", "2", "--dtype", "bfloat16", "--device", "cpu")
+    r = _run(runner, models, "--batch", batch, *FAST, "-n", "2", "--dtype", "bfloat16", "--device", "cpu",
+             "--method", "triforce")
     assert r.exit_code == 0, (r.output, r.exception)
     assert "except where its two best logits nearly tie" in r.stderr and "--deterministic" not in r.stderr, r.stderr

@@ -58,7 +58,7 @@ def test_unsupported_architecture_is_a_usage_error(runner, models, args, role):
 
 def _run(runner, models, *args):
     return runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"),
-                               "-p", "hi", "-n", "2", "-t", "0", *args])
+                               "-p", "hi", "-n", "2", "-t", "0", "--method", "triforce", *args])
 
 
 def test_save_kv_keeps_a_folder_whose_manifest_is_not_tforces(runner, models, tmp_path):
@@ -93,7 +93,7 @@ def test_a_disk_error_while_saving_is_one_line(runner, models, tmp_path, monkeyp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(snapshot_io, "_write", full)
-    r = _run(runner, models, "--save-kv", str(tmp_path / "snap"))
+    r = _run(runner, models, "--save-kv", str(tmp_path / "snap"), "--method", "triforce")  # no line from auto
     _one_error_line(r, 1, f"--save-kv {tmp_path / 'snap'}: cannot write the snapshot: No space left on device")
     assert list(tmp_path.iterdir()) == []
 
@@ -279,7 +279,8 @@ def test_a_closed_stderr_drops_the_diagnostics_and_a_closed_stdout_is_said(model
 def test_non_utf8_prompt_argument_and_piped_questions_read_as_files_do(runner, models):
     """README: bytes that are not UTF-8 become U+FFFD with one warning. From a Latin-1 terminal, -p 'caf\\xe9'
     (which Python hands over as a lone surrogate) and questions piped to chat were TypeErrors in the tokenizer."""
-    pair = ["-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), "-n", "2", "-t", "0"]
+    pair = ["-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), "-n", "2", "-t", "0",
+            "--method", "triforce"]  # a named method: no line from auto beside the warning
     r = runner.invoke(app, ["run", *pair, "-p", "caf\udce9", "--json"])
     assert r.exit_code == 0, r.output
     assert r.stderr.startswith("tforce: warning: --prompt is not valid UTF-8") and len(r.stderr.splitlines()) == 1

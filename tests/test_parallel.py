@@ -270,7 +270,7 @@ def test_cli_tp2_streams_the_tp1_tokens(paths, single):
     expected = tforce.generate(target, tok.encode(text), draft=draft, temperature=0, **GEN).tokens
     args = ["run", "-m", str(paths[0]), "--draft", str(paths[1]), "-p", text, "--tp", "2", "--device", "cpu",
             "-t", "0", "-n", "16", "--budget", "32", "--chunk-size", "4", "--draft-budget", "16", "--sinks", "2",
-            "--ignore-eos"]
+            "--ignore-eos", "--method", "triforce"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     # stdout is written only from the tokens rank 0 streams back as it accepts them

@@ -235,7 +235,8 @@ def models(tmp_path_factory):
 
 
 def _cli(models, command, *args, input=None):
-    base = [command, "-m", str(models / "chat-target"), "--draft", str(models / "chat-draft"), *FAST]
+    base = [command, "-m", str(models / "chat-target"), "--draft", str(models / "chat-draft"), *FAST, "--method",
+            "triforce"]
     return CliRunner().invoke(app, base + list(args), input=input)
 
 

@@ -1,5 +1,6 @@
 """The committed draft of SmolLM2-135M-Instruct (models/smollm2-draft, scripts/distil_draft.py): the registry
-names it, it shares the target's tokenizer, and the default method with it decodes greedy exactly as ar."""
+names it, it shares the target's tokenizer, and triforce and auto (the default method) with it decode greedy
+exactly as ar."""
 from __future__ import annotations
 
 import importlib.util
@@ -40,11 +41,12 @@ def test_draft_tokenizer_is_the_targets():
 def test_default_method_equals_ar_greedy():
     text = (Path(tforce.__file__).parent / "data" / "demo_excerpt.txt").read_text()[:900]
     runs = {}
-    for method in ("triforce", "ar"):  # triforce with the registry's draft: no --draft given
+    for method in ("triforce", "auto", "ar"):  # with the registry's draft: no --draft given
         r = CliRunner().invoke(app, ["run", "-m", NAME, "--method", method, "--temperature", "0", "--json",
                                      "--ignore-eos", "-n", "16", "--template", "none", "-p", text])
         assert r.exit_code == 0, (r.output, r.exception)
         runs[method] = json.loads(r.stdout)
     assert 150 <= runs["ar"]["prompt_tokens"] <= 250
-    assert runs["triforce"]["tokens"] == runs["ar"]["tokens"]
+    assert runs["triforce"]["tokens"] == runs["auto"]["tokens"] == runs["ar"]["tokens"]
+    assert runs["auto"]["method"] == runs["auto"]["auto"]["method"]
     assert runs["triforce"]["method"] == "triforce" and runs["triforce"]["stats"]["acceptance"]["draft"] is not None

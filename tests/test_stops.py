@@ -78,7 +78,7 @@ def test_run_text_ends_before_the_stop_streamed_and_as_json(runner, models):  # 
 
 def test_chat_answers_end_at_the_stop(runner, models):  # noqa: F811
     base = ["chat", str(models / "doc.txt"), "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"),
-            *FAST, "--json", "-n", "24"]
+            *FAST, "--json", "-n", "24", "--method", "triforce"]
     free = [json.loads(line) for line in runner.invoke(app, base, input="Who?\nWhen?\n").stdout.splitlines()]
     stop = free[0]["answer"][5:7]
     r = runner.invoke(app, base + ["--stop", stop], input="Who?\nWhen?\n")

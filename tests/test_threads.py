@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from tforce import threads
 from tforce.cli import app
+from tforce.errors import UsageError
 from tforce.threads import Load
 
 BUSY_LOOP = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass"
@@ -91,6 +92,19 @@ def test_ticks_wait_for_the_interval(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_threads_from_the_environment(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("TFORCE_THREADS", "2")
+        assert threads.choose(0)["threads"] == 2 and threads._governor is None
+        assert threads.choose(1)["threads"] == 1  # --threads wins
+        monkeypatch.setenv("TFORCE_THREADS", "two")
+        with pytest.raises(UsageError):
+            threads.choose(0)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_requested_threads_are_kept_and_not_governed():
     before = torch.get_num_threads()
     try:
@@ -117,7 +131,8 @@ def _run_json(*extra):
 
 
 @pytest.mark.skipif(threads.usable_cores() < 2, reason="one usable core: nothing to share")
-def test_a_run_beside_a_busy_process_leaves_it_a_core(neighbour):
+def test_a_run_beside_a_busy_process_leaves_it_a_core(neighbour, monkeypatch):
+    monkeypatch.delenv("TFORCE_THREADS")
     before = torch.get_num_threads()
     try:
         c = _run_json()

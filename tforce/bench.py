@@ -20,7 +20,7 @@ from . import placement
 from .bench_run import (DETERMINISTIC, WARMUP_TOKENS, BenchConfig, Models, device_name, run_one, split_method,
                         warm_up)
 from .ceilings import Ceilings
-from .config import METHODS, Speculation
+from .config import AUTO, METHODS, Speculation
 from .errors import TforceError, UsageError
 from .floors import step_weight_bytes
 from .model import Llama
@@ -39,9 +39,9 @@ LLAMA_68M = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, n
 def parse_methods(text: str) -> tuple[str, ...]:
     """Comma-separated methods, each optionally with the +det suffix (deterministic=True), ar first."""
     names = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in names if split_method(m)[0] not in METHODS]
+    bad = [m for m in names if split_method(m)[0] not in (AUTO,) + METHODS]
     if not names or bad:
-        raise UsageError(f"--methods takes a comma-separated list of {', '.join(METHODS)} (each may end in "
+        raise UsageError(f"--methods takes a comma-separated list of {', '.join((AUTO,) + METHODS)} (each may end in "
                          f"{DETERMINISTIC}: verified row by row); got {text!r}")
     ordered = tuple(dict.fromkeys(names))
     return ("ar",) + tuple(m for m in ordered if m != "ar") if "ar" in ordered else ordered  # ar first

@@ -95,15 +95,24 @@ class Models:
     def generate(self, ids: list[int], method: str, **options):
         method, deterministic = split_method(method)
         options["deterministic"] = deterministic
-        uses_draft = Speculation(method=method).uses_draft
+        uses_draft = method == "auto" or Speculation(method=method).uses_draft
         if self.world == 1:
             from .engine import generate
 
             return generate(self.target, ids, draft=self.draft if uses_draft else None, method=method, **options)
         from .parallel import generate_tp
 
-        return generate_tp(self.target_path, self.draft_path if uses_draft else None, ids, self.world,
-                           self.device.type, self.dtype, method=method, **options)
+        record = None
+        if method == "auto":  # each rank would time its own share: no calibration (planner.uncalibrated)
+            from .planner import uncalibrated
+
+            method = uncalibrated(self.device.type, self.draft_path is not None)
+            uses_draft, record = Speculation(method=method).uses_draft, {"method": method, "calibrated_now": False}
+        result = generate_tp(self.target_path, self.draft_path if uses_draft else None, ids, self.world,
+                             self.device.type, self.dtype, method=method, **options)
+        if record is not None:
+            result.stats["auto"] = record
+        return result
 
 
 def _options(cfg: BenchConfig, max_new: int) -> dict:
@@ -123,6 +132,8 @@ def warm_up(models: Models, ids: list[int], cfg: BenchConfig) -> float | None:
         return None
     t0 = time.perf_counter()
     for method in cfg.methods:
+        if split_method(method)[0] == "auto":  # its calibration warms up each method it times
+            continue
         models.generate(ids[:WARMUP_TOKENS], method, **_options(cfg, 4))
     return time.perf_counter() - t0
 
@@ -173,8 +184,11 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
     result = models.generate(ids, method, **_options(cfg, cfg.gen_len))
     s = result.stats
     n = len(result.tokens)
-    spec = Speculation(method=split_method(method)[0],
-                       **{k: v for k, v in cfg.engine.items() if k in Speculation.__dataclass_fields__})
+    chosen = s.get("auto")  # what auto ran (planner.Choice.record): the projection is that method's
+    knobs = {k: v for k, v in cfg.engine.items() if k in Speculation.__dataclass_fields__}
+    if chosen is not None:
+        knobs.update({k: chosen[k] for k in ("gamma1", "gamma2") if k in chosen})
+    spec = Speculation(method=chosen["method"] if chosen else split_method(method)[0], **knobs)
     spec = spec.fitted(spec.capacity(len(ids) + cfg.gen_len))  # as the Session fitted it
     # Bytes of offloaded KV one rank streams per full-cache verification: only committed rows are
     # copied, so at the mean context length over the decode (about prompt + half the generated tokens).
@@ -186,6 +200,7 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
         if streamed and s["decode_s"] > 0 else None
     return {
         "method": method,
+        "auto": chosen,
         "tokens": n,
         "ms_per_token": s["ms_per_token"],
         "speedup_vs_ar": None,

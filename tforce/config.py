@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from .errors import UsageError
 
 METHODS = ("triforce", "ar", "retrieval", "streaming", "naive")
+AUTO = "auto"  # not a method: planner.py chooses one of METHODS (and its gammas) for the run
 POLICIES = ("retrieval", "shared", "topk", "streaming", "h2o")  # the middle cache's selection rule (cache/policies.py)
 
 
@@ -56,8 +57,10 @@ class Speculation:
         return self.method in ("triforce", "streaming", "naive")
 
     def validate(self) -> None:
+        if self.method == AUTO:  # the planner chooses among METHODS: every option is checked as triforce's
+            return replace(self, method="triforce").validate()
         if self.method not in METHODS:
-            raise UsageError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+            raise UsageError(f"unknown method {self.method!r}; choose one of {', '.join((AUTO,) + METHODS)}")
         for name in ("gamma1", "gamma2", "budget", "chunk_size", "draft_budget", "rebuild_every"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

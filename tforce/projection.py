@@ -63,6 +63,15 @@ def per_token(rate: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
+def rate_at(rate: float, gamma: int, other: int) -> float:
+    """The acceptance rate rounds of `other` drafted tokens would report where rounds of `gamma` report
+    `rate`: the same independent per-token acceptance (per_token), so sum_{k=1..other} alpha^k / other."""
+    if gamma == other:
+        return rate
+    alpha = per_token(rate, gamma)
+    return sum(alpha ** k for k in range(1, other + 1)) / other
+
+
 def _round_tokens(level: tuple, rate) -> dict[int, float]:
     """Distribution of the tokens one round of `level` yields."""
     if level[0] == "drafter":
@@ -153,28 +162,44 @@ def project(stats: dict, spec: Speculation, rate) -> dict | None:
     """The projected decode cost at acceptance `rate` (forwards_per_token's) from one run's statistics
     (decode.row_stats), or None when the run timed too little to project from (a node that ran no forward
     while decoding)."""
+    costs = stage_costs(stats)
+    return None if costs is None else predict(costs, spec, rate)
+
+
+def stage_costs(stats: dict) -> dict | None:
+    """What a run's statistics (engine._stats) say each step of its decode costs: milliseconds per forward
+    of each node, of the rest of the loop per forward, of one retrieval rebuild (None without a retrieval
+    cache); None when the run timed too little (a node that ran no forward while decoding)."""
     forwards, stage_s = stats["forwards"], stats["stage_s"]
     if any(n == 0 for n in forwards.values()) or not stats["decode_s"]:
         return None
-    per_forward = {name: stage_s[name] / n for name, n in forwards.items()}
     rebuild_s = stats["rebuild_s"] or 0.0
     # The decode loop outside forwards and rebuilds (sampling, verification, host syncs, Python), per forward.
     other = max(0.0, stats["decode_s"] - sum(stage_s.values()) - rebuild_s) / sum(forwards.values())
-    need = forwards_per_token(spec, rate)
-    seconds = {name: f * (per_forward[name] + other) for name, f in need.items()}
-    rebuilds = {"rebuilds_per_token": None, "low_acceptance_rebuilds": None}  # no retrieval cache
+    rebuild = None
     if stats["rebuild_s"] is not None:
-        one = rebuild_s / stats["rebuilds"] if stats["rebuilds"] else stats["prefill_rebuild_s"]
+        rebuild = 1000 * (rebuild_s / stats["rebuilds"] if stats["rebuilds"] else stats["prefill_rebuild_s"] or 0.0)
+    return {"ms_per_forward": {name: 1000 * stage_s[name] / n for name, n in forwards.items()},
+            "other_ms_per_forward": 1000 * other, "rebuild_ms": rebuild}
+
+
+def predict(costs: dict, spec: Speculation, rate) -> dict:
+    """The decode cost per token of `spec` at acceptance `rate` from step costs (stage_costs')."""
+    per_forward, other = costs["ms_per_forward"], costs["other_ms_per_forward"]
+    need = forwards_per_token(spec, rate)
+    ms = {name: f * (per_forward[name] + other) for name, f in need.items()}
+    rebuilds = {"rebuilds_per_token": None, "low_acceptance_rebuilds": None}  # no retrieval cache
+    if costs["rebuild_ms"] is not None:
         rebuilds = {"rebuilds_per_token": 1 / rebuild_interval(spec, rate),
                     "low_acceptance_rebuilds": low_acceptance_rule(spec, rate)}
-        seconds["rebuilds"] = (one or 0.0) * rebuilds["rebuilds_per_token"]
+        ms["rebuilds"] = costs["rebuild_ms"] * rebuilds["rebuilds_per_token"]
     return {
         "acceptance": rate,
-        "ms_per_token": 1000 * sum(seconds.values()),
+        "ms_per_token": sum(ms.values()),
         "tokens_per_verification": 1 / need["full"],
         "forwards_per_token": need,
-        "ms_per_token_by_stage": {name: 1000 * s for name, s in seconds.items()},
-        "ms_per_forward": {name: 1000 * t for name, t in per_forward.items()},
-        "other_ms_per_forward": 1000 * other,
+        "ms_per_token_by_stage": ms,
+        "ms_per_forward": dict(per_forward),
+        "other_ms_per_forward": other,
         **rebuilds,
     }

@@ -68,6 +68,14 @@ class PromptFormat:
             return list(self.tok.encode(text))
         return self._encode(self._render([{"role": "user", "content": text}]))
 
+    def messages_ids(self, messages: list[dict]) -> list[int]:
+        """The tokens of a whole conversation ({"role", "content"} messages, as an OpenAI-style chat request
+        gives it) in the chat template, ending in the assistant's header; one user message is prompt_ids'
+        layout of its text. Needs a template (`templated`)."""
+        if not self.templated:
+            raise UsageError(f"{self.name} has no chat template to lay messages out in")
+        return self._encode(self._render(list(messages)))
+
     # ----------------------------------------------------------------------------------------- chat
 
     def document_ids(self, document: str) -> list[int]:

@@ -229,6 +229,14 @@ class Session:
             node.adopt(self.buffer, [node.cache.length])
         node.prefill(self.buffer, m)
 
+    def resample(self, sampling: Sampling) -> None:
+        """Draw the next generations from `sampling` (a server's per-request temperature and top-p): every
+        node turns logits into probabilities with it (levels.Node), at every level alike."""
+        self.sampling = sampling
+        for node in (self.small, self.middle, self.full):
+            if node is not None:
+                node.sampling = sampling
+
     def counts(self) -> dict[str, tuple[int, float]]:
         """(forwards run so far, seconds in them) per node, by node name (draft; retrieval or streaming;
         full). On CUDA, after synchronising the device (timing.py)."""

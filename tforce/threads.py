@@ -13,7 +13,7 @@ they leave free (at least one).
 The load is the system's busy CPU time less this process's own, over SAMPLE_S when a run starts and then
 over each INTERVAL_S of decoding (`tick`, once per round: a clock read, and two /proc reads when due),
 so a neighbour that starts or stops mid-run is followed within about INTERVAL_S. What the user set
-(`--threads N`) is kept and never re-chosen. Library calls (`tforce.generate`) are not governed: the
+(`--threads N`, or TFORCE_THREADS=N) is kept and never re-chosen. Library calls (`tforce.generate`) are not governed: the
 thread count is then the caller's, as torch's is.
 """
 from __future__ import annotations
@@ -78,15 +78,20 @@ class Meter:
         return max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
 
 
-def look(sample_s: float = SAMPLE_S) -> Load:
-    """The cores other processes keep busy over a short sleep."""
+def _sample(sample_s: float) -> tuple[Optional[Meter], Load]:
+    """The meter (None without psutil) and the cores other processes kept busy over a short sleep."""
     cores = usable_cores()
     try:
         meter = Meter()
     except ImportError:
-        return Load(cores, None)
+        return None, Load(cores, None)
     time.sleep(sample_s)
-    return Load(cores, meter.others())
+    return meter, Load(cores, meter.others())
+
+
+def look(sample_s: float = SAMPLE_S) -> Load:
+    """The cores other processes keep busy over a short sleep."""
+    return _sample(sample_s)[1]
 
 
 class Governor:
@@ -126,22 +131,31 @@ def choose(requested: int) -> dict:
 
     global _governor
     _governor = None
+    requested = requested or _from_env()
     if requested:
         torch.set_num_threads(requested)
-        _choice.update(threads=requested, why="set by you (--threads)")
+        _choice.update(threads=requested, why="set by you (--threads or TFORCE_THREADS)")
         return choice()
-    cores = usable_cores()
-    try:
-        meter = Meter()
-    except ImportError:
+    meter, first = _sample(SAMPLE_S)
+    if meter is None:
         _choice.update(threads=torch.get_num_threads(), why="torch's default (psutil missing: load not seen)")
         return choice()
-    time.sleep(SAMPLE_S)
-    first = Load(cores, meter.others())
-    _governor = Governor(meter, cores, first)
+    _governor = Governor(meter, first.cores, first)
     _choice.update(threads=None, why="followed while decoding: all cores on a quiet machine, the free ones "
                                      "beside busy processes")
     return choice()
+
+
+def _from_env() -> int:
+    """TFORCE_THREADS: a fixed thread count for every run (as --threads N), e.g. for reproducible timings."""
+    value = os.environ.get("TFORCE_THREADS", "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        from .errors import UsageError
+
+        raise UsageError(f"TFORCE_THREADS must be a whole number of threads, got {value!r}")
+    return int(value)
 
 
 def tick() -> None:

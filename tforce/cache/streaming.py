@@ -143,6 +143,9 @@ class StreamingCache(StaticInputs, Rows):
         if not all(self._reach(b, n) for b, n in enumerate(keep)):
             raise TforceError("streaming cache rolled back further than it keeps (max_rollback too small)")
         super().truncate(lengths)
+        for b, n in enumerate(keep):
+            if n <= self.sinks:  # nothing of the window is left: it starts again in the slot after the sinks
+                self.offset[b] = self.sinks
 
     def _used(self, b: int) -> int:
         return self._slot(b, self.lengths[b])

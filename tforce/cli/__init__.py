@@ -1,10 +1,11 @@
-"""The `tforce` command line: run, chat, info, bench, eval (one module each; shared parts in common.py)."""
+"""The `tforce` command line: run, chat, serve, info, bench, eval, tune (one module each; shared parts in common.py)."""
 from __future__ import annotations
 
 import os
 import sys
 
-from . import bench, chat, eval, info, run  # noqa: F401  (registers the commands)
+from . import bench, chat, eval, info, run, serve, tune  # noqa: F401  (registers the commands)
+
 from .app import app
 from .common import _say
 

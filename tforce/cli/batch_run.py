@@ -88,9 +88,9 @@ def _document(path: Optional[str], where: str) -> str:
 def check_options(method: str, policy: str, world: int, prompt_given: bool, deterministic: bool,
                   snapshots: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
-    if method not in BATCH_METHODS:
+    if method != "auto" and method not in BATCH_METHODS:  # auto becomes one of them (setup._configure)
         raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)}, not {method!r}")
-    check_batchable(method, policy)
+    check_batchable("triforce" if method == "auto" else method, policy)  # auto's options are checked as triforce's
     if world > 1:
         raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
     if deterministic:

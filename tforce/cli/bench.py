@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from .. import bench_record
-from ..config import Sampling, Speculation
+from ..config import METHODS, Sampling, Speculation
 from ..demo import BENCH_TOKENS, EXCERPT, NAME, default_pair, notice
 from ..errors import TforceError, UsageError
 from .app import app
@@ -38,8 +38,9 @@ def bench(
                                                                         f"on the demo pair {BENCH_TOKENS})."),
     gen_len: int = typer.Option(256, "--gen-len", help="Tokens generated per method (EOS ignored)."),
     methods: Optional[str] = typer.Option(None, "--methods",
-                                          help="Comma-separated (default: ar,triforce,naive,retrieval,streaming; with "
-                                               "--batch: ar,triforce,naive); ar runs first and is the speed-up baseline; a "
+                                          help="Comma-separated (default: ar,triforce,naive,retrieval,streaming,auto; "
+                                               "with --batch: ar,triforce,naive); auto: the method `tforce run` "
+                                               "would choose (docs/auto.md); ar runs first and is the speed-up baseline; a "
                                                "method ending in +det (e.g. triforce+det) verifies row by row (run "
                                                "--deterministic)."),
     temperature: float = typer.Option(0.6, "--temperature", "-t", help="0 = greedy."),
@@ -92,7 +93,7 @@ def bench(
             raise UsageError(f"--prompt-len and --gen-len must be >= 1, got {length} and {gen_len}")
         if dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        default = "ar,triforce,naive" if batch is not None else "ar,triforce,naive,retrieval,streaming"
+        default = "ar,triforce,naive" if batch is not None else "ar,triforce,naive,retrieval,streaming,auto"
         names = b.parse_methods(methods or default)
         if batch is not None:
             from ..bench_batch import check_methods
@@ -187,7 +188,11 @@ def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str, ro
     """Every method's run must fit, weights and caches, before anything is built (tforce info's plan)."""
     from ..bench import split_method
 
-    for method in dict.fromkeys(split_method(m)[0] for m in cfg.methods):
+    methods = [split_method(m)[0] for m in cfg.methods]
+    if "auto" in methods:  # its calibration runs every method it may choose
+        methods = [m for m in methods if m != "auto"] + [m for m in METHODS
+                                                          if draft_cfg is not None or not Speculation(method=m).uses_draft]
+    for method in dict.fromkeys(methods):
         _check_memory(target_cfg, draft_cfg, cfg.prompt_len + cfg.gen_len, torch_dtype.itemsize, device,
                       cfg.offload, cfg.gpu_memory, cfg.engine["budget"], method, rows)
 
@@ -202,6 +207,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
     from ..synthetic import ARCHITECTURES, make_config
 
     uses_draft = any(Speculation(method=m).uses_draft for m in cfg.methods)
+    auto = any(b.split_method(m)[0] == "auto" for m in cfg.methods)  # takes a draft where there is one
     if synthetic is not None:
         if synthetic not in ARCHITECTURES:
             raise UsageError(f"--synthetic must be one of {', '.join(ARCHITECTURES)}, got {synthetic!r}")
@@ -209,7 +215,8 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
                                                                      else torch.float32)
         _check_room(cfg, ARCHITECTURES[synthetic]["max_position_embeddings"], fit)
         target_cfg = make_config(synthetic)
-        draft_cfg = make_config(synthetic, **b.DRAFT_SHAPES.get(synthetic, b.LLAMA_68M)) if uses_draft else None
+        draft_cfg = make_config(synthetic, **b.DRAFT_SHAPES.get(synthetic, b.LLAMA_68M)) if uses_draft or auto \
+            else None
         _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device, batch or 1)
         _say(f"tforce: bench: building a random-weight {synthetic} target and draft on {device} (SYNTHETIC)")
         models = b.Models.local(*b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed))
@@ -222,7 +229,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         if uses_draft and draft_name is None:
             raise UsageError("the methods need a draft model: pass --draft, or drop triforce, naive and streaming")
         # loaded also as hf-assisted's assistant when there is one
-        uses_draft = draft_name is not None and (uses_draft or "hf-assisted" in cfg.peers)
+        uses_draft = draft_name is not None and (uses_draft or auto or "hf-assisted" in cfg.peers)
         torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
         if world > 1:  # the ranks load the weights: here only the config and tokenizer
             path, config, tokenizer = _tp_target(model, world)

@@ -29,7 +29,8 @@ def _bench_rows(r: dict) -> list[list[str]]:
         acc = run["acceptance"]
         h2d = "-" if run["h2d_gbps"] is None else f"{run['h2d_gbps']:.1f} ({f(peak, '.1f')})"
         pl = run["placement"]
-        rows.append([run["method"], f(run["ms_per_token"], ".1f"), f(run["speedup_vs_ar"], ".2f", "x"),
+        label = run["method"] if not run.get("auto") else f"{run['method']}: {run['auto']['method']}"
+        rows.append([label, f(run["ms_per_token"], ".1f"), f(run["speedup_vs_ar"], ".2f", "x"),
                      f(acc.get("draft"), ".1%"), f(acc.get("retrieval"), ".1%"),
                      f(run["tokens_per_verification"], ".2f"), f(run["prefill_s"], ".2f"), _rebuilds(run), h2d,
                      f(run["floor_ms_per_verification"], ".1f"), f(run["gpu_mem_gib"], ".1f"),

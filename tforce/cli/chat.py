@@ -66,8 +66,8 @@ def chat(
     ignore_eos: bool = o.IGNORE_EOS,
     budget: int = o.BUDGET,
     chunk_size: int = o.CHUNK_SIZE,
-    gamma1: int = o.GAMMA1,
-    gamma2: int = o.GAMMA2,
+    gamma1: Optional[int] = o.GAMMA1,
+    gamma2: Optional[int] = o.GAMMA2,
     draft_budget: int = o.DRAFT_BUDGET,
     prefill_chunk: int = o.PREFILL_CHUNK,
     sinks: int = o.SINKS,
@@ -95,7 +95,7 @@ def chat(
     def body():
         if room is not None and room < 2:
             raise UsageError(f"--room must be >= 2, got {room}")
-        setup = _configure(params)
+        setup = _configure(params, calibrate=False)
         text, from_stdin = _document(book, load_kv, model is None)
         lines, from_terminal = _question_source(questions, from_stdin, save_kv is not None)
         with ExitStack() as ranks:  # tensor-parallel ranks end with the chat, however it ends

@@ -37,7 +37,7 @@ def _placement_options(offload: str, gpu_memory: Optional[str]) -> dict:
 
 
 THREADS_HELP = ("CPU threads for torch. 0 (the default): all cores on a quiet machine, the cores other "
-                "processes leave free on a busy one, followed while decoding.")
+                "processes leave free on a busy one, followed while decoding. TFORCE_THREADS=N: as --threads N.")
 
 
 def _threads(n: int) -> None:

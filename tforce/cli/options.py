@@ -9,7 +9,8 @@ from .common import GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, flag
 MODEL = typer.Option(None, "--model", "-m", help="Target: a folder, hub id or short name (default: the demo pair).")
 DRAFT = typer.Option(None, "--draft", help="Small draft model (default: the registry's, or the sibling X-draft "
                                             "of a folder X-target; without --model, the demo's).")
-METHOD = typer.Option("triforce", "--method", help="triforce | ar | retrieval | streaming | naive")
+METHOD = typer.Option("auto", "--method", help="auto (the fastest on this machine, from measured stage costs: "
+                                                "docs/auto.md) | triforce | ar | retrieval | streaming | naive")
 MAX_NEW_TOKENS = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")
 TEMPERATURE = typer.Option(0.6, "--temperature", "-t", help="0 = greedy.")
 TOP_P = typer.Option(0.9, "--top-p", help="Nucleus sampling, in (0, 1].")
@@ -18,8 +19,10 @@ SEED = typer.Option(None, "--seed", help="Random seed.")
 IGNORE_EOS = flag("--ignore-eos", "Keep going past end-of-sequence.")
 BUDGET = typer.Option(4096, "--budget", help="Retrieval (or streaming) cache of the middle level.")
 CHUNK_SIZE = typer.Option(8, "--chunk-size", help="Retrieval chunk size.")
-GAMMA1 = typer.Option(2, "--gamma1", help="Draft tokens per middle-level verification.")
-GAMMA2 = typer.Option(6, "--gamma2", help="Tokens per full-cache verification.")
+GAMMA1 = typer.Option(None, "--gamma1", help="Draft tokens per middle-level verification (default 2; with "
+                                               "--method auto: planned unless given).")
+GAMMA2 = typer.Option(None, "--gamma2", help="Tokens per full-cache verification (default 6; with --method auto: "
+                                               "planned unless given).")
 DRAFT_BUDGET = typer.Option(256, "--draft-budget", help="StreamingLLM cache of the small draft.")
 SINKS = typer.Option(16, "--sinks", help="Attention-sink tokens of streaming caches.")
 PREFILL_CHUNK = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward (larger: fewer, "

@@ -10,7 +10,8 @@ import typer
 
 from .. import threads
 from ..demo import demo_prompt
-from ..errors import UsageError
+from ..config import AUTO, METHODS, Speculation
+from ..errors import DoesNotFit, UsageError
 from ..stops import StopStrings
 from .app import app
 from . import options as o
@@ -37,8 +38,8 @@ def run(
     ignore_eos: bool = o.IGNORE_EOS,
     budget: int = o.BUDGET,
     chunk_size: int = o.CHUNK_SIZE,
-    gamma1: int = o.GAMMA1,
-    gamma2: int = o.GAMMA2,
+    gamma1: Optional[int] = o.GAMMA1,
+    gamma2: Optional[int] = o.GAMMA2,
     draft_budget: int = o.DRAFT_BUDGET,
     prefill_chunk: int = o.PREFILL_CHUNK,
     sinks: int = o.SINKS,
@@ -75,7 +76,7 @@ def run(
             given = (prompt_file_arg, prompt_file, prompt)
             check_options(method, policy, gpus or tp, given != (None,) * 3, deterministic,
                           (save_kv, load_kv) != (None, None))
-        setup = _configure(params)
+        setup = _configure(params, calibrate=batch is None)
         # the prompts before any notice (notices), so that a bad prompt is the only line
         if batch is not None:
             items = read_batch(batch)
@@ -110,12 +111,26 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for {max_new} new tokens after "
              f"the {len(ids)}-token prompt, not the {options['max_new_tokens']} asked for")
     draft_config = _draft_config(draft, config, tok) if draft else None
+    auto = options["method"] == AUTO  # planned here, once the models are loaded (one process: world == 1)
+    if auto and max_new == 0:  # nothing to generate: nothing to plan (or calibrate) for
+        auto, options = False, {**options, "method": "ar"}
     if world == 1:  # split runs: the workers load the weights
-        _check_memory(config, draft_config, len(ids) + max_new, _dtype_bytes(dtype, device), device,
-                      options["offload"], options["gpu_memory"], options["budget"], options["method"])
+        def check(method: str) -> None:
+            _check_memory(config, draft_config, len(ids) + max_new, _dtype_bytes(dtype, device), device,
+                          options["offload"], options["gpu_memory"], options["budget"], method)
+
+        unfit = _unfit(check, draft_config is not None) if auto else check(options["method"])
         target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) \
         if draft and world == 1 else None
+    choice = None
+    if auto:
+        from ..planner import choose
+
+        choice = choose(target, small, ids, options, fixed=setup.gammas_given, exclude=unfit)
+        _say(choice.line())
+        options = {**options, **choice.options}
+        small = small if Speculation(method=options["method"]).uses_draft else None
     stops = StopStrings(tok, setup.stops)
     stream = TextStream(tok, sys.stdout, enabled=not as_json, stops=stops or None)
     progress = Progress(max_new, options["method"], stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
@@ -140,8 +155,11 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
     if not as_json:
         _end_line(out)
     _kv_notes(options, result.stats, len(ids) - 1)
+    if choice is not None:
+        choice.remember(result.stats, len(result.tokens))
     if as_json:
         record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
+                  "auto": None if choice is None else choice.record(),
                   "chat_template": fmt.templated, "stopped_by": stops.matched(result.tokens),
                   "device": device, "stats": result.stats, "cpu_threads": threads.choice()}
         sys.stdout.write(json.dumps(record) + "\n")
@@ -151,6 +169,20 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
         progress.finish(result.stats)
     else:
         _say(_summary_line(len(result.tokens), len(ids), options["method"], result.stats))
+
+
+def _unfit(check, has_draft: bool) -> set[str]:
+    """--method auto: the methods whose caches do not fit in memory (check(method) raises DoesNotFit), left
+    out of the plan; ar's refusal is the run's (every other method needs more)."""
+    check("ar")
+    unfit = set()
+    for method in METHODS:
+        if method != "ar" and (has_draft or not Speculation(method=method).uses_draft):
+            try:
+                check(method)
+            except DoesNotFit:
+                unfit.add(method)
+    return unfit
 
 
 def _kv_notes(options: dict, stats: dict, cached: int) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..config import Sampling, Speculation
+from ..config import AUTO, Sampling, Speculation
 from ..demo import NAME, default_pair, notice
 from ..errors import UsageError
 from .common import DTYPES, _as_role, _decode_text, _device, _gpu_memory_note, _placement_options, _say, _threads
@@ -90,6 +90,8 @@ class Setup:
     template: str = "auto"  # prompt_format.PromptFormat's
     system: Optional[str] = None
     stops: tuple = ()  # --stop strings (stops.StopStrings)
+    gammas_given: dict = field(default_factory=dict)  # --gamma1/--gamma2 as given: --method auto keeps them
+    auto_note: Optional[str] = None  # what --method auto became without a calibration (notices)
 
     def prompt_format(self, tok, path, snapshot_ids: Optional[list] = None):
         """How this command's text becomes tokens (the target's tokenizer `tok`, from folder `path`); with
@@ -100,24 +102,34 @@ class Setup:
         return fmt if snapshot_ids is None else fmt.as_made(snapshot_ids)
 
 
-def notices(setup: Setup, fmt, batch: bool = False) -> None:
+def notices(setup: Setup, fmt, batch: bool = False, serving: bool = False) -> None:
     """The command's stderr notes (--gpu-memory off CUDA, the demo pair, greedy's exactness in a 16-bit
     dtype, the chat template laying the prompt out): after the prompt's checks, the template's included, so
-    that a refused prompt's error is the only line. batch: --batch's."""
+    that a refused prompt's error is the only line. batch: --batch's. serving: `tforce serve`'s, where only
+    chat requests take the template."""
     _gpu_memory_note(setup.options["gpu_memory"], setup.device)
     if setup.demo is not None:
         _say(notice(setup.target, setup.demo))
     _exactness_note(setup, batch)
-    if fmt.templated:
+    if fmt.templated and serving:
+        _say(f"tforce: chat requests follow {setup.target}'s chat template; completions take the text as it is")
+    elif fmt.templated:
         # the model as the user named it: a GGUF file's or a Hub id's folder is a cache path they never typed
         _say(f"tforce: the prompt follows {setup.target}'s chat template (--template none: the text as it is)")
     if fmt.snapshot_date is not None:
         _say(f"tforce: the chat template writes the date: the prompt has the KV snapshot's ({fmt.snapshot_date}), "
              "which its cache was computed with")
+    if setup.auto_note is not None:
+        _say(setup.auto_note)
 
 
-def _configure(p: dict) -> Setup:
-    """Checks the shared options (options.py) of `run` and `chat`, given as their parameters by name."""
+def _configure(p: dict, calibrate: bool = True) -> Setup:
+    """Checks the shared options (options.py) of `run` and `chat`, given as their parameters by name.
+    --method auto stays auto where the command plans it from measured costs (calibrate: `run` of one
+    prompt in one process, once its models are loaded); elsewhere it becomes planner.uncalibrated's
+    method here, and notices() says so."""
+    given = {k: p[k] for k in ("gamma1", "gamma2") if p[k] is not None}  # auto keeps them; the others are planned
+    p = {**p, "gamma1": given.get("gamma1", Speculation.gamma1), "gamma2": given.get("gamma2", Speculation.gamma2)}
     spec = Speculation(**{k: p[k] for k in ("method", "gamma1", "gamma2", "budget", "chunk_size", "draft_budget",
                                             "sinks", "rebuild_every", "rebuild_below", "policy")})
     spec.validate()
@@ -143,15 +155,24 @@ def _configure(p: dict) -> Setup:
         target_name, demo_draft = default_pair()
     else:  # the target first: a missing target folder is not a missing draft
         _check_local(model, "target model")
-    if draft is not None and spec.uses_draft:
+    if draft is not None and (spec.uses_draft or spec.method == AUTO):  # auto takes a draft where one is given
         _check_local(draft, "draft model")
     draft_name = draft if draft is not None else _default_draft(target_name)
     if spec.uses_draft and draft_name is None:
         raise UsageError(f"method {spec.method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
     options = {k: p[k] for k in ENGINE}
+    auto_note = None
+    if spec.method == AUTO and (not calibrate or world > 1):
+        from ..planner import uncalibrated
+
+        options["method"] = uncalibrated(dev, draft_name is not None)
+        why = "--tp/--gpus ranks" if world > 1 else "this command"
+        auto_note = (f"tforce: auto: {options['method']} ({why} runs no calibration: on a GPU with a draft "
+                     "triforce, otherwise ar; --method chooses)")
+    uses_draft = options["method"] == AUTO or Speculation(method=options["method"]).uses_draft
     named = (draft or demo_draft) if model is None else None  # the draft the demo notice names
-    return Setup(target_name, draft_name if spec.uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
-                 world, {**options, **placement_options}, named, p["template"], system, stops)
+    return Setup(target_name, draft_name if uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
+                 world, {**options, **placement_options}, named, p["template"], system, stops, given, auto_note)
 
 
 def _unescape(text: str) -> str:

@@ -1,0 +1,113 @@
+"""planner.py: the cheapest candidate from stand-in stage costs and acceptance (hand-computed cases), the
+gammas it keeps and searches, the methods it may choose, and a new plan once runs have moved the
+acceptance."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tforce import calibration
+from tforce.config import Speculation
+from tforce.planner import GAMMA1, GAMMA2, candidates, choose, predictions
+
+OPTIONS = dict(Speculation().__dict__, method="auto", temperature=0.0, max_new_tokens=64)
+ALL = ["ar", "naive", "retrieval", "streaming", "triforce"]
+
+
+def _method(nodes: dict, acceptance: dict | None, other: float = 0.0, rebuild: float | None = None) -> dict:
+    return {"costs": {"ms_per_forward": nodes, "other_ms_per_forward": other, "rebuild_ms": rebuild},
+            "gamma1": 2, "gamma2": 6, "acceptance": acceptance or {"draft": None, "retrieval": None},
+            "ms_per_token": None, "tokens": 24}
+
+
+def _entry(full: float, draft: float, middle: float, rate: float) -> dict:
+    both = {"draft": rate, "retrieval": rate}
+    return {"key": {}, "measured_at": 0.0, "calibration_s": 0.0, "methods": {
+        "ar": _method({"full": full}, None),
+        "naive": _method({"draft": draft, "full": full}, {"draft": rate, "retrieval": None}),
+        "retrieval": _method({"retrieval": middle, "full": full}, {"draft": None, "retrieval": rate}, rebuild=0.0),
+        "streaming": _method({"draft": draft, "streaming": middle, "full": full}, both),
+        "triforce": _method({"draft": draft, "retrieval": middle, "full": full}, both, rebuild=0.0)}}
+
+
+def _best(entry, fixed=None, methods=ALL):
+    return predictions(entry, methods, OPTIONS, 1000, fixed or {})[0]
+
+
+def test_a_draft_that_is_never_right_loses_to_ar():
+    # Nothing accepted: every round yields one token for its forwards, so each speculative method costs
+    # more than ar's one full forward (10 ms) per token.
+    best = _best(_entry(full=10.0, draft=1.0, middle=5.0, rate=0.0))
+    assert best["method"] == "ar" and best["ms_per_token"] == pytest.approx(10.0)
+
+
+def test_a_cheap_draft_that_is_always_right_wins_with_the_longest_gamma():
+    # naive at full acceptance: a round of gamma2 draft forwards and one full forward yields gamma2 + 1
+    # tokens: (gamma2 * 1 + 10) / (gamma2 + 1) ms/token, least at the grid's largest gamma2 (20/11). With
+    # the middle level as dear as the full one, triforce and retrieval cannot beat that.
+    entry = _entry(full=10.0, draft=1.0, middle=10.0, rate=1.0)
+    best = _best(entry)
+    top = max(GAMMA2)
+    assert (best["method"], best["gamma2"]) == ("naive", top)
+    assert best["ms_per_token"] == pytest.approx((top + 10) / (top + 1))
+    every = predictions(entry, ALL, OPTIONS, 1000, {})
+    assert best == min(every, key=lambda c: c["ms_per_token"])
+    assert len([c for c in every if c["method"] == "triforce"]) == len(GAMMA1) * len(GAMMA2)
+
+
+def test_given_gammas_are_kept():
+    entry = _entry(full=10.0, draft=1.0, middle=10.0, rate=1.0)
+    best = _best(entry, fixed={"gamma2": 4})
+    assert (best["method"], best["gamma2"]) == ("naive", 4)
+    assert best["ms_per_token"] == pytest.approx(14 / 5)
+    assert {c["gamma1"] for c in predictions(entry, ["triforce"], OPTIONS, 1000, {"gamma1": 3})} == {3}
+
+
+def test_acceptance_moves_between_gammas_at_one_per_token_rate():
+    # Measured at gamma2 = 6 with rate 0.5: alpha with sum_{k<=6} alpha^k = 3; at gamma2 = 2 the rate is
+    # (alpha + alpha^2) / 2, which is higher (the first drafts are the likeliest accepted).
+    entry = _entry(full=10.0, draft=1.0, middle=10.0, rate=0.5)
+    naive = {c["gamma2"]: c for c in predictions(entry, ["naive"], OPTIONS, 1000, {})}
+    assert naive[6]["acceptance"]["draft"] == pytest.approx(0.5)
+    assert naive[2]["acceptance"]["draft"] > 0.5
+
+
+def test_candidates_follow_the_options_and_the_draft():
+    assert candidates(OPTIONS, has_draft=True) == ALL
+    assert candidates(OPTIONS, has_draft=False) == ["ar", "retrieval"]
+    assert candidates(OPTIONS, has_draft=True, exclude={"triforce"}) == ALL[:-1]
+    # a middle-cache policy: only the methods that have a retrieval cache
+    assert candidates(dict(OPTIONS, policy="topk"), has_draft=True) == ["retrieval", "triforce"]
+    # a streaming budget no larger than its sinks
+    assert "streaming" not in candidates(dict(OPTIONS, budget=16, sinks=16, chunk_size=8), has_draft=True)
+
+
+def test_runs_that_accept_less_change_the_next_plan(tiny, tmp_path, monkeypatch):
+    """choose reads the cached entry; a run that accepted nothing, folded in (calibration.remember), makes
+    the next plan ar where the calibration's acceptance made it naive."""
+    target, draft = tiny["gqa"], tiny["draft"]
+    ids = list(range(3, 203))
+    entry = _entry(full=10.0, draft=1.0, middle=100.0, rate=1.0)  # a middle level too dear to win
+    entry.update(key=calibration.key(target, draft, len(ids), OPTIONS), measured_at=time.time())
+    calibration.write(entry, tmp_path)
+    monkeypatch.setattr(calibration, "measure", lambda *a: pytest.fail("measured again: the cache was not read"))
+    first = choose(target, draft, ids, OPTIONS, folder=tmp_path)
+    assert first.best["method"] == "naive" and not first.measured_now
+    first.remember({"acceptance": {"draft": 0.0, "retrieval": None}}, tokens=calibration.MEMORY_TOKENS * 4)
+    again = choose(target, draft, ids, OPTIONS, folder=tmp_path)
+    # the calibration's 24 tokens at 1.0 beside the run's 4,096 at 0
+    assert again.entry["methods"]["naive"]["acceptance"]["draft"] == pytest.approx(24 / (24 + 4096))
+    assert again.best["method"] == "ar"
+
+
+def test_a_verification_fed_fewer_tokens_costs_less():
+    # ar's full forward (1 token) 10 ms, the others' (gamma2 + 1 = 7 tokens) 16 ms: 1 ms per token fed. At
+    # gamma2 = 2 naive's verification is fed 3 tokens: 12 ms; at full acceptance, rounds of 2 draft
+    # forwards (1 ms) and one verification yield 3 tokens: (2 + 12) / 3 ms/token.
+    entry = _entry(full=10.0, draft=1.0, middle=100.0, rate=1.0)
+    for method in ALL[1:]:
+        entry["methods"][method]["costs"]["ms_per_forward"]["full"] = 16.0
+    naive = {c["gamma2"]: c for c in predictions(entry, ["naive"], OPTIONS, 1000, {})}
+    assert naive[2]["ms_per_token"] == pytest.approx((2 + 12) / 3)
+    assert naive[10]["ms_per_token"] == pytest.approx((10 + 20) / 11)

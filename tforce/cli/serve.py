@@ -1,0 +1,153 @@
+"""`tforce serve`: the model pair behind an OpenAI-compatible HTTP API (tforce/serve/, docs/serve.md).
+
+The options are run's (model, method, sampling defaults, budgets, placement, template); the server's own
+are where it listens, its API key, the largest request body and the context its one KV cache holds.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..errors import TforceError, UsageError
+from . import options as o
+from .app import app
+from .common import _as_role, _check_memory, _debug, _guarded, _say
+from .setup import _configure, _draft_config, _dtype_bytes, _tp_target, notices
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: one the system picks)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TFORCE_API_KEY",
+                                          help="Refuse requests without 'Authorization: Bearer KEY' (401)."),
+    max_body: int = typer.Option(16 * 2**20, "--max-body", help="Largest request body in bytes (413 above)."),
+    ctx_size: Optional[int] = typer.Option(None, "--ctx-size", help="Tokens the server's KV cache holds, prompt "
+                                           "and answer (default: the model's context)."),
+    name: Optional[str] = typer.Option(None, "--name", help="The model's id in the API (default: --model as given, "
+                                       "or the demo target's folder name)."),
+    kv_dir: Optional[str] = typer.Option(None, "--kv-dir", metavar="DIR", help="Keep long prompts' KV caches there "
+                                         "as snapshots, reused across restarts."),
+    kv_dir_size: str = typer.Option("16GiB", "--kv-dir-size", help="Most bytes --kv-dir holds (least recently "
+                                    "used snapshots removed first)."),
+    kv_dir_min: int = typer.Option(1024, "--kv-dir-min", help="Prompt tokens a request must prefill to be kept "
+                                   "in --kv-dir."),
+    model: Optional[str] = o.MODEL,
+    draft: Optional[str] = o.DRAFT,
+    method: str = o.METHOD,
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="max_tokens when a request gives none."),
+    temperature: float = typer.Option(0.6, "--temperature", "-t", help="temperature when a request gives none."),
+    top_p: float = typer.Option(0.9, "--top-p", help="top_p when a request gives none."),
+    top_k: int = o.TOP_K,
+    seed: Optional[int] = typer.Option(None, "--seed", help="seed when a request gives none (default: random)."),
+    ignore_eos: bool = o.IGNORE_EOS,
+    budget: int = o.BUDGET,
+    chunk_size: int = o.CHUNK_SIZE,
+    gamma1: int = o.GAMMA1,
+    gamma2: int = o.GAMMA2,
+    draft_budget: int = o.DRAFT_BUDGET,
+    prefill_chunk: int = o.PREFILL_CHUNK,
+    sinks: int = o.SINKS,
+    rebuild_every: int = o.REBUILD_EVERY,
+    rebuild_below: float = o.REBUILD_BELOW,
+    policy: str = o.POLICY,
+    deterministic: bool = o.DETERMINISTIC,
+    device: str = o.DEVICE,
+    threads: int = o.THREADS,
+    dtype: str = o.DTYPE,
+    offload: str = o.OFFLOAD,
+    gpu_memory: Optional[str] = o.GPU_MEMORY,
+    template: str = typer.Option("auto", "--template", help="auto: chat requests are laid out in the model's chat "
+                                 "template | none: refuse chat requests (completions take text as it is)."),
+    system: Optional[str] = o.SYSTEM,
+    stop: Optional[List[str]] = o.STOP,
+    tp: int = o.TP,
+    gpus: Optional[int] = o.GPUS,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    params = dict(locals(), save_kv=None, load_kv=None)
+
+    def body():
+        missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise TforceError(f"tforce serve needs {' and '.join(missing)}: pip install 'tforce[serve]'")
+        if not 0 <= port <= 65535:
+            raise UsageError(f"--port must be in [0, 65535], got {port}")
+        if max_body < 1:
+            raise UsageError(f"--max-body must be >= 1, got {max_body}")
+        if api_key is not None and not api_key.strip():
+            raise UsageError("--api-key must not be empty")
+        setup = _configure(params, calibrate=False)
+        if setup.world > 1:
+            raise UsageError("tforce serve runs in one process: --tp and --gpus are not supported yet")
+        from ..bench import parse_size
+
+        store = None if kv_dir is None else (kv_dir, parse_size(kv_dir_size, "--kv-dir-size"), kv_dir_min)
+        if kv_dir_min < 1:
+            raise UsageError(f"--kv-dir-min must be >= 1, got {kv_dir_min}")
+        _serve(setup, host, port, api_key, max_body, ctx_size, name or model or Path(setup.target).name, store)
+
+    _guarded(body)
+
+
+def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, ctx_size: Optional[int],
+           name: str, store: Optional[tuple]) -> None:
+    """store: (--kv-dir, its size limit in bytes, --kv-dir-min) or None."""
+    from ..serve.app import Settings, build
+    from ..serve.server import listen, run
+    from ..serve.worker import Worker
+    from ..weights import load_model
+
+    path, config, tok = _tp_target(setup.target, 1)
+    if tok is None:
+        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
+    context = config.max_position_embeddings
+    if ctx_size is not None and not 2 <= ctx_size <= context:
+        raise UsageError(f"--ctx-size must be in [2, {context}] (the model's context), got {ctx_size}")
+    context = ctx_size or context
+    fmt = setup.prompt_format(tok, path)
+    notices(setup, fmt, serving=True)
+    draft_config = _draft_config(setup.draft, config, tok) if setup.draft else None
+    opts = setup.options
+    _check_memory(config, draft_config, context, _dtype_bytes(setup.dtype, setup.device), setup.device,
+                  opts["offload"], opts["gpu_memory"], opts["budget"], opts["method"])
+    target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
+                      tokenizer=False)
+    small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,
+                     tokenizer=False) if setup.draft else None
+    try:
+        sock = listen(host, port)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    if store is not None:
+        from ..serve.kv_store import KVStore
+        from ..snapshot_identity import identity
+
+        store = KVStore(*store, identity(target, small), log=_say)
+    worker = Worker(target.model, small.model if small else None, tok, name, context, opts, setup.template,
+                    setup.system, setup.stops, log=_say, debug=_debug(), store=store)
+    if api_key is None and not _loopback(host):
+        _say(f"tforce: note: listening on {host} without --api-key: whoever reaches the port can use the model")
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    _say(f"tforce: serving {name} ({opts['method']}, {context}-token context) on http://{shown}:{bound}/v1"
+         + (" (API key required)" if api_key else ""))
+    try:
+        run(build(Settings(worker, name, api_key, max_body, _say, _debug())), sock, worker.stop)
+    finally:
+        worker.stop()
+        worker.join(5)
+        sock.close()
+    _say("tforce: serve: stopped")
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

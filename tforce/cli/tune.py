@@ -1,0 +1,118 @@
+"""`tforce tune`: what `--method auto` chooses for a prompt on this machine, and each method's predicted
+ms/token beside a run that measures it (docs/auto.md)."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from ..errors import UsageError
+from .app import app
+from . import options as o
+from .common import _as_role, _check_memory, _guarded, _say, flag
+from .setup import _configure, _draft_config, _dtype_bytes, _read_prompt, _tp_target, notices
+
+# run's options that tune does not take: their defaults (options.py)
+FIXED = ("method", "gamma1", "gamma2", "top_k", "seed", "ignore_eos", "chunk_size", "draft_budget", "sinks",
+         "prefill_chunk", "rebuild_every", "rebuild_below", "policy", "deterministic", "offload", "gpu_memory",
+         "save_kv", "load_kv", "system", "stop", "tp", "gpus")
+
+
+@app.command()
+def tune(
+    prompt_file: str = typer.Argument(..., metavar="PROMPT_FILE", help="Document to plan for ('-' = stdin)."),
+    model: Optional[str] = o.MODEL,
+    draft: Optional[str] = o.DRAFT,
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens of each measured run."),
+    temperature: float = o.TEMPERATURE,
+    top_p: float = o.TOP_P,
+    budget: int = o.BUDGET,
+    device: str = o.DEVICE,
+    threads: int = o.THREADS,
+    dtype: str = o.DTYPE,
+    template: str = o.TEMPLATE,
+    as_json: bool = flag("--json", "Print one JSON object."),
+) -> None:
+    """Measure stage costs again, then run every method auto may choose: predicted vs measured ms/token."""
+    params = {name: getattr(o, name.upper()).default for name in FIXED}
+    params.update(model=model, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                  budget=budget, device=device, threads=threads, dtype=dtype, template=template)
+
+    def body():
+        if max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        setup = _configure(params)
+        text = _read_prompt(prompt_file, None)
+        report = _tune(text, setup)
+        if as_json:
+            sys.stdout.write(json.dumps(report) + "\n")
+        else:
+            sys.stdout.write(_table(report))
+        sys.stdout.flush()
+
+    _guarded(body)
+
+
+def _tune(text: str, setup) -> dict:
+    from ..calibration import remember
+    from ..config import Speculation
+    from ..engine import generate
+    from ..planner import choose
+    from ..weights import load_model
+    from .run import _unfit
+
+    path, config, tok = _tp_target(setup.target, 1)
+    if tok is None:
+        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
+    fmt = setup.prompt_format(tok, path)
+    ids = fmt.prompt_ids(text)
+    options = dict(setup.options)
+    if len(ids) + options["max_new_tokens"] > config.max_position_embeddings:
+        raise UsageError(f"the prompt is {len(ids)} tokens: with {options['max_new_tokens']} new ones it exceeds "
+                         f"the model's context ({config.max_position_embeddings})")
+    notices(setup, fmt)
+    draft_config = _draft_config(setup.draft, config, tok) if setup.draft else None
+
+    def check(method: str) -> None:
+        _check_memory(config, draft_config, len(ids) + options["max_new_tokens"],
+                      _dtype_bytes(setup.dtype, setup.device), setup.device, options["offload"],
+                      options["gpu_memory"], options["budget"], method)
+
+    unfit = _unfit(check, draft_config is not None)
+    target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
+                      tokenizer=False)
+    small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,
+                     tokenizer=False) if setup.draft else None
+    _say(f"tforce: tune: measuring the stage costs of every method on {len(ids)} prompt tokens")
+    choice = choose(target, small, ids, options, exclude=unfit, refresh=True)
+    _say(choice.line())
+    rows = []
+    for c in choice.candidates:
+        _say(f"tforce: tune: {c['method']}: {options['max_new_tokens']} tokens")
+        gammas = {k: c[k] for k in ("gamma1", "gamma2") if k in c}
+        uses_draft = Speculation(method=c["method"]).uses_draft
+        r = generate(target, ids, draft=small if uses_draft else None,
+                     **{**options, "method": c["method"], **gammas, "ignore_eos": True, "seed": 0})
+        if choice.cache is not None and gammas:
+            remember(choice.entry, c["method"], r.stats["acceptance"], len(r.tokens), gammas, choice.folder)
+        rows.append({**c, "measured_ms_per_token": r.stats["ms_per_token"],
+                     "measured_acceptance": r.stats["acceptance"]})
+    return {"model": setup.target, "draft": setup.draft, "device": setup.device, "prompt_tokens": len(ids),
+            "new_tokens": options["max_new_tokens"], "auto": choice.record(), "candidates": rows}
+
+
+def _table(report: dict) -> str:
+    """One line per method: its best gammas, predicted and measured ms/token; auto's choice marked."""
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    chosen = report["auto"]["method"]
+    lines = [f"{'method':<12}{'gamma1':>7}{'gamma2':>7}{'predicted':>11}{'measured':>10}{'ratio':>7}  ms/token"]
+    for c in report["candidates"]:
+        ratio = c["measured_ms_per_token"] / c["ms_per_token"] if c["measured_ms_per_token"] else None
+        mark = " (auto)" if c["method"] == chosen else ""
+        lines.append(f"{c['method']:<12}{f(c.get('gamma1'), 'd'):>7}{f(c.get('gamma2'), 'd'):>7}"
+                     f"{c['ms_per_token']:>11.2f}{f(c['measured_ms_per_token'], '.2f'):>10}{f(ratio, '.2f'):>7}{mark}")
+    return "\n".join(lines) + "\n"

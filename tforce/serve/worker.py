@@ -1,0 +1,259 @@
+"""The models and the one Session every request shares, generating one request at a time on a thread of
+its own (the device does one generation at a time; requests wait in a queue, in arrival order).
+
+Prefix reuse: the session's caches keep what the last request left. A new prompt is fed to them as a
+conversation's question is (session.Session.prefill): each node rolls back to the longest prefix it holds
+that the prompt shares and is fed only the rest, so a second question about the same document prefills
+only its own tokens. The small draft's streaming cache (sinks and a recent window) cannot roll back far;
+when a prompt branches off what the caches hold (a new question after the same document), its state is
+marked at the branch point (session.Session.mark), so that later prompts sharing that prefix restore it
+instead of feeding the draft the whole prefix again. With a KVStore (--kv-dir), a prompt that shares
+more with a snapshot on disk than with the live caches starts from that snapshot. The output is what
+the same prompt gives alone: at temperature 0 `tforce run`'s greedy tokens, with a seed its draw
+(tests/test_serve_exact.py).
+
+A client that disconnects cancels its job: checked between decoding rounds and after each prefill chunk
+of the full cache, where every cache has committed what it was fed (the next prompt rolls each back to
+what it shares); the caches keep what they hold. The server stopping ends a running answer at its next
+round and refuses a prompt still in its prefill.
+"""
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import traceback
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..cli.live import TextStream
+from ..config import Sampling
+from ..decode import decode_one, one_row_stats
+from ..engine import _eos_ids, check_ids, generator, open_session
+from ..errors import TforceError, UsageError
+from ..prompt_format import PromptFormat
+from ..session import _sync_device
+from ..stops import StopStrings
+from .kv_store import KVStore, shared_prefix
+from .requests import ApiError, Ask
+from .responses import Done
+
+
+class Cancelled(Exception):
+    """The job was cancelled (its client went away, or the server is stopping)."""
+
+
+@dataclass
+class Job:
+    """One request's work: its prompt ids and sampling, and where its events go. post(item) delivers
+    ("text", str), ("done", text, Done) or ("error", ApiError), from the worker's thread."""
+
+    ids: list
+    max_new: int
+    sampling: Sampling
+    stops: tuple
+    chat: bool
+    post: Callable = lambda item: None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def check(self, *_) -> None:
+        if self.cancelled.is_set():
+            raise Cancelled()
+
+
+class _Events:
+    """A file for TextStream: each piece of text written becomes a ("text", piece) event."""
+
+    def __init__(self, post: Callable):
+        self.post = post
+
+    def write(self, text: str) -> None:
+        self.post(("text", text))
+
+    def flush(self) -> None:
+        pass
+
+
+class Worker:
+    def __init__(self, target, draft, tokenizer, name: str, context: int, options: dict, template: str = "auto",
+                 system: Optional[str] = None, stops: tuple = (), log: Callable = print, debug: bool = False,
+                 store: Optional[KVStore] = None):
+        """target, draft: loaded networks (draft None for methods without one); context: tokens the shared
+        session holds (prompt and answer); options: generate's keyword arguments, the server's defaults
+        (max_new_tokens, temperature, top_p, seed) and the speculation and placement settings. debug: a
+        failure's traceback on stderr (TFORCE_DEBUG=1). store: prompts' KV snapshots on disk (--kv-dir)."""
+        options = dict(options)
+        self.max_new = options.pop("max_new_tokens")
+        self.eos = set() if options.pop("ignore_eos") else _eos_ids(target.config)
+        self.defaults = Sampling(options["temperature"], options["top_p"], options["top_k"], options["seed"])
+        self.target, self.tok, self.name, self.context = target, tokenizer, name, context
+        # Requests are tokenized on the server's threads while this one decodes: a fast tokenizer that one
+        # thread encodes with (which sets its truncation state) and another decodes with at once fails
+        # ("Already borrowed"), so the server's side has a copy of its own, one request at a time.
+        self.encoder, self.encoding = copy.deepcopy(tokenizer), threading.Lock()
+        self.template, self.system, self.stops, self.log, self.debug = template, system, stops, log, debug
+        self.store = store
+        self.session = open_session(target, draft, context - 1, 1, **options)
+        self.marked: Optional[torch.Tensor] = None  # the prefix the streaming caches' states are marked at
+        self.jobs: queue.Queue = queue.Queue()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="tforce-worker", daemon=True)
+        self.thread.start()
+
+    # -------------------------------------------------------------------------- on the server's side
+
+    def prepare(self, ask: Ask) -> Job:
+        """The request's prompt ids (chat: in the chat template), checked against the context; ApiError."""
+        with self.encoding:
+            ids = self._encode(ask)
+        if not ids:
+            raise ApiError(400, "the prompt is empty once tokenized", param="messages" if ask.chat else "prompt")
+        if len(ids) >= self.context:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; the server's context is {self.context}",
+                           code="context_length_exceeded", param="messages" if ask.chat else "prompt")
+        _usage(check_ids, self.target, ids)
+        d = self.defaults
+        sampling = Sampling(d.temperature if ask.temperature is None else ask.temperature,
+                            d.top_p if ask.top_p is None else ask.top_p, d.top_k,
+                            d.seed if ask.seed is None else ask.seed)
+        _usage(sampling.validate)
+        wanted = self.max_new if ask.max_tokens is None else ask.max_tokens
+        return Job(ids, min(wanted, self.context - len(ids)), sampling, ask.stop or self.stops, ask.chat)
+
+    def _encode(self, ask: Ask) -> list:
+        if not ask.chat:
+            return list(self.encoder.encode(ask.prompt))
+        fmt = _usage(PromptFormat, self.encoder, self.template, self.system, self.name)
+        if not fmt.templated:
+            raise ApiError(400, f"{self.name} has no chat template (or the server runs with --template none): "
+                                "send the text to /v1/completions", code="no_chat_template", param="messages")
+        return _usage(fmt.messages_ids, list(ask.messages))
+
+    def submit(self, job: Job) -> None:
+        if self.stopping:
+            raise ApiError(503, "the server is stopping", code="shutting_down")
+        self.jobs.put(job)
+
+    def stop(self) -> None:
+        """Stop taking jobs: those waiting are refused (503), the running one ends at its next round (its
+        answer so far, finish_reason "length"), or, still in its prefill, is refused."""
+        self.stopping = True
+        self.jobs.put(None)
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+    # ----------------------------------------------------------------------- on the worker's thread
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                break
+            if job.cancelled.is_set():  # its client went away while it waited
+                continue
+            try:
+                if self.stopping:
+                    raise ApiError(503, "the server is stopping", code="shutting_down")
+                self._run(job)
+            except Cancelled:
+                job.post(("cancelled",))
+            except ApiError as e:
+                job.post(("error", e))
+            except UsageError as e:  # refused before any work
+                job.post(("error", ApiError(400, str(e))))
+            except Exception as e:  # a bug or a device failure: the caches may be half-written
+                if self.debug:
+                    traceback.print_exc()
+                self.session.rewind(0)
+                self.marked = None
+                first = (str(e).strip().splitlines() or [""])[0]
+                what = "" if isinstance(e, TforceError) else f"{type(e).__name__}: "
+                job.post(("error", ApiError(500, what + first)))
+        while not self.jobs.empty():  # refused: the server stopped before their turn
+            job = self.jobs.get()
+            if job is not None:
+                job.post(("error", ApiError(503, "the server is stopping", code="shutting_down")))
+
+    def _run(self, job: Job) -> None:
+        s = self.session
+        device = next(self.target.parameters()).device
+        t0 = time.perf_counter()
+        prompt = torch.tensor(job.ids)
+
+        def check(*_):  # prefill progress: a prompt not yet answered is dropped when the server stops
+            job.check()
+            if self.stopping:
+                raise Cancelled()
+
+        s.resample(job.sampling)
+        loaded = self.store.restore(s, prompt, self._held(prompt)) if self.store is not None else None
+        if loaded is not None:
+            self.marked = None  # the streaming caches hold the snapshot's states now
+        reused = self._reuse(prompt, check)
+        s.reset_stats()
+        s.prefill([prompt], check)
+        if self.store is not None and len(job.ids) - 1 - reused >= self.store.min_tokens:
+            self.store.save(s)
+        _sync_device(device)
+        t1 = time.perf_counter()
+        stops = StopStrings(self.tok, job.stops)
+        stream = TextStream(self.tok, _Events(job.post), stops=stops or None)
+        first: list = []
+
+        def on_token(tokens):
+            job.check()
+            if not first:
+                first.append(time.perf_counter())
+            stream.add(tokens)
+
+        def until(tokens):  # a stop string, or the server stopping: the answer so far ends cleanly
+            return len(tokens) if self.stopping else stops.cut(tokens) if stops else None
+
+        before = s.counts()
+        out = decode_one(s, len(job.ids), job.max_new, generator(self.target, job.sampling.seed), self.eos, on_token,
+                         None, until)
+        _sync_device(device)
+        t2 = time.perf_counter()
+        text = stream.finish()
+        stopped = bool(out) and (out[-1] in self.eos or stops.matched(out) is not None)
+        stats = one_row_stats(s, out, t1 - t0, t2 - t1, before)
+        extension = {"prefix_reused": reused, "prefix_from_kv_dir": loaded or 0, "prefilled_tokens": len(job.ids) - 1 - reused,
+                     "ttft_s": (first[0] if first else t2) - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+                     "ms_per_token": stats["ms_per_token"], "acceptance": stats["acceptance"],
+                     "tokens_per_verification": stats["tokens_per_verification"],
+                     "method": s.spec.method, **({"server_stopped": True} if self.stopping else {})}
+        job.post(("done", text, Done("stop" if stopped else "length", len(job.ids), len(out), extension)))
+
+    def _held(self, prompt: torch.Tensor) -> int:
+        """How many of the prompt's tokens, but its last, the full cache holds."""
+        full = self.session.full
+        return shared_prefix(full.tokens[0, :full.cache.length], prompt[:-1])
+
+    def _reuse(self, prompt: torch.Tensor, check: Callable) -> int:
+        """How many of the prompt's tokens (but its last, which the first round feeds) the caches hold
+        already. When the prompt branches off what they hold below the streaming caches' reach, they are
+        prefilled to the branch point and marked there first (unless marked at or beyond it already)."""
+        s = self.session
+        held, shared = s.full.cache.length, self._held(prompt)
+        marked = self.marked
+        usable = marked is not None and len(marked) <= len(prompt) and torch.equal(marked, prompt[:len(marked)])
+        if shared < held and shared > 0 and s._streaming_nodes() and not (usable and len(marked) >= shared):
+            s.prefill([prompt], check, upto=[shared])
+            s.mark()
+            self.marked = prompt[:shared].clone()
+        return shared
+
+
+def _usage(fn, *args):
+    """fn(*args), a tforce usage error as a 400."""
+    try:
+        return fn(*args)
+    except UsageError as e:
+        raise ApiError(400, str(e)) from None

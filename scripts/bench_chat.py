@@ -35,7 +35,7 @@ sys.path.insert(0, ".")
 import tforce  # noqa: E402
 from tforce.bench import synthetic_pair  # noqa: E402
 from tforce.conversation import Conversation  # noqa: E402
-from tforce.demo import demo_pair  # noqa: E402
+from tforce.defaults import demo_pair  # noqa: E402
 from tforce.synthetic import byte_tokenizer  # noqa: E402
 
 QUESTIONS = ("\n\nQuestion: who is the narrator?", "\n\nWhere do the crowds of water-gazers stand?")

@@ -5,6 +5,8 @@
 # REPS times each (settings alternate within a repeat). One JSON report per cell under $OUT;
 # scripts/thread_table.py tabulates the medians.
 #   OUT=thread-out LOADS="0 1 2 T" REPS=3 bash scripts/thread_bench.sh
+# The methods side by side, as tforce chooses threads (issue of the default method):
+#   OUT=method-out SETTINGS=auto METHODS=auto,ar,naive,retrieval,streaming,triforce bash scripts/thread_bench.sh
 # Settings: auto (nothing set: what tforce chooses, tforce/threads.py), POLICY-tN: OMP_WAIT_POLICY=POLICY
 # (PASSIVE: sleeping OpenMP workers, ACTIVE: spinning ones, default: unset) and --threads N.
 set -u
@@ -12,6 +14,7 @@ OUT=${OUT:-thread-out}
 MODELS=${MODELS:-"models/demo-target:3300:64 smollm2-135m-instruct:1000:32"}  # name:prompt tokens:new tokens
 LOADS=${LOADS:-"0 1 2"}
 SETTINGS=${SETTINGS:-"auto default-t2 default-t1 PASSIVE-t2"}
+METHODS=${METHODS:-ar,triforce}
 REPS=${REPS:-3}
 BOOK=${BOOK:-../shared/data/books/middlemarch.txt}
 TFORCE=${TFORCE:-.venv/bin/tforce}
@@ -33,7 +36,7 @@ while True:
     for spec in $MODELS; do
       IFS=: read -r model plen glen <<<"$spec"
       for setting in $SETTINGS; do
-        name="$(basename "$model")-load$load-$setting-r$rep"
+        name="$(basename "$model")-$plen-load$load-$setting-r$rep"
         env_args=() threads=0
         if [ "$setting" != auto ]; then
           policy=${setting%-t*} threads=${setting##*-t}
@@ -41,7 +44,7 @@ while True:
         fi
         echo "== $name" >&2
         env -u OMP_WAIT_POLICY "${env_args[@]}" timeout "$CELL_S" "$TFORCE" bench -m "$model" \
-          --prompt-file "$BOOK" --prompt-len "$plen" --gen-len "$glen" --methods ar,triforce \
+          --prompt-file "$BOOK" --prompt-len "$plen" --gen-len "$glen" --methods "$METHODS" \
           --peers hf --temperature 0 --threads "$threads" --json >"$OUT/$name.json" 2>"$OUT/$name.log" \
           || echo "failed: $name (see $OUT/$name.log)" >&2
       done

@@ -2,6 +2,7 @@
 for each model, load and threading setting, with the threads and wait policy the run actually used.
 
     python scripts/thread_table.py thread-out            # a Markdown table on stdout
+    python scripts/thread_table.py method-out auto,ar,naive,retrieval,streaming,triforce,hf,hf-assisted
 """
 from __future__ import annotations
 
@@ -35,20 +36,25 @@ def rows(folder: Path) -> dict:
         for run in report.get("runs", []) + report.get("peers", []):
             if run.get("ms_per_token") is not None:
                 cells.setdefault(run["method"], []).append(run["ms_per_token"])
+            if run.get("auto"):  # what auto chose, shown beside its time
+                cells.setdefault("chose", set()).add(run["auto"]["method"])
     return table
 
 
-def main(folder: str) -> None:
+def main(folder: str, columns=COLUMNS) -> None:
     table = rows(Path(folder))
-    print("| model | busy processes | setting | wait/threads used | runs | " + " | ".join(COLUMNS) + " | ar / hf |")
-    print("|---|---|---|---|---|" + "---|" * (len(COLUMNS) + 1))
+    print("| model | busy processes | setting | wait/threads used | runs | " + " | ".join(columns) + " | ar / hf |")
+    print("|---|---|---|---|---|" + "---|" * (len(columns) + 1))
     for (model, load, setting), cells in sorted(table.items()):
-        values = {c: statistics.median(cells[c]) for c in COLUMNS if c in cells}
+        values = {c: statistics.median(cells[c]) for c in columns if c in cells}
         ratio = f"{values['ar'] / values['hf']:.2f}" if "ar" in values and "hf" in values else ""
-        shown = " | ".join(f"{values[c]:.2f}" if c in values else "" for c in COLUMNS)
+        chose = "/".join(sorted(cells.get("chose", ())))
+        shown = " | ".join((f"{values[c]:.2f}" + (f" ({chose})" if c == "auto" and chose else ""))
+                           if c in values else "" for c in columns)
         used = ", ".join(sorted(cells["used"]))
         print(f"| {model} | {load} | {setting} | {used} | {cells['n']} | {shown} | {ratio} |")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "thread-out")
+    main(sys.argv[1] if len(sys.argv) > 1 else "thread-out",
+         tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else COLUMNS)

@@ -1,13 +1,16 @@
 """Shared fixtures: tiny random checkpoints written with transformers' save_pretrained, once per session."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 import tforce
-from tforce.demo import REPO_MODELS
+from tforce.defaults import REPO_MODELS
 from tforce.synthetic import make_checkpoint
 
 # name -> make_checkpoint overrides. All share the 259-token byte vocabulary so any pair can draft.
@@ -32,6 +35,13 @@ os.environ.setdefault("TFORCE_DEMO_MODELS", str(REPO_MODELS))
 # load, which the other test worker changes): results and timings do not depend on the neighbour.
 os.environ.setdefault("TFORCE_THREADS", "1")
 
+# --method auto's calibrations (tforce/calibration.py) and GGUF conversions go to a folder of this session
+# (command-line runs in subprocesses included), not the user's cache: a calibration left by an earlier
+# session would decide what a test's run measures.
+if "TFORCE_CACHE" not in os.environ:
+    os.environ["TFORCE_CACHE"] = tempfile.mkdtemp(prefix="tforce-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TFORCE_CACHE"], True)
+
 # The test models are tiny: one thread is faster than two fighting over a 2-core machine.
 torch.set_num_threads(1)
 
@@ -54,15 +64,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def auto_cache(tmp_path_factory):
-    """--method auto's calibrations (tforce/calibration.py) go to this session's folder, not the user's cache."""
-    folder = tmp_path_factory.mktemp("auto-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("tforce.calibration.cache_dir", lambda: folder)
-        yield folder
 
 
 @pytest.fixture(scope="session")

@@ -157,7 +157,8 @@ def test_bench_without_a_model_times_the_demo_pair_on_its_excerpt(runner, monkey
     """Neither --model nor --synthetic was a usage error while run and chat default to the demo pair: bench
     now times that pair too, on its excerpt (3300 tokens of it by default, as `make demo`), and says so."""
     import tforce.bench
-    from tforce.demo import EXCERPT, demo_pair
+    from tforce.defaults import demo_pair
+    from tforce.demo import EXCERPT
 
     seen = []
     real = tforce.bench.prompt_ids

@@ -77,3 +77,30 @@ def test_a_calibration_is_measured_once_then_read(tiny, tmp_path, monkeypatch):
     assert not again.measured_now and len(calls) == 1 and again.entry == first.entry
     fresh = choose(tiny["gqa"], tiny["draft"], ids, OPTIONS, folder=tmp_path, refresh=True)
     assert fresh.measured_now and len(calls) == 2
+
+
+def test_the_methods_and_the_run_share_one_prefill_and_stay_exact(tiny, tmp_path, monkeypatch):
+    """With kv_dir, the first timed method saves the prompt's prefill and the others load it, as does the run
+    (generate_auto): each method accepts what it accepts after its own prefill, and the run is ar's tokens."""
+    from tforce import engine, planner
+
+    ids = [3 + (7 * i) % 250 for i in range(300)]
+    alone = choose(tiny["gqa"], tiny["draft"], ids, OPTIONS, folder=tmp_path / "alone")
+    loads = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda *a, **kw: loads.append(kw.get("load_kv")) or generate(*a, **kw))
+    shared = choose(tiny["gqa"], tiny["draft"], ids, OPTIONS, folder=tmp_path / "shared", kv_dir=tmp_path / "kv")
+    timed = [kv for kv in loads if kv is not None]
+    assert len(timed) == len(METHODS) - 1 and shared.snapshot is not None and shared.run_kv() == {"load_kv": timed[0]}
+    for method in METHODS:
+        assert shared.entry["methods"][method]["acceptance"] == alone.entry["methods"][method]["acceptance"]
+    monkeypatch.setattr(calibration, "shares_prefill", lambda target, n: True)
+    result = planner.generate_auto(dict(target=tiny["gqa"], prompt_ids=ids, draft=tiny["draft"],
+                                        **{**OPTIONS, "max_new_tokens": 24}))
+    ar = generate(tiny["gqa"], ids, method="ar", temperature=0.0, max_new_tokens=24)
+    assert result.tokens == ar.tokens and result.stats["kv_reused"] == len(ids) - 1
+
+
+def test_a_prompt_whose_kv_cache_is_large_is_prefilled_by_each_method(tiny, monkeypatch):
+    monkeypatch.setattr(calibration, "SHARED_PREFILL_MAX_BYTES", 1000)
+    assert calibration.shares_prefill(tiny["gqa"], 1) and not calibration.shares_prefill(tiny["gqa"], 10_000)

@@ -424,3 +424,11 @@ def test_greedy_in_16_bits_says_what_exact_means(runner, models, args, noted):
     r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--device", "cpu", *args)
     assert r.exit_code == 0, (r.output, r.exception)
     assert ("except where its two best logits nearly tie" in r.stderr) == noted, r.stderr
+
+
+def test_the_version_is_pyproject_s():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    assert tforce.__version__ == project["version"]

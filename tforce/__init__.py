@@ -1,11 +1,31 @@
-"""tforce: lossless hierarchical speculative decoding (TriForce) for long-context Llama models."""
-from .batch import generate_batch
-from .conversation import Conversation
-from .engine import Result, generate
+"""tforce: lossless hierarchical speculative decoding (TriForce) for long-context Llama-family models.
+
+The Python API (docs/python-api.md) is imported on first use, so `import tforce` and `tforce --help` do not
+load torch."""
+from __future__ import annotations
+
+import importlib
+
 from .errors import DoesNotFit, TforceError, UsageError
-from .prompt_format import PromptFormat
-from .weights import LoadedModel, load_model
+from .version import __version__
+
+_LAZY = {  # name -> the module that defines it
+    "generate": "tforce.engine", "Result": "tforce.engine", "generate_batch": "tforce.batch",
+    "Conversation": "tforce.conversation", "PromptFormat": "tforce.prompt_format",
+    "LoadedModel": "tforce.weights", "load_model": "tforce.weights",
+}
 
 __all__ = ["generate", "generate_batch", "Conversation", "load_model", "LoadedModel", "PromptFormat", "Result",
-           "TforceError", "UsageError", "DoesNotFit"]
-__version__ = "0.1.0"
+           "TforceError", "UsageError", "DoesNotFit", "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tforce' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -114,7 +114,8 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
     if progress:
         progress(f"measuring pinned host-to-device copies, device memory and matrix products on {device}"
                  if device.type == "cuda"
-                 else "no CUDA device: no host-to-device figures")
+                 else "no CUDA device: no host-to-device figures; measuring the CPU's memory copies and matrix "
+                      "products")
     ceil = Ceilings.measure(device, models.dtype)
     if progress:
         progress(f"warm-up: every method on the first {min(WARMUP_TOKENS, len(ids))} prompt tokens (not timed)"

@@ -139,7 +139,8 @@ def warm_up(models: Models, ids: list[int], cfg: BenchConfig) -> float | None:
 
 
 def _floors(models: Models, spec: Speculation, n_prompt: int, n_out: int, s: dict, ceil: Ceilings) -> dict | None:
-    """Each stage's measured ms per forward beside its floor (floors.py), and the prefill's FLOP floor;
+    """Each stage's measured ms per forward beside its floor (floors.py) and the difference (the overhead
+    per forward), and the prefill's FLOP floor;
     None where the models live in other processes (their configs are not here)."""
     if models.target is None:
         return None
@@ -147,9 +148,13 @@ def _floors(models: Models, spec: Speculation, n_prompt: int, n_out: int, s: dic
     draft_config = models.draft.config if models.draft is not None else None
     elem = next(models.target.parameters()).element_size()
     steps = step_floors_ms(config, draft_config, elem, spec, n_prompt + n_out / 2, ceil.device_gbps)
+    measured = {name: 1000 * s["stage_s"][name] / n for name, n in s["forwards"].items() if n}
     return {
-        "step_ms": {name: 1000 * s["stage_s"][name] / n for name, n in s["forwards"].items() if n},
+        "step_ms": measured,
         "step_floor_ms": steps,
+        # what a forward costs beyond reading its bytes: kernel launches, Python, small ops, compute
+        "step_overhead_ms": None if steps is None else
+        {name: ms - steps[name] for name, ms in measured.items() if name in steps},
         "prefill_flop_floor_s": prefill_flops(config, n_prompt) / (ceil.tflops * 1e12) if ceil.tflops else None,
     }
 

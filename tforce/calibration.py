@@ -31,11 +31,28 @@ from .gguf import cache_root
 from .projection import stage_costs
 
 FORMAT = 1  # of an entry's JSON: a file of another format is re-measured
-CAL_TOKENS = 24  # new tokens of each method's timed run
+CAL_TOKENS = 16  # new tokens of each method's timed run
 WARMUP_PROMPT, WARMUP_NEW = 64, 2
 STALE_AFTER_S = 7 * 24 * 3600  # a week: drivers, thermal settings and neighbours change
 CONTEXT_STEPS = 2  # context buckets per doubling of the prompt's length
 MEMORY_TOKENS = 1024  # at most this many tokens' worth of past acceptance outweigh a new run's
+
+
+SHARED_PREFILL_MAX_BYTES = 1 << 30  # a calibration keeps the prompt's prefill on disk up to this size
+
+
+def shares_prefill(target, n_prompt: int) -> bool:
+    """Whether a calibration's runs share one prefill of the prompt through a KV snapshot (planner.choose):
+    on the CPU, where a prefill costs seconds per thousand tokens and the target's KV cache of the prompt
+    is at most SHARED_PREFILL_MAX_BYTES (written once, read by each other method and by the run)."""
+    net = _network(target)
+    p = next(net.parameters())
+    if p.device.type != "cpu":  # a GPU prefills far faster than a disk writes and reads its KV cache back
+        return False
+    c = net.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * heads * head_dim * n_prompt * p.element_size() <= SHARED_PREFILL_MAX_BYTES
 
 
 def cache_dir() -> Path:
@@ -68,7 +85,7 @@ def _network(model) -> torch.nn.Module:
 
 def machine() -> dict:
     """What makes this machine's timings its own."""
-    from . import __version__
+    from .version import __version__
 
     return {"host": platform.node(), "arch": platform.machine(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "tforce": __version__}

@@ -1,9 +1,13 @@
-"""The machine's ceilings, measured once per bench and by `tforce info` on CUDA (None elsewhere): pinned
-host -> device copies, device memory, dense matrix products in the run's dtype. floors.py divides the
-bytes and FLOPs a step or a prefill must move or do by these."""
+"""The machine's ceilings, measured once per bench (and by `tforce info` on CUDA): pinned host -> device
+copies (CUDA only), the device's memory rate and dense matrix products in the run's dtype (on CUDA with
+events, on the CPU with the clock, over torch's threads of the moment). floors.py divides the bytes and
+FLOPs a step or a prefill must move or do by these."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
+
+import time
 
 import torch
 
@@ -28,9 +32,31 @@ def h2d_peak_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
     return nbytes / (ms / 1000) / 1e9
 
 
+CPU_COPY_BYTES = 256 << 20  # well past any CPU's last-level cache; a copy takes tens of milliseconds
+CPU_MATMUL_N = 1024
+
+
+def _cpu_median_ms(fn, repeats: int) -> float:
+    """Median wall-clock milliseconds of fn() over `repeats` calls after one warm-up (the CPU's work is done
+    when the call returns)."""
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times[1:])
+
+
 def device_bandwidth_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
-    """Device memory rate in GB/s from a device-to-device copy (bytes read + written); None off CUDA."""
+    """Device memory rate in GB/s from a copy within the device (bytes read + written): on CUDA of `nbytes`,
+    on the CPU of CPU_COPY_BYTES (or nbytes if smaller); None on other devices."""
     device = torch.device(device)
+    if device.type == "cpu":
+        n = min(nbytes, CPU_COPY_BYTES)
+        a = torch.ones(n, dtype=torch.uint8)  # written, so its pages exist before the timing
+        b = torch.empty_like(a)
+        b.copy_(a)
+        return 2 * n / (_cpu_median_ms(lambda: b.copy_(a), repeats) / 1000) / 1e9
     if device.type != "cuda":
         return None
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -42,8 +68,13 @@ def device_bandwidth_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float 
 
 
 def matmul_tflops(device, dtype: torch.dtype, n: int = 8192, repeats: int = 5) -> float | None:
-    """Dense n x n x n matrix-product rate in TFLOP/s (median of `repeats`, CUDA events); None off CUDA."""
+    """Dense n x n x n matrix-product rate in TFLOP/s (median of `repeats`; CUDA events, on the CPU the clock
+    with n at most CPU_MATMUL_N); None on other devices."""
     device = torch.device(device)
+    if device.type == "cpu":
+        n = min(n, CPU_MATMUL_N)
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        return 2 * n ** 3 / (_cpu_median_ms(lambda: a @ b, repeats) / 1000) / 1e12
     if device.type != "cuda":
         return None
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -56,8 +87,8 @@ def matmul_tflops(device, dtype: torch.dtype, n: int = 8192, repeats: int = 5) -
 
 @dataclass
 class Ceilings:
-    """Measured once per bench on CUDA (None elsewhere): pinned host -> device copies, device memory,
-    dense matrix products in the run's dtype."""
+    """Measured once per bench: pinned host -> device copies (None off CUDA), device memory, dense matrix
+    products in the run's dtype."""
 
     h2d_gbps: float | None = None
     device_gbps: float | None = None

@@ -12,8 +12,10 @@ context, Speculation.fitted), not searched: its effect on acceptance is not mode
 """
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import calibration
 from .config import METHODS, Speculation
@@ -127,6 +129,7 @@ class Choice:
     cache: str | None  # the entry's file; None when it could not be written
     cache_error: str | None = None
     folder: object = field(default=None, repr=False)
+    snapshot: Path | None = None  # the prompt's prefill the calibration kept (choose's kv_dir), for the run to load
 
     @property
     def options(self) -> dict:
@@ -154,6 +157,10 @@ class Choice:
                 + (f"; others: {others}" if others else "") + f" (stage costs {when}"
                 + (f"; not cached: {self.cache_error}" if self.cache_error else "") + ")")
 
+    def run_kv(self) -> dict:
+        """generate's load_kv for the run: the calibration's snapshot of the prompt, where it kept one."""
+        return {} if self.snapshot is None else {"load_kv": self.snapshot}
+
     def remember(self, stats: dict, tokens: int) -> None:
         """Folds the run's measured acceptance into the cached entry (calibration.remember)."""
         if self.cache is None or self.best["method"] == "ar":
@@ -166,10 +173,14 @@ class Choice:
 
 
 def choose(target, draft, ids, options: dict, fixed: dict | None = None, exclude=(), refresh: bool = False,
-           folder=None) -> Choice:
+           folder=None, kv_dir=None) -> Choice:
     """The cheapest candidate for generating after `ids` with generate's `options`; the stage costs from the
     cache, else measured now and cached (refresh: measured now whatever the cache holds). fixed: gammas the
-    user gave, kept; exclude: methods not to consider (e.g. whose caches do not fit in memory)."""
+    user gave, kept; exclude: methods not to consider (e.g. whose caches do not fit in memory).
+    kv_dir: an empty folder where a calibration may keep the prompt's prefill as a KV snapshot, so that the
+    methods it times (and then the run, through Choice.snapshot) prefill the prompt once between them, not
+    once each; it is used where the snapshot is small (calibration.shares_prefill) and neither
+    load_kv nor save_kv is among the options. None: every timed run prefills."""
     from .engine import generate
 
     fixed = fixed or {}
@@ -182,10 +193,19 @@ def choose(target, draft, ids, options: dict, fixed: dict | None = None, exclude
     run_options = {name: options[name] for name in RUN_OPTIONS if name in options}
     gammas = {"gamma1": options.get("gamma1", Speculation.gamma1), "gamma2": options.get("gamma2", Speculation.gamma2)}
 
+    snapshot = None
+    if measured_now and kv_dir is not None and options.get("load_kv") is None and options.get("save_kv") is None \
+            and calibration.shares_prefill(target, len(ids)):
+        snapshot = Path(kv_dir) / "prompt"
+
     def run(method, n, new):
         uses_draft = Speculation(method=method).uses_draft
+        kv = {}
+        if snapshot is not None and not n:  # the whole prompt: prefilled by the first method, loaded by the rest
+            kv = {"load_kv": snapshot} if snapshot.is_dir() else {"save_kv": snapshot}
         return generate(target, ids[:n] if n else ids, draft=draft if uses_draft else None,
-                        **{**run_options, "method": method, "max_new_tokens": new, "ignore_eos": True, "seed": 0})
+                        **{**run_options, "method": method, "max_new_tokens": new, "ignore_eos": True, "seed": 0},
+                        **kv)
 
     path, error = calibration.path_of(k, folder), None
     if measured_now:
@@ -202,7 +222,7 @@ def choose(target, draft, ids, options: dict, fixed: dict | None = None, exclude
     for c in ranked:
         best_of.setdefault(c["method"], c)
     return Choice(ranked[0], list(best_of.values()), entry, measured_now, None if path is None else str(path),
-                  error, folder)
+                  error, folder, snapshot if snapshot is not None and snapshot.is_dir() else None)
 
 
 def generate_auto(args: dict):
@@ -212,10 +232,11 @@ def generate_auto(args: dict):
 
     options = {k: v for k, v in args.items() if k not in ("target", "prompt_ids", "draft")}
     ids = list(args["prompt_ids"])
-    choice = choose(args["target"], args["draft"], ids, options)
-    uses_draft = Speculation(method=choice.best["method"]).uses_draft
-    result = generate(args["target"], ids, draft=args["draft"] if uses_draft else None,
-                      **{**options, **choice.options})
+    with tempfile.TemporaryDirectory(prefix="tforce-auto-") as kv_dir:
+        choice = choose(args["target"], args["draft"], ids, options, kv_dir=kv_dir)
+        uses_draft = Speculation(method=choice.best["method"]).uses_draft
+        result = generate(args["target"], ids, draft=args["draft"] if uses_draft else None,
+                          **{**options, **choice.options, **choice.run_kv()})
     choice.remember(result.stats, len(result.tokens))
     result.stats["auto"] = choice.record()
     return result

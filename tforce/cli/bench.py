@@ -10,7 +10,8 @@ import typer
 
 from .. import bench_record
 from ..config import METHODS, Sampling, Speculation
-from ..demo import BENCH_TOKENS, EXCERPT, NAME, default_pair, notice
+from ..defaults import default_pair, notice
+from ..demo import BENCH_TOKENS, EXCERPT, NAME
 from ..errors import TforceError, UsageError
 from .app import app
 from .bench_table import _print_bench

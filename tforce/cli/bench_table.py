@@ -65,6 +65,23 @@ def _columns(r: dict) -> tuple[str, ...]:
     return COLUMNS + (f"projected\nms/token\n@{at}", f"projected\nspeed-up\n@{at}")
 
 
+def _floor_notes(r: dict) -> list[str]:
+    """Lines under the table: per run, each level's ms per forward beside its floor (its weights and
+    attended KV over the measured memory rate) and the overhead above it."""
+    if not r.get("device_gbps"):
+        return []
+    lines = [f"per forward, ms: measured = floor (weights + attended KV bytes / {r['device_gbps']:.1f} GB/s "
+             "measured) + overhead"]
+    for run in r["runs"]:
+        fl = run.get("floors") or {}
+        if not fl.get("step_overhead_ms"):
+            continue
+        parts = [f"{name} {fl['step_ms'][name]:.2f} = {fl['step_floor_ms'][name]:.2f} + {over:.2f}"
+                 for name, over in fl["step_overhead_ms"].items()]
+        lines.append(f"  {run['method']}: " + "; ".join(parts))
+    return lines if len(lines) > 1 else []
+
+
 def _peer_notes(r: dict) -> list[str]:
     """Lines under the table: what the peers are, and per peer its tokens against ar's or why it did not run."""
     peers = r.get("peers", [])
@@ -130,5 +147,5 @@ def _print_bench(r: dict, console=None) -> None:
         for row in rows:
             t.add_row(*(row[i] for i in group))
         console.print(t)
-    for line in _peer_notes(r):
+    for line in _floor_notes(r) + _peer_notes(r):
         console.print(line, highlight=False, markup=False)

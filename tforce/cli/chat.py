@@ -37,7 +37,8 @@ from . import options as o
 from .app import app
 from .chat_input import _document, _question_source
 from .common import _as_role, _check_memory, _guarded, _say, flag
-from .live import Progress, TextStream
+from ..text_stream import TextStream
+from .live import Progress
 from .run import _end_line, _shared_with_stderr
 from .setup import _configure, _draft_config, _dtype_bytes, _tp_target, notices
 

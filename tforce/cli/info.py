@@ -110,7 +110,7 @@ def info(
         import torch
         import transformers
 
-        from .. import __version__
+        from ..version import __version__
 
         if context is not None and context <= 0:
             raise UsageError(f"--context must be positive, got {context}")

@@ -1,4 +1,4 @@
-"""The streamed text on stdout and the live status on stderr (the KV cache's placement from the start,
+"""The live status on stderr beside the streamed text (text_stream.py) (the KV cache's placement from the start,
 prefill progress, tokens, s/token, tokens/s, acceptance per level, tokens per verification), then a final
 summary.
 
@@ -15,40 +15,6 @@ import sys
 import time
 
 from rich.cells import cell_len
-
-
-class TextStream:
-    """Decodes the whole generated id list after each accepted batch and writes only the new suffix."""
-
-    def __init__(self, tokenizer, out, enabled: bool = True, stops=None):
-        """stops: stops.StopStrings, whose text is not written (nor what follows it)."""
-        self.tokenizer, self.out, self.enabled, self.stops = tokenizer, out, enabled, stops
-        self.ids: list[int] = []
-        self.printed = ""
-
-    def text(self, final: bool = True) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return self.stops.shown(text, final) if self.stops else text
-
-    def add(self, tokens: list[int]) -> None:
-        self.ids += list(tokens)
-        if self.enabled:
-            text = self.text(final=False)
-            self._emit(text[:-1] if text.endswith("\ufffd") else text)  # hold back a partial character
-
-    def finish(self) -> str:
-        text = self.text()
-        if self.enabled:
-            self._emit(text)
-        return text
-
-    def _emit(self, text: str) -> None:
-        # If decoding revised earlier text (rare), what is written cannot be unwritten: go on past it.
-        new = text[len(self.printed):]
-        if new:
-            self.out.write(new)
-            self.out.flush()
-            self.printed = text
 
 
 class Status:

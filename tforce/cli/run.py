@@ -1,9 +1,11 @@
 """`tforce run`: a prompt in, the target's exact continuation streamed out."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from typing import List, Optional
 
 import typer
@@ -18,7 +20,8 @@ from . import options as o
 from .batch_run import check_options, read_batch, run_batch
 from .common import _as_role, _check_memory, _guarded, _say, flag
 from .setup import Setup, _configure, _draft_config, _dtype_bytes, _read_prompt, _tp_target, notices
-from .live import Progress, TextStream, _summary_line
+from ..text_stream import TextStream
+from .live import Progress, _summary_line
 
 
 @app.command()
@@ -91,6 +94,11 @@ def run(
 
 
 def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
+    with contextlib.ExitStack() as stack:  # what --method auto's calibration keeps for the run (a KV snapshot)
+        _run_in(stack, text, setup, as_json, options)
+
+
+def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool, options: dict) -> None:
     from ..engine import generate
     from ..snapshot import read_manifest
     from ..weights import load_model, resolve
@@ -127,7 +135,8 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
     if auto:
         from ..planner import choose
 
-        choice = choose(target, small, ids, options, fixed=setup.gammas_given, exclude=unfit)
+        kv_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tforce-auto-"))
+        choice = choose(target, small, ids, options, fixed=setup.gammas_given, exclude=unfit, kv_dir=kv_dir)
         _say(choice.line())
         options = {**options, **choice.options}
         small = small if Speculation(method=options["method"]).uses_draft else None
@@ -145,7 +154,8 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
             result = generate_tp(str(path), str(resolve(draft)) if draft else None, ids, world, device, dtype,
                                  **callbacks, **options)
         else:
-            result = generate(target, ids, draft=small, **callbacks, **options)
+            run_kv = choice.run_kv() if choice is not None else {}  # the calibration's prefill of the prompt
+            result = generate(target, ids, draft=small, **callbacks, **{**options, **run_kv})
         out = stream.finish()
     except BaseException:  # end the live view and keep the text written so far (Ctrl-C, errors)
         if progress:

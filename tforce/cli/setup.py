@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import AUTO, Sampling, Speculation
-from ..demo import NAME, default_pair, notice
+from ..defaults import default_pair, notice
+from ..demo import NAME
 from ..errors import UsageError
 from .common import DTYPES, _as_role, _decode_text, _device, _gpu_memory_note, _placement_options, _say, _threads
 from .options import ENGINE

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..cli.live import TextStream
+from ..text_stream import TextStream
 from ..config import Sampling
 from ..decode import decode_one, one_row_stats
 from ..engine import _eos_ids, check_ids, generator, open_session

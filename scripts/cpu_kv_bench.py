@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import tforce  # noqa: E402
 from tforce import engine  # noqa: E402
+from tforce.decode import decode_one  # noqa: E402
 from tforce.cache import FullCache, RetrievalCache, StreamingCache  # noqa: E402
 from tforce.config import Sampling  # noqa: E402
 from tforce.rope import Rotary  # noqa: E402
@@ -337,7 +338,7 @@ def profile(target, draft, ids: list[int], options: dict, gen: int, temperature:
         opts = {**options}
         method = opts.pop("method")
         s = engine.open_session(target, draft, len(ids), gen, method=method, temperature=temperature, seed=0, **opts)
-        s.prefill(torch.tensor(ids))
+        s.prefill([ids])
         for node in (s.small, s.middle, s.full):
             if node is not None:
                 node.runner = Timed(node.runner, f"{node.name} forward", totals)
@@ -348,7 +349,7 @@ def profile(target, draft, ids: list[int], options: dict, gen: int, temperature:
 
     def decode(s):
         t0 = time.perf_counter()
-        out = engine.decode(s, len(ids), gen, engine.generator(target, 0), set())
+        out = decode_one(s, len(ids), gen, engine.generator(target, 0), set())
         return out, time.perf_counter() - t0
 
     totals: dict = {}

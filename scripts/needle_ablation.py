@@ -38,20 +38,20 @@ def acceptance(model, ids: list[int], n_new: int, select) -> tuple[float, list[i
     spec = Speculation(method="retrieval", budget=len(ids) + 64, chunk_size=8, gamma2=6)
     session = Session(model, None, len(ids), n_new + 8, spec, Sampling(temperature=0.0), cuda_graphs=False)
     session.retrieval.select = select
-    session.prefill(torch.tensor(ids))
+    session.prefill([ids])
     got, gen = [], torch.Generator().manual_seed(0)
     while len(got) < n_new:
-        got += session.round(len(ids) + len(got), gen)
+        got += session.round([len(ids) + len(got)], gen)[0]
     stats = session.top.stats
-    return stats.accepted / max(stats.drafted, 1), got[:n_new]
+    return stats.accepted[0] / max(stats.drafted[0], 1), got[:n_new]
 
 
 def key_held(model, ids: list[int], key_at: range, policy: str, budget: int) -> list[float]:
     """Per layer: the share of the key's ids (over KV heads) the policy's cache holds after prefill."""
     spec = Speculation(method="retrieval", budget=budget, chunk_size=8, gamma2=6, policy=policy, sinks=4)
     session = Session(model, None, len(ids), 8, spec, Sampling(temperature=0.0), cuda_graphs=False)
-    session.prefill(torch.tensor(ids))
-    pos = session.retrieval.key_pos  # (layers, H_kv, budget)
+    session.prefill([ids])
+    pos = session.retrieval.key_pos[:, 0]  # (layers, H_kv, budget): the one row's
     return [sum(int((pos[layer] == p).any(-1).sum()) for p in key_at) / (len(key_at) * pos.shape[1])
             for layer in range(pos.shape[0])]
 

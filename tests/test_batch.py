@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import tforce
-import tforce.batch
 import tforce.levels
 from tforce import placement
 from tforce.config import Speculation
 from tforce.batch import generate_batch
-from tforce.session import _plan, model_shape
+import tforce.session
+from tforce.session_plan import _plan, model_shape
 from tforce.speculative import verify
 from tforce.synthetic import make_checkpoint
 
@@ -106,7 +106,7 @@ def test_partly_offloaded_rows_equal_single_prompts(tiny, tmp_path, monkeypatch,
     shape, small = model_shape(model), (model_shape(draft) if draft is not None else None)
     room = placement.layout(shape, work, 3, small, 0).peak - shape.weights - (small.weights if small else 0)
     plans = []
-    monkeypatch.setattr(tforce.batch, "_plan", lambda *a: plans.append(_plan(*a)) or plans[-1])
+    monkeypatch.setattr(tforce.session, "_plan", lambda *a: plans.append(_plan(*a)) or plans[-1])
     opts = dict(budget=16, chunk_size=4, gamma2=4, draft_budget=12, sinks=2, prefill_chunk=8)
     rows = generate_batch(model, prompts, draft=draft, method=method, device_free=room, **opts, **kw)
     assert (plans[0].resident, plans[0].offloaded) == (3, 3)

@@ -332,7 +332,7 @@ class _ThreadGroup:
 def test_a_rank_that_fails_to_write_fails_every_rank_and_leaves_no_snapshot(tiny, tmp_path, monkeypatch):
     prompt = torch.randint(3, 259, (20,), generator=torch.Generator().manual_seed(0))
     session = Session(tiny["gqa"].model, None, 20, 4, Speculation(method="ar", budget=16), Sampling(temperature=0))
-    session.prefill(prompt)
+    session.prefill([prompt])
     ident = snapshot_identity.identity(tiny["gqa"])
     write = snapshot_io._write
 

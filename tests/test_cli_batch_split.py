@@ -103,22 +103,22 @@ def test_the_split_batches_figures_are_summed(runner, models, tmp_path, monkeypa
 def test_an_interrupt_in_the_second_batch_writes_the_rows_finished(runner, models, tmp_path, monkeypatch, as_json):
     """Ctrl-C in the second of three batches: the first batch's rows and the second's finished one are
     written in the file's order (the third batch never ran), then the one-line error."""
-    import tforce.batch_session
+    import tforce.session
 
-    real, batches, rounds = tforce.batch_session._Batch.round, [], []  # rounds: begun, per batch
+    real, batches, rounds = tforce.session.Session.round, [], []  # rounds: begun, per batch
 
-    def failing(self, gen):
+    def failing(self, n, gen):
         if not batches or batches[-1] is not self:  # the batches run one after another
             batches.append(self)
             rounds.append(0)
         rounds[-1] += 1
         if len(batches) == 2 and rounds[-1] == 3:
             raise KeyboardInterrupt
-        return real(self, gen)
+        return real(self, n, gen)
 
     prompts = [("a", "It was", 4), ("b", "It is", 2), ("c", DOC, N), ("d", "It was the", 1), ("e", "Who?", 3)]
     _room_for(models, monkeypatch, prompts, 2)
-    monkeypatch.setattr(tforce.batch_session._Batch, "round", failing)
+    monkeypatch.setattr(tforce.session.Session, "round", failing)
     r = _run(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST,
              *(["--json"] if as_json else []))
     assert r.exit_code == 130, r.output
@@ -187,13 +187,13 @@ def test_bench_batch_is_not_split(runner, monkeypatch):
 
 
 def _engine_refusing(monkeypatch, refuse) -> list[int]:
-    """The engine's own plan (tforce.batch._plan) raises DoesNotFit for the work refuse(work) names. A stand-in:
+    """The engine's own plan (tforce.session._plan) raises DoesNotFit for the work refuse(work) names. A stand-in:
     on the CPU the engine plans with the same figures as the CLI's check, so the two cannot be made to
     disagree (on CUDA they can: the engine measures the memory free when it runs each batch). The rows of
     every batch the engine planned, in order."""
-    import tforce.batch
+    import tforce.session
 
-    real, planned = tforce.batch._plan, []
+    real, planned = tforce.session._plan, []
 
     def plan(target, draft, work, *args):
         planned.append(work.rows)
@@ -201,7 +201,7 @@ def _engine_refusing(monkeypatch, refuse) -> list[int]:
             raise DoesNotFit("not enough GPU memory: stand-in")
         return real(target, draft, work, *args)
 
-    monkeypatch.setattr(tforce.batch, "_plan", plan)
+    monkeypatch.setattr(tforce.session, "_plan", plan)
     return planned
 
 

@@ -21,7 +21,7 @@ from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
 from tforce.config import Speculation
 from tforce.conversation import Conversation
-from tforce.session import model_shape
+from tforce.session_plan import model_shape
 from tforce.rope import Rotary
 from tforce.synthetic import make_checkpoint
 

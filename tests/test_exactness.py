@@ -118,10 +118,10 @@ def draw(target, draft, prompt, method, n_samples, seed, policy="retrieval", det
     samples, drafted, accepted = [], 0, 0
     for _ in range(n_samples):
         session = Session(target, draft, len(prompt), N_TOKENS + 8, spec, SAMPLING, deterministic=deterministic)
-        session.prefill(torch.tensor(prompt))
+        session.prefill([prompt])
         n, got = len(prompt), []
         while len(got) < N_TOKENS:
-            got += session.round(n + len(got), gen)
+            got += session.round([n + len(got)], gen)[0]
         samples.append(tuple(got[:N_TOKENS]))
         if method != "ar":
             drafted += session.top.stats.drafted[0]

@@ -28,11 +28,11 @@ def test_draft_and_middle_steps_replay_graphs(tiny_dir):
     spec = Speculation(budget=32, chunk_size=4, draft_budget=24, sinks=4)
     session = Session(target, draft, 120, 40, spec, Sampling(temperature=0))
     prompt = torch.arange(3, 123)
-    session.prefill(prompt)
+    session.prefill([prompt])
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = len(prompt)
     while n < len(prompt) + 40:
-        n += len(session.round(n, gen))
+        n += len(session.round([n], gen)[0])
     assert session.small.runner.replays > 0 and session.middle.runner.replays > 0
 
 
@@ -44,7 +44,7 @@ def test_graphs_are_captured_after_prefill_in_one_pool(tiny_dir):
     draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda", dtype=torch.float32).model
     spec = Speculation(gamma1=2, budget=32, chunk_size=4, draft_budget=24, sinks=4)
     session = Session(target, draft, 120, 40, spec, Sampling(temperature=0))
-    session.prefill(torch.arange(3, 123))
+    session.prefill([torch.arange(3, 123)])
     assert {key[:2] for key in session.small.runner.graphs} == {(1, 1), (2, 1)}
     assert {key[:2] for key in session.middle.runner.graphs} == {(3, 3)}
     assert session.small.runner.pool is not None and session.small.runner.pool == session.middle.runner.pool

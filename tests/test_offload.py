@@ -83,7 +83,7 @@ def test_layer_major_prefill_is_bit_identical(tiny, resident, n):
 def test_device_free_plans_a_cpu_run_as_if_a_device_had_that_room():
     """device_free (what tensor-parallel ranks agree on) drives the planner on a CPU run too."""
     from tforce.config import Speculation
-    from tforce.session import model_shape
+    from tforce.session_plan import model_shape
     from tforce.model import Llama
     from tforce.synthetic import make_config
 

@@ -122,7 +122,7 @@ def five(tmp_path_factory):
     recompute): the device_free that leaves one rank's shard room for exactly that plan, from the planner
     itself (engine._plan on a CPU run: budget = weights + device_free, no CUDA context)."""
     from tforce.config import Speculation
-    from tforce.session import model_shape
+    from tforce.session_plan import model_shape
 
     path = make_checkpoint(tmp_path_factory.mktemp("five") / "five-layers", seed=13, num_hidden_layers=5, **TARGET)
     prompt = random_ids(49, seed=8)[0].tolist()

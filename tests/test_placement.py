@@ -11,7 +11,7 @@ from tforce import placement
 from tforce.bench import LLAMA_68M, synthetic_pair
 from tforce.config import Sampling, Speculation
 from tforce.engine import Session
-from tforce.session import model_shape
+from tforce.session_plan import model_shape
 from tforce.errors import TforceError, UsageError
 from tforce.placement import GiB
 from tforce.prefill import prefill_layer_major
@@ -290,7 +290,7 @@ def test_a_batch_is_planned_with_every_per_row_item_times_its_rows():
     ("triforce", ("retrieval cache and key positions", "stored queries", "draft StreamingLLM cache")),
     ("streaming", ("middle StreamingLLM cache", "stored queries"))])
 def test_a_batch_counts_the_middle_caches_and_queries_of_every_row(method, items):
-    """batch_session.py keeps a retrieval (or streaming) cache, chunk statistics and stored queries per row."""
+    """session.py keeps a retrieval (or streaming) cache, chunk statistics and stored queries per row."""
     shape, draft = placement.Shape.of(make_config("llama2-7b"), 2), placement.Shape.of(make_config("tiny"), 2)
     one = placement.layout(shape, placement.Work(capacity=32768, prompt=32767, method=method), 20, draft)
     four = placement.layout(shape, placement.Work(capacity=32768, prompt=32767, method=method, rows=4), 20, draft)

@@ -11,7 +11,8 @@ import torch
 
 import tforce
 from tforce.config import METHODS, Sampling, Speculation
-from tforce.engine import Session, decode, open_session
+from tforce.decode import decode_one
+from tforce.engine import Session, open_session
 from tforce.cache.rows import Rows
 from tforce.levels import Drafter, Node, SpecLevel
 from tforce.projection import (forwards_per_token, hierarchy, low_acceptance_rule, per_token, project,
@@ -159,9 +160,9 @@ def test_rebuild_interval_is_the_sessions(tiny, every, budget, n_prompt, n_new, 
                            draft_budget=512, sinks=4, rebuild_every=every, rebuild_below=0.0)
     at = []  # the full cache's length at each rebuild, the prefill's first
     rebuild = session._rebuild
-    session._rebuild = lambda: (at.append(session.full.cache.length), rebuild())
-    session.prefill(ids)
-    decode(session, n_prompt, n_new, torch.Generator().manual_seed(0), set())
+    session._rebuild = lambda live: (at.append(session.full.cache.length), rebuild(live))
+    session.prefill([ids])
+    decode_one(session, n_prompt, n_new, torch.Generator().manual_seed(0), set())
     assert session.draft_level.stats.acceptance() == session.middle_level.stats.acceptance() == 1.0
     assert len(at) >= 2 and {b - a for a, b in zip(at, at[1:])} == {interval}
     spec = Speculation(method="triforce", budget=budget, chunk_size=4, draft_budget=512, sinks=4,

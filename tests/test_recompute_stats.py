@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import tforce
-import tforce.batch
 import tforce.session
 from model_helpers import forward, random_ids
 from tforce import placement
@@ -132,7 +131,7 @@ def test_generation_with_recomputed_statistics_is_the_kept_one(tiny, monkeypatch
 def test_batch_rows_with_recomputed_statistics_equal_plain_decoding(tiny, monkeypatch):
     prompts = [random_ids(n, seed=n)[0].tolist() for n in (30, 45, 12)]
     kw = dict(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    made = recompute_everything(monkeypatch, tforce.batch)
+    made = recompute_everything(monkeypatch, tforce.session)
     rows = tforce.generate_batch(tiny["gqa"], prompts, draft=tiny["draft"], method="triforce", budget=16,
                                  chunk_size=4, draft_budget=12, sinks=2, **kw)
     assert len(made) == 3 and all(home is None for homes in made for home in homes)

@@ -58,7 +58,7 @@ def test_snapshot_restores_streaming_caches_without_refeeding(tiny, saved, metho
     session = Session(tiny["gqa"].model, tiny["draft"].model, len(prompt), 8,
                       tforce.config.Speculation(method=method, **SMALL), tforce.config.Sampling(temperature=0))
     snapshot_io.load(saved[method], session, prompt, len(prompt) - 1, snapshot_identity.identity(tiny["gqa"], tiny["draft"]))
-    session.prefill(prompt)
+    session.prefill([prompt])
     for node in (session.small, session.middle if method == "streaming" else None):
         if node is not None:
             assert node.forwards == 1, node.name
@@ -130,10 +130,10 @@ def test_loaded_snapshot_sampling_matches_target_distribution(small_vocab, tmp_p
     for _ in range(SAMPLES):
         session = Session(target, draft, len(PROMPT), N_TOKENS + 8, spec, SAMPLING)
         assert snapshot_io.load(tmp_path / "s", session, torch.tensor(PROMPT), len(PROMPT) - 1, ident) == (14, 14)
-        session.prefill(torch.tensor(PROMPT))
+        session.prefill([PROMPT])
         got = []
         while len(got) < N_TOKENS:
-            got += session.round(len(PROMPT) + len(got), gen)
+            got += session.round([len(PROMPT) + len(got)], gen)[0]
         samples.append(tuple(got[:N_TOKENS]))
     assert min(check(samples, joint)) > 1e-3
 
@@ -262,7 +262,7 @@ def test_conversation_returns_to_the_document_without_refeeding_it(tiny, method)
     conv.ask(ids(4, seed=1), 30)
     s = conv.session
     before = {n.name: n.forwards for n in (s.full, s.middle, s.small) if n is not None}
-    assert s.prefill(torch.tensor(doc + ids(4, seed=2))) == 60
+    assert s.prefill([doc + ids(4, seed=2)]) == [60]
     for node in (s.small, s.middle if method == "streaming" else None):
         if node is not None:
             assert node.forwards - before[node.name] == 1, node.name

@@ -108,7 +108,7 @@ def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload
                       offload=offload, deterministic=deterministic)
     assert (session.plan.offloaded > 0) == (offload == "on")
     prompt = torch.arange(3, 83)
-    session.prefill(prompt)
+    session.prefill([prompt])
     drafter_rounds = []
     real_round = levels.Drafter.round
     monkeypatch.setattr(levels.Drafter, "round",
@@ -117,7 +117,7 @@ def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload
     while n < len(prompt) + 30:
         calls0 = len(drafted) + len(verified)
         middle0 = session.draft_level.stats.rounds[0] if session.draft_level else 0
-        n += len(session.round(n, gen))
+        n += len(session.round([n], gen)[0])
         rounds += 1
         calls = len(drafted) + len(verified) - calls0
         if method == "ar":
@@ -149,12 +149,12 @@ def test_decode_round_syncs_only_through_host(tiny_dir, method, cuda_graphs, off
                       offload=offload, deterministic=deterministic)
     assert (session.plan.offloaded > 0) == (offload == "on")
     prompt = torch.arange(3, 203)
-    session.prefill(prompt)
+    session.prefill([prompt])
     gen, n = torch.Generator(device="cuda").manual_seed(0), len(prompt)
-    n += len(session.round(n, gen))  # first round: graphs of shapes first met now are captured here
+    n += len(session.round([n], gen)[0])  # first round: graphs of shapes first met now are captured here
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            n += len(session.round(n, gen))
+            n += len(session.round([n], gen)[0])
     finally:
         torch.cuda.set_sync_debug_mode(0)

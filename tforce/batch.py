@@ -4,39 +4,30 @@ Every forward feeds all live rows at once (the weights are read once per step fo
 row keeps its own length in the caches (one class per cache kind, one row per prompt: docs/architecture.md),
 accepts its own number of drafted tokens, and leaves the batch when it reaches EOS, a stop string (`until`)
 or its token budget (its cache rows are compacted away, so it costs no further work).
-Every method of `generate`, composed as session.Session composes it (batch_session.py: _Batch), from the
-levels of levels.py: `ar`, `naive`, `retrieval` (the target with a per-row retrieval cache
-drafts gamma2 tokens per row), `streaming` and `triforce` (the small draft, then the target with a per-row
-StreamingLLM or retrieval cache verifying gamma1 tokens per row, until every row has gamma2 middle-level
-tokens, then the full cache). Retrieval rebuilds are per row, with the single path's rules
-(_Batch._maybe_rebuild), selecting by the chunk rule (policy retrieval or shared) or a policies.py rule
+The same Session (session.py) and decode loop (decode.py) as `generate`, with a row per prompt: every
+method (`ar`, `naive`, `retrieval`, `streaming`, `triforce`), per-row retrieval rebuilds
+(Session._maybe_rebuild), selecting by the chunk rule (policy retrieval or shared) or a policies.py rule
 (topk, streaming). The full cache may be offloaded in part (cache/offload.py); the prefill then runs
-layer-major for all rows (prefill.py: each offloaded layer's prompt K/V cross to
-host memory once, nothing streams back; PCIe traffic linear in the prompts), as the single-prompt path's
-does.
+layer-major for all rows (prefill.py: each offloaded layer's prompt K/V cross to host memory once,
+nothing streams back; PCIe traffic linear in the prompts).
 """
 from __future__ import annotations
 
 import time
 
-import torch
-
-from . import placement, threads
-from .batch_session import _Batch, _RowState
-from .engine import Result, _eos_ids, _modules, _placement, _planned_peak, check_ids, configuration
-from .session import _plan, _sync_device
+from .decode import decode, row_stats
+from .engine import Result, _eos_ids, _modules, check_ids, configuration, generator
 from .errors import UsageError
+from .session import Session, _sync_device, check_rows
 
 BATCH_METHODS = ("ar", "triforce", "naive", "retrieval", "streaming")
-BATCH_POLICIES = ("retrieval", "shared", "topk", "streaming")  # not h2o: a recording pass per prompt
 
 
 def check_batchable(method: str, policy: str) -> None:
     """What batches do not run yet (the command line asks before loading any weights)."""
     if method not in BATCH_METHODS:
         raise UsageError(f"batches run --method {'|'.join(BATCH_METHODS)} so far, not {method!r}")
-    if method in ("triforce", "retrieval") and policy not in BATCH_POLICIES:
-        raise UsageError(f"batches run --policy {'|'.join(BATCH_POLICIES)} so far, not {policy!r}")
+    check_rows(2, policy)
 
 
 def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_tokens: int | list[int] = 256,
@@ -88,40 +79,22 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
         # its frequencies depend on each row's final length (rope.py): one rotation per row, not done
         raise UsageError("batches do not support dynamic NTK RoPE yet")
     device = next(target.parameters()).device
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else torch.seed())
+    gen = generator(target, seed)
 
-    B, total = len(prompts), max(len(p) + m for p, m in zip(prompts, max_new))
-    spec = spec.fitted(spec.capacity(total))
-    work = placement.Work.of(spec, spec.capacity(total), max(map(len, prompts)) - 1, prefill_chunk,
-                             False, "sdpa" if device.type == "cuda" else "math", rows=B)
-    plan = _plan(target, draft, work, offload, gpu_memory, device_free)  # raises when the batch does not fit
-    rows = _RowState(prompts, max_new)
-    batch = _Batch(target, draft, spec, sampling, rows, total, plan.resident, prefill_chunk, plan.recompute_stats)
+    B, longest = len(prompts), max(map(len, prompts))
+    total = max(len(p) + m for p, m in zip(prompts, max_new))
+    # planned for B rows before anything is allocated: raises when the batch does not fit
+    session = Session(target, draft, longest, total - longest, spec, sampling, prefill_chunk, offload, gpu_memory,
+                      device_free=device_free, rows=B)
     t0 = time.perf_counter()
-    batch.prefill(prompts)
+    session.prefill(prompts)
     _sync_device(device)
     t1 = time.perf_counter()
     eos = set() if ignore_eos else _eos_ids(target.config)
-    before = batch.counts()
-    _finished(rows, [max_new[r] == 0 for r in range(B)], on_row)
-    batch.keep([i for i in range(B) if max_new[i] > 0])
-    while rows.ids:
-        threads.tick()
-        news = batch.round(gen)
-        done = [rows.add(i, tokens, eos, until) for i, tokens in enumerate(news)]
-        if any(done):
-            _finished(rows, done, on_row)
-            batch.keep([i for i, d in enumerate(done) if not d])
+    before = session.counts()
+    outs = decode(session, [len(p) for p in prompts], max_new, gen, eos, until, on_row=on_row)
     _sync_device(device)
     t2 = time.perf_counter()
-    return [Result(rows.out[r], {**batch.stats(r, t1 - t0, t2 - t1, before), **_placement(plan), **_planned_peak(plan)})
-            for r in range(B)]
-
-
-def _finished(rows: _RowState, done: list[bool], on_row) -> None:
-    """Tell on_row the final tokens of the live rows marked done."""
-    if on_row is not None:
-        for i, d in enumerate(done):
-            if d:
-                on_row(rows.ids[i], list(rows.out[rows.ids[i]]))
+    n_all = sum(map(len, outs))
+    batch = {"batch_size": B, "batch_tokens_per_s": n_all / (t2 - t1) if n_all and t2 > t1 else None}
+    return [Result(outs[r], {**row_stats(session, r, outs, t1 - t0, t2 - t1, before), **batch}) for r in range(B)]

@@ -104,7 +104,7 @@ class Speculation:
 
     def rebuild_after(self, rows: int = 1) -> int:
         """New committed tokens after which a row's retrieval cache is rebuilt before the next round (the one
-        rule of session.Session._maybe_rebuild and batch_session._Batch._maybe_rebuild): rebuild_every, or
+        rule of session.Session._maybe_rebuild): rebuild_every, or
         fewer when one more verification's lookahead would crowd the budget (new + lookahead + padding >
         budget - chunk_size). Padding is zero for one live row; with others, a row may be fed up to another
         row's count of padding in a forward (cache/retrieval.py), one more lookahead and one."""

@@ -20,7 +20,8 @@ import time
 import torch
 
 from . import snapshot, snapshot_identity, snapshot_io
-from .engine import Result, _eos_ids, _modules, _stats, check_ids, check_prompt, decode, generator, open_session
+from .decode import decode_one, one_row_stats
+from .engine import Result, _eos_ids, _modules, check_ids, check_prompt, generator, open_session
 from .errors import UsageError
 from .session import Session, _sync_device
 
@@ -61,7 +62,7 @@ class Conversation:
         self.kv_reused = 0
         if load_kv is not None:
             self.kv_reused = snapshot_io.load(load_kv, self.session, doc, len(doc), ident, group)[0]
-        self.session.prefill(doc, on_prefill, upto=len(doc))
+        self.session.prefill([doc], on_prefill, upto=[len(doc)])
         self.session.mark()
         _sync_device(device)
         self.prefill_s = time.perf_counter() - t0
@@ -106,17 +107,17 @@ class Conversation:
                 on_token(tokens)
 
         t0 = time.perf_counter()
-        kept = session.prefill(torch.tensor(prompt), on_prefill)
+        [kept] = session.prefill([prompt], on_prefill)
         _sync_device(device)
         t1 = time.perf_counter()
         before = session.counts()
-        out = decode(session, len(prompt), max_new, generator(self.target, self.seed if seed is None else seed),
+        out = decode_one(session, len(prompt), max_new, generator(self.target, self.seed if seed is None else seed),
                      self.eos, tokens_out, on_round, until)
         _sync_device(device)
         t2 = time.perf_counter()
         history = prompt + [t for t in out if t not in self.eos] if self.keep_history else self.history
         self.history, self.unfinished = history, False
-        stats = _stats(session, len(out), t1 - t0, t2 - t1, before)
+        stats = one_row_stats(session, out, t1 - t0, t2 - t1, before)
         stats.update(ttft_s=(first[0] if first else t2) - t0, prompt_tokens=len(prompt),
                      prefilled_tokens=len(prompt) - 1 - kept)
         return Result(out, stats)

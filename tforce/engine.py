@@ -1,5 +1,6 @@
-"""generate: checks the arguments, opens a Session (session.py: the caches and levels for a method and
-their lifecycles), runs the loop, reports the statistics.
+"""generate: checks the arguments, opens a one-row Session (session.py: the caches and levels for a method
+and their lifecycles), runs the decode loop (decode.py, the one loop for one prompt and for a batch),
+reports the statistics.
 
 One generation = prefill every node on the prompt, then rounds of the top level until the token
 budget or EOS; each round: (maybe) rebuild the retrieval cache, draft, verify, commit, stream.
@@ -11,11 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import placement, threads
 from .config import Sampling, Speculation
 from .errors import UsageError
+from .decode import decode_one, one_row_stats, placement_stats
 from .session import Session, _sync_device
-from .stops import end_of_round
 from .vocab import check_sizes, check_tokenizers
 
 
@@ -165,7 +165,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
                            gpu_memory=gpu_memory, cuda_graphs=cuda_graphs, device_free=device_free,
                            deterministic=deterministic, group=group)
     if on_plan:
-        on_plan(_placement(session.plan))
+        on_plan(placement_stats(session.plan))
     if save_kv is not None:
         snapshot.check_target(save_kv)  # before the work, not after
     gen = generator(target, seed)
@@ -177,7 +177,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
                                                                     identity, group)
         _sync_device(device)
         kv["load_kv_s"] = time.perf_counter() - t0
-    session.prefill(prompt, on_prefill)
+    session.prefill([prompt], on_prefill)
     _sync_device(device)
     t1 = time.perf_counter()
     if save_kv is not None:
@@ -186,81 +186,8 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     eos = set() if ignore_eos else _eos_ids(target.config)
     before = session.counts()
     t2 = time.perf_counter()
-    out = decode(session, len(prompt), max_new, gen, eos, on_token, on_round, until)
+    out = decode_one(session, len(prompt), max_new, gen, eos, on_token, on_round, until)
     _sync_device(device)
     t3 = time.perf_counter()
-    stats = _stats(session, len(out), t1 - t0, t3 - t2, before)
+    stats = one_row_stats(session, out, t1 - t0, t3 - t2, before)
     return Result(out, {**stats, **kv})
-
-
-def decode(session: Session, n: int, max_new: int, gen: torch.Generator, eos: set[int], on_token=None,
-           on_round=None, until=None) -> list[int]:
-    """Rounds after seq[:n] until max_new tokens, an EOS (kept) or `until` (generate's) says where to end;
-    callbacks as generate's."""
-    out: list[int] = []
-    while len(out) < max_new:
-        threads.tick()
-        tokens = session.round(n, gen)[: max_new - len(out)]
-        end = end_of_round(out, tokens, eos, until)
-        if end is not None:
-            tokens = tokens[:end]
-        out += tokens
-        n += len(tokens)
-        if on_token:
-            on_token(tokens)
-        if on_round:
-            on_round(tokens, _acceptance(session))
-        if end is not None:
-            break
-    return out
-
-
-def _acceptance(session: Session) -> dict:
-    def acc(level):
-        return None if level is None else level.stats.acceptance()
-
-    return {"draft": acc(session.draft_level), "retrieval": acc(session.middle_level)}
-
-
-def _placement(plan: placement.Plan) -> dict:
-    """The full cache's placement, as the statistics and on_plan report it."""
-    return {
-        "kv_resident_layers": plan.resident,
-        "kv_offloaded_layers": plan.offloaded,
-        "kv_device_bytes": plan.gpu_bytes,  # on the model's device: the GPU, or host memory on a CPU run
-        "kv_host_bytes": plan.host_bytes,
-        "kv_chunk_stats_recomputed": plan.recompute_stats,  # no room to keep the resident layers' (placement.py)
-    }
-
-
-def _planned_peak(plan: placement.Plan) -> dict:
-    """The plan's predicted device peak (prefill or decode, the larger; everything, weights included) and its
-    CUDA context share (measured on CUDA, 0 on a CPU run): bench sets the allocator's peaks beside them."""
-    return {"plan_peak_bytes": plan.peak, "plan_context_bytes": plan.item("CUDA context")}
-
-
-def _stats(session: Session, n_out: int, prefill_s: float, decode_s: float, before: dict[str, int]) -> dict:
-    """before: session.counts() when decoding began."""
-    now = session.counts()
-    forwards = {name: n - before[name][0] for name, (n, _) in now.items()}
-    stage_s = {name: s - before[name][1] for name, (_, s) in now.items()}
-    verifications = forwards["full"]
-    return {
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "ms_per_token": 1000 * decode_s / n_out if n_out else None,
-        "tokens_per_s": n_out / decode_s if n_out and decode_s > 0 else None,
-        "acceptance": _acceptance(session),
-        "tokens_per_verification": n_out / verifications if verifications else None,
-        "verifications": verifications,
-        "forwards": forwards,  # per node while decoding: what each level's step costs is read that often
-        "stage_s": stage_s,  # per node, seconds of those forwards (timing.py); the rest of decode_s is
-        # sampling, verification, host syncs, rebuilds and Python between forwards
-        **_placement(session.plan),
-        **_planned_peak(session.plan),
-        # Retrieval rebuilds: the prefill's initial one, then those during decoding (their seconds are
-        # part of decode_s). None without a retrieval cache.
-        "prefill_rebuild_s": session.rebuild_times[0] if session.rebuild_times else None,
-        "rebuild_s": sum(session.rebuild_times[1:]) if session.retrieval is not None else None,
-        "rebuilds": len(session.rebuild_times[1:]) if session.retrieval is not None else None,
-    }

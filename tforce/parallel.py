@@ -12,7 +12,7 @@ exactly anyway), and everything after the last all_reduce is replicated, determi
 Against the unsharded model the logits differ only by summation order (allclose, not bitwise).
 The same holds only if every rank runs the same code path, so all ranks place their KV caches from one
 figure, the least free device memory over the ranks (`_agreed_free`). The plans are then equal: each
-rank's planner (session._plan) compares the plan's peak with a budget that both count this rank's own
+rank's planner (session_plan._plan) compares the plan's peak with a budget that both count this rank's own
 measured CUDA context and loaded weight bytes (row-parallel biases stay on rank 0), so those terms
 cancel and the comparison reads only the agreed figure and shapes that every rank shares (tested on the
 CPU in test_placement.py, with the context and weights made to differ). Session still compares the
@@ -143,13 +143,13 @@ def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -
 def _rank_room(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
     """This rank's room for the caches and activations beside what it holds: its free memory (or `given`),
     and with gpu_memory, no more than gpu_memory less what this rank has allocated (its shard: row-parallel
-    biases make it differ) and, on CUDA, less its context, as session._plan caps one process: gpu_memory
+    biases make it differ) and, on CUDA, less its context, as session_plan._plan caps one process: gpu_memory
     bounds everything on the device, the context included."""
     if dev.type != "cuda":
         room, cap = given, gpu_memory
     else:
         free, total = torch.cuda.mem_get_info(dev)
-        context = total - free - torch.cuda.memory_reserved(dev)  # as session._plan measures it
+        context = total - free - torch.cuda.memory_reserved(dev)  # as session_plan._plan measures it
         room = free if given is None else given
         cap = None if gpu_memory is None else gpu_memory - torch.cuda.memory_allocated(dev) - context
     return room if room is None or cap is None else min(room, cap)

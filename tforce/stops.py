@@ -64,8 +64,8 @@ class StopStrings:
 def end_of_round(out: list[int], tokens: list[int], eos: set[int], until=None) -> int | None:
     """Where generation ends in a round's new tokens (already cut at the budget), after `out`: after the first
     EOS (kept), or where until(out + tokens) says (generate's `until`, e.g. StopStrings.cut; it sees the
-    tokens up to an EOS); None to keep them all and go on. The one rule for a single prompt (engine.decode)
-    and for each row of a batch (batch_session._RowState), so that a row ends where it would alone."""
+    tokens up to an EOS); None to keep them all and go on. The one rule for every row of
+    decode.decode (one prompt or a batch), so that a row ends where it would alone."""
     end = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
     keep = until(out + tokens[:end]) if until is not None else None
     if keep is not None:  # earlier rounds' tokens were checked: the end falls in this round's

@@ -31,7 +31,8 @@ import torch
 
 from ..text_stream import TextStream
 from ..config import Sampling
-from ..engine import _eos_ids, _stats, check_ids, decode, generator, open_session
+from ..decode import decode_one, one_row_stats
+from ..engine import _eos_ids, check_ids, generator, open_session
 from ..errors import TforceError, UsageError
 from ..prompt_format import PromptFormat
 from ..session import _sync_device
@@ -197,7 +198,7 @@ class Worker:
             self.marked = None  # the streaming caches hold the snapshot's states now
         reused = self._reuse(prompt, check)
         s.reset_stats()
-        s.prefill(prompt, check)
+        s.prefill([prompt], check)
         if self.store is not None and len(job.ids) - 1 - reused >= self.store.min_tokens:
             self.store.save(s)
         _sync_device(device)
@@ -216,13 +217,13 @@ class Worker:
             return len(tokens) if self.stopping else stops.cut(tokens) if stops else None
 
         before = s.counts()
-        out = decode(s, len(job.ids), job.max_new, generator(self.target, job.sampling.seed), self.eos, on_token,
-                     None, until)
+        out = decode_one(s, len(job.ids), job.max_new, generator(self.target, job.sampling.seed), self.eos, on_token,
+                         None, until)
         _sync_device(device)
         t2 = time.perf_counter()
         text = stream.finish()
         stopped = bool(out) and (out[-1] in self.eos or stops.matched(out) is not None)
-        stats = _stats(s, len(out), t1 - t0, t2 - t1, before)
+        stats = one_row_stats(s, out, t1 - t0, t2 - t1, before)
         extension = {"prefix_reused": reused, "prefix_from_kv_dir": loaded or 0, "prefilled_tokens": len(job.ids) - 1 - reused,
                      "ttft_s": (first[0] if first else t2) - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1,
                      "ms_per_token": stats["ms_per_token"], "acceptance": stats["acceptance"],
@@ -244,7 +245,7 @@ class Worker:
         marked = self.marked
         usable = marked is not None and len(marked) <= len(prompt) and torch.equal(marked, prompt[:len(marked)])
         if shared < held and shared > 0 and s._streaming_nodes() and not (usable and len(marked) >= shared):
-            s.prefill(prompt, check, upto=shared)
+            s.prefill([prompt], check, upto=[shared])
             s.mark()
             self.marked = prompt[:shared].clone()
         return shared

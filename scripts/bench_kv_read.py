@@ -26,8 +26,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save
 
 sys.path.insert(0, ".")
-from tforce import snapshot_read  # noqa: E402
-from tforce.snapshot import _sha  # noqa: E402
+from tforce.snapshot import reader as snapshot_read  # noqa: E402
+from tforce.snapshot.format import _sha  # noqa: E402
 
 
 def main() -> None:

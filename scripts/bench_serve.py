@@ -22,8 +22,8 @@ from openai import OpenAI
 from transformers import AutoTokenizer
 
 sys.path.insert(0, ".")
-from tforce.defaults import demo_pair
-from tforce.demo import EXCERPT  # noqa: E402
+from tforce.model.defaults import demo_pair
+from tforce.text.demo import EXCERPT  # noqa: E402
 
 QUESTIONS = ("\n\nQuestion: who is the narrator?", "\n\nQuestion: where does the story happen?",
              "\n\nQuestion: what is the weather like?")

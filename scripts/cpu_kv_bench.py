@@ -36,12 +36,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import tforce  # noqa: E402
-from tforce import engine  # noqa: E402
-from tforce.decode import decode_one  # noqa: E402
+from tforce.engine import generate as engine  # noqa: E402
+from tforce.engine.decode import decode_one  # noqa: E402
 from tforce.cache import FullCache, RetrievalCache, StreamingCache  # noqa: E402
 from tforce.config import Sampling  # noqa: E402
-from tforce.rope import Rotary  # noqa: E402
-from tforce.sampling import to_probs  # noqa: E402
+from tforce.cache.rope import Rotary  # noqa: E402
+from tforce.engine.sampling import to_probs  # noqa: E402
 
 BOOKS = ROOT.parent / "shared" / "data" / "books"
 # (label, generate options): `tforce run`'s defaults, then budgets small enough to matter at 1K-4K tokens

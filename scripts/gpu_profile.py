@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
 import tforce  # noqa: E402
-from tforce.bench import prompt_ids, synthetic_pair  # noqa: E402
+from tforce.bench.suite import prompt_ids, synthetic_pair  # noqa: E402
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
 

@@ -23,8 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, ".")
-from tforce import attention  # noqa: E402
-from tforce.attention import attend, attend_reference  # noqa: E402
+from tforce.model import attention  # noqa: E402
+from tforce.model.attention import attend, attend_reference  # noqa: E402
 from tforce.cache.base import CacheView  # noqa: E402
 
 

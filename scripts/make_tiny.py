@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tforce.synthetic import make_checkpoint
+from tforce.model.synthetic import make_checkpoint
 
 TARGET = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=16384)  # the demo excerpt is ~11.4K byte-level tokens

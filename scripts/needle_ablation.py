@@ -1,6 +1,6 @@
 """Which layers' keys does the target need to answer a passkey prompt? (EVALUATION.md, "needle".)
 
-Builds needle prompts (tforce.needle) and decodes the answer greedily with method "retrieval" and a
+Builds needle prompts (tforce.text.needle) and decodes the answer greedily with method "retrieval" and a
 middle cache larger than the context, so the middle level holds every token except the ones this
 script removes: the key and 8 tokens either side (the needle sentence) in a chosen set of layers, or
 the last 16 prompt tokens in one layer. The printed number is the middle level's acceptance by the full cache (1.0 when
@@ -18,8 +18,8 @@ import torch
 
 from tforce import load_model
 from tforce.config import Sampling, Speculation
-from tforce.engine import Session
-from tforce.needle import needle_prompt
+from tforce.engine.generate import Session
+from tforce.text.needle import needle_prompt
 
 
 class Without:

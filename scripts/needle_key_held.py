@@ -1,6 +1,6 @@
 """Per layer, does each policy's middle cache hold the pass key right after prefill? (EVALUATION.md.)
 
-Builds `tforce eval`'s needle prompts (tforce.evaluate.prompts, seed 0) at one context and, for depths
+Builds `tforce eval`'s needle prompts (tforce.eval.run.prompts, seed 0) at one context and, for depths
 20%, 50% and 80%, prints per policy how many layers hold all of the key's tokens and how many hold none
 of them (in any KV head), from needle_ablation.key_held, budget 256, one thread.
 
@@ -16,7 +16,7 @@ import torch
 
 from needle_ablation import key_held
 from tforce import load_model
-from tforce.evaluate import prompts
+from tforce.eval.run import prompts
 
 
 def main() -> None:

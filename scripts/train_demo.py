@@ -12,7 +12,7 @@ or the models, and the held-out perplexity and passkey accuracy are measured on 
 Writes OUT/demo-target and OUT/demo-draft (config.json, fp16 model.safetensors, tokenizer files), and
 OUT/card.json + OUT/README.md with the data, sizes, steps, wall time, final training loss, held-out
 perplexity and the target's passkey accuracy by context length. The target's training stream mixes in
-passkey examples from tforce.needle (the same prompts the evaluation uses, on other books). Training
+passkey examples from tforce.text.needle (the same prompts the evaluation uses, on other books). Training
 runs until --minutes are used, the step count re-estimated from the recent pace every 25 steps (or
 for exactly --steps steps: with --steps and --seed, a run is reproducible on the same software).
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tforce.needle import needle_prompt, random_key
+from tforce.text.needle import needle_prompt, random_key
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOKS = ROOT.parent / "shared" / "data" / "books"
@@ -54,7 +54,7 @@ class Arch:
 @dataclass(frozen=True)
 class Long:
     """Context extension of the trained target, as long-context models are extended in practice: RoPE
-    rescaled (transformers' rope_parameters, e.g. YaRN; tforce.rope reads the same) from the base's
+    rescaled (transformers' rope_parameters, e.g. YaRN; tforce.cache.rope reads the same) from the base's
     training length to `seq_len`, then a short phase on `seq_len`-token sequences, a fraction
     `passkey_frac` of them packed passkey episodes (lengths log-uniform from `min_episode`), the rest book
     text."""
@@ -380,7 +380,7 @@ def card_markdown(card: dict) -> str:
         long = f"""
 **Long-context phase** (as long-context models are extended in practice): the target's RoPE rescaled
 with {r['rope_type']} (`rope_parameters` {json.dumps(r)} in its config.json, which
-transformers and `tforce.rope` both read), from {r['original_max_position_embeddings']} to
+transformers and `tforce.cache.rope` both read), from {r['original_max_position_embeddings']} to
 {t['max_position_embeddings']} positions, then {lt['steps']} steps ({lt['tokens']:,} tokens, {lt['wall_s']:.0f} s,
 {lt['tokens_per_s']:,} tokens/s, final loss {lt['final_loss']:.3f}, peak learning rate {lt['peak_lr']:g}) on
 {lt['seq_len']}-token sequences x {lt['batch']}: a fraction {lt['passkey_frac']} of them packed passkey episodes
@@ -423,7 +423,7 @@ English without much sense; what they show is real text and real acceptance rate
 {card['data']['train_tokens']:,} tokens). **Held out entirely** (never seen by the tokenizer or the models):
 {', '.join(card['data']['held_out_books'])} (`../shared/data/books/*.txt`). The {'base ' if lt else ''}target trains in two
 phases: first a fraction {card['passkey_frac']} of its sequences are packed passkey examples from
-`tforce.needle` ("The pass key is KEY. Remember it." at a random depth of a novel excerpt, then "What is
+`tforce.text.needle` ("The pass key is KEY. Remember it." at a random depth of a novel excerpt, then "What is
 the pass key? The pass key is KEY"; episode lengths log-uniform from 48 tokens; answer tokens weigh
 {card['answer_weight']:g}x in the loss), the rest plain book text; then{phase2} evaluation uses the same phrasing on
 the held-out books. The training loss reported is the plain mean over all tokens.

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tforce
-from tforce.defaults import REPO_MODELS
-from tforce.synthetic import make_checkpoint
+from tforce.model.defaults import REPO_MODELS
+from tforce.model.synthetic import make_checkpoint
 
 # name -> make_checkpoint overrides. All share the 259-token byte vocabulary so any pair can draft.
 TINY = {
@@ -35,7 +35,7 @@ os.environ.setdefault("TFORCE_DEMO_MODELS", str(REPO_MODELS))
 # load, which the other test worker changes): results and timings do not depend on the neighbour.
 os.environ.setdefault("TFORCE_THREADS", "1")
 
-# --method auto's calibrations (tforce/calibration.py) and GGUF conversions go to a folder of this session
+# --method auto's calibrations (tforce/engine/calibration.py) and GGUF conversions go to a folder of this session
 # (command-line runs in subprocesses included), not the user's cache: a calibration left by an earlier
 # session would decide what a test's run measures.
 if "TFORCE_CACHE" not in os.environ:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from tforce.synthetic import byte_tokenizer, make_checkpoint
+from tforce.model.synthetic import byte_tokenizer, make_checkpoint
 
 TINY = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
@@ -28,7 +28,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_llama(path: Path, seed: int = 0, dtype=np.float32) -> Path:
-    """A random tiny Llama (tforce.synthetic's weights, seed `seed`) as the GGUF file `path`."""
+    """A random tiny Llama (tforce.model.synthetic's weights, seed `seed`) as the GGUF file `path`."""
     import gguf
 
     source = make_checkpoint(path.with_suffix(".src"), seed=seed, tokenizer=False, vocab_size=len(TOKENS), **TINY)

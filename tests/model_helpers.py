@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tforce.cache import FullCache
-from tforce.rope import Rotary
+from tforce.cache.rope import Rotary
 
 VOCAB = 259  # the tiny checkpoints' byte vocabulary
 
@@ -59,8 +59,8 @@ def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
 
 def count_rowwise_runners(monkeypatch) -> list:
     """Patch the engine so every RowwiseRunner it builds (deterministic=True) appends to the returned list."""
-    import tforce.session
-    from tforce.rowwise import RowwiseRunner
+    import tforce.engine.session
+    from tforce.engine.rowwise import RowwiseRunner
 
     built = []
 
@@ -69,7 +69,7 @@ def count_rowwise_runners(monkeypatch) -> list:
             built.append(1)
             super().__init__(*a)
 
-    monkeypatch.setattr(tforce.session, "RowwiseRunner", Counted)
+    monkeypatch.setattr(tforce.engine.session, "RowwiseRunner", Counted)
     return built
 
 
@@ -86,8 +86,8 @@ def eos_token(model, token: int):
 
 def record_host(monkeypatch) -> list[int]:
     """The sizes of every device -> host transfer (sync.host) the batch levels and verifications make."""
-    import tforce.levels
-    import tforce.speculative
+    import tforce.engine.levels
+    import tforce.engine.speculative
 
     calls = []
 
@@ -95,6 +95,6 @@ def record_host(monkeypatch) -> list[int]:
         calls.append(t.numel())
         return t.tolist()
 
-    monkeypatch.setattr(tforce.levels, "host", host)
-    monkeypatch.setattr(tforce.speculative, "host", host)
+    monkeypatch.setattr(tforce.engine.levels, "host", host)
+    monkeypatch.setattr(tforce.engine.speculative, "host", host)
     return calls

@@ -98,7 +98,7 @@ class Server:
 def tiny_pair(root: Path, template: bool = False, context: int = 512) -> tuple[Path, Path]:
     """A tiny random target and draft with the byte tokenizer; with template, the target's tokenizer has a
     chat template that writes no special tokens."""
-    from tforce.synthetic import byte_tokenizer, make_checkpoint
+    from tforce.model.synthetic import byte_tokenizer, make_checkpoint
 
     target = make_checkpoint(root / "target", seed=0, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import tforce
-from tforce.synthetic import make_checkpoint
+from tforce.model.synthetic import make_checkpoint
 
 TARGET = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512)

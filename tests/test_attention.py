@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tforce.attention import attend, attend_reference
+from tforce.model.attention import attend, attend_reference
 from tforce.cache import CacheView
 
 D = 16
@@ -112,7 +112,7 @@ def test_all_true_mask_equals_no_mask():
 @pytest.mark.parametrize("T", [1, 7])
 def test_flash_matches_sdpa_on_cuda(h_q, h_kv, T):
     """flash-attn vs SDPA in bf16, both against float64: flash's error at most twice SDPA's + eps."""
-    from tforce.attention import flash_attn_func
+    from tforce.model.attention import flash_attn_func
     from tforce.cache.base import visibility
 
     if flash_attn_func is None:

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import tforce
-import tforce.levels
-from tforce import placement
+import tforce.engine.levels
+from tforce.engine import placement
 from tforce.config import Speculation
-from tforce.batch import generate_batch
-import tforce.session
-from tforce.session_plan import _plan, model_shape
-from tforce.speculative import verify
-from tforce.synthetic import make_checkpoint
+from tforce.engine.batch import generate_batch
+import tforce.engine.session
+from tforce.engine.session_plan import _plan, model_shape
+from tforce.engine.speculative import verify
+from tforce.model.synthetic import make_checkpoint
 
 from model_helpers import eos_token, record_host
 from stats_util import chi2_pvalue
@@ -106,7 +106,7 @@ def test_partly_offloaded_rows_equal_single_prompts(tiny, tmp_path, monkeypatch,
     shape, small = model_shape(model), (model_shape(draft) if draft is not None else None)
     room = placement.layout(shape, work, 3, small, 0).peak - shape.weights - (small.weights if small else 0)
     plans = []
-    monkeypatch.setattr(tforce.session, "_plan", lambda *a: plans.append(_plan(*a)) or plans[-1])
+    monkeypatch.setattr(tforce.engine.session, "_plan", lambda *a: plans.append(_plan(*a)) or plans[-1])
     opts = dict(budget=16, chunk_size=4, gamma2=4, draft_budget=12, sinks=2, prefill_chunk=8)
     rows = generate_batch(model, prompts, draft=draft, method=method, device_free=room, **opts, **kw)
     assert (plans[0].resident, plans[0].offloaded) == (3, 3)
@@ -204,7 +204,7 @@ def test_sampled_rows_match_their_target_distributions(small_vocab, method):
 
 
 def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
-    monkeypatch.setattr(tforce.levels, "verify", functools.partial(verify, residual=lambda p, q: p))
+    monkeypatch.setattr(tforce.engine.levels, "verify", functools.partial(verify, residual=lambda p, q: p))
     target, draft = small_vocab
     samples, _ = draw_rows(target, draft, "naive", seed=1)
     assert min(pvalues(target, samples)) < 1e-6

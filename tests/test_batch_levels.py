@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import tforce
-from tforce.batch import generate_batch
-from tforce.levels import Node
+from tforce.engine.batch import generate_batch
+from tforce.engine.levels import Node
 
 from model_helpers import eos_token, record_host
 from test_batch import prompts_of

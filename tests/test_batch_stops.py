@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 import tforce
-from tforce.batch import generate_batch
-from tforce.stops import StopStrings
-from tforce.synthetic import byte_tokenizer
+from tforce.engine.batch import generate_batch
+from tforce.engine.stops import StopStrings
+from tforce.model.synthetic import byte_tokenizer
 
 from model_helpers import record_host
 from stats_util import chi2_pvalue

@@ -7,10 +7,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from tforce.bench import parse_size
+from tforce.bench.suite import parse_size
 from tforce.cli import app
 from tforce.errors import UsageError
-from tforce.synthetic import make_checkpoint
+from tforce.model.synthetic import make_checkpoint
 
 BENCH = ["bench", "--synthetic", "tiny", "--device", "cpu", "--prompt-len", "200", "--gen-len", "16"]
 RUN_FIELDS = {"method", "ms_per_token", "speedup_vs_ar", "acceptance", "tokens_per_verification", "prefill_s",
@@ -105,7 +105,7 @@ def test_bench_refuses_what_cannot_fit_before_building(runner, monkeypatch):
         raise AssertionError("models built")
 
     monkeypatch.setattr("tforce.cli.common._host_available", lambda: 24 * 2**30)
-    monkeypatch.setattr("tforce.bench.synthetic_pair", no_building)
+    monkeypatch.setattr("tforce.bench.suite.synthetic_pair", no_building)
     result = runner.invoke(app, ["bench", "--synthetic", "llama2-7b", "--device", "cpu", "--prompt-len", "1000",
                                  "--gen-len", "24"])
     assert result.exit_code == 1, (result.output, result.exception)
@@ -156,18 +156,18 @@ def test_bench_takes_one_model_source(runner, tmp_path):
 def test_bench_without_a_model_times_the_demo_pair_on_its_excerpt(runner, monkeypatch):
     """Neither --model nor --synthetic was a usage error while run and chat default to the demo pair: bench
     now times that pair too, on its excerpt (3300 tokens of it by default, as `make demo`), and says so."""
-    import tforce.bench
-    from tforce.defaults import demo_pair
-    from tforce.demo import EXCERPT
+    import tforce.bench.suite
+    from tforce.model.defaults import demo_pair
+    from tforce.text.demo import EXCERPT
 
     seen = []
-    real = tforce.bench.prompt_ids
+    real = tforce.bench.suite.prompt_ids
 
     def spy(n, vocab, tokenizer=None, text=None, seed=0):
         seen.append((n, text))
         return real(n, vocab, tokenizer, text, seed)
 
-    monkeypatch.setattr(tforce.bench, "prompt_ids", spy)
+    monkeypatch.setattr(tforce.bench.suite, "prompt_ids", spy)
     result = runner.invoke(app, ["bench", "--device", "cpu", "--gen-len", "4", "--methods", "ar,triforce",
                                  "--temperature", "0", "--threads", "1", "--json"])
     assert result.exit_code == 0, (result.output, result.exception)
@@ -208,7 +208,7 @@ def test_bench_fits_its_default_prompt_to_a_short_context(runner, tmp_path):
 
 
 def test_bench_split_over_ranks(runner, tmp_path):
-    """--tp 2 on the CPU: the target split over two gloo ranks (tforce.parallel.generate_tp)."""
+    """--tp 2 on the CPU: the target split over two gloo ranks (tforce.parallel.tp.generate_tp)."""
     make_checkpoint(tmp_path / "target", seed=0, num_key_value_heads=2)
     result = runner.invoke(app, ["bench", "-m", str(tmp_path / "target"), "--tp", "2", "--device", "cpu",
                                  "--methods", "retrieval", "--prompt-len", "100", "--gen-len", "4", "--json"])
@@ -251,8 +251,8 @@ def test_run_takes_placement_options(runner):
 def test_bench_times_row_wise_verification_beside_the_plain_one(runner, monkeypatch):
     """--methods triforce,triforce+det: the deterministic mode's cost, measured side by side in one run."""
     from model_helpers import count_rowwise_runners
-    from tforce.bench import parse_methods
-    from tforce.bench_run import split_method
+    from tforce.bench.suite import parse_methods
+    from tforce.bench.run import split_method
 
     built = count_rowwise_runners(monkeypatch)
 
@@ -304,7 +304,7 @@ def test_bench_summary_tabulates_the_good_records_beside_a_bad_one(report, tmp_p
 
 
 def test_bench_prefill_chunk_reaches_the_engine(runner, monkeypatch):
-    import tforce.engine as engine
+    import tforce.engine.generate as engine
 
     seen = []
     real = engine.Session.__init__

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import tforce.bench
-import tforce.bench_run
+import tforce.bench.suite
+import tforce.bench.run
 from tforce.cli import app
 from test_bench import BENCH
 
@@ -40,14 +40,14 @@ def test_the_record_is_what_json_prints(runner, tmp_path):
 def test_a_bench_cut_short_keeps_the_methods_that_finished(runner, tmp_path, monkeypatch):
     """The third method dies (as a time limit or an out-of-memory error would end it): FILE holds the
     first two, marked incomplete, with ar's speed-up over itself; bench_summary says it was cut short."""
-    run_one = tforce.bench_run.run_one
+    run_one = tforce.bench.run.run_one
 
     def dies_third(models, ids, method, *a, **k):
         if method == "streaming":
             raise KeyboardInterrupt
         return run_one(models, ids, method, *a, **k)
 
-    monkeypatch.setattr(tforce.bench, "run_one", dies_third)  # where bench() looks it up
+    monkeypatch.setattr(tforce.bench.suite, "run_one", dies_third)  # where bench() looks it up
     path = tmp_path / "r.json"
     path.write_text("an older record, replaced by the first whole one\n")
     result = runner.invoke(app, BENCH + ["--methods", "ar,naive,streaming", "--gen-len", "4", "--record",
@@ -64,7 +64,7 @@ def test_a_bench_cut_short_keeps_the_methods_that_finished(runner, tmp_path, mon
 @pytest.mark.parametrize("where,needle", [("dir", "is a directory"), ("missing/r.json", "no such directory")])
 def test_an_unwritable_record_is_refused_before_the_bench(runner, tmp_path, monkeypatch, where, needle):
     (tmp_path / "dir").mkdir()
-    monkeypatch.setattr(tforce.bench, "bench", lambda *a, **k: pytest.fail("the bench ran"))
+    monkeypatch.setattr(tforce.bench.suite, "bench", lambda *a, **k: pytest.fail("the bench ran"))
     result = runner.invoke(app, BENCH + ["--record", str(tmp_path / where)])
     assert result.exit_code == 2, (result.output, result.exception)
     lines = result.stderr.strip().splitlines()
@@ -72,16 +72,16 @@ def test_an_unwritable_record_is_refused_before_the_bench(runner, tmp_path, monk
 
 
 def test_a_batch_bench_cut_short_keeps_its_finished_methods(runner, tmp_path, monkeypatch):
-    import tforce.bench_batch
+    import tforce.bench.batch
 
-    run_batch = tforce.bench_batch.run_batch
+    run_batch = tforce.bench.batch.run_batch
 
     def dies_second(models, prompts, method, cfg):
         if method == "naive":
             raise KeyboardInterrupt
         return run_batch(models, prompts, method, cfg)
 
-    monkeypatch.setattr(tforce.bench_batch, "run_batch", dies_second)
+    monkeypatch.setattr(tforce.bench.batch, "run_batch", dies_second)
     path = tmp_path / "b.json"
     result = runner.invoke(app, BENCH + ["--batch", "2", "--methods", "ar,naive", "--gen-len", "4", "--record",
                                          str(path)])
@@ -93,7 +93,7 @@ def test_a_batch_bench_cut_short_keeps_its_finished_methods(runner, tmp_path, mo
 def test_a_record_through_a_symlink_writes_its_target_with_ordinary_permissions(tmp_path):
     """The rename lands on the link's target (the link stays a link), and FILE gets the umask's mode, not
     mkstemp's 0600."""
-    from tforce import bench_record
+    from tforce.bench import record as bench_record
 
     (tmp_path / "runs").mkdir()
     target, link = tmp_path / "runs" / "r.json", tmp_path / "latest.json"
@@ -112,7 +112,7 @@ def test_a_record_through_a_symlink_writes_its_target_with_ordinary_permissions(
 def test_a_record_that_cannot_be_written_loses_neither_the_bench_nor_its_output(runner, tmp_path, monkeypatch):
     """Disk full at every write: every method still runs, --json still prints the whole report, and the
     failure is one line with exit 1 (the record was asked for and is not there)."""
-    from tforce import bench_record
+    from tforce.bench import record as bench_record
 
     def full(path, report):
         raise OSError(errno.ENOSPC, "No space left on device")

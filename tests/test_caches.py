@@ -9,7 +9,7 @@ import torch
 from model_helpers import forward, full_cache, random_ids, rotary_for
 from tforce.cache import FullCache, RetrievalCache, StreamingCache
 from tforce.errors import TforceError
-from tforce.rope import Rotary
+from tforce.cache.rope import Rotary
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tforce import calibration
-from tforce.planner import choose
+from tforce.engine import calibration
+from tforce.engine.planner import choose
 
 OPTIONS = dict(method="auto", temperature=0.0, max_new_tokens=16, budget=64, chunk_size=4, draft_budget=32, sinks=4)
 METHODS = ["ar", "naive", "retrieval", "streaming", "triforce"]
@@ -82,7 +82,7 @@ def test_a_calibration_is_measured_once_then_read(tiny, tmp_path, monkeypatch):
 def test_the_methods_and_the_run_share_one_prefill_and_stay_exact(tiny, tmp_path, monkeypatch):
     """With kv_dir, the first timed method saves the prompt's prefill and the others load it, as does the run
     (generate_auto): each method accepts what it accepts after its own prefill, and the run is ar's tokens."""
-    from tforce import engine, planner
+    from tforce.engine import generate as engine, planner
 
     ids = [3 + (7 * i) % 250 for i in range(300)]
     alone = choose(tiny["gqa"], tiny["draft"], ids, OPTIONS, folder=tmp_path / "alone")

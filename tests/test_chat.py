@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import tforce
 from tforce.cli import app, chat_input
-from tforce.synthetic import make_checkpoint
+from tforce.model.synthetic import make_checkpoint
 
 from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
 

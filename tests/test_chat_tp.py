@@ -28,13 +28,13 @@ import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 import tforce
-from tforce import snapshot_identity, snapshot_io
+from tforce.snapshot import identity as snapshot_identity, store as snapshot_io
 from tforce.cli import app
 from tforce.config import Sampling, Speculation
-from tforce.conversation_tp import ParallelConversation, _conversation_worker
-from tforce.engine import Session
+from tforce.parallel.conversation import ParallelConversation, _conversation_worker
+from tforce.engine.generate import Session
 from tforce.errors import TforceError
-from tforce.ranks import Ranks
+from tforce.parallel.ranks import Ranks
 
 from test_chat import QUESTIONS, ROOT, models, target  # noqa: F401  (fixtures)
 from test_cli import DOC, FAST, _one_error_line
@@ -162,7 +162,7 @@ def test_an_older_snapshot_of_another_number_of_ranks_is_refused_in_one_line(mod
     shutil.copytree(tp_snapshot, old)
     manifest = json.loads((old / "manifest.json").read_text())
     del manifest["target"]["files_sha256"]
-    manifest["manifest_sha256"] = tforce.snapshot._manifest_sha(manifest)
+    manifest["manifest_sha256"] = tforce.snapshot.format._manifest_sha(manifest)
     (old / "manifest.json").write_text(json.dumps(manifest))
     _one_error_line(_chat(models, "--load-kv", str(old), tp=False), 2,
                     "made with --tp 2, this run has one process (no --tp): pass --tp 2")
@@ -263,7 +263,7 @@ def _idle(rank, world):
 
 def test_serving_ranks_exit_when_their_parent_is_killed(tmp_path):
     code = ("import os, sys\n"
-            "from tforce.ranks import Ranks\n"
+            "from tforce.parallel.ranks import Ranks\n"
             "from test_chat_tp import _idle\n"
             "ranks = Ranks(_idle, 2, 'gloo', serve=True)\n"
             "ranks.collect()\n"

@@ -10,7 +10,7 @@ from model_helpers import forward, random_ids, rotary_for
 from tforce.cache import FullCache, RetrievalCache
 from tforce.cache.chunkstats import ChunkStats, chunk_stats_bytes, chunk_sums
 from tforce.cache.offload import OffloadedCache
-from tforce.prefill import prefill_layer_major
+from tforce.engine.prefill import prefill_layer_major
 
 
 def make_full(model, capacity: int, offloaded: bool, resident: int = 0):
@@ -174,7 +174,7 @@ def test_offloaded_triforce_with_rebuilds_equals_ar(tiny, temperature):
 
 @pytest.mark.cuda
 def test_on_cuda_stats_live_next_to_their_layer_and_tokens_stay_exact(tiny_dir):
-    from tforce.rope import Rotary
+    from tforce.cache.rope import Rotary
 
     target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda", dtype=torch.float32)
     draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda", dtype=torch.float32)

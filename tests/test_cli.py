@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import tforce
 from tforce.cli import app
-from tforce.synthetic import byte_tokenizer, make_checkpoint
+from tforce.model.synthetic import byte_tokenizer, make_checkpoint
 
 TARGET = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512)
@@ -150,7 +150,7 @@ def test_sibling_draft_default(runner, models):
 def test_no_model_uses_the_demo_pair_and_excerpt(runner, tmp_path):
     """No --model: the demo pair (here tiny random stand-ins via TFORCE_DEMO_MODELS), said on stderr;
     no prompt either: the embedded excerpt + question, also said on stderr."""
-    from tforce.demo import demo_prompt
+    from tforce.text.demo import demo_prompt
 
     long_ctx = dict(TARGET, max_position_embeddings=16384)  # its tokenizer: ~1 id per character of the excerpt
     make_checkpoint(tmp_path / "demo-target", seed=0, **long_ctx)
@@ -270,7 +270,7 @@ def test_run_refuses_what_cannot_fit_before_loading(runner, models, monkeypatch)
         raise AssertionError("weights loaded")
 
     monkeypatch.setattr("tforce.cli.common._host_available", lambda: 2**20)
-    monkeypatch.setattr("tforce.weights.load_model", no_loading)
+    monkeypatch.setattr("tforce.model.weights.load_model", no_loading)
     r = _run(runner, models, "-p", "hi", "-n", "4")
     _one_error_line(r, 1, "not enough memory")
     assert "KV cache for 6 tokens" in r.stderr and "GiB needed" in r.stderr and "0.0 GiB available" in r.stderr
@@ -281,7 +281,7 @@ def test_memory_check_plans_the_method_asked_for(runner, models, monkeypatch):
     --method ar runs, triforce is refused before loading, and auto leaves triforce out of its plan."""
     from transformers import AutoConfig
 
-    from tforce.bench import info_plan
+    from tforce.bench.suite import info_plan
 
     target, draft = (AutoConfig.from_pretrained(models / name) for name in ("tiny-target", "tiny-draft"))
 
@@ -351,7 +351,7 @@ def test_keyboard_interrupt_exits_130(runner, models, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tforce.engine, "generate", interrupted)
+    monkeypatch.setattr(tforce.engine.generate, "generate", interrupted)
     r = _run(runner, models, "-p", "hi", "--method", "ar")
     assert r.exit_code == 130
     assert "Traceback" not in r.output and r.stdout == ""
@@ -394,7 +394,7 @@ def test_main_turns_parse_errors_into_one_line(monkeypatch, capsys, argv, needle
 @pytest.mark.parametrize("command", ["run", "chat"])
 def test_prefill_chunk_reaches_the_engine(runner, models, monkeypatch, command):
     """--prefill-chunk: the prompt's tokens per prefill forward, in run and chat alike; 0 refused in one line."""
-    import tforce.engine as engine
+    import tforce.engine.generate as engine
 
     seen = []
     real = engine.Session.__init__

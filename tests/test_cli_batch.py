@@ -161,10 +161,10 @@ def test_rows_finished_before_an_interrupt_or_error_are_written(runner, models, 
     """Results went to stdout only after the whole batch: Ctrl-C or an error half way lost every finished
     row (and with --batch -, the prompts were gone too). The rows finished so far are written, in the
     file's order, with "stats": null (the batch's were not measured to its end); the others are not."""
-    import tforce.session
+    import tforce.engine.session
 
     calls = []
-    real = tforce.session.Session.round
+    real = tforce.engine.session.Session.round
 
     def failing(self, n, gen):
         calls.append(1)
@@ -172,7 +172,7 @@ def test_rows_finished_before_an_interrupt_or_error_are_written(runner, models, 
             raise failure
         return real(self, n, gen)
 
-    monkeypatch.setattr(tforce.session.Session, "round", failing)
+    monkeypatch.setattr(tforce.engine.session.Session, "round", failing)
     batch = _write(tmp_path, json.dumps({"prompt": DOC, "id": "long"}),
                    json.dumps({"prompt": "It was", "id": "one", "max_new_tokens": 1}),
                    json.dumps({"prompt": "It is", "id": "none", "max_new_tokens": 0}))

@@ -12,7 +12,7 @@ from transformers import AutoConfig
 from typer.testing import CliRunner
 
 import tforce
-from tforce.bench import info_plan
+from tforce.bench.suite import info_plan
 from tforce.cli import app
 from tforce.errors import DoesNotFit
 
@@ -103,9 +103,9 @@ def test_the_split_batches_figures_are_summed(runner, models, tmp_path, monkeypa
 def test_an_interrupt_in_the_second_batch_writes_the_rows_finished(runner, models, tmp_path, monkeypatch, as_json):
     """Ctrl-C in the second of three batches: the first batch's rows and the second's finished one are
     written in the file's order (the third batch never ran), then the one-line error."""
-    import tforce.session
+    import tforce.engine.session
 
-    real, batches, rounds = tforce.session.Session.round, [], []  # rounds: begun, per batch
+    real, batches, rounds = tforce.engine.session.Session.round, [], []  # rounds: begun, per batch
 
     def failing(self, n, gen):
         if not batches or batches[-1] is not self:  # the batches run one after another
@@ -118,7 +118,7 @@ def test_an_interrupt_in_the_second_batch_writes_the_rows_finished(runner, model
 
     prompts = [("a", "It was", 4), ("b", "It is", 2), ("c", DOC, N), ("d", "It was the", 1), ("e", "Who?", 3)]
     _room_for(models, monkeypatch, prompts, 2)
-    monkeypatch.setattr(tforce.session.Session, "round", failing)
+    monkeypatch.setattr(tforce.engine.session.Session, "round", failing)
     r = _run(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST,
              *(["--json"] if as_json else []))
     assert r.exit_code == 130, r.output
@@ -145,7 +145,7 @@ def test_a_prompt_that_does_not_fit_alone_is_refused(runner, models, tmp_path, m
     tokens = _longest(models, long)
     assert _need(models, _longest(models, short), 2, "ar") < _need(models, tokens, 1, "ar")
     monkeypatch.setattr("tforce.cli.common._host_available", lambda: _need(models, tokens, 1, "ar") - 1)
-    monkeypatch.setattr("tforce.weights.load_model", no_loading)
+    monkeypatch.setattr("tforce.model.weights.load_model", no_loading)
     r = _run(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST)
     _one_error_line(r, 1, "not enough memory")
     assert f"KV cache for {tokens} tokens" in r.stderr
@@ -168,7 +168,7 @@ def test_split_batches_sample_with_their_own_seeds(runner, models, tmp_path, mon
 
 def test_bench_batch_is_not_split(runner, monkeypatch):
     """`tforce bench --batch 3` times three rows together or nothing: with room for two it is refused."""
-    from tforce.synthetic import make_config
+    from tforce.model.synthetic import make_config
 
     def no_building(*a, **k):
         raise AssertionError("models built")
@@ -179,7 +179,7 @@ def test_bench_batch_is_not_split(runner, monkeypatch):
         return plan["peak_bytes"] + plan["host_kv_bytes"]
 
     monkeypatch.setattr("tforce.cli.common._host_available", lambda: (need(2) + need(3)) // 2)
-    monkeypatch.setattr("tforce.bench.synthetic_pair", no_building)
+    monkeypatch.setattr("tforce.bench.suite.synthetic_pair", no_building)
     r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--device", "cpu", "--batch", "3", "--prompt-len", "40",
                             "--gen-len", "8", "--budget", "32", "--chunk-size", "4", "--methods", "ar"])
     _one_error_line(r, 1, "not enough memory")
@@ -187,13 +187,13 @@ def test_bench_batch_is_not_split(runner, monkeypatch):
 
 
 def _engine_refusing(monkeypatch, refuse) -> list[int]:
-    """The engine's own plan (tforce.session._plan) raises DoesNotFit for the work refuse(work) names. A stand-in:
+    """The engine's own plan (tforce.engine.session._plan) raises DoesNotFit for the work refuse(work) names. A stand-in:
     on the CPU the engine plans with the same figures as the CLI's check, so the two cannot be made to
     disagree (on CUDA they can: the engine measures the memory free when it runs each batch). The rows of
     every batch the engine planned, in order."""
-    import tforce.session
+    import tforce.engine.session
 
-    real, planned = tforce.session._plan, []
+    real, planned = tforce.engine.session._plan, []
 
     def plan(target, draft, work, *args):
         planned.append(work.rows)
@@ -201,7 +201,7 @@ def _engine_refusing(monkeypatch, refuse) -> list[int]:
             raise DoesNotFit("not enough GPU memory: stand-in")
         return real(target, draft, work, *args)
 
-    monkeypatch.setattr(tforce.session, "_plan", plan)
+    monkeypatch.setattr(tforce.engine.session, "_plan", plan)
     return planned
 
 

@@ -12,7 +12,7 @@ from test_cli_user_errors import _one_error_line, _run, models  # noqa: F401
 
 def test_load_kv_of_another_dtype_is_refused_before_loading(models, tmp_path, monkeypatch):
     """The dtype is in the manifest: it was compared only after both models' weights were read."""
-    import tforce.weights
+    import tforce.model.weights
 
     runner = CliRunner()
     snap = tmp_path / "snap"
@@ -21,7 +21,7 @@ def test_load_kv_of_another_dtype_is_refused_before_loading(models, tmp_path, mo
     def no_loading(*a, **k):
         raise AssertionError("weights read before the snapshot was checked")
 
-    monkeypatch.setattr(tforce.weights, "load_model", no_loading)
+    monkeypatch.setattr(tforce.model.weights, "load_model", no_loading)
     needle = f"--load-kv {snap}: its cache is float32, this run's is bfloat16 (pass --dtype float32)"
     _one_error_line(_run(runner, models, "--load-kv", str(snap), "--dtype", "bfloat16"), 2, needle)
     doc = str(models / "doc.txt")

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tforce.cli import app
-from tforce.synthetic import make_checkpoint
+from tforce.model.synthetic import make_checkpoint
 
 TARGET = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512)
@@ -87,7 +87,7 @@ def test_a_disk_error_while_saving_is_one_line(runner, models, tmp_path, monkeyp
     line naming --save-kv, exit 1, and no temporary folder left behind."""
     import errno
 
-    from tforce import snapshot_io
+    from tforce.snapshot import store as snapshot_io
 
     def full(folder, name, tensors):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -139,11 +139,11 @@ def test_chat_with_no_questions_in_the_file_is_refused(runner, models, tmp_path,
 def test_chat_with_no_questions_on_stdin_is_refused(runner, models, tmp_path, monkeypatch, stdin):
     """`tforce chat book.txt < /dev/null` prefilled the document, answered nothing and exited 0; now one usage
     line before any weights are read, as for an empty questions file. With --save-kv the snapshot is written."""
-    import tforce.weights
+    import tforce.model.weights
 
     pair = ["-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft")]
     with monkeypatch.context() as m:
-        m.setattr(tforce.weights, "load_model", _no_loading)
+        m.setattr(tforce.model.weights, "load_model", _no_loading)
         for given in ([], ["-q", "-"]):
             r = runner.invoke(app, ["chat", str(models / "doc.txt"), *given, *pair], input=stdin)
             _one_error_line(r, 2, "stdin holds no questions (one a line)")
@@ -171,7 +171,7 @@ def test_chat_names_the_demo_excerpt_as_run_does(monkeypatch, capsys):
     import io
 
     from tforce.cli.chat_input import _document
-    from tforce.demo import EXCERPT
+    from tforce.text.demo import EXCERPT
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -217,12 +217,12 @@ def test_the_extreme_seeds_torch_takes_still_run(runner, models):
 def test_batch_refuses_the_h2o_policy_before_loading(runner, models, tmp_path, monkeypatch):
     """README: options are checked before any model is loaded; --batch --policy h2o was refused by
     generate_batch, after both models' weights were read."""
-    import tforce.weights
+    import tforce.model.weights
 
     def no_loading(*a, **k):
         raise AssertionError("weights read before the options were checked")
 
-    monkeypatch.setattr(tforce.weights, "load_model", no_loading)
+    monkeypatch.setattr(tforce.model.weights, "load_model", no_loading)
     batch = tmp_path / "prompts.jsonl"
     batch.write_text('{"prompt": "Hello"}\n')
     r = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "--batch", str(batch), "--policy", "h2o"])
@@ -232,12 +232,12 @@ def test_batch_refuses_the_h2o_policy_before_loading(runner, models, tmp_path, m
 def test_eval_out_that_is_a_file_is_refused_before_the_work(runner, models, tmp_path, monkeypatch):
     """tforce eval --out FILE ran the whole evaluation, then lost it to a FileExistsError when writing;
     the file is refused first, and kept."""
-    import tforce.weights
+    import tforce.model.weights
 
     def no_loading(*a, **k):
         raise AssertionError("the evaluation started before --out was checked")
 
-    monkeypatch.setattr(tforce.weights, "load_model", no_loading)
+    monkeypatch.setattr(tforce.model.weights, "load_model", no_loading)
     (tmp_path / "notes.txt").write_text("keep me")
     r = runner.invoke(app, ["eval", "-m", str(models / "tiny-target"), "--books", str(models / "doc.txt"),
                             "--out", str(tmp_path / "notes.txt")])
@@ -335,7 +335,7 @@ def test_version_prints_one_line():
 
 def test_a_plan_for_no_device_does_not_claim_a_gpu():
     """`tforce info -m MODEL` on a machine without CUDA plans for the CPU: its line says so."""
-    from tforce import placement
+    from tforce.engine import placement
 
     target = placement.Shape(4, 64, 128, 4, 2, 16, 100, 4, 10_000)
     work = placement.Work(capacity=64, prompt=32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tforce.conversation import Conversation
+from tforce.engine.conversation import Conversation
 
 from test_exactness import SMALL
 from test_snapshot import ids

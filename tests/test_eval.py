@@ -6,7 +6,7 @@ import json
 from typer.testing import CliRunner
 
 from tforce.cli import app
-from tforce.synthetic import make_checkpoint
+from tforce.model.synthetic import make_checkpoint
 
 
 def _tiny_pair(tmp_path):
@@ -57,7 +57,7 @@ def test_eval_refuses_contexts_that_leave_no_room_to_generate(tmp_path):
 
 
 def test_needle_prompts_generate_the_key_and_one_more_token():
-    from tforce.evaluate import EvalConfig, Evaluator
+    from tforce.eval.run import EvalConfig, Evaluator
 
     cfg = EvalConfig(tasks=["needle"], contexts=[64], policies=["retrieval"], budgets=[], chunk_sizes=[],
                      gamma1s=[], gamma2s=[], temperatures=[], gen_len=40)
@@ -97,8 +97,8 @@ def test_eval_refuses_unknown_parts(tmp_path):
 def test_reused_prefill_gives_the_same_runs(tmp_path):
     """A run that loads its prompt's KV cache (a snapshot of the first run's) generates the same tokens with
     the same acceptance as one that prefills, for every policy and for triforce."""
-    from tforce.evaluate import EvalConfig, Evaluator
-    from tforce.weights import load_model
+    from tforce.eval.run import EvalConfig, Evaluator
+    from tforce.model.weights import load_model
 
     target, books = _tiny_pair(tmp_path)
     t = load_model(str(target), device="cpu")

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import tforce
-import tforce.levels
+import tforce.engine.levels
 from tforce.cache import FullCache
 from tforce.config import Sampling, Speculation
-from tforce.engine import Session
-from tforce.rope import Rotary
-from tforce.sampling import to_probs
-from tforce.speculative import verify
-from tforce.synthetic import make_checkpoint
+from tforce.engine.generate import Session
+from tforce.cache.rope import Rotary
+from tforce.engine.sampling import to_probs
+from tforce.engine.speculative import verify
+from tforce.model.synthetic import make_checkpoint
 
 from model_helpers import eos_token
 from stats_util import chi2_pvalue
@@ -181,7 +181,7 @@ def test_sampling_with_rowwise_verification_matches_target_distribution(small_vo
 def test_wrong_residual_fails_the_same_test(small_vocab, method, monkeypatch):
     """The public reference resamples rejected tokens from the verifier's distribution instead of the
     residual; with that rule the same check must fail."""
-    monkeypatch.setattr(tforce.levels, "verify", functools.partial(verify, residual=lambda p, q: p))
+    monkeypatch.setattr(tforce.engine.levels, "verify", functools.partial(verify, residual=lambda p, q: p))
     target, draft = small_vocab
     joint = exact_joint(target, PROMPT, N_TOKENS)
     samples, _ = draw(target, draft, PROMPT, method, SAMPLES, seed=1)

@@ -16,12 +16,12 @@ from model_helpers import feed, forward, full_cache, hf_model, random_ids
 from tforce.cli import app
 from tforce.config import POLICIES
 from tforce.errors import UsageError
-from tforce.peers import no_eos
-from tforce.placement import weight_bytes
-from tforce.ranks import launch
-from tforce.rope import Rotary
-from tforce.synthetic import make_family_checkpoint
-from tforce.weights import read_config
+from tforce.bench.peers import no_eos
+from tforce.engine.placement import weight_bytes
+from tforce.parallel.ranks import launch
+from tforce.cache.rope import Rotary
+from tforce.model.synthetic import make_family_checkpoint
+from tforce.model.weights import read_config
 
 from test_cli import _one_error_line
 from test_exactness import PROMPT as SMALL_PROMPT, N_TOKENS, SAMPLES, V, check, draw, exact_joint

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import tforce
-from tforce import bench as b
-from tforce import bench_run
-from tforce.ceilings import Ceilings
+from tforce.bench import suite as b
+from tforce.bench import run as bench_run
+from tforce.bench.ceilings import Ceilings
 from tforce.config import Speculation
-from tforce.floors import prefill_flops, step_floors_ms
-from tforce.synthetic import make_config
+from tforce.bench.floors import prefill_flops, step_floors_ms
+from tforce.model.synthetic import make_config
 
 GB = 1e9
 
@@ -88,7 +88,7 @@ def test_the_cpu_ceilings_are_measured_and_the_table_shows_each_forward_beside_i
 def test_info_floor_reads_the_weights_a_step_reads():
     """tforce info's floor of plain decoding: the same weight bytes as a bench stage's floor, plus the
     resident KV (on chip: all of it)."""
-    from tforce.floors import step_weight_bytes
+    from tforce.bench.floors import step_weight_bytes
 
     c = make_config("llama2-7b")
     record = b.info_plan(c, 8192, 2, None, 2**40, offload="off", device_gbps=1000.0)

@@ -14,11 +14,11 @@ import torch
 from typer.testing import CliRunner
 
 import tforce
-import tforce.gguf as tg
+import tforce.model.gguf as tg
 from gguf_files import CHAT_TEMPLATE, EOT, write_llama, write_other
 from test_cli import _one_error_line
 from tforce.cli import app
-from tforce.weights import resolve
+from tforce.model.weights import resolve
 
 DOC = "It was the best of times, it was the worst of times, it was the age of wisdom, the age of foolishness. " * 2
 MIDDLE = ["--budget", "64", "--draft-budget", "32", "--sinks", "4"]
@@ -107,7 +107,7 @@ def test_cache_keyed_by_content(root, tmp_path, monkeypatch):
     copy = tmp_path / "elsewhere" / "renamed.gguf"
     copy.parent.mkdir()
     shutil.copy(f, copy)
-    monkeypatch.setattr("tforce.gguf_convert.convert", lambda *a: pytest.fail("converted again"))
+    monkeypatch.setattr("tforce.model.gguf_convert.convert", lambda *a: pytest.fail("converted again"))
     assert resolve(str(copy)) == entry  # same bytes: the same entry, not converted again
     assert resolve(str(copy.parent)) == entry  # a folder holding one .gguf and no config.json
     monkeypatch.undo()

@@ -107,7 +107,7 @@ def test_sdpa_probe_restricts_attend_itself_to_the_efficient_backend(monkeypatch
 
     from torch.nn.attention import SDPBackend
 
-    from tforce import attention
+    from tforce.model import attention
 
     spec = importlib.util.spec_from_file_location("gpu_sdpa_probe", ROOT / "scripts" / "gpu_sdpa_probe.py")
     probe = importlib.util.module_from_spec(spec)
@@ -150,7 +150,7 @@ def test_sdpa_probe_lower_right_candidate_is_attend_on_the_cpu():
 
     import torch
 
-    from tforce.attention import attend
+    from tforce.model.attention import attend
     from tforce.cache.base import CacheView
 
     spec = importlib.util.spec_from_file_location("gpu_sdpa_probe", ROOT / "scripts" / "gpu_sdpa_probe.py")

@@ -20,13 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import tforce
-import tforce.batch
-import tforce.conversation
-import tforce.graphs
-import tforce.session
+import tforce.engine.batch
+import tforce.engine.conversation
+import tforce.engine.graphs
+import tforce.engine.session
 from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
-from tforce.rope import Rotary
+from tforce.cache.rope import Rotary
 from test_offload import run_steps
 
 # ---- copy stream ---------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def test_offloaded_generation_through_a_slow_copy_stream(tiny, copy_stream, monk
 @pytest.mark.parametrize("method", ["ar", "triforce"])
 def test_offloaded_batch_through_a_slow_copy_stream(tiny, copy_stream, monkeypatch, method):
     """Rows of different lengths and budgets: per-row streaming, write-backs, keep() as rows finish."""
-    from tforce.batch import generate_batch
+    from tforce.engine.batch import generate_batch
 
     prompts = [list(range(3, 3 + n)) for n in (25, 1, 17, 9)]
     kw = dict(draft=tiny["draft"].model, method=method, max_new_tokens=[5, 16, 9, 12], temperature=0,
@@ -170,7 +170,7 @@ def test_offloaded_batch_through_a_slow_copy_stream(tiny, copy_stream, monkeypat
 
 
 def test_offloaded_conversation_and_snapshot_through_a_slow_copy_stream(tiny, copy_stream, monkeypatch, tmp_path):
-    from tforce.conversation import Conversation
+    from tforce.engine.conversation import Conversation
 
     doc, qs = list(range(5, 45)), [list(range(50, 53)), [7]]
     kw = dict(draft=tiny["draft"], method="triforce", temperature=0.0, budget=16, chunk_size=4, rebuild_every=4,
@@ -233,7 +233,7 @@ def cpu_graphs(monkeypatch):
     runners = []
 
     def runner(model, cache, enabled, pool):
-        runners.append(tforce.graphs.GraphRunner(model, cache, pool))
+        runners.append(tforce.engine.graphs.GraphRunner(model, cache, pool))
         return runners[-1]
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
@@ -241,8 +241,8 @@ def cpu_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", _SideStream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _SideStream(device))
-    monkeypatch.setattr(tforce.session, "_runner", runner)
-    monkeypatch.setattr(tforce.graphs, "_graphable", lambda ids: True)
+    monkeypatch.setattr(tforce.engine.session, "_runner", runner)
+    monkeypatch.setattr(tforce.engine.graphs, "_graphable", lambda ids: True)
     return runners
 
 
@@ -276,7 +276,7 @@ def test_graph_replay_on_the_cpu_equals_eager(tiny, cpu_graphs, monkeypatch, met
 @pytest.mark.parametrize("method", ["triforce", "streaming"])
 def test_graphed_conversation_on_the_cpu_equals_generate(tiny, cpu_graphs, monkeypatch, method):
     """Graphs captured for the document survive the caches' returns to its end between questions."""
-    from tforce.conversation import Conversation
+    from tforce.engine.conversation import Conversation
 
     doc, qs = list(range(5, 50)), [[9], list(range(60, 69)), [7, 8, 9]]
     kw = dict(draft=tiny["draft"], method=method, rebuild_every=8, temperature=0, ignore_eos=True, budget=16,

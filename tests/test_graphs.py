@@ -4,7 +4,7 @@ import torch
 
 import tforce
 from tforce.config import Sampling, Speculation
-from tforce.engine import Session
+from tforce.engine.generate import Session
 
 
 @pytest.mark.cuda

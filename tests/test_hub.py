@@ -14,10 +14,10 @@ from huggingface_hub import errors as hub_errors
 from typer.testing import CliRunner
 
 import tforce
-from tforce import weights
+from tforce.model import weights
 from tforce.cli import app
-from tforce.hub import fetch
-from tforce.synthetic import make_checkpoint
+from tforce.model.hub import fetch
+from tforce.model.synthetic import make_checkpoint
 
 from test_cli import _one_error_line
 

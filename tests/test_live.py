@@ -17,8 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tforce.cli import app
-from tforce.defaults import demo_pair
-from tforce.demo import demo_prompt
+from tforce.model.defaults import demo_pair
+from tforce.text.demo import demo_prompt
 
 pyte = pytest.importorskip("pyte")
 

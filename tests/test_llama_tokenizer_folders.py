@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from tforce.cli import app
-from tforce.synthetic import make_checkpoint
+from tforce.model.synthetic import make_checkpoint
 
 from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
 from test_weights_bin import to_bin

@@ -7,8 +7,8 @@ import torch
 import tforce
 from model_helpers import feed, forward, full_cache, hf_logits, hf_model, random_ids
 from tforce.cache import FullCache
-from tforce.rope import Rotary
-from tforce.synthetic import make_checkpoint
+from tforce.cache.rope import Rotary
+from tforce.model.synthetic import make_checkpoint
 
 ARCHS = ["mha", "gqa", "yarn", "llama3"]
 T = 37  # not a power of two, not a multiple of the chunk sizes below

@@ -1,4 +1,4 @@
-"""tforce.needle: the needle lands at the requested depth, the prompt has the requested length, the
+"""tforce.text.needle: the needle lands at the requested depth, the prompt has the requested length, the
 answer is recoverable and the key appears exactly once."""
 import importlib.util
 import random
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tforce.needle import NEEDLE, needle_prompt
-from tforce.synthetic import byte_tokenizer
+from tforce.text.needle import NEEDLE, needle_prompt
+from tforce.model.synthetic import byte_tokenizer
 
 WORDS = "the old house stood by a river and in the evening she would walk along its grey bank".split()
 _rng = random.Random(0)

@@ -3,10 +3,10 @@ import pytest
 import torch
 
 import tforce
-from tforce import placement
+from tforce.engine import placement
 from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
-from tforce.rope import Rotary
+from tforce.cache.rope import Rotary
 
 
 def run_steps(model, cache, ids):
@@ -53,7 +53,7 @@ def test_offloaded_tokens_are_identical(tiny, method, temperature):
 @pytest.mark.parametrize("n", [1, 7, 40])
 def test_layer_major_prefill_is_bit_identical(tiny, resident, n):
     """Layer-major prefill (linear host traffic) fills the cache exactly as token-major prefill does."""
-    from tforce.prefill import prefill_layer_major
+    from tforce.engine.prefill import prefill_layer_major
 
     model = tiny["gqa"].model
     dims = (model.config.num_hidden_layers, model.n_kv_heads, model.head_dim)
@@ -83,9 +83,9 @@ def test_layer_major_prefill_is_bit_identical(tiny, resident, n):
 def test_device_free_plans_a_cpu_run_as_if_a_device_had_that_room():
     """device_free (what tensor-parallel ranks agree on) drives the planner on a CPU run too."""
     from tforce.config import Speculation
-    from tforce.session_plan import model_shape
-    from tforce.model import Llama
-    from tforce.synthetic import make_config
+    from tforce.engine.session_plan import model_shape
+    from tforce.model.network import Llama
+    from tforce.model.synthetic import make_config
 
     torch.manual_seed(0)
     model = Llama(make_config("tiny", num_hidden_layers=5, num_key_value_heads=2)).eval()

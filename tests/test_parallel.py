@@ -18,11 +18,11 @@ import tforce
 from model_helpers import forward, full_cache, random_ids
 from tforce.cli import app
 from tforce.errors import TforceError, UsageError
-from tforce import placement
-from tforce.parallel import _generate_worker, _rank_room
-from tforce.ranks import launch
-from tforce.sharding import apply_tp, check_tp
-from tforce.synthetic import make_checkpoint
+from tforce.engine import placement
+from tforce.parallel.tp import _generate_worker, _rank_room
+from tforce.parallel.ranks import launch
+from tforce.model.sharding import apply_tp, check_tp
+from tforce.model.synthetic import make_checkpoint
 
 TARGET = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -122,7 +122,7 @@ def five(tmp_path_factory):
     recompute): the device_free that leaves one rank's shard room for exactly that plan, from the planner
     itself (engine._plan on a CPU run: budget = weights + device_free, no CUDA context)."""
     from tforce.config import Speculation
-    from tforce.session_plan import model_shape
+    from tforce.engine.session_plan import model_shape
 
     path = make_checkpoint(tmp_path_factory.mktemp("five") / "five-layers", seed=13, num_hidden_layers=5, **TARGET)
     prompt = random_ids(49, seed=8)[0].tolist()
@@ -156,20 +156,20 @@ def test_ranks_with_different_free_memory_plan_alike(five):
 
 def _fail_at_prefill(rank) -> None:
     """In a rank's process: a prefill that only fails, naming the rank that reached it."""
-    import tforce.session
+    import tforce.engine.session
 
     def prefill(self, *a, **k):
         raise RuntimeError(f"rank {rank} reached prefill")
 
-    tforce.session.Session.prefill = prefill
+    tforce.engine.session.Session.prefill = prefill
 
 
 def _unagreed_worker(rank, world, *args):
     """_generate_worker with each rank planning from its own figure (_agreed_free bypassed), as ranks whose
     plans differ despite it would, and a prefill that only fails, naming the rank that reached it."""
-    import tforce.parallel
+    import tforce.parallel.tp
 
-    tforce.parallel._agreed_free = lambda dev, given, gpu_memory: given
+    tforce.parallel.tp._agreed_free = lambda dev, given, gpu_memory: given
     _fail_at_prefill(rank)
     return _generate_worker(rank, world, *args)
 
@@ -246,7 +246,7 @@ def test_rank_that_never_starts_is_one_line_within_the_limit():
 def test_bandwidth_probes_leave_no_cached_device_memory():
     """bench measures H2D peak in the parent before launching ranks; memory its allocator kept on cuda:0
     would shrink rank 0's free-memory figure (and so every rank's agreed plan)."""
-    from tforce.ceilings import device_bandwidth_gbps, h2d_peak_gbps
+    from tforce.bench.ceilings import device_bandwidth_gbps, h2d_peak_gbps
 
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(0)

@@ -9,11 +9,11 @@ import torch
 from typer.testing import CliRunner
 
 import tforce
-from tforce import peers
+from tforce.bench import peers
 from tforce.cli import app
-from tforce.engine import generate
+from tforce.engine.generate import generate
 from tforce.errors import UsageError
-from tforce.synthetic import make_checkpoint
+from tforce.model.synthetic import make_checkpoint
 
 BENCH = ["bench", "--device", "cpu", "--prompt-len", "120", "--gen-len", "12", "--temperature", "0",
          "--threads", "1"]

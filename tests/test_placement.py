@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tforce import placement
-from tforce.bench import LLAMA_68M, synthetic_pair
+from tforce.engine import placement
+from tforce.bench.suite import LLAMA_68M, synthetic_pair
 from tforce.config import Sampling, Speculation
-from tforce.engine import Session
-from tforce.session_plan import model_shape
+from tforce.engine.generate import Session
+from tforce.engine.session_plan import model_shape
 from tforce.errors import TforceError, UsageError
-from tforce.placement import GiB
-from tforce.prefill import prefill_layer_major
-from tforce.synthetic import make_config
+from tforce.engine.placement import GiB
+from tforce.engine.prefill import prefill_layer_major
+from tforce.model.synthetic import make_config
 
 # Llama2-7B-128K: 32 layers, 32 KV heads of 128, fp16, 131072 slots -> 2 GiB of K+V per layer.
 LAYER = placement.kv_layer_bytes(32, 128, 131072, 2)
@@ -256,8 +256,8 @@ def test_info_sizes_the_cache_for_the_models_own_context(tiny_dir):
 def test_info_plans_the_draft_run_would_use(tmp_path):
     """For a folder X-target beside X-draft (the demo pair's layout), run's default draft is X-draft, and
     info plans it: it planned a 68M-parameter draft (0.05 GiB for the demo pair's 0.6M)."""
-    from tforce.synthetic import make_checkpoint
-    from tforce.weights import read_config
+    from tforce.model.synthetic import make_checkpoint
+    from tforce.model.weights import read_config
 
     make_checkpoint(tmp_path / "p-target", seed=0, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
@@ -317,10 +317,10 @@ def test_generate_reports_the_plans_peak_beside_its_placement(tiny, monkeypatch)
     """stats carry the plan's predicted device peak and its CUDA-context share (none on a CPU run), which
     bench sets beside torch.cuda.max_memory_reserved."""
     import tforce
-    import tforce.session
+    import tforce.engine.session
 
     plans = []
-    real = tforce.session._plan
-    monkeypatch.setattr(tforce.session, "_plan", lambda *a: plans.append(real(*a)) or plans[-1])
+    real = tforce.engine.session._plan
+    monkeypatch.setattr(tforce.engine.session, "_plan", lambda *a: plans.append(real(*a)) or plans[-1])
     stats = tforce.generate(tiny["gqa"], list(range(3, 40)), method="ar", max_new_tokens=2, temperature=0).stats
     assert stats["plan_peak_bytes"] == plans[0].peak > 0 and stats["plan_context_bytes"] == 0

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from tforce import calibration
+from tforce.engine import calibration
 from tforce.config import Speculation
-from tforce.planner import GAMMA1, GAMMA2, candidates, choose, predictions
+from tforce.engine.planner import GAMMA1, GAMMA2, candidates, choose, predictions
 
 OPTIONS = dict(Speculation().__dict__, method="auto", temperature=0.0, max_new_tokens=64)
 ALL = ["ar", "naive", "retrieval", "streaming", "triforce"]

@@ -11,12 +11,11 @@ import torch
 
 import tforce
 from tforce.config import METHODS, Sampling, Speculation
-from tforce.decode import decode_one
-from tforce.engine import Session, open_session
+from tforce.engine.decode import decode_one
+from tforce.engine.generate import Session, open_session
 from tforce.cache.rows import Rows
-from tforce.levels import Drafter, Node, SpecLevel
-from tforce.projection import (forwards_per_token, hierarchy, low_acceptance_rule, per_token, project,
-                               rebuild_interval)
+from tforce.engine.levels import Drafter, Node, SpecLevel
+from tforce.engine.projection import (forwards_per_token, hierarchy, low_acceptance_rule, per_token, project, rebuild_interval)
 
 # Fixed next-token distributions over 4 tokens: sum(min(DRAFT, MIDDLE)) = sum(MIDDLE, FULL) = alpha,
 # whatever came before, so every drafted token is accepted independently with probability alpha.
@@ -238,7 +237,7 @@ def test_one_acceptance_per_level():
 @pytest.mark.parametrize("fold_at", [256, 2])
 def test_stage_times_on_cuda(tiny_dir, monkeypatch, fold_at):
     """CUDA events around each forward, folded as they complete (fold_at 2: during the decode), read after."""
-    monkeypatch.setattr("tforce.timing.FOLD_AT", fold_at)
+    monkeypatch.setattr("tforce.engine.timing.FOLD_AT", fold_at)
     target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda").model
     draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda").model
     ids = list(range(3, 303))

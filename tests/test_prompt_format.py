@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 import tforce
 from tforce.cli import app
 from tforce.errors import UsageError
-from tforce.prompt_format import PromptFormat
-from tforce.synthetic import byte_tokenizer, make_checkpoint
+from tforce.text.format import PromptFormat
+from tforce.model.synthetic import byte_tokenizer, make_checkpoint
 
 from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
 
@@ -339,19 +339,19 @@ def test_a_later_question_after_an_answer_that_ended_its_turn(models, monkeypatc
     """Conversation keeps end-of-sequence tokens out of the history, so a question after an answer that
     ended with the end-of-turn token must start with the template's turn end (else the history would have
     none). Conversation.ask is wrapped so that its first answer ends with <|eot|>, made an end-of-sequence id."""
-    import tforce.conversation
+    import tforce.engine.conversation
 
     tok = AutoTokenizer.from_pretrained(models / "chat-target")
     eot = tok.convert_tokens_to_ids("<|eot|>")
-    asked, ask = [], tforce.conversation.Conversation.ask
+    asked, ask = [], tforce.engine.conversation.Conversation.ask
 
     def ending_its_turn(self, question_ids, *a, **k):
         asked.append(list(question_ids))
         result = ask(self, question_ids, *a, **k)
         return tforce.Result(result.tokens + [eot], result.stats) if len(asked) == 1 else result
 
-    monkeypatch.setattr(tforce.conversation.Conversation, "ask", ending_its_turn)
-    monkeypatch.setattr(tforce.engine, "_eos_ids", lambda config: {2, eot})
+    monkeypatch.setattr(tforce.engine.conversation.Conversation, "ask", ending_its_turn)
+    monkeypatch.setattr(tforce.engine.generate, "_eos_ids", lambda config: {2, eot})
     r = _cli(models, "chat", str(models / "doc.txt"), "--json", "--keep-history", "--method", "ar",
              input="Who?\nWhen?\n")
     assert r.exit_code == 0, (r.output, r.exception)

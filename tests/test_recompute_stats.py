@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import tforce
-import tforce.session
+import tforce.engine.session
 from model_helpers import forward, random_ids
-from tforce import placement
+from tforce.engine import placement
 from tforce.cache.chunkstats import ChunkStats
 from tforce.errors import TforceError
-from tforce.placement import GiB
+from tforce.engine.placement import GiB
 from test_chunkstats import PATTERNS, last_queries, make_full, retrieval
 from test_placement import shapes, work
 
@@ -46,7 +46,7 @@ def test_recomputed_selection_equals_the_kept_one_bit_for_bit(tiny, pattern, off
 def test_on_cuda_offloaded_layers_keep_their_statistics_and_resident_ones_do_not(tiny_dir):
     target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda", dtype=torch.float32).model
     from tforce.cache.offload import OffloadedCache
-    from tforce.rope import Rotary
+    from tforce.cache.rope import Rotary
 
     dims = (target.config.num_hidden_layers, target.n_kv_heads, target.head_dim)
     full = OffloadedCache(*dims, capacity=128, rotary=Rotary(target.config, 128, device="cuda"), resident=1,
@@ -119,7 +119,7 @@ def test_generation_with_recomputed_statistics_is_the_kept_one(tiny, monkeypatch
     kw = dict(max_new_tokens=40, temperature=temperature, seed=11, ignore_eos=True)
     spec = dict(draft=tiny["draft"], method="triforce", budget=16, chunk_size=4, rebuild_every=8, **kw)
     kept = tforce.generate(tiny["gqa"], prompt, **spec)
-    made = recompute_everything(monkeypatch, tforce.session)
+    made = recompute_everything(monkeypatch, tforce.engine.session)
     redone = tforce.generate(tiny["gqa"], prompt, **spec)
     assert made and all(home is None for homes in made for home in homes)
     assert redone.tokens == kept.tokens and redone.stats["acceptance"] == kept.stats["acceptance"]
@@ -131,7 +131,7 @@ def test_generation_with_recomputed_statistics_is_the_kept_one(tiny, monkeypatch
 def test_batch_rows_with_recomputed_statistics_equal_plain_decoding(tiny, monkeypatch):
     prompts = [random_ids(n, seed=n)[0].tolist() for n in (30, 45, 12)]
     kw = dict(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    made = recompute_everything(monkeypatch, tforce.session)
+    made = recompute_everything(monkeypatch, tforce.engine.session)
     rows = tforce.generate_batch(tiny["gqa"], prompts, draft=tiny["draft"], method="triforce", budget=16,
                                  chunk_size=4, draft_budget=12, sinks=2, **kw)
     assert len(made) == 3 and all(home is None for homes in made for home in homes)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tforce.cli.setup import _default_draft
-from tforce.weights import REGISTRY
+from tforce.model.weights import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tforce.session
+import tforce.engine.session
 from model_helpers import rotary_for
-from tforce.batch import generate_batch
-from tforce.levels import Node
+from tforce.engine.batch import generate_batch
+from tforce.engine.levels import Node
 from tforce.cache import FullCache, RetrievalCache
 from tforce.cache.offload import OffloadedCache
 from tforce.config import Sampling
-from tforce.prefill import prefill_layer_major
+from tforce.engine.prefill import prefill_layer_major
 
 from test_batch import prompts_of
 
@@ -137,7 +137,7 @@ def test_generate_batch_prefill_traffic_is_linear(tiny, monkeypatch):
             super().__init__(*a, **kw)
             caches.append(self)
 
-    monkeypatch.setattr(tforce.session, "OffloadedCache", Counted)
+    monkeypatch.setattr(tforce.engine.session, "OffloadedCache", Counted)
     h2d = []
     for n in (40, 80):
         generate_batch(tiny["gqa"], prompts_of((n, n // 2 + 1, 1), seed=3), draft=tiny["draft"], method="triforce",
@@ -150,8 +150,8 @@ def test_generate_batch_prefill_traffic_is_linear(tiny, monkeypatch):
 def test_the_plan_counts_the_rows_prefill_hidden_states(tiny, resident):
     """Offloaded: the batch's prefill allocates every row's hidden states (the K/V scratch is a staging
     slot), which placement.py counts for B rows."""
-    from tforce import placement
-    from tforce.session_plan import model_shape
+    from tforce.engine import placement
+    from tforce.engine.session_plan import model_shape
 
     model = tiny["gqa"].model
     seqs = prompts_of(HEADS)

@@ -13,8 +13,8 @@ import torch
 import tforce
 from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
-from tforce.rope import Rotary
-from tforce.rowwise import RowwiseRunner
+from tforce.cache.rope import Rotary
+from tforce.engine.rowwise import RowwiseRunner
 
 DEMO = Path(__file__).resolve().parents[1] / "models"
 BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "moby_dick.txt"

@@ -24,7 +24,7 @@ def server():
 def _document(tokens: int = 3000) -> str:
     from transformers import AutoTokenizer
 
-    from tforce.demo import EXCERPT
+    from tforce.text.demo import EXCERPT
 
     tok = AutoTokenizer.from_pretrained(DEMO / "demo-target")
     ids = tok.encode(EXCERPT.read_text(encoding="utf-8"), add_special_tokens=False)

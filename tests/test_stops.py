@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 import tforce
 from tforce.cli import app
-from tforce.text_stream import TextStream
-from tforce.stops import StopStrings
-from tforce.synthetic import byte_tokenizer
+from tforce.text.stream import TextStream
+from tforce.engine.stops import StopStrings
+from tforce.model.synthetic import byte_tokenizer
 
 from test_cli import DOC, FAST, _one_error_line, _run, models, runner  # noqa: F401 (fixtures)
 

@@ -9,10 +9,10 @@ import torch
 import tforce
 from tforce.cache import FullCache, RetrievalCache, StreamingCache
 from tforce.config import Sampling, Speculation
-from tforce.engine import Session
-from tforce import levels, speculative
-from tforce.rope import Rotary
-from tforce.speculative import verify
+from tforce.engine.generate import Session
+from tforce.engine import levels, speculative
+from tforce.cache.rope import Rotary
+from tforce.engine.speculative import verify
 
 
 class _Ops(torch.utils._python_dispatch.TorchDispatchMode):

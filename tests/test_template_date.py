@@ -1,4 +1,4 @@
-"""Chat templates that write the date (template_date.py, PromptFormat.as_made): a KV snapshot made on one
+"""Chat templates that write the date (text/dates.py, PromptFormat.as_made): a KV snapshot made on one
 day is reused on another in its own date, which its cache was computed with, by `chat` and `run`."""
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 import tforce
-import tforce.prompt_format
+import tforce.text.format
 from tforce.cli import app
 from tforce.errors import UsageError
-from tforce.prompt_format import PromptFormat
-from tforce.template_date import date_in
+from tforce.text.format import PromptFormat
+from tforce.text.dates import date_in
 
 from test_cli import DOC, FAST, _one_error_line
 from test_prompt_format import HEADERS, _byte, templated_pair
@@ -82,7 +82,7 @@ def _on(monkeypatch, day: datetime) -> None:
         def now(cls, tz=None):
             return day
 
-    monkeypatch.setattr(tforce.prompt_format, "datetime", Clock)
+    monkeypatch.setattr(tforce.text.format, "datetime", Clock)
 
 
 def _cli(models, *args, input=None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tforce import timing
+from tforce.engine import timing
 
 
 class _Event:

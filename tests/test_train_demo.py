@@ -119,7 +119,7 @@ def test_gpu_pair_fits_what_a_device_call_brings_back():
     16 MiB, 64 MiB in all; scripts/gpu_train.sh packs it in 15 MiB parts, its log and card beside)."""
     from transformers import LlamaConfig
 
-    from tforce.placement import weight_bytes
+    from tforce.engine.placement import weight_bytes
 
     setup = _script().CONFIGS["gpu"]
     total = 0

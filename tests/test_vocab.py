@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 import tforce
 from tforce.cli import app
-from tforce.synthetic import byte_tokenizer, make_checkpoint
-from tforce.vocab import PLACEHOLDER, SharedVocabulary, check_tokenizers
+from tforce.model.synthetic import byte_tokenizer, make_checkpoint
+from tforce.model.vocab import PLACEHOLDER, SharedVocabulary, check_tokenizers
 
 from conftest import TINY
 from model_helpers import hf_model

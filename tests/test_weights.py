@@ -11,9 +11,9 @@ from transformers import GPT2Config
 
 import tforce
 from model_helpers import forward, full_cache, hf_logits, hf_model, random_ids
-from tforce import weight_files, weights
-from tforce.sharding import apply_tp
-from tforce.synthetic import make_checkpoint
+from tforce.model import weight_files, weights
+from tforce.model.sharding import apply_tp
+from tforce.model.synthetic import make_checkpoint
 
 STORIES = Path(__file__).resolve().parent.parent / ".." / "shared" / "models" / "stories260K"
 # From its README.md: greedy ids for "Once upon a time" (BOS + 6 prompt tokens, then 24 new tokens),

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 import tforce
 from tforce.cli import app
-from tforce.sharding import apply_tp
-from tforce.snapshot_identity import _files_sha
-from tforce.synthetic import make_checkpoint
+from tforce.model.sharding import apply_tp
+from tforce.snapshot.identity import _files_sha
+from tforce.model.synthetic import make_checkpoint
 
 from test_cli import _one_error_line
 

@@ -9,7 +9,7 @@ import torch
 
 import tforce
 from model_helpers import forward, full_cache, hf_logits, hf_model, random_ids
-from tforce.synthetic import make_checkpoint
+from tforce.model.synthetic import make_checkpoint
 
 YARN_128K = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "finetuned": True}
 

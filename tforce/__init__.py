@@ -10,9 +10,9 @@ from .errors import DoesNotFit, TforceError, UsageError
 from .version import __version__
 
 _LAZY = {  # name -> the module that defines it
-    "generate": "tforce.engine", "Result": "tforce.engine", "generate_batch": "tforce.batch",
-    "Conversation": "tforce.conversation", "PromptFormat": "tforce.prompt_format",
-    "LoadedModel": "tforce.weights", "load_model": "tforce.weights",
+    "generate": "tforce.engine.generate", "Result": "tforce.engine.generate", "generate_batch": "tforce.engine.batch",
+    "Conversation": "tforce.engine.conversation", "PromptFormat": "tforce.text.format",
+    "LoadedModel": "tforce.model.weights", "load_model": "tforce.model.weights",
 }
 
 __all__ = ["generate", "generate_batch", "Conversation", "load_model", "LoadedModel", "PromptFormat", "Result",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TforceError
-from ..rope import Rotary
+from .rope import Rotary
 from ..sync import to_device
 from .base import CacheView, visibility
 from .rows import Rows, per_row, rotation

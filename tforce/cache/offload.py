@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from ..errors import TforceError
-from ..rope import Rotary
+from .rope import Rotary
 from .base import CacheView
 from .full import FullCache
 

@@ -124,7 +124,7 @@ class H2O:
     def prepare(self, model, prompt_ids: torch.Tensor, chunk: int = 512) -> None:
         """One recording pass over prompt_ids; accumulate attention per layer (see the module doc)."""
         p = next(model.parameters())
-        from ..rope import Rotary
+        from .rope import Rotary
 
         n = len(prompt_ids)
         cache = _Recorder(model.config.num_hidden_layers, model.n_kv_heads, model.head_dim, max(n, 1),

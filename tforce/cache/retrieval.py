@@ -50,7 +50,7 @@ import math
 import torch
 
 from ..errors import TforceError
-from ..rope import Rotary
+from .rope import Rotary
 from ..sync import to_device
 from .base import CacheView, StaticInputs
 from .chunkstats import ChunkStats

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rope import Rotary
+from .rope import Rotary
 
 
 def rotation(rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TforceError
-from ..rope import Rotary
+from .rope import Rotary
 from ..sync import to_device
 from .base import CacheView, StaticInputs, visibility
 from .rows import Rows, per_row, rotation

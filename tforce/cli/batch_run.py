@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..batch import BATCH_METHODS, check_batchable
 from ..errors import UsageError
-from ..stops import StopStrings
+from ..engine.stops import StopStrings
 from .batch_groups import plan_groups, run_groups
 from .common import _as_role, _check_memory, _decode_text, _say
 
@@ -88,6 +87,8 @@ def _document(path: Optional[str], where: str) -> str:
 def check_options(method: str, policy: str, world: int, prompt_given: bool, deterministic: bool,
                   snapshots: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
+    from ..engine.batch import BATCH_METHODS, check_batchable
+
     if method != "auto" and method not in BATCH_METHODS:  # auto becomes one of them (setup._configure)
         raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)}, not {method!r}")
     check_batchable("triforce" if method == "auto" else method, policy)  # auto's options are checked as triforce's
@@ -103,8 +104,8 @@ def check_options(method: str, policy: str, world: int, prompt_given: bool, dete
 
 def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: dict, as_json: bool) -> None:
     """setup: run.Setup (the models, device, dtype and prompt format)."""
-    from ..batch import generate_batch
-    from ..weights import load_model
+    from ..engine.batch import generate_batch
+    from ..model.weights import load_model
     from .setup import _draft_config, _dtype_bytes, _tp_target, notices
 
     model, draft, device, dtype = setup.target, setup.draft, setup.device, setup.dtype

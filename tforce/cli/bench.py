@@ -1,4 +1,4 @@
-"""`tforce bench`: the paper's measurements on the user's hardware (logic in tforce/bench.py; the table in
+"""`tforce bench`: the paper's measurements on the user's hardware (logic in tforce/bench/suite.py; the table in
 bench_table.py)."""
 from __future__ import annotations
 
@@ -8,15 +8,14 @@ from typing import Optional
 
 import typer
 
-from .. import bench_record
+from ..bench import record as bench_record
 from ..config import METHODS, Sampling, Speculation
-from ..defaults import default_pair, notice
-from ..demo import BENCH_TOKENS, EXCERPT, NAME
+from ..model.defaults import default_pair, notice
+from ..text.demo import BENCH_TOKENS, EXCERPT, NAME
 from ..errors import TforceError, UsageError
 from .app import app
 from .bench_table import _print_bench
-from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory,
-                     _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
+from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory, _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
 from .setup import _check_local, _default_draft, _draft_config, _parallel, _read_prompt, _tp_target
 
 PROMPT_LEN = 122880  # the prompt of the paper's setups (README, "Reproducing the paper's setups")
@@ -83,8 +82,8 @@ def bench(
 ) -> None:
     """Time every method on one prompt: ms/token, speed-up over ar, acceptance, H2D GB/s, memory."""
     def body():
-        from .. import bench as b
-        from ..peers import parse_peers
+        from ..bench import suite as b
+        from ..bench.peers import parse_peers
 
         if model is not None and synthetic is not None:
             raise UsageError("give --model or --synthetic ARCH, not both")
@@ -97,7 +96,7 @@ def bench(
         default = "ar,triforce,naive" if batch is not None else "ar,triforce,naive,retrieval,streaming,auto"
         names = b.parse_methods(methods or default)
         if batch is not None:
-            from ..bench_batch import check_methods
+            from ..bench.batch import check_methods
 
             if batch < 1:
                 raise UsageError(f"--batch must be >= 1, got {batch}")
@@ -162,7 +161,7 @@ def bench(
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
         elif batch is not None:
-            from ..bench_batch import print_batch
+            from ..bench.batch import print_batch
 
             print_batch(record)
         else:
@@ -187,7 +186,7 @@ def _check_room(cfg, context: int, fit: bool = False) -> None:
 
 def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str, rows: int = 1) -> None:
     """Every method's run must fit, weights and caches, before anything is built (tforce info's plan)."""
-    from ..bench import split_method
+    from ..bench.suite import split_method
 
     methods = [split_method(m)[0] for m in cfg.methods]
     if "auto" in methods:  # its calibration runs every method it may choose
@@ -205,7 +204,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
     fit: --prompt-len was not given, so its default may be cut to what the model's context leaves."""
     import torch
 
-    from ..synthetic import ARCHITECTURES, make_config
+    from ..model.synthetic import ARCHITECTURES, make_config
 
     uses_draft = any(Speculation(method=m).uses_draft for m in cfg.methods)
     auto = any(b.split_method(m)[0] == "auto" for m in cfg.methods)  # takes a draft where there is one
@@ -223,7 +222,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         models = b.Models.local(*b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed))
         config, tokenizer, name = models.target.config, None, f"synthetic:{synthetic}"
     else:
-        from ..weights import load_model, resolve
+        from ..model.weights import load_model, resolve
 
         _check_local(model, "target model")  # the target first: a missing target folder is not a missing draft
         draft_name = draft if draft is not None else _default_draft(model)
@@ -257,7 +256,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
     if on_checked:
         on_checked()
     if batch is not None:
-        from ..bench_batch import batch_prompts, bench_batch
+        from ..bench.batch import batch_prompts, bench_batch
 
         prompts = batch_prompts(batch, cfg.prompt_len, config.vocab_size, tokenizer, text, cfg.seed)
         return bench_batch(models, prompts, cfg, synthetic is not None, name,

@@ -1,8 +1,8 @@
 """The bench's report as tables on a terminal: one row per method (and per peer), the projection's columns
 where shown, split into as many tables as the width needs, and the notes on the peers under them.
 
-Apart from bench.py, which checks the options and runs the bench: this only formats a finished record
-(the dict tforce/bench.py returns), so it is read and tested without running anything."""
+Apart from bench/suite.py, which checks the options and runs the bench: this only formats a finished record
+(the dict tforce/bench/suite.py returns), so it is read and tested without running anything."""
 from __future__ import annotations
 
 import os
@@ -138,7 +138,7 @@ def _print_bench(r: dict, console=None) -> None:
     caption = (f"pinned H2D peak: {f(r['h2d_peak_gbps'], '.1f', ' GB/s')}; floor = offloaded KV bytes per "
                f"verification / peak; warm-up {f(r['warmup_s'], '.1f', ' s')} (not in the runs); "
                f"'-' = not applicable or not measured"
-               + (f"; projected = NOT measured: this run's stage times at {_at(r)} (tforce/projection.py)"
+               + (f"; projected = NOT measured: this run's stage times at {_at(r)} (tforce/engine/projection.py)"
                   if _projected(r) else ""))
     for n, group in enumerate(groups):
         t = Table(title=title if n == 0 else None, caption=caption if n == len(groups) - 1 else None)

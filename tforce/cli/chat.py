@@ -15,10 +15,10 @@ Where things come from:
   `> ` prompt comes; Ctrl-D ends the chat. With questions from a file or a pipe, and while the document
   is prefilled, Ctrl-C ends tforce (exit 130).
 With --tp N (--gpus N) the target is split over N persistent rank processes that prefill the document
-once and answer every question (tforce/conversation_tp.py); they end with the chat.
+once and answer every question (tforce/parallel/conversation.py); they end with the chat.
 Each question's tokens (a blank line and the question, in the model's chat template when its tokenizer
-has one: tforce/prompt_format.py) are appended to the document's; the answer is the target's exact
-continuation (tforce/conversation.py). Answers go to
+has one: tforce/text/format.py) are appended to the document's; the answer is the target's exact
+continuation (tforce/engine/conversation.py). Answers go to
 stdout, each ended by a newline (--json: one object per question per line, "interrupted": true for an answer
 stopped by Ctrl-C); the live status, the prompt and each answer's time to first token go to stderr.
 """
@@ -32,12 +32,12 @@ from typing import List, Optional
 import typer
 
 from ..errors import UsageError
-from ..stops import StopStrings
+from ..engine.stops import StopStrings
 from . import options as o
 from .app import app
 from .chat_input import _document, _question_source
 from .common import _as_role, _check_memory, _guarded, _say, flag
-from ..text_stream import TextStream
+from ..text.stream import TextStream
 from .live import Progress
 from .run import _end_line, _shared_with_stderr
 from .setup import _configure, _draft_config, _dtype_bytes, _tp_target, notices
@@ -107,8 +107,8 @@ def chat(
 
 def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Optional[int], keep_history: bool,
           as_json: bool, save_kv: Optional[str], load_kv: Optional[str], ranks: ExitStack) -> None:
-    from ..engine import _eos_ids
-    from ..snapshot import read_manifest
+    from ..engine.generate import _eos_ids
+    from ..snapshot.format import read_manifest
 
     path, config, tok = _tp_target(setup.target, setup.world)
     if tok is None:
@@ -171,9 +171,9 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
 def _conversation(setup, path, config, tok, doc: list[int], ranks: ExitStack, room: int, **kwargs):
     """A Conversation in this process, or over setup.world ranks (entered on `ranks`, which ends them);
     kwargs: Conversation's."""
-    from ..conversation import Conversation
-    from ..conversation_tp import ParallelConversation
-    from ..weights import load_model, resolve
+    from ..engine.conversation import Conversation
+    from ..parallel.conversation import ParallelConversation
+    from ..model.weights import load_model, resolve
 
     draft_config = _draft_config(setup.draft, config, tok) if setup.draft else None
     if setup.world > 1:  # the ranks load their parts of the models

@@ -10,7 +10,7 @@ import stat
 import sys
 from typing import Optional
 
-from ..demo import EXCERPT, NAME
+from ..text.demo import EXCERPT, NAME
 from ..errors import UsageError
 from .common import _decode_text, _say
 from .setup import _read_prompt

@@ -28,8 +28,8 @@ def flag(name: str, help: str):
 
 def _placement_options(offload: str, gpu_memory: Optional[str]) -> dict:
     """--offload and --gpu-memory, checked, as generate's keyword arguments."""
-    from ..bench import parse_size
-    from ..placement import OFFLOAD_MODES
+    from ..bench.suite import parse_size
+    from ..engine.placement import OFFLOAD_MODES
 
     if offload not in OFFLOAD_MODES:
         raise UsageError(f"--offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
@@ -84,13 +84,13 @@ def _host_available() -> int:
 def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, device: str, offload: str,
                   gpu_memory: Optional[int], budget: int, method: str, rows: int = 1) -> None:
     """Refuse, before any weights are built or read, a run of `method` that cannot fit in memory, planned
-    as `tforce info` plans it (tforce.bench.info_plan, itemised in placement.py: a retrieval cache only for
+    as `tforce info` plans it (tforce.bench.suite.info_plan, itemised in placement.py: a retrieval cache only for
     triforce and retrieval, a draft only for the methods that use one): on the CPU every item lives in host
     memory; on CUDA the device items must fit its free memory (or --gpu-memory) and the offloaded KV layers
     the available host memory. rows: sequences of `tokens` tokens decoded together (a batch). A refusal
     is errors.DoesNotFit."""
-    from ..bench import info_plan
-    from ..placement import CONTEXT_BYTES, GiB
+    from ..bench.suite import info_plan
+    from ..engine.placement import CONTEXT_BYTES, GiB
 
     def gib(n: int) -> str:
         return f"{n / GiB:.1f} GiB"

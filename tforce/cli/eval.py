@@ -1,5 +1,5 @@
 """`tforce eval`: acceptance of the middle-level policies on book and passkey prompts (logic in
-tforce/evaluate.py); writes results.json, results.md and PNG plots to --out."""
+tforce/eval/run.py); writes results.json, results.md and PNG plots to --out."""
 from __future__ import annotations
 
 import glob
@@ -70,7 +70,7 @@ def eval_(
 ) -> None:
     """Acceptance of Top-K, StreamingLLM, H2O and retrieval caches at the same budget (Table 1, Fig. 5/6)."""
     def body():
-        from .. import evaluate as E
+        from ..eval import run as E
 
         tasks = list(E.TASKS) if task == "both" else [task]
         if any(t not in E.TASKS for t in tasks):
@@ -115,7 +115,7 @@ def eval_(
         texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
         _threads(threads)
         dev = _device(device)
-        from ..weights import load_model
+        from ..model.weights import load_model
 
         torch_dtype = None if dtype == "auto" else dtype
         loaded = load_model(model, device=dev, dtype=torch_dtype)

@@ -17,7 +17,7 @@ from .common import DTYPES, OFFLOAD_HELP, _guarded, _placement_options, flag
 def _arch(config, context: int, dtype: str) -> dict:
     import torch
 
-    from .. import families
+    from ..model import families
 
     heads, kv_heads, head_dim = config.num_attention_heads, families.kv_heads(config), families.head_dim(config)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -50,10 +50,10 @@ def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, of
     flash-attn on a CUDA machine, SDPA's memory-efficient backend (placement.Work.attention)."""
     import torch
 
-    from .. import placement
-    from ..attention import flash_attn_func
-    from ..bench import info_plan
-    from ..ceilings import device_bandwidth_gbps, h2d_peak_gbps
+    from ..engine import placement
+    from ..model.attention import flash_attn_func
+    from ..bench.suite import info_plan
+    from ..bench.ceilings import device_bandwidth_gbps, h2d_peak_gbps
 
     cuda = torch.cuda.is_available()
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
@@ -138,7 +138,7 @@ def info(
                   "host_memory_bytes": mem.total, "host_memory_available_bytes": mem.available}
         draft_config = None  # the paper's 68M draft, unless run's default draft is a local folder
         if model is not None:
-            from ..weights import read_config, resolve
+            from ..model.weights import read_config, resolve
             from .setup import _default_draft
 
             path = resolve(model, weights=False)  # from the hub: config and tokenizer files, no weights
@@ -149,7 +149,7 @@ def info(
             record["model"] = {"name": model, "path": str(path), "planned_from": "config.json",
                                **_arch(config, context or config.max_position_embeddings, dtype), **_prompt(path, config)}
         if synthetic is not None:
-            from ..synthetic import ARCHITECTURES, make_config
+            from ..model.synthetic import ARCHITECTURES, make_config
 
             if synthetic not in ARCHITECTURES:
                 raise UsageError(f"--synthetic must be one of {', '.join(ARCHITECTURES)}, got {synthetic!r}")
@@ -157,7 +157,7 @@ def info(
             record["model"] = {"name": f"synthetic:{synthetic}", "path": None,
                                **_arch(config, context or config.max_position_embeddings, dtype)}
         if "model" in record:
-            from ..sharding import check_tp
+            from ..model.sharding import check_tp
 
             check_tp(config, ranks)
             record["plan"] = _info_plan(config, record["model"]["kv_context"], dtype, budget, mem.available,
@@ -171,10 +171,10 @@ def info(
 
 
 def _prompt(path, config) -> dict:
-    """How run and chat lay out a prompt for this model (prompt_format.py) and the ids they stop at
+    """How run and chat lay out a prompt for this model (text/format.py) and the ids they stop at
     (config.json's and generation_config.json's, weights.py)."""
-    from ..engine import _eos_ids
-    from ..weights import _load_tokenizer
+    from ..engine.generate import _eos_ids
+    from ..model.weights import _load_tokenizer
 
     tok = _load_tokenizer(path)
     return {"tokenizer": tok is not None, "chat_template": bool(getattr(tok, "chat_template", None)),

@@ -1,4 +1,4 @@
-"""The live status on stderr beside the streamed text (text_stream.py) (the KV cache's placement from the start,
+"""The live status on stderr beside the streamed text (text/stream.py) (the KV cache's placement from the start,
 prefill progress, tokens, s/token, tokens/s, acceptance per level, tokens per verification), then a final
 summary.
 

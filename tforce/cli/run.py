@@ -11,16 +11,16 @@ from typing import List, Optional
 import typer
 
 from .. import threads
-from ..demo import demo_prompt
+from ..text.demo import demo_prompt
 from ..config import AUTO, METHODS, Speculation
 from ..errors import DoesNotFit, UsageError
-from ..stops import StopStrings
+from ..engine.stops import StopStrings
 from .app import app
 from . import options as o
 from .batch_run import check_options, read_batch, run_batch
 from .common import _as_role, _check_memory, _guarded, _say, flag
 from .setup import Setup, _configure, _draft_config, _dtype_bytes, _read_prompt, _tp_target, notices
-from ..text_stream import TextStream
+from ..text.stream import TextStream
 from .live import Progress, _summary_line
 
 
@@ -99,9 +99,9 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
 
 
 def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool, options: dict) -> None:
-    from ..engine import generate
-    from ..snapshot import read_manifest
-    from ..weights import load_model, resolve
+    from ..engine.generate import generate
+    from ..snapshot.format import read_manifest
+    from ..model.weights import load_model, resolve
 
     model, draft, device, dtype, world = setup.target, setup.draft, setup.device, setup.dtype, setup.world
     path, config, tok = _tp_target(model, world)  # no weights yet: the prompt and memory are checked first
@@ -133,7 +133,7 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool,
         if draft and world == 1 else None
     choice = None
     if auto:
-        from ..planner import choose
+        from ..engine.planner import choose
 
         kv_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tforce-auto-"))
         choice = choose(target, small, ids, options, fixed=setup.gammas_given, exclude=unfit, kv_dir=kv_dir)
@@ -149,7 +149,7 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool,
                      until=stops.cut if stops else None)
     try:
         if world > 1:
-            from ..parallel import generate_tp
+            from ..parallel.tp import generate_tp
 
             result = generate_tp(str(path), str(resolve(draft)) if draft else None, ids, world, device, dtype,
                                  **callbacks, **options)

@@ -83,7 +83,7 @@ def serve(
         setup = _configure(params, calibrate=False)
         if setup.world > 1:
             raise UsageError("tforce serve runs in one process: --tp and --gpus are not supported yet")
-        from ..bench import parse_size
+        from ..bench.suite import parse_size
 
         store = None if kv_dir is None else (kv_dir, parse_size(kv_dir_size, "--kv-dir-size"), kv_dir_min)
         if kv_dir_min < 1:
@@ -99,7 +99,7 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
     from ..serve.app import Settings, build
     from ..serve.server import listen, run
     from ..serve.worker import Worker
-    from ..weights import load_model
+    from ..model.weights import load_model
 
     path, config, tok = _tp_target(setup.target, 1)
     if tok is None:
@@ -124,7 +124,7 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
     if store is not None:
         from ..serve.kv_store import KVStore
-        from ..snapshot_identity import identity
+        from ..snapshot.identity import identity
 
         store = KVStore(*store, identity(target, small), log=_say)
     worker = Worker(target.model, small.model if small else None, tok, name, context, opts, setup.template,

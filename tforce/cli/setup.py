@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import AUTO, Sampling, Speculation
-from ..defaults import default_pair, notice
-from ..demo import NAME
+from ..model.defaults import default_pair, notice
+from ..text.demo import NAME
 from ..errors import UsageError
 from .common import DTYPES, _as_role, _decode_text, _device, _gpu_memory_note, _placement_options, _say, _threads
 from .options import ENGINE
@@ -56,7 +56,7 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Opt
 def _check_local(name: str, role: str) -> None:
     """A local folder or an unknown name is checked here, its error naming the role ("target model",
     "draft model"), before anything else; registry names and hub ids are fetched when loaded."""
-    from ..weights import REGISTRY, resolve
+    from ..model.weights import REGISTRY, resolve
 
     hub = name in REGISTRY or (name.count("/") == 1 and not name.startswith((".", "/", "~")))
     if Path(name).expanduser().exists() or not hub:
@@ -65,7 +65,7 @@ def _check_local(name: str, role: str) -> None:
 
 def _default_draft(model: str) -> Optional[str]:
     """The registry's draft for a short name; for a folder `X-target`, a sibling `X-draft` if present."""
-    from ..weights import REGISTRY
+    from ..model.weights import REGISTRY
 
     if model in REGISTRY:
         return REGISTRY[model][1]
@@ -97,7 +97,7 @@ class Setup:
     def prompt_format(self, tok, path, snapshot_ids: Optional[list] = None):
         """How this command's text becomes tokens (the target's tokenizer `tok`, from folder `path`); with
         the token ids of a KV snapshot to reuse, as they were laid out (a template that writes the date: theirs)."""
-        from ..prompt_format import PromptFormat
+        from ..text.format import PromptFormat
 
         fmt = PromptFormat(tok, self.template, self.system, name=str(path))
         return fmt if snapshot_ids is None else fmt.as_made(snapshot_ids)
@@ -164,7 +164,7 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     options = {k: p[k] for k in ENGINE}
     auto_note = None
     if spec.method == AUTO and (not calibrate or world > 1):
-        from ..planner import uncalibrated
+        from ..engine.planner import uncalibrated
 
         options["method"] = uncalibrated(dev, draft_name is not None)
         why = "--tp/--gpus ranks" if world > 1 else "this command"
@@ -184,7 +184,7 @@ def _unescape(text: str) -> str:
 
 def _check_template(template: str, system: Optional[str]) -> Optional[str]:
     """--template and --system checked before anything is read; the system message as text."""
-    from ..prompt_format import TEMPLATES
+    from ..text.format import TEMPLATES
 
     if template not in TEMPLATES:
         raise UsageError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
@@ -198,7 +198,7 @@ def _check_template(template: str, system: Optional[str]) -> Optional[str]:
 def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int, dtype: str) -> None:
     """Refuse a --save-kv path that is not a snapshot and a --load-kv snapshot of another world size or
     dtype (or none) before any weights are read or ranks started; the engine checks the model's identity."""
-    from ..snapshot import check_dtype, check_target, check_world, read_manifest
+    from ..snapshot.format import check_dtype, check_target, check_world, read_manifest
 
     if save_kv is not None:
         check_target(save_kv)
@@ -245,7 +245,7 @@ def _parallel(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:
 
 def _read_config(name: str, role: str):
     """(folder, config) of a model without reading its weights; errors name the role."""
-    from ..weights import read_config, resolve
+    from ..model.weights import read_config, resolve
 
     path = _as_role(role, resolve, name)
     return path, _as_role(role, read_config, path)
@@ -254,8 +254,8 @@ def _read_config(name: str, role: str):
 def _draft_config(draft: str, target_config, target_tok):
     """The draft's config, checked against the target's before any weights are read: an embedding table no
     larger than the target's and the same tokenizer (vocab.py)."""
-    from ..vocab import check_sizes, check_tokenizers
-    from ..weights import _load_tokenizer
+    from ..model.vocab import check_sizes, check_tokenizers
+    from ..model.weights import _load_tokenizer
 
     path, config = _read_config(draft, "draft model")
     check_sizes(target_config.vocab_size, config.vocab_size)
@@ -266,8 +266,8 @@ def _draft_config(draft: str, target_config, target_tok):
 def _tp_target(model: str, world: int):
     """(folder, config, tokenizer) of the target without loading weights; split over world > 1 ranks,
     the heads must split."""
-    from ..sharding import check_tp
-    from ..weights import _load_tokenizer
+    from ..model.sharding import check_tp
+    from ..model.weights import _load_tokenizer
 
     path, config = _read_config(model, "target model")
     if world > 1:

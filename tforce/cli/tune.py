@@ -56,11 +56,11 @@ def tune(
 
 
 def _tune(text: str, setup) -> dict:
-    from ..calibration import remember
+    from ..engine.calibration import remember
     from ..config import Speculation
-    from ..engine import generate
-    from ..planner import choose
-    from ..weights import load_model
+    from ..engine.generate import generate
+    from ..engine.planner import choose
+    from ..model.weights import load_model
     from .run import _unfit
 
     path, config, tok = _tp_target(setup.target, 1)

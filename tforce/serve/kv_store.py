@@ -1,4 +1,4 @@
-"""`tforce serve --kv-dir DIR`: prompts' KV caches kept on disk as KV snapshots (snapshot.py), so that a
+"""`tforce serve --kv-dir DIR`: prompts' KV caches kept on disk as KV snapshots (snapshot/format.py), so that a
 document asked about before a restart is not prefilled again after it.
 
 A prompt that fed at least `min_tokens` new tokens to the caches (a document, not a chat turn: writing a
@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import snapshot, snapshot_io
+from ..snapshot import format as snapshot, store as snapshot_io
 from ..errors import TforceError
 
 

@@ -29,14 +29,14 @@ from typing import Callable, Optional
 
 import torch
 
-from ..text_stream import TextStream
+from ..text.stream import TextStream
 from ..config import Sampling
-from ..decode import decode_one, one_row_stats
-from ..engine import _eos_ids, check_ids, generator, open_session
+from ..engine.decode import decode_one, one_row_stats
+from ..engine.generate import _eos_ids, check_ids, generator, open_session
 from ..errors import TforceError, UsageError
-from ..prompt_format import PromptFormat
-from ..session import _sync_device
-from ..stops import StopStrings
+from ..text.format import PromptFormat
+from ..engine.session import _sync_device
+from ..engine.stops import StopStrings
 from .kv_store import KVStore, shared_prefix
 from .requests import ApiError, Ask
 from .responses import Done

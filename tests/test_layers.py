@@ -1,0 +1,85 @@
+"""The package's layers (docs/architecture.md): a module imports only from its own layer or lower ones, and
+the command line's entry point loads no torch until a command runs."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tforce"
+# Lowest first. Root modules are the base; each subpackage is a layer; tforce/__init__ and __main__ are the top.
+LAYERS = [
+    {"errors", "version", "paths", "config", "sync", "threads"},
+    {"cache"},
+    {"model"},
+    {"snapshot", "text"},
+    {"engine"},
+    {"parallel"},
+    {"bench", "eval"},
+    {"serve"},
+    {"cli"},
+]
+
+
+def _layer(module: str) -> int:
+    """tforce.X[.Y] -> X's layer; the package itself (tforce, tforce.__main__) -> above every layer."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return len(LAYERS)
+    return next(i for i, names in enumerate(LAYERS) if parts[1] in names)
+
+
+def _imports(path: Path):
+    """(importing module, imported module) for each tforce import in the file, relative ones resolved;
+    `from PACKAGE import NAME` counts NAME when it is a module of PACKAGE."""
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    module = ".".join(parts[:-1] if is_package else parts)
+    here = parts[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = here[:len(here) - (node.level - 1)]
+                base = ".".join(up + ([node.module] if node.module else []))
+            folder = PACKAGE.parent / Path(*base.split("."))
+            targets = [f"{base}.{a.name}" if (folder / f"{a.name}.py").exists() or (folder / a.name).is_dir()
+                       else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target == "tforce" or target.startswith("tforce."):
+                yield module, target
+
+
+def test_every_module_belongs_to_a_layer():
+    names = {p.stem if p.parent == PACKAGE else p.relative_to(PACKAGE).parts[0] for p in PACKAGE.rglob("*.py")}
+    assert names - {"__init__", "__main__"} <= set().union(*LAYERS)
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [f"{a} -> {b}" for path in PACKAGE.rglob("*.py") for a, b in _imports(path) if _layer(b) > _layer(a)]
+    assert upward == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """A control: the check above would fail on a cache module that imports the engine."""
+    fake = tmp_path / "tforce"
+    (fake / "cache").mkdir(parents=True)
+    (fake / "engine").mkdir()
+    (fake / "engine" / "session.py").write_text("")
+    (fake / "cache" / "full.py").write_text("from ..engine import session\nfrom ..errors import UsageError\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    found = [(a, b) for a, b in _imports(fake / "cache" / "full.py") if _layer(b) > _layer(a)]
+    assert found == [("tforce.cache.full", "tforce.engine.session")]
+
+
+def test_the_command_line_help_loads_no_torch():
+    code = ("import sys\nfrom tforce.cli import app\nfrom typer.main import get_command\n"
+            "get_command(app).main(['--help'], standalone_mode=False)\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False False"

@@ -1,0 +1,115 @@
+"""`tforce bench --batch N`: N prompts as one batch (batch.generate_batch) against the same N prompts one
+at a time (engine.generate), per method, on the same models, placement and options.
+
+The prompts: N of --prompt-len tokens each, different texts (bench.prompt_ids with seeds seed, seed + 1,
+...; a --prompt-file is cut at N different offsets). Decode seconds only (prefill is reported apart);
+tokens/s counts every row's tokens. Greedy (temperature 0), the record also says whether every row
+equals its prompt alone, token for token.
+"""
+from __future__ import annotations
+
+import time
+
+from ..engine.batch import BATCH_METHODS, generate_batch
+from .suite import prompt_ids
+from .run import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, memory_record, reset_peaks
+from ..errors import UsageError
+
+BATCH_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "offload", "gpu_memory", "budget",
+              "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy")
+DRAFTED = ("triforce", "naive", "streaming")  # the methods with a small draft (config.Speculation.uses_draft)
+
+
+def check_methods(methods: tuple[str, ...]) -> None:
+    for m in methods:
+        if m not in BATCH_METHODS:
+            raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} (no row-by-row +det), not {m!r}")
+
+
+def batch_prompts(n_rows: int, length: int, vocab: int, tokenizer, text, seed: int) -> list[list[int]]:
+    if text is None:
+        return [prompt_ids(length, vocab, None, None, seed + i) for i in range(n_rows)]
+    ids = prompt_ids(length * (n_rows + 1), vocab, tokenizer, text, seed)
+    return [ids[i * length // 2: i * length // 2 + length] for i in range(n_rows)]
+
+
+def _batch_options(cfg: BenchConfig, max_new: int) -> dict:
+    return {k: v for k, v in _options(cfg, max_new).items() if k in BATCH_KEYS}
+
+
+def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchConfig) -> dict:
+    draft = models.draft if method in DRAFTED else None
+    cuda = models.device.type == "cuda"
+    reset_peaks(models.device, cuda)
+    rows = generate_batch(models.target, prompts, draft=draft, method=method, **_batch_options(cfg, cfg.gen_len))
+    memory = memory_record(models.device, rows[0].stats, cuda)  # the batch's, before the one-at-a-time runs
+    alone = [models.generate(p, method, **_options(cfg, cfg.gen_len)) for p in prompts]
+    n = sum(len(r.tokens) for r in rows)
+    batch_s, alone_s = rows[0].stats["decode_s"], sum(r.stats["decode_s"] for r in alone)
+    return {
+        "method": method,
+        "rows": len(prompts),
+        "tokens": n,
+        "batch_tokens_per_s": n / batch_s if batch_s > 0 else None,
+        "ms_per_token": rows[0].stats["ms_per_token"],  # the batch's decode_s over all rows' tokens
+        "one_at_a_time_tokens_per_s": sum(len(r.tokens) for r in alone) / alone_s if alone_s > 0 else None,
+        "speedup_vs_one_at_a_time": alone_s / batch_s if batch_s > 0 else None,
+        "batch_prefill_s": rows[0].stats["prefill_s"],
+        "one_at_a_time_prefill_s": sum(r.stats["prefill_s"] for r in alone),
+        "acceptance": [r.stats["acceptance"] for r in rows],  # per row {"draft", "retrieval"}
+        "tokens_per_verification": [r.stats["tokens_per_verification"] for r in rows],
+        "rebuilds": [r.stats["rebuilds"] for r in rows],
+        "prefill_rebuild_s": rows[0].stats["prefill_rebuild_s"],  # the batch's (all rows at once)
+        "rebuild_s": rows[0].stats["rebuild_s"],  # all rows' rebuilds during decoding
+        "rows_equal_alone": [r.tokens for r in rows] == [r.tokens for r in alone] if cfg.temperature == 0
+        else None,
+        "kv_offloaded_layers": rows[0].stats["kv_offloaded_layers"],
+        **memory,  # gpu_mem_gib, gpu_reserved_gib, planned_peak_gib of the batch run
+    }
+
+
+def bench_batch(models: Models, prompts: list[list[int]], cfg: BenchConfig, synthetic: bool, model_name: str,
+                progress=None, on_run=None) -> dict:
+    """The one JSON object `tforce bench --batch N --json` prints; on_run(report so far, "complete": false)
+    after each method (tforce bench --record)."""
+    if progress:
+        progress(f"warm-up: every method on {len(prompts)} prompts of {WARMUP_TOKENS} tokens (not timed)")
+    t0 = time.perf_counter()
+    for method in cfg.methods:
+        generate_batch(models.target, [p[:WARMUP_TOKENS] for p in prompts],
+                       draft=models.draft if method in DRAFTED else None, method=method,
+                       **_batch_options(cfg, 4))
+    warmup_s = time.perf_counter() - t0
+    head = {"device": device_name(models.device), "synthetic": synthetic, "model": model_name,
+            "dtype": str(models.dtype).removeprefix("torch."), "batch": len(prompts),
+            "prompt_tokens": len(prompts[0]), "gen_len": cfg.gen_len, "temperature": cfg.temperature,
+            "offload": cfg.offload, "warmup_s": warmup_s, "methods": list(cfg.methods)}
+    runs = []
+    for method in cfg.methods:
+        if progress:
+            progress(f"{method}: {len(prompts)} prompts of {len(prompts[0])} tokens, {cfg.gen_len} new tokens each, "
+                     "as one batch and one at a time")
+        runs.append(run_batch(models, prompts, method, cfg))
+        if on_run and len(runs) < len(cfg.methods):
+            on_run({**head, "complete": False, "runs": runs})
+    return {**head, "complete": True, "runs": runs}
+
+
+def print_batch(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(x, fmt, suffix=""):
+        return "-" if x is None else format(x, fmt) + suffix
+
+    t = Table(title=f"tforce bench --batch {r['batch']}: {r['model']} on {r['device']}, {r['batch']} x "
+                    f"{r['prompt_tokens']} prompt + {r['gen_len']} tokens, {r['dtype']}, temperature "
+                    f"{r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"] else ""),
+              caption=f"decode tokens/s of all rows; warm-up {r['warmup_s']:.1f} s (not in the runs)")
+    for c in ("method", "batch\ntokens/s", "one at a time\ntokens/s", "speed-up", "rows equal\nalone"):
+        t.add_column(c, justify="left" if c == "method" else "right")
+    for run in r["runs"]:
+        eq = "-" if run["rows_equal_alone"] is None else ("yes" if run["rows_equal_alone"] else "NO")
+        t.add_row(run["method"], f(run["batch_tokens_per_s"], ".1f"), f(run["one_at_a_time_tokens_per_s"], ".1f"),
+                  f(run["speedup_vs_one_at_a_time"], ".2f", "x"), eq)
+    Console().print(t)

@@ -1,0 +1,100 @@
+"""generate_batch: several prompts through one decode loop, each row exact on its own.
+
+Every forward feeds all live rows at once (the weights are read once per step for the whole batch); each
+row keeps its own length in the caches (one class per cache kind, one row per prompt: docs/architecture.md),
+accepts its own number of drafted tokens, and leaves the batch when it reaches EOS, a stop string (`until`)
+or its token budget (its cache rows are compacted away, so it costs no further work).
+The same Session (session.py) and decode loop (decode.py) as `generate`, with a row per prompt: every
+method (`ar`, `naive`, `retrieval`, `streaming`, `triforce`), per-row retrieval rebuilds
+(Session._maybe_rebuild), selecting by the chunk rule (policy retrieval or shared) or a policies.py rule
+(topk, streaming). The full cache may be offloaded in part (cache/offload.py); the prefill then runs
+layer-major for all rows (prefill.py: each offloaded layer's prompt K/V cross to host memory once,
+nothing streams back; PCIe traffic linear in the prompts).
+"""
+from __future__ import annotations
+
+import time
+
+from .decode import decode, row_stats
+from .generate import Result, _eos_ids, _modules, check_ids, configuration, generator
+from ..errors import UsageError
+from .session import Session, _sync_device, check_rows
+
+BATCH_METHODS = ("ar", "triforce", "naive", "retrieval", "streaming")
+
+
+def check_batchable(method: str, policy: str) -> None:
+    """What batches do not run yet (the command line asks before loading any weights)."""
+    if method not in BATCH_METHODS:
+        raise UsageError(f"batches run --method {'|'.join(BATCH_METHODS)} so far, not {method!r}")
+    check_rows(2, policy)
+
+
+def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_tokens: int | list[int] = 256,
+                   temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
+                   ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
+                   gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
+                   rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512,
+                   offload: str = "auto", gpu_memory: int | None = None,
+                   device_free: int | None = None, on_row=None, until=None) -> list[Result]:
+    """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
+    for every row or a list with one per prompt; every row is exactly what
+    `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
+    Each Result's stats (`generate`'s names): the batch's prefill_s and decode_s, batch_size,
+    batch_tokens_per_s (all rows' tokens over decode_s) and ms_per_token (decode_s over all rows' tokens),
+    prefill_rebuild_s and rebuild_s (retrieval rebuilds of all rows: the prefill's, those during
+    decoding); the row's verifications, tokens_per_verification, acceptance {"draft", "retrieval"} and
+    retrieval rebuilds during decoding (rebuilds); the full cache's placement (kv_*).
+    Options as `generate`'s; policy: retrieval, shared, topk or streaming (no h2o). The batch is
+    planned before anything is allocated (placement.py with B rows) and refused if it does not fit;
+    offload, gpu_memory and device_free as in `generate` (offloaded layers stream once per step for all
+    rows). on_row(r, tokens) is told each row's final tokens as soon as the row is finished (a row with no
+    budget right after the prefill), so a caller keeps what is done if the rest fails or is interrupted.
+    until(tokens) -> int | None: `generate`'s, asked of each row after each round with the row's tokens so
+    far (stops.StopStrings.cut: each row ends at its first stop string, where it would alone); a row it
+    ends leaves the batch as a row at EOS does."""
+    target, draft = _modules(target, draft)
+    spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
+                                   draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                                   rebuild_below=rebuild_below, policy=policy)
+    check_batchable(method, policy)
+    prompts = [list(map(int, p)) for p in prompts]
+    context = target.config.max_position_embeddings
+    if not prompts:
+        raise UsageError("the batch has no prompts")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise UsageError(f"prompt {i + 1} of the batch is empty")
+        if len(p) >= context:
+            raise UsageError(f"prompt {i + 1} of the batch is {len(p)} tokens; the model's context is {context}")
+        check_ids(target, p, f"prompt {i + 1} of the batch")
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budgets) != len(prompts):
+        raise UsageError(f"max_new_tokens: {len(budgets)} budgets for {len(prompts)} prompts")
+    if min(budgets) < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {min(budgets)}")
+    max_new = [min(m, context - len(p)) for p, m in zip(prompts, budgets)]
+    if (target.config.rope_parameters or {}).get("rope_type") == "dynamic":
+        # its frequencies depend on each row's final length (rope.py): one rotation per row, not done
+        raise UsageError("batches do not support dynamic NTK RoPE yet")
+    device = next(target.parameters()).device
+    gen = generator(target, seed)
+
+    B, longest = len(prompts), max(map(len, prompts))
+    total = max(len(p) + m for p, m in zip(prompts, max_new))
+    # planned for B rows before anything is allocated: raises when the batch does not fit
+    session = Session(target, draft, longest, total - longest, spec, sampling, prefill_chunk, offload, gpu_memory,
+                      device_free=device_free, rows=B)
+    t0 = time.perf_counter()
+    session.prefill(prompts)
+    _sync_device(device)
+    t1 = time.perf_counter()
+    eos = set() if ignore_eos else _eos_ids(target.config)
+    before = session.counts()
+    outs = decode(session, [len(p) for p in prompts], max_new, gen, eos, until, on_row=on_row)
+    _sync_device(device)
+    t2 = time.perf_counter()
+    n_all = sum(map(len, outs))
+    batch = {"batch_size": B, "batch_tokens_per_s": n_all / (t2 - t1) if n_all and t2 > t1 else None}
+    return [Result(outs[r], {**row_stats(session, r, outs, t1 - t0, t2 - t1, before), **batch}) for r in range(B)]

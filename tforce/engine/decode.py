@@ -1,0 +1,135 @@
+"""The decode loop over a Session's rows, and each row's statistics: one loop for one prompt (engine.generate,
+Conversation.ask: one row) and for a batch (batch.generate_batch: a row per prompt).
+
+Rounds of the top level until every row has its token budget, an EOS (kept) or its stop string (`until`,
+stops.StopStrings.cut); each row's tokens are cut where they would be alone (stops.end_of_round). A row
+that finishes while others go on is compacted away (Session.keep), so it costs no further work; the last
+rows to finish stay where they are (a conversation's one row goes on to the next question).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import placement
+from .. import threads
+from .stops import end_of_round
+
+
+def decode(session, n: list[int], max_new: list[int], gen: torch.Generator, eos: set[int], until=None,
+           on_tokens=None, on_row=None) -> list[list[int]]:
+    """Each prompt r's new tokens after session.buffer[i, :n[r]] (live row i is prompt session.ids[i]), at
+    most max_new[r]. on_tokens(r, tokens) after each round, for every row that took part, with its new
+    tokens (as cut); on_row(r, tokens) with a row's final tokens once it is finished (a row with no budget
+    before the first round), so a caller keeps what is done if the rest fails."""
+    out: list[list[int]] = [[] for _ in n]
+    n = list(n)
+    if not _finish(session, out, [m == 0 for m in max_new], on_row):
+        return out
+    while True:
+        threads.tick()
+        ids = list(session.ids)
+        news = session.round([n[r] for r in ids], gen)
+        done = []
+        for r, tokens in zip(ids, news):
+            tokens = tokens[: max_new[r] - len(out[r])]
+            end = end_of_round(out[r], tokens, eos, until)
+            if end is not None:
+                tokens = tokens[:end]
+            out[r] += tokens
+            n[r] += len(tokens)
+            if on_tokens:
+                on_tokens(r, tokens)
+            done.append(end is not None or len(out[r]) >= max_new[r])
+        if not _finish(session, out, done, on_row):
+            return out
+
+
+def _finish(session, out: list[list[int]], done: list[bool], on_row) -> bool:
+    """Tell on_row the final tokens of the live rows marked done and compact them away while others remain;
+    False when none remains."""
+    if not any(done):
+        return True
+    if on_row is not None:
+        for i, d in enumerate(done):
+            if d:
+                on_row(session.ids[i], list(out[session.ids[i]]))
+    if all(done):
+        return False
+    session.keep([i for i, d in enumerate(done) if not d])
+    return True
+
+
+def decode_one(session, n: int, max_new: int, gen: torch.Generator, eos: set[int], on_token=None, on_round=None,
+               until=None) -> list[int]:
+    """decode for a one-row session (engine.generate, Conversation.ask): on_token(tokens) with each round's
+    tokens, then on_round(tokens, acceptance so far per level)."""
+    def told(r, tokens):
+        if on_token:
+            on_token(tokens)
+        if on_round:
+            on_round(tokens, acceptance(session))
+
+    return decode(session, [n], [max_new], gen, eos, until, told if on_token or on_round else None)[0]
+
+
+def acceptance(session, r: int = 0) -> dict:
+    """Prompt r's acceptance so far per level: {"draft", "retrieval"} (None where the method has none)."""
+    def acc(level):
+        return None if level is None else level.stats.acceptance(r)
+
+    return {"draft": acc(session.draft_level), "retrieval": acc(session.middle_level)}
+
+
+def placement_stats(plan: placement.Plan) -> dict:
+    """The full cache's placement, as the statistics and on_plan report it."""
+    return {
+        "kv_resident_layers": plan.resident,
+        "kv_offloaded_layers": plan.offloaded,
+        "kv_device_bytes": plan.gpu_bytes,  # on the model's device: the GPU, or host memory on a CPU run
+        "kv_host_bytes": plan.host_bytes,
+        "kv_chunk_stats_recomputed": plan.recompute_stats,  # no room to keep the resident layers' (placement.py)
+    }
+
+
+def planned_peak(plan: placement.Plan) -> dict:
+    """The plan's predicted device peak (prefill or decode, the larger; everything, weights included) and its
+    CUDA context share (measured on CUDA, 0 on a CPU run): bench sets the allocator's peaks beside them."""
+    return {"plan_peak_bytes": plan.peak, "plan_context_bytes": plan.item("CUDA context")}
+
+
+def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s: float,
+              before: dict[str, tuple[int, float]]) -> dict:
+    """Prompt r's statistics: the session's prefill_s and decode_s, ms_per_token (decode_s over every row's
+    tokens), forwards and stage_s per node while decoding (before: session.counts() when decoding began),
+    the placement and the plan's peak, retrieval rebuild seconds (the prefill's, then those while decoding,
+    every row's); the row's own verifications (rounds that decided its tokens), tokens_per_verification,
+    acceptance and rebuilds while decoding."""
+    now = session.counts()
+    n_all, n_out, verified = sum(map(len, outs)), len(outs[r]), session.verified[r]
+    retrieval = session.retrieval is not None
+    return {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "ms_per_token": 1000 * decode_s / n_all if n_all else None,
+        "acceptance": acceptance(session, r),
+        "tokens_per_verification": n_out / verified if verified else None,
+        "verifications": verified,
+        # per node while decoding: what each level's step costs is read that often
+        "forwards": {name: k - before[name][0] for name, (k, _) in now.items()},
+        # per node, seconds of those forwards (timing.py); the rest of decode_s is sampling, verification,
+        # host syncs, rebuilds and Python between forwards
+        "stage_s": {name: s - before[name][1] for name, (_, s) in now.items()},
+        **placement_stats(session.plan),
+        **planned_peak(session.plan),
+        # Retrieval rebuilds: the prefill's (within prefill_s), then those while decoding (within decode_s;
+        # rows rebuilt together share one); rebuilds counts the row's. None without a retrieval cache.
+        "prefill_rebuild_s": session.rebuild_times[0] if session.rebuild_times else None,
+        "rebuild_s": sum(session.rebuild_times[1:]) if retrieval else None,
+        "rebuilds": session.rebuilds[r] if retrieval else None,
+    }
+
+
+def one_row_stats(session, out: list[int], prefill_s: float, decode_s: float, before: dict) -> dict:
+    """A one-row session's statistics (engine.generate, Conversation.ask): row_stats and tokens_per_s."""
+    return {**row_stats(session, 0, [out], prefill_s, decode_s, before),
+            "tokens_per_s": len(out) / decode_s if out and decode_s > 0 else None}

@@ -1,0 +1,193 @@
+"""generate: checks the arguments, opens a one-row Session (session.py: the caches and levels for a method
+and their lifecycles), runs the decode loop (decode.py, the one loop for one prompt and for a batch),
+reports the statistics.
+
+One generation = prefill every node on the prompt, then rounds of the top level until the token
+budget or EOS; each round: (maybe) rebuild the retrieval cache, draft, verify, commit, stream.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import Sampling, Speculation
+from ..errors import UsageError
+from .decode import decode_one, one_row_stats, placement_stats
+from .session import Session, _sync_device
+from ..model.vocab import check_sizes, check_tokenizers
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    stats: dict
+
+
+def _module(m):
+    return getattr(m, "model", m) if not isinstance(m, torch.nn.Module) else m
+
+
+def _modules(target, draft):
+    """(target, draft) as networks; given as LoadedModels with tokenizers, a draft with another tokenizer
+    than the target's is refused here, where the tokenizers are still at hand (vocab.py)."""
+    if draft is None:
+        return _module(target), None
+    check_tokenizers(getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None),
+                     str(getattr(draft, "path", "model")), min(target.config.vocab_size, draft.config.vocab_size))
+    return _module(target), _module(draft)
+
+
+def _eos_ids(config) -> set[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def _check_pair(target, draft, spec: Speculation) -> None:
+    if not spec.uses_draft:
+        return
+    if draft is None:
+        raise UsageError(f"method {spec.method!r} needs a draft model (--draft)")
+    check_sizes(target.config.vocab_size, draft.config.vocab_size)
+
+
+def configuration(target, draft, *, method: str, temperature: float, top_p: float, top_k: int, seed: int | None,
+                  budget: int, chunk_size: int, gamma1: int, gamma2: int, draft_budget: int, sinks: int,
+                  rebuild_every: int, rebuild_below: float, policy: str) -> tuple[Speculation, Sampling]:
+    """The options as (Speculation, Sampling), each checked, and the draft checked against the target."""
+    if method == "auto":
+        raise UsageError("a session runs one method: 'auto' is chosen by generate (planner.py) before one opens")
+    spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
+                       draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                       rebuild_below=rebuild_below, policy=policy)
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    spec.validate()
+    sampling.validate()
+    _check_pair(target, draft, spec)
+    return spec, sampling
+
+
+def open_session(target, draft, prompt_len: int, max_new: int, *, method: str = "triforce", temperature: float = 0.6,
+                 top_p: float = 0.9, top_k: int = 0, seed: int | None = None, budget: int = 4096, chunk_size: int = 8,
+                 gamma1: int = 2, gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
+                 rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
+                 gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
+                 deterministic: bool = False, group=None) -> Session:
+    """The checked configuration's Session for prompt_len + max_new tokens (options: generate's)."""
+    spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
+                                   draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                                   rebuild_below=rebuild_below, policy=policy)
+    return Session(target, draft, prompt_len, max_new, spec, sampling, prefill_chunk, offload, gpu_memory,
+                   cuda_graphs, device_free, deterministic, group)
+
+
+def check_prompt(target, n: int, max_new_tokens: int) -> int:
+    """Refuses an empty prompt or one that fills the context; returns how many new tokens fit after it."""
+    context = target.config.max_position_embeddings
+    if n == 0:
+        raise UsageError("the prompt is empty")
+    if n >= context:
+        raise UsageError(f"the prompt is {n} tokens; the model's context is {context}")
+    if max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    return min(max_new_tokens, context - n)
+
+
+def check_ids(target, ids, what: str = "the prompt") -> None:
+    """Refuses ids outside the target's vocabulary: they would index past its embedding table, an
+    IndexError from inside a forward (on CUDA a device-side assert), not the bad argument they are."""
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    vocab = target.config.vocab_size
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if bad.numel():
+        raise UsageError(f"{what} holds token id {int(bad[0])}, outside the model's vocabulary (0 to {vocab - 1})")
+
+
+def generator(target, seed: int | None) -> torch.Generator:
+    gen = torch.Generator(device=next(target.parameters()).device)
+    gen.manual_seed(seed if seed is not None else torch.seed())
+    return gen
+
+
+def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_new_tokens: int = 256,
+             temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
+             ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
+             gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
+             rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
+             gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
+             deterministic: bool = False, load_kv=None, save_kv=None, group=None, on_token=None,
+             on_prefill=None, on_round=None, on_plan=None, until=None) -> Result:
+    """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
+    or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
+    on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each
+    verification with the acceptance so far per level ({"draft", "retrieval"}); on_plan(placement) gets
+    the full KV cache's placement (the kv_* entries of the statistics) once planned, before prefill.
+    until(tokens) -> int | None: after each round, given every token generated so far, how many to keep
+    and end there (stops.StopStrings.cut), or None to go on; the tokens kept stay an exact prefix.
+    offload: where the full KV cache lives ("auto": on the GPU while it fits, the rest in pinned host
+    memory; "on": all in host memory; "off": all on the device); gpu_memory caps the bytes tforce may use on the GPU. device_free: the device's free bytes
+    as the caller measured them (tensor-parallel ranks pass their minimum so that all plan alike; None:
+    measured here); given on a CPU run, the KV cache is placed as if a device had that much room, which
+    runs the offloaded cache's code path on the CPU (for tests). policy: which tokens the middle
+    (retrieval) cache holds: retrieval | topk | streaming | h2o (cache/policies.py). deterministic: the
+    full-cache level computes every drafted position's logits exactly as one-token decoding does
+    (rowwise.py), so greedy output equals `ar`'s in any dtype; it costs weight reads per verification.
+    KV snapshots (snapshot/format.py): load_kv, a snapshot folder: its caches are loaded and only the part of the
+    prompt after its prefix is prefilled (a prompt that leaves the prefix keeps the common part;
+    stats["kv_reused"] says how many of the snapshot's stats["kv_snapshot_tokens"] were reused); save_kv, a
+    folder: the caches after prefill (the prompt but its last token) are written there. A snapshot loads only
+    into the same model, tokenizer and dtype. group: the tensor-parallel ranks (parallel.Group) when target
+    is one rank's shard: their memory plans must agree before any cache is allocated, and each rank's
+    snapshot part holds its own KV heads.
+    method "auto": planner.py chooses the method and gammas (stats["auto"] says which and why)."""
+    if method == "auto":
+        if group is not None:  # each rank would time its own share and might choose differently
+            raise UsageError("method 'auto' is not planned across tensor-parallel ranks: pass a method")
+        args = dict(locals())  # generate's arguments, before the import below adds a name
+        from .planner import generate_auto
+
+        return generate_auto(args)
+    from ..snapshot import format as snapshot, identity as snapshot_identity, store as snapshot_io
+
+    identity = snapshot_identity.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
+    target, draft = _modules(target, draft)
+    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+    max_new = check_prompt(target, len(prompt), max_new_tokens)
+    check_ids(target, prompt)
+    session = open_session(target, draft, len(prompt), max_new, method=method, temperature=temperature,
+                           top_p=top_p, top_k=top_k, seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1,
+                           gamma2=gamma2, draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                           rebuild_below=rebuild_below, policy=policy, prefill_chunk=prefill_chunk, offload=offload,
+                           gpu_memory=gpu_memory, cuda_graphs=cuda_graphs, device_free=device_free,
+                           deterministic=deterministic, group=group)
+    if on_plan:
+        on_plan(placement_stats(session.plan))
+    if save_kv is not None:
+        snapshot.check_target(save_kv)  # before the work, not after
+    gen = generator(target, seed)
+    device = next(target.parameters()).device
+    t0 = time.perf_counter()
+    kv = {}
+    if load_kv is not None:
+        kv["kv_reused"], kv["kv_snapshot_tokens"] = snapshot_io.load(load_kv, session, prompt, len(prompt) - 1,
+                                                                    identity, group)
+        _sync_device(device)
+        kv["load_kv_s"] = time.perf_counter() - t0
+    session.prefill([prompt], on_prefill)
+    _sync_device(device)
+    t1 = time.perf_counter()
+    if save_kv is not None:
+        snapshot_io.save(save_kv, session, identity, group)
+        kv["save_kv_s"] = time.perf_counter() - t1
+    eos = set() if ignore_eos else _eos_ids(target.config)
+    before = session.counts()
+    t2 = time.perf_counter()
+    out = decode_one(session, len(prompt), max_new, gen, eos, on_token, on_round, until)
+    _sync_device(device)
+    t3 = time.perf_counter()
+    stats = one_row_stats(session, out, t1 - t0, t3 - t2, before)
+    return Result(out, {**stats, **kv})

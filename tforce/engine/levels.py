@@ -1,0 +1,234 @@
+"""The speculation hierarchy as composition, over B rows (one prompt: B = 1).
+
+A Node is one network with one cache (a row per prompt) and the record of the tokens each row's cache
+holds. Nodes catch up by themselves: asked for distributions after the first n[b] tokens of each row of
+the shared sequence buffer, a node rolls each row back to the longest prefix it holds that still matches
+the buffer (dropping rejected speculation) and feeds only the rest, every row in one forward, padded at
+the end to the longest (the row rule of docs/architecture.md). No object patches another's cache.
+
+A Level produces tokens together with the distribution each was drawn from, per row:
+- Drafter(node): autoregressive sampling from the node, one token per round.
+- SpecLevel(proposer, node, gamma): the proposer drafts gamma tokens, the node verifies them with
+  speculative sampling, and the round yields the accepted tokens plus the residual or bonus token,
+  each labelled with the *node's* distribution at its position. The yielded sequence is an exact sample
+  of the node's own distribution, so a SpecLevel is itself a proposer for the level above: that is
+  the whole hierarchy (triforce = SpecLevel(SpecLevel(Drafter(draft), middle, g1), full, g2)).
+Each row accepts its own number of drafted tokens. A level proposing k tokens repeats its rounds until
+every row has k; a row that has them already goes on drafting from its first k (its results are
+dropped and not counted), so no cache runs further ahead than k tokens.
+
+Host and device. The shared sequence buffer (B, capacity) and each node's record of its tokens live on
+the host; token ids reach the device through sync.to_device (no sync). The device -> host transfers of a
+decode step all go through sync.host: one per drafted token for all rows (Drafter.round: the tokens join
+the host-side sequences that catch-up compares against) and one per verification (speculative.verify).
+So a triforce round of gamma2 tokens from gamma1-token middle rounds costs about gamma2 draft syncs plus
+one per middle round plus one. Keeping drafted tokens on the device until a verification would save the
+draft syncs; it needs a device-side sequence buffer and a catch-up rule that does not compare token
+values, not done.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import Sampling
+from .sampling import sample, to_probs
+from .speculative import verify
+from ..sync import host, to_device
+from .timing import ForwardTimer
+from ..model.vocab import SharedVocabulary
+
+
+class Node:
+    def __init__(self, name: str, model, cache, sampling: Sampling, capacity: int, prefill_chunk: int = 512,
+                 runner=None, vocab: SharedVocabulary | None = None):
+        """vocab: a draft's mapping into the target's ids when its embedding table is shorter (vocab.py)."""
+        self.name, self.model, self.cache, self.sampling, self.vocab = name, model, cache, sampling, vocab
+        # runner(ids, last_n) replaces model(ids, cache, last_n) when given (graphs.GraphRunner, rowwise.py)
+        self.runner = runner or (lambda ids, last_n: model(ids, cache, last_n=last_n))
+        self.tokens = torch.zeros(cache.rows, capacity, dtype=torch.long)  # row b holds tokens[b, :lengths[b]]
+        self.prefill_chunk = prefill_chunk
+        self.device = next(model.parameters()).device
+        self.forwards = 0
+        self.timer = ForwardTimer(self.device)  # seconds in forwards, read after decoding (stage times)
+
+    def held(self, b: int) -> int:
+        return self.cache.lengths[b]
+
+    def matching(self, seq: torch.Tensor, n: list[int]) -> list[int]:
+        """Per row, how many of the tokens its cache holds match seq[b, :n[b] - 1] (the prefix sync keeps)."""
+        out = []
+        for b, nb in enumerate(n):
+            m = min(self.held(b), nb - 1)
+            diff = (self.tokens[b, :m] != seq[b, :m]).nonzero()
+            out.append(int(diff[0]) if len(diff) else m)
+        return out
+
+    def _roll_back(self, keep: list[int]) -> None:
+        if any(k < self.held(b) for b, k in enumerate(keep)):
+            self.cache.truncate(keep[0] if len(keep) == 1 else keep)
+
+    def sync(self, seq: torch.Tensor, n: list[int]) -> list[int]:
+        """Roll each row back to the matching prefix of seq[b, :n[b]]; returns where feeding must start
+        (<= n[b] - 1)."""
+        keep = self.matching(seq, n)
+        self._roll_back(keep)
+        return keep
+
+    def _feed(self, seq: torch.Tensor, ends: list[int], last: int) -> torch.Tensor | None:
+        """Feed row b seq[b, held(b):ends[b]] (padded at the end to the longest; the padding is never
+        committed); probs (B, last, V) after each row's last `last` real tokens (every row feeds at least
+        `last`), or None for last=0."""
+        B, starts = len(ends), self.cache.lengths[:len(ends)]
+        counts = [e - s for s, e in zip(starts, ends)]
+        T = max(counts)
+        same = min(counts) == T  # rows of one count (always one row): the forward keeps only `last` logits
+        if B == 1:
+            ids = seq[:1, starts[0]:ends[0]]  # (1, T), a view
+        elif same:
+            ids = torch.stack([seq[b, s:e] for b, (s, e) in enumerate(zip(starts, ends))])  # (B, T)
+        else:
+            ids = torch.zeros(B, T, dtype=torch.long)
+            for b, (s, e) in enumerate(zip(starts, ends)):
+                ids[b, :e - s] = seq[b, s:e]
+        fed = ids if self.vocab is None else self.vocab.ids(ids)
+        self.cache.begin(T)
+        mark = self.timer.start()
+        logits = self.runner(to_device(fed, self.device), last if same else None if last else 0)  # (B, last or T, V)
+        self.timer.stop(mark)
+        self.cache.commit(T if same else counts)
+        for b, (s, e) in enumerate(zip(starts, ends)):
+            self.tokens[b, s:e] = seq[b, s:e]
+        self.forwards += 1
+        if not last:
+            return None
+        if not same:
+            pick = torch.tensor(counts)[:, None] - last + torch.arange(last)  # (B, last)
+            pick = to_device(pick, logits.device)
+            logits = logits.gather(1, pick[..., None].expand(-1, -1, logits.shape[-1]))
+        if self.vocab is not None:
+            logits = self.vocab.logits(logits)
+        return to_probs(logits.reshape(-1, logits.shape[-1]), self.sampling).view(len(ends), last, -1)
+
+    def probs(self, seq: torch.Tensor, n: list[int], last: int = 1) -> torch.Tensor:
+        """(B, last, V): row b's distributions of the next token after each of seq[b, :n[b] - last + 1],
+        ..., seq[b, :n[b]]."""
+        start = [min(s, nb - last) for s, nb in zip(self.sync(seq, n), n)]
+        self._roll_back(start)  # the logits of tokens it already holds are wanted: feed them again
+        while max(nb - last - self.held(b) for b, nb in enumerate(n)) > self.prefill_chunk:  # in chunks
+            self._feed(seq, [min(self.held(b) + self.prefill_chunk, nb - last) for b, nb in enumerate(n)], 0)
+        return self._feed(seq, n, last)
+
+    def adopt(self, seq: torch.Tensor, lengths: list[int], rows: list[int] | None = None) -> None:
+        """The listed rows' caches (None: every row) were filled outside a forward (a rebuild, a layer-major
+        prefill, a snapshot) to hold seq[i, :lengths[i]] (i: the position in `rows`)."""
+        for i, b in enumerate(range(len(lengths)) if rows is None else rows):
+            assert self.held(b) == lengths[i]
+            self.tokens[b, :lengths[i]] = seq[i, :lengths[i]]
+
+    def prefill(self, seq: torch.Tensor, n: list[int], progress=None, refeed: tuple[int, ...] = ()) -> list[int]:
+        """Make row b hold exactly seq[b, :n[b]]: rolled back to what matches, the rest fed in chunks with no
+        logits; rows in `refeed` feed their last token again (its queries were not at hand). progress(done,
+        total) after each chunk, in tokens of all rows. Returns how many tokens each row kept."""
+        kept = [min(k, nb - (b in refeed)) for b, (k, nb) in enumerate(zip(self.sync(seq, [x + 1 for x in n]), n))]
+        self._roll_back(kept)
+        while any(self.held(b) < nb for b, nb in enumerate(n)):
+            self._feed(seq, [min(self.held(b) + self.prefill_chunk, nb) for b, nb in enumerate(n)], 0)
+            if progress:
+                progress(sum(self.held(b) for b in range(len(n))), sum(n))
+        return kept
+
+    def keep(self, live: list[int]) -> None:
+        """Only the listed rows stay (cache/rows.py keep), with their records."""
+        self.cache.keep(live)
+        self.tokens[:len(live)] = self.tokens[torch.tensor(live, dtype=torch.long)].clone()
+
+
+REBUILD_WINDOW = 8  # rounds whose mean acceptance the low-acceptance rebuild rule reads (Session._maybe_rebuild)
+
+
+class LevelStats:
+    """Per prompt (the caller's index; live row i is prompt ids[i]): rounds, drafted, accepted, and the
+    acceptance of recent rounds for rebuild decisions (REBUILD_WINDOW of them)."""
+
+    def __init__(self, n: int = 1, window: int = REBUILD_WINDOW):
+        self.rounds, self.drafted, self.accepted = [0] * n, [0] * n, [0] * n
+        self.recent: list[list[float]] = [[] for _ in range(n)]
+        self.window = window
+
+    def count(self, r: int, gamma: int, n_accepted: int) -> None:
+        self.rounds[r] += 1
+        self.drafted[r] += gamma
+        self.accepted[r] += n_accepted
+        self.recent[r] = (self.recent[r] + [n_accepted / gamma])[-self.window:]
+
+    def acceptance(self, r: int = 0) -> float | None:
+        return self.accepted[r] / self.drafted[r] if self.drafted[r] else None
+
+    def low(self, r: int, below: float) -> bool:
+        """Whether prompt r's mean acceptance over the last `window` rounds is under `below`."""
+        recent = self.recent[r]
+        return len(recent) == self.window and sum(recent) / len(recent) < below
+
+
+class Level:
+    """Produces tokens continuing each row's sequence seq[b, :n[b]], each with the distribution it was
+    drawn from."""
+
+    def round(self, seq: torch.Tensor, n: list[int], gen: torch.Generator, active: list[bool] | None = None
+              ) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Per row: new tokens (written into seq[b, n[b]:]) and their distributions (n_b, V); active[b]
+        False: row b's round is dropped by the caller (not counted)."""
+        raise NotImplementedError
+
+    def propose(self, seq: torch.Tensor, n: list[int], k: int, gen: torch.Generator, active: list[bool]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exactly k tokens per row (written into seq[b, n[b]:n[b] + k]): (B, k) ids, (B, k, V) their
+        distributions."""
+        have, probs = [0] * len(n), [[] for _ in n]
+        while min(have) < k:
+            more = [a and h < k for a, h in zip(active, have)]
+            # a row that has k tokens drafts again after its first k, dropped: no cache runs further ahead
+            t, p = self.round(seq, [nb + min(h, k) for nb, h in zip(n, have)], gen, more)
+            for b in range(len(n)):
+                if have[b] < k:
+                    have[b] += len(t[b])
+                    probs[b].append(p[b])
+        tokens = torch.stack([seq[b, nb:nb + k] for b, nb in enumerate(n)])
+        return tokens, torch.stack([torch.cat(p)[:k] for p in probs])
+
+
+class Drafter(Level):
+    def __init__(self, node: Node):
+        self.node = node
+
+    def round(self, seq, n, gen, active=None):
+        p = self.node.probs(seq, n)[:, 0]  # (B, V)
+        # A host sync per drafted token (all rows): the tokens join the host-side sequences that every
+        # node's catch-up (Node.sync) compares against. The verification's sync comes on top (speculative.py).
+        tokens = host(sample(p, gen))
+        for b, (nb, t) in enumerate(zip(n, tokens)):
+            seq[b, nb] = t
+        return [[t] for t in tokens], list(p[:, None])
+
+
+class SpecLevel(Level):
+    def __init__(self, proposer: Level, node: Node, gamma: int, ids: list[int] | None = None, n_prompts: int = 1,
+                 window: int = REBUILD_WINDOW):
+        self.proposer, self.node, self.gamma, self.window = proposer, node, gamma, window
+        self.ids = [0] if ids is None else ids  # live row i is prompt ids[i] (the caller's list, updated in place)
+        self.stats = LevelStats(n_prompts, window)
+
+    def round(self, seq, n, gen, active=None):
+        active = [True] * len(n) if active is None else active
+        drafts, q = self.proposer.propose(seq, n, self.gamma, gen, active)  # writes seq[b, n:n + gamma]
+        p = self.node.probs(seq, [nb + self.gamma for nb in n], last=self.gamma + 1)  # (B, gamma + 1, V)
+        n_acc, nxt = verify(to_device(drafts, p.device), q.to(p.device), p, gen)
+        tokens, probs = [], []
+        for b, (nb, a) in enumerate(zip(n, n_acc)):
+            row = drafts[b, :a].tolist() + [nxt[b]]
+            seq[b, nb + a] = nxt[b]
+            tokens.append(row)
+            probs.append(p[b, :a + 1])
+            if active[b]:
+                self.stats.count(self.ids[b], self.gamma, a)
+        return tokens, probs

@@ -1,0 +1,242 @@
+"""`--method auto`: the method and gammas whose predicted decode is cheapest on this machine, for this
+prompt's length (docs/auto.md).
+
+Every candidate is exact (greedy: `ar`'s tokens; sampling: the target's distribution), so the choice
+changes only the speed. The prediction is projection.predict: the stage costs a calibration measured
+(calibration.py: short runs of each method on the prompt, cached per machine, models, dtype, device and
+context bucket) and each level's acceptance, held at the same per-token rate when the gammas change
+(projection.rate_at). The acceptance starts from the calibration's own runs on the prompt and moves
+toward what later runs measured (calibration.remember). What is searched: gamma1 over GAMMA1 and
+gamma2 over GAMMA2 (one given on the command line is kept); the budget is the one given (cut to the
+context, Speculation.fitted), not searched: its effect on acceptance is not modelled.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import calibration
+from ..config import METHODS, Speculation
+from ..errors import UsageError
+from .projection import predict, rate_at
+
+GAMMA1 = (1, 2, 3, 4)
+GAMMA2 = (2, 4, 6, 8, 10)
+ORDER = ("ar", "naive", "retrieval", "streaming", "triforce")  # ties go to the earlier, simpler method
+assert sorted(ORDER) == sorted(METHODS)
+# generate's options that the calibration's runs take from the run they plan for
+RUN_OPTIONS = ("temperature", "top_p", "top_k", "budget", "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks",
+               "rebuild_every", "rebuild_below", "policy", "prefill_chunk", "offload", "gpu_memory", "cuda_graphs",
+               "device_free", "deterministic")
+# per method, the nodes that verify drafts and the gamma they verify (projection.hierarchy's levels)
+VERIFIERS = {"ar": {}, "naive": {"full": "gamma2"}, "retrieval": {"full": "gamma2"},
+             "streaming": {"streaming": "gamma1", "full": "gamma2"}, "triforce": {"retrieval": "gamma1", "full": "gamma2"}}
+SPEC_OPTIONS = ("budget", "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every",
+                "rebuild_below", "policy")
+
+
+def uncalibrated(device: str, has_draft: bool) -> str:
+    """Auto's method where it cannot calibrate in this process (tensor-parallel ranks, batches, chat):
+    triforce on a GPU with a draft (the long-context setting it is built for), ar otherwise (on the 2-core
+    CPU the project measures on, float32, ar was the fastest method at 880 to 3,300 prompt tokens)."""
+    return "triforce" if device == "cuda" and has_draft else "ar"
+
+
+def candidates(options: dict, has_draft: bool, exclude=()) -> list[str]:
+    """The methods auto may choose with these options: those whose options check (a --policy only the
+    retrieval cache has, a streaming budget under --sinks), with a draft where they need one."""
+    out = []
+    for method in ORDER:
+        spec = Speculation(method=method, **{k: options[k] for k in SPEC_OPTIONS if k in options})
+        if method in exclude or (spec.uses_draft and not has_draft):
+            continue
+        try:
+            spec.validate()
+        except UsageError:
+            continue
+        out.append(method)
+    return out
+
+
+def _grid(method: str, fixed: dict) -> list[dict]:
+    if method == "ar":
+        return [{}]
+    g2 = [fixed["gamma2"]] if "gamma2" in fixed else GAMMA2
+    if method in ("naive", "retrieval"):
+        return [{"gamma2": b} for b in g2]
+    g1 = [fixed["gamma1"]] if "gamma1" in fixed else GAMMA1
+    return [{"gamma1": a, "gamma2": b} for a in g1 for b in g2]
+
+
+def predictions(entry: dict, methods, options: dict, total: int, fixed: dict) -> list[dict]:
+    """Every candidate setting's predicted ms/token, cheapest first: each method of `methods` the entry
+    measured, at each gamma of the grid (fixed: the gammas given, kept), for `total` tokens of context."""
+    out = []
+    slope = target_slope(entry)
+    for method in methods:
+        held = entry["methods"].get(method)
+        if held is None or held["costs"] is None:
+            continue
+        for knobs in _grid(method, fixed):
+            gammas = {"gamma1": knobs.get("gamma1", held["gamma1"]), "gamma2": knobs.get("gamma2", held["gamma2"])}
+            spec = Speculation(method=method, **{**{k: options[k] for k in SPEC_OPTIONS if k in options}, **gammas})
+            spec = spec.fitted(spec.capacity(total))  # as the Session fits it
+            rate = {level: rate_at(r or 0.0, calibration.level_gamma(method, level, held),
+                                   calibration.level_gamma(method, level, gammas))
+                    for level, r in held["acceptance"].items()}
+            ms = predict(_at_gammas(held, gammas, method, slope), spec, rate)["ms_per_token"]
+            used = {k: v for k, v in gammas.items() if k in _grid(method, {"gamma1": 0, "gamma2": 0})[0]}
+            out.append({"method": method, **used, "ms_per_token": ms,
+                        "acceptance": rate if method != "ar" else None})
+    out.sort(key=lambda c: (c["ms_per_token"], ORDER.index(c["method"])))
+    return out
+
+
+def target_slope(entry: dict) -> float:
+    """Milliseconds a target forward costs per token it is fed, from the calibration: the full cache's
+    forward fed 1 token (ar) against gamma2 + 1 (each speculative method's verification), the median over
+    those methods, at least 0; 0 without ar or without another method."""
+    methods = entry["methods"]
+    one = (methods.get("ar") or {}).get("costs")
+    if one is None:
+        return 0.0
+    slopes = sorted((held["costs"]["ms_per_forward"]["full"] - one["ms_per_forward"]["full"]) / held["gamma2"]
+                    for m, held in methods.items() if m != "ar" and held["costs"] is not None)
+    return max(0.0, slopes[len(slopes) // 2]) if slopes else 0.0
+
+
+def _at_gammas(held: dict, gammas: dict, method: str, slope: float) -> dict:
+    """A method's stage costs at other gammas than it was measured at: each target forward that verifies
+    gamma drafts is fed gamma + 1 tokens, so it costs `slope` ms more per added token (target_slope: measured
+    on the full cache's forward, applied to the middle level's too: the same network). Drafters' forwards
+    are fed one or two tokens whatever the gammas."""
+    costs, fed = held["costs"], VERIFIERS[method]
+    per = {node: ms + slope * (gammas[fed[node]] - held[fed[node]]) if node in fed else ms
+           for node, ms in costs["ms_per_forward"].items()}
+    return {**costs, "ms_per_forward": per}
+
+
+@dataclass
+class Choice:
+    """What auto chose and why: the cheapest candidate, every method's best, where the costs came from."""
+
+    best: dict
+    candidates: list[dict]  # the cheapest setting of each method, cheapest first
+    entry: dict
+    measured_now: bool
+    cache: str | None  # the entry's file; None when it could not be written
+    cache_error: str | None = None
+    folder: object = field(default=None, repr=False)
+    snapshot: Path | None = None  # the prompt's prefill the calibration kept (choose's kv_dir), for the run to load
+
+    @property
+    def options(self) -> dict:
+        """generate's options for the chosen setting."""
+        return {"method": self.best["method"],
+                **{k: self.best[k] for k in ("gamma1", "gamma2") if k in self.best}}
+
+    def record(self) -> dict:
+        """For --json and bench: the choice, the alternatives' predictions, the calibration."""
+        return {"method": self.best["method"], **{k: self.best[k] for k in ("gamma1", "gamma2") if k in self.best},
+                "predicted_ms_per_token": self.best["ms_per_token"], "candidates": self.candidates,
+                "calibrated_now": self.measured_now, "calibration_s": self.entry.get("calibration_s"),
+                "measured_at": self.entry["measured_at"], "cache": self.cache, "cache_error": self.cache_error}
+
+    def line(self) -> str:
+        """The one stderr line: the choice, the others' predictions, where the stage costs came from."""
+        def setting(c):
+            knobs = ", ".join(f"{k} {c[k]}" for k in ("gamma1", "gamma2") if k in c)
+            return f"{c['method']}" + (f" ({knobs})" if knobs else "")
+
+        others = "; ".join(f"{setting(c)} {c['ms_per_token']:.1f}" for c in self.candidates[1:])
+        when = f"measured now in {self.entry['calibration_s']:.1f} s" if self.measured_now else \
+            "measured " + time.strftime("%Y-%m-%d %H:%M", time.localtime(self.entry["measured_at"]))
+        return (f"tforce: auto: {setting(self.best)}, predicted {self.best['ms_per_token']:.1f} ms/token"
+                + (f"; others: {others}" if others else "") + f" (stage costs {when}"
+                + (f"; not cached: {self.cache_error}" if self.cache_error else "") + ")")
+
+    def run_kv(self) -> dict:
+        """generate's load_kv for the run: the calibration's snapshot of the prompt, where it kept one."""
+        return {} if self.snapshot is None else {"load_kv": self.snapshot}
+
+    def remember(self, stats: dict, tokens: int) -> None:
+        """Folds the run's measured acceptance into the cached entry (calibration.remember)."""
+        if self.cache is None or self.best["method"] == "ar":
+            return
+        gammas = {k: self.best[k] for k in ("gamma1", "gamma2") if k in self.best}
+        try:
+            calibration.remember(self.entry, self.best["method"], stats["acceptance"], tokens, gammas, self.folder)
+        except OSError:  # a cache that went read-only since: the run's output is what matters
+            pass
+
+
+def choose(target, draft, ids, options: dict, fixed: dict | None = None, exclude=(), refresh: bool = False,
+           folder=None, kv_dir=None) -> Choice:
+    """The cheapest candidate for generating after `ids` with generate's `options`; the stage costs from the
+    cache, else measured now and cached (refresh: measured now whatever the cache holds). fixed: gammas the
+    user gave, kept; exclude: methods not to consider (e.g. whose caches do not fit in memory).
+    kv_dir: an empty folder where a calibration may keep the prompt's prefill as a KV snapshot, so that the
+    methods it times (and then the run, through Choice.snapshot) prefill the prompt once between them, not
+    once each; it is used where the snapshot is small (calibration.shares_prefill) and neither
+    load_kv nor save_kv is among the options. None: every timed run prefills."""
+    from .generate import generate
+
+    fixed = fixed or {}
+    methods = candidates(options, draft is not None, exclude)
+    if not methods:
+        raise UsageError("--method auto: no method runs with these options")
+    k = calibration.key(target, draft, len(ids), options)
+    entry = None if refresh else calibration.read(k, methods, folder)
+    measured_now = entry is None
+    run_options = {name: options[name] for name in RUN_OPTIONS if name in options}
+    gammas = {"gamma1": options.get("gamma1", Speculation.gamma1), "gamma2": options.get("gamma2", Speculation.gamma2)}
+
+    snapshot = None
+    if measured_now and kv_dir is not None and options.get("load_kv") is None and options.get("save_kv") is None \
+            and calibration.shares_prefill(target, len(ids)):
+        snapshot = Path(kv_dir) / "prompt"
+
+    def run(method, n, new):
+        uses_draft = Speculation(method=method).uses_draft
+        kv = {}
+        if snapshot is not None and not n:  # the whole prompt: prefilled by the first method, loaded by the rest
+            kv = {"load_kv": snapshot} if snapshot.is_dir() else {"save_kv": snapshot}
+        return generate(target, ids[:n] if n else ids, draft=draft if uses_draft else None,
+                        **{**run_options, "method": method, "max_new_tokens": new, "ignore_eos": True, "seed": 0},
+                        **kv)
+
+    path, error = calibration.path_of(k, folder), None
+    if measured_now:
+        entry = calibration.measure(run, methods, k, gammas)
+        try:
+            calibration.write(entry, folder)
+        except OSError as e:
+            path, error = None, f"cannot write {path.parent}: {e.strerror or e}"
+    total = len(ids) + options.get("max_new_tokens", 256)
+    ranked = predictions(entry, methods, options, total, fixed)
+    if not ranked:
+        raise UsageError("--method auto: the calibration timed no method (is the prompt near the context's end?)")
+    best_of = {}
+    for c in ranked:
+        best_of.setdefault(c["method"], c)
+    return Choice(ranked[0], list(best_of.values()), entry, measured_now, None if path is None else str(path),
+                  error, folder, snapshot if snapshot is not None and snapshot.is_dir() else None)
+
+
+def generate_auto(args: dict):
+    """engine.generate with method "auto" (args: its arguments): chooses, generates, folds the run's
+    acceptance into the cache; stats["auto"] holds the choice (Choice.record)."""
+    from .generate import generate
+
+    options = {k: v for k, v in args.items() if k not in ("target", "prompt_ids", "draft")}
+    ids = list(args["prompt_ids"])
+    with tempfile.TemporaryDirectory(prefix="tforce-auto-") as kv_dir:
+        choice = choose(args["target"], args["draft"], ids, options, kv_dir=kv_dir)
+        uses_draft = Speculation(method=choice.best["method"]).uses_draft
+        result = generate(args["target"], ids, draft=args["draft"] if uses_draft else None,
+                          **{**options, **choice.options, **choice.run_kv()})
+    choice.remember(result.stats, len(result.tokens))
+    result.stats["auto"] = choice.record()
+    return result

@@ -1,0 +1,323 @@
+"""Session: the caches and levels of one generation over B rows (one prompt: B = 1), built from the memory
+plan, and their lifecycle (prefill, rebuilds of the retrieval cache, rounds, compaction of finished rows,
+rewinding one row to a mark). decode.py runs the rounds for engine.generate (one row), batch.generate_batch
+(a row per prompt) and conversation.py (one row kept across questions). The row rules:
+docs/architecture.md.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import placement
+from ..model.attention import flash_attn_func
+from ..cache import FullCache, RetrievalCache, StreamingCache
+from ..cache.offload import OffloadedCache
+from ..cache.policies import make_select
+from ..config import Sampling, Speculation
+from ..errors import UsageError
+from .graphs import GraphRunner
+from .levels import Drafter, LevelStats, Node, SpecLevel
+from .prefill import prefill_layer_major
+from ..cache.rope import Rotary
+from .rowwise import RowwiseRunner
+from .session_plan import _plan
+from ..model.vocab import shared_vocabulary
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+ROW_POLICIES = ("retrieval", "shared", "topk", "streaming")  # not h2o: its recording pass is one prompt's
+
+
+def check_rows(rows: int, policy: str, deterministic: bool = False) -> None:
+    """What runs for one row only so far, refused in one line for more."""
+    if rows > 1 and policy not in ROW_POLICIES:  # cache/policies.py: H2O's scores are one prompt's
+        raise UsageError(f"batches run --policy {'|'.join(ROW_POLICIES)} so far, not {policy!r}")
+    if rows > 1 and deterministic:  # rowwise.py: its views are one causal prefix, the same for every row
+        raise UsageError("batches do not run --deterministic yet (one prompt at a time does)")
+
+
+class Session:
+    """The caches and levels of one generation over `rows` prompts, one cache row each."""
+
+    def __init__(self, target, draft, prompt_len: int, max_new: int, spec: Speculation, sampling: Sampling,
+                 prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
+                 cuda_graphs: bool = True, device_free: int | None = None, deterministic: bool = False,
+                 group=None, rows: int = 1):
+        """prompt_len + max_new: the longest row's tokens (rows: its prompt and budget need not be the
+        same row's). group: the tensor-parallel ranks (parallel.Group), whose plans must agree before any
+        cache exists."""
+        check_rows(rows, spec.policy, deterministic)
+        self.target, self.draft = target, draft
+        cfg = target.config
+        self.total = prompt_len + max_new
+        capacity = spec.capacity(self.total)
+        spec = spec.fitted(capacity)
+        self.spec, self.sampling = spec, sampling
+        self.buffer = torch.zeros(rows, capacity, dtype=torch.long)  # the levels' (B, capacity) sequences
+        self.seq = self.buffer[0]  # the first row's, a view (conversations and snapshots are one row's)
+        self.ids = list(range(rows))  # live row i is prompt ids[i] (Session.keep compacts them)
+        self.verified = [0] * rows  # per prompt: rounds of the top level that decided its tokens
+        self.rebuilds = [0] * rows  # per prompt: retrieval rebuilds while decoding
+        p = next(target.parameters())
+        dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
+        rotary = Rotary(cfg, max_len=self.total, device=p.device)
+        cuda = p.device.type == "cuda"
+        # Rows > 1: no CUDA graphs (the captured shapes are one row's) and SDPA's attention in the plan
+        # (ragged rows' views are masked); docs/architecture.md, the fast path.
+        flash = cuda and flash_attn_func is not None and p.dtype != torch.float32 and rows == 1
+        graphs = cuda_graphs and cuda and rows == 1
+        kernel = "flash" if flash else "sdpa" if cuda else "math"
+        work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, graphs, kernel, rows=rows)
+        self.plan = _plan(target, draft, work, offload, gpu_memory, device_free)
+        if group is not None:
+            group.check_plan(self.plan)
+        pool = torch.cuda.graph_pool_handle() if graphs else None  # one pool for every GraphRunner
+        if self.plan.resident == self.plan.n_layers:
+            full = FullCache(*dims, capacity=capacity, rotary=rotary, dtype=p.dtype, device=p.device, rows=rows)
+        else:
+            full = OffloadedCache(*dims, capacity=capacity, rotary=rotary, resident=self.plan.resident,
+                                  dtype=p.dtype, device=p.device, rows=rows)
+        # deterministic: verify row by row, exactly as one-token decoding computes each logit (rowwise.py)
+        self.full = Node("full", target, full, sampling, capacity, prefill_chunk,
+                         RowwiseRunner(target, full) if deterministic else None)
+        self.middle = self.small = self.retrieval = None
+        method = spec.method
+        if method in ("triforce", "retrieval"):
+            self.retrieval = RetrievalCache(*dims, budget=spec.budget, chunk_size=spec.chunk_size,
+                                            rotary=rotary, dtype=p.dtype, device=p.device,
+                                            select=make_select(spec.policy, spec.sinks),
+                                            shared=spec.policy == "shared",
+                                            recompute_stats=self.plan.recompute_stats, rows=rows)
+            self.middle = Node("retrieval", target, self.retrieval, sampling, capacity, prefill_chunk,
+                               _runner(target, self.retrieval, graphs, pool))
+        elif method == "streaming":
+            cache = StreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
+                                   max_rollback=spec.max_lookahead, max_new=prefill_chunk + spec.max_lookahead,
+                                   dtype=p.dtype, device=p.device, rows=rows)
+            self.middle = Node("streaming", target, cache, sampling, capacity, prefill_chunk,
+                               _runner(target, cache, graphs, pool))
+        if spec.uses_draft:
+            dcfg, dp = draft.config, next(draft.parameters())
+            chunk = min(prefill_chunk, spec.draft_budget)
+            cache = StreamingCache(dcfg.num_hidden_layers, draft.n_kv_heads, draft.head_dim,
+                                   budget=spec.draft_budget, sinks=spec.sinks,
+                                   rotary=Rotary(dcfg, max_len=self.total, device=dp.device),
+                                   max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
+                                   dtype=dp.dtype, device=dp.device, rows=rows)
+            self.small = Node("draft", draft, cache, sampling, capacity, chunk, _runner(draft, cache, graphs, pool),
+                              shared_vocabulary(draft, cfg.vocab_size))
+        self.top, self.draft_level, self.middle_level = self._compose()
+
+    def _compose(self):
+        """Returns (top level, level verifying the small draft, level verifying the middle level)."""
+        s, ids, P = self.spec, self.ids, len(self.verified)
+        if s.method == "ar":
+            return Drafter(self.full), None, None
+        if s.method == "naive":
+            top = SpecLevel(Drafter(self.small), self.full, s.gamma2, ids, P)
+            return top, top, None
+        if s.method == "retrieval":
+            top = SpecLevel(Drafter(self.middle), self.full, s.gamma2, ids, P)
+            return top, None, top
+        mid = SpecLevel(Drafter(self.small), self.middle, s.gamma1, ids, P)
+        top = SpecLevel(mid, self.full, s.gamma2, ids, P)
+        return top, mid, top
+
+    def nodes(self) -> list[Node]:
+        return [node for node in (self.small, self.middle, self.full) if node is not None]
+
+    def prefill(self, prompts, progress=None, upto: list[int] | None = None) -> list[int]:
+        """Row b takes prompts[b] (token ids: a list or a 1-D tensor) but its last token, which the first
+        round feeds (with upto: takes prompts[b][:upto[b]], e.g. a document that questions will follow), in
+        every node. What the caches already hold of it (a conversation's document, a loaded snapshot) is kept
+        and only the rest is fed; returns how many tokens each row of the full cache kept."""
+        m = [len(p) - 1 for p in prompts] if upto is None else list(upto)
+        for b, p in enumerate(prompts):
+            self.buffer[b, :len(p)] = torch.as_tensor(p, dtype=torch.long)
+        kept = self.full.sync(self.buffer, [x + 1 for x in m])
+        if self.retrieval is not None:
+            for b, k in enumerate(kept):
+                self.retrieval.forget_rows(k, b)  # what the full cache holds from `k` on is fed again
+        full = self.full.cache
+        if isinstance(full, OffloadedCache) and not any(kept) and max(m) > 0:
+            # PCIe traffic linear in the prompts (prefill.py)
+            chunk_rule = self.retrieval is not None and self.retrieval.select is None
+            observe = (lambda i, k: self.retrieval.observe(full, i, k, m)) if chunk_rule else None
+            prefill_layer_major(self.target, [self.buffer[b, :mb] for b, mb in enumerate(m)], full,
+                                self.full.prefill_chunk, progress, observe)
+            self.full.adopt(self.buffer, m)
+        else:
+            self.full.prefill(self.buffer, m, progress)
+        if self.middle is not None:
+            if self.retrieval is not None:
+                prepare = getattr(self.retrieval.select, "prepare", None)  # H2O: a pass over the prompt (one row)
+                if prepare is not None:
+                    prepare(self.target, self.seq[:m[0]])
+                self._rebuild(list(range(len(m))))
+            else:
+                self._catch_up(self.middle, m)
+        if self.small is not None:
+            self._catch_up(self.small, m)
+        self._capture_graphs()
+        return kept
+
+    def _capture_graphs(self) -> None:
+        """Right after prefill, outside the timed decode: the graphs of the draft and middle levels'
+        decode forwards. A drafter feeds 1 token (2 after a fully accepted round); the middle level
+        verifying gamma1 drafts feeds gamma1 + 1. For the retrieval cache only its first forward's shape:
+        a capture writes the slots of the positions it covers, and only that forward is sure to write
+        them again before reading (GraphRunner.capture)."""
+        shapes = {}
+        if self.small is not None:
+            shapes[self.small] = [(1, 1), (2, 1)]
+        if self.spec.method == "triforce":
+            shapes[self.middle] = [(self.spec.gamma1 + 1, self.spec.gamma1 + 1)]
+        elif self.middle is not None:
+            shapes[self.middle] = [(1, 1)] if self.retrieval is not None else [(1, 1), (2, 1)]
+        for node, node_shapes in shapes.items():
+            if isinstance(node.runner, GraphRunner):
+                for n_tokens, last_n in node_shapes:
+                    node.runner.capture(n_tokens, last_n)
+
+    # Returning one row to a prefix (a document's end): the full cache truncates, the retrieval cache is
+    # rebuilt, and a streaming cache, which rolls back only max_rollback tokens, restores the state marked
+    # there. Conversations and snapshots are one row's: the marks are row 0's.
+    marks: dict = {}  # node name -> (StreamingCache.state(), the tokens it holds)
+    loaded_queries: tuple | None = None  # (length, per layer (H_q, D)): the last prefix token's, from a snapshot
+
+    def _streaming_nodes(self) -> list[Node]:
+        return [node for node in (self.middle, self.small) if node is not None and node.cache is not self.retrieval]
+
+    def mark(self, prefix: torch.Tensor | None = None) -> None:
+        """Remember the streaming caches' states at what they hold now, for later prompts that extend it;
+        with prefix (a conversation's history), at what they hold of it: the speculation they hold beyond
+        it (within their reach) is rolled back first."""
+        marks = dict(self.marks)
+        if prefix is not None:
+            self.seq[:len(prefix)] = prefix
+        for node in self._streaming_nodes():
+            keep = node.cache.length if prefix is None else node.matching(self.buffer, [len(prefix) + 1])[0]
+            if node.cache.reachable(keep):  # else the earlier mark stays
+                node.cache.truncate(keep)
+                marks[node.name] = (node.cache.state(), node.tokens[0, :keep].clone())
+        self.marks = marks
+
+    def rewind(self, n: int) -> None:
+        """Back to (at most) the prefix seq[:n] after a generation stopped at any point (an exception,
+        Ctrl-C), whatever it left half-done: the full cache keeps at most n tokens (it only ever wrote
+        prefix tokens below n), the streaming caches take their marked states (marked within the prefix);
+        the next prefill rebuilds the retrieval cache from the full cache."""
+        self.full.cache.truncate(min(self.full.cache.length, n))
+        for node in self._streaming_nodes():
+            state, tokens = self.marks.get(node.name, (None, self.seq[:0]))
+            node.cache.restore(state)
+            node.adopt(tokens[None], [len(tokens)])
+
+    def _catch_up(self, node: Node, m: list[int]) -> None:
+        """Feed a streaming node buffer[b, :m[b]]. One row: rolled back within reach, else from the marked
+        state if seq extends it, else from the start (a batch's rows start empty: nothing to restore)."""
+        if len(m) == 1 and not node.cache.reachable(node.matching(self.buffer, [m[0] + 1])[0]):
+            state, tokens = self.marks.get(node.name, (None, self.seq[:0]))
+            usable = state is not None and len(tokens) <= m[0] and torch.equal(tokens, self.seq[:len(tokens)])
+            node.cache.restore(state if usable else None)
+            node.adopt(self.buffer, [node.cache.length])
+        node.prefill(self.buffer, m)
+
+    def resample(self, sampling: Sampling) -> None:
+        """Draw the next generations from `sampling` (a server's per-request temperature and top-p): every
+        node turns logits into probabilities with it (levels.Node), at every level alike."""
+        self.sampling = sampling
+        for node in (self.small, self.middle, self.full):
+            if node is not None:
+                node.sampling = sampling
+
+    def counts(self) -> dict[str, tuple[int, float]]:
+        """(forwards run so far, seconds in them) per node, by node name (draft; retrieval or streaming;
+        full). On CUDA, after synchronising the device (timing.py)."""
+        return {node.name: (node.forwards, node.timer.seconds()) for node in self.nodes()}
+
+    def reset_stats(self) -> None:
+        """Acceptance, rounds and rebuilds count from here (a conversation's next question)."""
+        P = len(self.verified)
+        for level in {self.draft_level, self.middle_level} - {None}:
+            level.stats = LevelStats(P, level.window)
+        self.verified, self.rebuilds = [0] * P, [0] * P
+        self.rebuild_times = ()
+
+    rebuild_times: tuple[float, ...] = ()  # seconds of each retrieval rebuild (all its rows), the prefill's first
+
+    def _rebuild(self, live: list[int]) -> None:
+        """Rebuild the listed live rows' retrieval caches from what the full cache holds of each row."""
+        device = self.full.device
+        _sync_device(device)  # time the rebuild alone, not the work queued before it
+        t0 = time.perf_counter()
+        lengths = [self.full.held(i) for i in live]
+        missing = tuple(i for i, L in zip(live, lengths) if L and self._query(i, L) is None)
+        if missing:  # feed those rows' last tokens again, for their queries
+            self.full.prefill(self.buffer, [self.full.held(i) for i in range(len(self.ids))], refeed=missing)
+        queries = [self._query(i, L) if L else [] for i, L in zip(live, lengths)]
+        self.retrieval.rebuild(self.full.cache, live, queries)
+        self.middle.adopt(self.buffer[live], lengths, live)
+        if self.middle_level is not None:
+            for i in live:
+                self.middle_level.stats.recent[self.ids[i]] = []
+        _sync_device(device)
+        self.rebuild_times += (time.perf_counter() - t0,)
+
+    def _query(self, b: int, L: int) -> list[torch.Tensor] | None:
+        """Per layer, row b's rotated query (H_q, D) at its last committed token L - 1: from the full cache's
+        last forward, or (row 0) a loaded snapshot's; None when neither holds it."""
+        queries = self.full.cache.query_at(b, L - 1)
+        if queries is None and b == 0 and self.loaded_queries is not None and self.loaded_queries[0] == L:
+            return self.loaded_queries[1]
+        return queries
+
+    def last_queries(self, L: int) -> list[torch.Tensor]:
+        """Row 0's _query at L, its last token fed again when it is not at hand (a snapshot's save)."""
+        if self._query(0, L) is None:
+            self.full.prefill(self.buffer, [L], refeed=(0,))
+        return self._query(0, L)
+
+    def _maybe_rebuild(self, n: list[int]) -> None:
+        """Before a round over buffer[i, :n[i]], per row: rebuild when new tokens crowd the budget
+        (Speculation.rebuild_after) or number `rebuild_every`, or when the row's rolling acceptance of the
+        middle level falls under `rebuild_below`."""
+        if self.retrieval is None:
+            return
+        s, stats = self.spec, self.middle_level.stats
+        self.full.sync(self.buffer, n)  # drop each row's rejected tail: rebuild from committed tokens
+        after = s.rebuild_after(len(n))
+        stale = [i for i, r in enumerate(self.ids)
+                 if self.full.held(i) - self.retrieval.base[i] >= after or stats.low(r, s.rebuild_below)]
+        if stale:
+            self._rebuild(stale)
+            for i in stale:
+                self.rebuilds[self.ids[i]] += 1
+
+    def round(self, n: list[int], gen: torch.Generator) -> list[list[int]]:
+        """Every live row's new tokens of one round of the top level after buffer[i, :n[i]] (written there)."""
+        self._maybe_rebuild(n)
+        tokens, _ = self.top.round(self.buffer, n, gen)
+        for r in self.ids:
+            self.verified[r] += 1
+        return tokens
+
+    def keep(self, live: list[int]) -> None:
+        """Only the listed live rows stay (increasing), moved to the front: in the caches, the nodes' records,
+        the sequences and the row -> prompt map; a finished row costs no further work."""
+        for node in self.nodes():
+            node.keep(live)
+        self.buffer[:len(live)] = self.buffer[live]
+        self.ids[:] = [self.ids[i] for i in live]
+
+
+def _runner(model, cache, enabled: bool, pool):
+    """CUDA graphs for the draft and middle levels' forwards (never the full cache's)."""
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    return GraphRunner(model, cache, pool) if enabled and on_cuda else None

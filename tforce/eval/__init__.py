@@ -1,0 +1,1 @@
+"""tforce eval: acceptance and needle evaluations and their report. (docs/architecture.md)"""

@@ -1,0 +1,105 @@
+"""attend(q, view): attention of fresh queries over what a cache hands back.
+
+flash-attn (`flash_attn_func`, causal and bottom-right aligned) on CUDA when it is installed and the
+view's mask is plain causal; PyTorch SDPA otherwise (and for the retrieval cache's per-head masks),
+with each KV head's query heads folded into the query axis so that memory stays O(S x H_kv);
+`attend_reference` is the plain-math oracle the tests compare against.
+Layouts are the ones fixed in docs/architecture.md: q (B, T, H_q, D), view.k / view.v (B, S, H_kv, D).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..cache.base import CacheView
+
+# SDPA's backends on CUDA, cuDNN's left out: on an H100 with torch 2.11 it was PyTorch's first choice and
+# cost 2.7 ms of host time per call (a new cuDNN graph for every key length, i.e. every decode step):
+# 92 ms/token for Llama-2-7B on chip at 8K where the weights read in 5 ms (BENCHMARKS.md, GPU log).
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+try:  # optional: the `gpu` extra
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_func = None
+
+
+def _fold(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """q (B, T, H_q, D) -> (B, H_kv, group * T, D): each KV head's query heads stacked along the query
+    axis (row g * T + t is query head h * group + g at token t), so that SDPA sees as many query heads
+    as KV heads and never needs K/V repeated per query head."""
+    B, T, n_heads, D = q.shape
+    return q.view(B, T, n_kv, n_heads // n_kv, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv, -1, D)
+
+
+def _unfold(out: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, H_kv, group * T, D) -> (B, T, H_q, D), the inverse of _fold."""
+    B, n_kv, _, D = out.shape
+    return out.view(B, n_kv, -1, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, -1, D)
+
+
+def _batch_mask(m: torch.Tensor) -> torch.Tensor:
+    """A view's mask as (B_m, H_m, T, S): (H_m, T, S) is the same for every row (B_m = 1); a batched
+    cache's (B, 1, T, S) has one per row (docs/architecture.md, rows of different lengths)."""
+    return m if m.dim() == 4 else m[None]
+
+
+def _folded_mask(view: CacheView, group: int) -> torch.Tensor | None:
+    """view.mask, H_m in {1, H_kv} -> (B_m, H_m, group * T, S) for the folded queries: every query
+    head of a group has its KV head's mask. Its size is that of the scores, never of K/V."""
+    if view.mask is None:
+        return None
+    m = _batch_mask(view.mask)
+    B, H, T, S = m.shape
+    return m[:, :, None].expand(B, H, group, T, S).reshape(B, H, group * T, S)
+
+
+def _sdpa_mask(view: CacheView, n_heads: int) -> torch.Tensor | None:
+    """view.mask, H_m in {1, H_kv} -> (B_m, 1 or H_q, T, S), one mask per query head."""
+    if view.mask is None:
+        return None
+    m = _batch_mask(view.mask)
+    if m.shape[1] > 1:  # one mask per KV head: repeat for the query heads of its group
+        m = m.repeat_interleave(n_heads // m.shape[1], dim=1)
+    return m
+
+
+def flash_usable(q: torch.Tensor, view: CacheView) -> bool:
+    return (flash_attn_func is not None and q.is_cuda and view.causal
+            and q.dtype in (torch.float16, torch.bfloat16))
+
+
+def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Tensor:
+    """q (B, T, H_q, D) -> (B, T, H_q, D)."""
+    if use_flash and flash_usable(q, view):
+        # Same layout as ours, GQA native; causal=True aligns the T queries with the last T keys.
+        return flash_attn_func(q, view.k, view.v, causal=q.shape[1] > 1)
+    # GQA folded into the query axis rather than SDPA's enable_gqa: with a mask, enable_gqa sends SDPA to
+    # its math backend, which repeats K/V per query head and upcasts them to float32 (gigabytes per layer
+    # at 128K tokens); folded, the heads match and the memory-efficient backend takes the mask.
+    T, n_kv = q.shape[1], view.k.shape[2]
+    with sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else nullcontext():
+        out = F.scaled_dot_product_attention(
+            _fold(q, n_kv),  # (B, H_kv, group * T, D)
+            view.k.transpose(1, 2),  # (B, H_kv, S, D)
+            view.v.transpose(1, 2),
+            attn_mask=_folded_mask(view, q.shape[2] // n_kv),
+        )
+    return _unfold(out, T)
+
+
+def attend_reference(q: torch.Tensor, view: CacheView) -> torch.Tensor:
+    """The same function in plain float64 math: softmax(q k^T / sqrt(D)) v with the view's mask."""
+    n_heads, n_kv = q.shape[2], view.k.shape[2]
+    group = n_heads // n_kv
+    k = view.k.double().repeat_interleave(group, dim=2)  # (B, S, H_q, D)
+    v = view.v.double().repeat_interleave(group, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q.double(), k) / math.sqrt(q.shape[-1])
+    mask = _sdpa_mask(view, n_heads)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v).to(q.dtype)

@@ -1,0 +1,79 @@
+"""One GGUF file -> a Hugging Face checkpoint folder (config.json, model.safetensors in float32, the tokenizer
+with its chat template, generation_config.json with the end-of-sequence ids), all read by transformers' GGUF
+support: its loader dequantizes the weights and undoes llama.cpp's Q/K row order."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import TforceError, UsageError
+from .families import FAMILIES
+
+# The metadata keys of the ids generation ends at: llama.cpp stops at each (end of text, turn, message).
+EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def require_gguf() -> None:
+    """transformers' GGUF support needs the gguf and accelerate packages, which tforce does not otherwise."""
+    try:
+        import accelerate  # noqa: F401
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise UsageError("reading a GGUF file needs the gguf and accelerate packages: pip install gguf accelerate") \
+            from e
+
+
+def check_file(file: Path) -> list[int]:
+    """The end-of-sequence ids in the file's metadata, read without its tensors; a GGUF of a model tforce does
+    not run is refused here, before anything is converted."""
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(str(file)).fields
+        arch = fields["general.architecture"].contents()
+        eos = [int(fields[key].contents()) for key in EOS_KEYS if key in fields]
+    except Exception as e:  # the reader's errors (bad magic, a short file) are one line with the file's name
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"cannot read {file}: not a GGUF file ({reason})") from e
+    if arch not in FAMILIES:
+        raise UsageError(f"{file}: GGUF architecture {arch!r} is not a Llama-family model tforce runs")
+    return list(dict.fromkeys(eos))
+
+
+def convert(file: Path, out: Path, eos: list[int]) -> None:
+    """Writes the checkpoint of GGUF `file` into the empty folder `out` (eos: check_file's)."""
+    try:
+        config, state, tokenizer = _load(file)
+    except Exception as e:  # transformers' messages run to several lines
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise TforceError(f"cannot convert {file} with transformers ({type(e).__name__}: {reason})") from e
+    if config.model_type not in FAMILIES:
+        raise UsageError(f"{file}: model type {config.model_type!r} is not a Llama-family model tforce runs")
+    from safetensors.torch import save_file
+
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    if eos:
+        generation = {"bos_token_id": config.bos_token_id, "eos_token_id": eos if len(eos) > 1 else eos[0]}
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _load(file: Path):
+    """(config, float32 state dict, tokenizer or None) as transformers reads them from the file."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+    config.dtype = torch.float32
+    with torch.device("meta"):  # names the tensors for the loader; holds no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=skeleton)["tensors"]
+    state = {name: t.to(torch.float32).contiguous() for name, t in tensors.items()}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except Exception:  # a file without tokenizer metadata: the model runs on token ids
+        tokenizer = None
+    return config, state, tokenizer

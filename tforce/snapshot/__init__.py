@@ -1,0 +1,1 @@
+"""KV snapshots on disk: their format, identity, saving and loading, reading. (docs/architecture.md)"""

@@ -72,7 +72,7 @@ def test_a_calibration_is_measured_once_then_read(tiny, tmp_path, monkeypatch):
     for method in METHODS:
         held = first.entry["methods"][method]
         assert held["costs"]["ms_per_forward"]["full"] > 0 and held["tokens"] == calibration.CAL_TOKENS
-    assert first.best == first.candidates[0] and {c["method"] for c in first.candidates} == set(METHODS)
+    assert first.best in first.candidates and {c["method"] for c in first.candidates} == set(METHODS)
     again = choose(tiny["gqa"], tiny["draft"], ids[:280], OPTIONS, folder=tmp_path)  # the same context bucket
     assert not again.measured_now and len(calls) == 1 and again.entry == first.entry
     fresh = choose(tiny["gqa"], tiny["draft"], ids, OPTIONS, folder=tmp_path, refresh=True)

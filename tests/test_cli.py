@@ -432,3 +432,20 @@ def test_the_version_is_pyproject_s():
 
     project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
     assert tforce.__version__ == project["version"]
+
+
+def test_run_chat_and_serve_take_the_shared_options_from_one_place():
+    """cli/options.SHARED is declared once; each command shows every one of its options (serve: no KV
+    snapshots, and its own help for the request defaults) and the engine's defaults (config.py)."""
+    from typer.main import get_command
+
+    from tforce.cli import options as o
+    from tforce.config import Sampling, Speculation
+
+    commands = get_command(app).commands
+    for name, snapshots in (("run", True), ("chat", True), ("serve", False)):
+        params = {p.name: p for p in commands[name].params}
+        expected = set(o.SHARED) - (set() if snapshots else {"save_kv", "load_kv"})
+        assert expected <= set(params) and "opts" not in params, name
+        assert params["budget"].default == Speculation.budget and params["top_p"].default == Sampling.top_p
+    assert "when a request gives none" in {p.name: p for p in commands["serve"].params}["temperature"].help

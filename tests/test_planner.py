@@ -111,3 +111,37 @@ def test_a_verification_fed_fewer_tokens_costs_less():
     naive = {c["gamma2"]: c for c in predictions(entry, ["naive"], OPTIONS, 1000, {})}
     assert naive[2]["ms_per_token"] == pytest.approx((2 + 12) / 3)
     assert naive[10]["ms_per_token"] == pytest.approx((10 + 20) / 11)
+
+
+def test_each_method_s_verification_cost_follows_its_own_calibration_and_never_undercuts_ar():
+    """A disturbed calibration of one method (streaming's full forward 30 ms where the others' are 5-8) moves
+    only its own prediction, and a verification fed fewer tokens never costs less than ar's forward."""
+    from tforce.engine.planner import target_slope
+
+    entry = _entry(full=2.0, draft=0.5, middle=3.0, rate=0.5)
+    for method, full in (("naive", 5.0), ("retrieval", 5.0), ("streaming", 30.0), ("triforce", 8.0)):
+        entry["methods"][method]["costs"]["ms_per_forward"]["full"] = full
+    assert target_slope(entry, "naive") == pytest.approx(3.0 / 6) and target_slope(entry, "ar") == 0.0
+    naive = {c["gamma2"]: c for c in predictions(entry, ["naive"], OPTIONS, 1000, {})}
+    alone = _entry(full=2.0, draft=0.5, middle=3.0, rate=0.5)
+    alone["methods"] = {m: alone["methods"][m] for m in ("ar", "naive")}
+    alone["methods"]["naive"]["costs"]["ms_per_forward"]["full"] = 5.0
+    assert naive == {c["gamma2"]: c for c in predictions(alone, ["naive"], OPTIONS, 1000, {})}
+    steep = _entry(full=2.0, draft=0.5, middle=3.0, rate=0.5)
+    steep["methods"]["naive"]["costs"]["ms_per_forward"]["full"] = 2.0 + 6 * 3.0  # 3 ms per token fed
+    from tforce.engine.planner import _at_gammas
+    at2 = _at_gammas(steep["methods"]["naive"], {"gamma1": 2, "gamma2": 2}, "naive", 3.0, 2.0)
+    assert at2["ms_per_forward"]["full"] == pytest.approx(2.0 + 2 * 3.0)
+    low = _at_gammas(steep["methods"]["naive"], {"gamma1": 2, "gamma2": 2}, "naive", 10.0, 2.0)
+    assert low["ms_per_forward"]["full"] == 2.0  # extrapolated below ar's one-token forward: held at it
+
+
+def test_ar_is_kept_unless_a_speculative_method_is_predicted_clearly_faster():
+    from tforce.engine.planner import AR_MARGIN, pick
+
+    ar = {"method": "ar", "ms_per_token": 10.0}
+    close = {"method": "naive", "gamma2": 2, "ms_per_token": 10.0 / (1 + AR_MARGIN / 2)}
+    clear = {"method": "triforce", "gamma1": 2, "gamma2": 6, "ms_per_token": 10.0 / (1 + 2 * AR_MARGIN)}
+    assert pick({"ar": ar, "naive": close}) is ar
+    assert pick({"ar": ar, "naive": close, "triforce": clear}) is clear
+    assert pick({"naive": close}) is close  # no ar among the candidates

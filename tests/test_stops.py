@@ -7,7 +7,6 @@ import io
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 import tforce
 from tforce.cli import app

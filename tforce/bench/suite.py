@@ -172,7 +172,7 @@ def _report(head: dict, runs: list[dict], others: list[dict], complete: bool) ->
 
 
 def info_plan(config, context: int, dtype_bytes: int, gpu_budget: int | None, host_free: int,
-              offload: str = "auto", budget: int = 4096, h2d_gbps: float | None = None,
+              offload: str = "auto", budget: int = Speculation.budget, h2d_gbps: float | None = None,
               device_gbps: float | None = None, world: int = 1, draft_config=None,
               context_bytes: int = placement.CONTEXT_BYTES, attention: str = "flash",
               method: str = "triforce", rows: int = 1) -> dict:

@@ -13,9 +13,11 @@ from ..config import METHODS, Sampling, Speculation
 from ..model.defaults import default_pair, notice
 from ..text.demo import BENCH_TOKENS, EXCERPT, NAME
 from ..errors import TforceError, UsageError
+from . import options as o
 from .app import app
 from .bench_table import _print_bench
-from .common import (DTYPES, GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, _as_role, _check_memory, _gpu_memory_note, _guarded, _placement_options, _say, _threads, flag)
+from .common import (DTYPES, _as_role, _check_memory, _gpu_memory_note,
+                     _guarded, _placement_options, _say, _threads, flag)
 from .setup import _check_local, _default_draft, _draft_config, _parallel, _read_prompt, _tp_target
 
 PROMPT_LEN = 122880  # the prompt of the paper's setups (README, "Reproducing the paper's setups")
@@ -33,7 +35,7 @@ def bench(
                                                  "llama3.1-8b | tiny (results are labelled synthetic)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device "
                                                              "cuda; not with --synthetic)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo."),
+    tp: int = o.TP,
     prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help=f"Prompt tokens (default {PROMPT_LEN}; "
                                                                         f"on the demo pair {BENCH_TOKENS})."),
     gen_len: int = typer.Option(256, "--gen-len", help="Tokens generated per method (EOS ignored)."),
@@ -43,26 +45,24 @@ def bench(
                                                "would choose (docs/auto.md); ar runs first and is the speed-up baseline; a "
                                                "method ending in +det (e.g. triforce+det) verifies row by row (run "
                                                "--deterministic)."),
-    temperature: float = typer.Option(0.6, "--temperature", "-t", help="0 = greedy."),
-    top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling, in (0, 1]."),
+    temperature: float = o.TEMPERATURE,
+    top_p: float = o.TOP_P,
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f",
                                               help="A real text, tokenized and repeated/cut to --prompt-len "
                                                    "(default: random ids)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the weights, the prompt and sampling."),
-    budget: int = typer.Option(4096, "--budget", help="Retrieval (or streaming) cache of the middle level."),
-    chunk_size: int = typer.Option(8, "--chunk-size", help="Retrieval chunk size."),
-    gamma1: int = typer.Option(2, "--gamma1", help="Draft tokens per middle-level verification."),
-    gamma2: int = typer.Option(6, "--gamma2", help="Tokens per full-cache verification."),
-    draft_budget: int = typer.Option(256, "--draft-budget", help="StreamingLLM cache of the small draft."),
-    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward (larger: "
-                                                                 "fewer, bigger matrix products; more activation "
-                                                                 "memory, which the plan counts)."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
-    threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
+    budget: int = o.BUDGET,
+    chunk_size: int = o.CHUNK_SIZE,
+    gamma1: int = typer.Option(Speculation.gamma1, "--gamma1", help="Draft tokens per middle-level verification."),
+    gamma2: int = typer.Option(Speculation.gamma2, "--gamma2", help="Tokens per full-cache verification."),
+    draft_budget: int = o.DRAFT_BUDGET,
+    prefill_chunk: int = o.PREFILL_CHUNK,
+    device: str = o.DEVICE,
+    threads: int = o.THREADS,
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | "
                                                       "float16 | bfloat16"),
-    offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
-    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP),
+    offload: str = o.OFFLOAD,
+    gpu_memory: Optional[str] = o.GPU_MEMORY,
     peers: Optional[str] = typer.Option(None, "--peers",
                                         help="hf: also time transformers' own generate on the same weights and "
                                              "prompt: plain, assisted by the draft, prompt lookup, offloaded "

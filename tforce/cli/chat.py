@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import ExitStack
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -46,6 +46,7 @@ ROOM = 4096  # tokens after the document, by default
 
 
 @app.command()
+@o.shared()
 def chat(
     book: Optional[str] = typer.Argument(None, metavar="[BOOK]", help="Document to read ('-' = stdin)."),
     questions: Optional[str] = typer.Option(None, "--questions", "-q", metavar="FILE",
@@ -56,48 +57,18 @@ def chat(
     room: Optional[int] = typer.Option(None, "--room", help=f"Tokens after the document for a question and its "
                                        f"answer (with --keep-history, the whole conversation; default {ROOM}, or "
                                        "what the model's context leaves)."),
-    model: Optional[str] = o.MODEL,
-    draft: Optional[str] = o.DRAFT,
-    method: str = o.METHOD,
-    max_new_tokens: int = o.MAX_NEW_TOKENS,
-    temperature: float = o.TEMPERATURE,
-    top_p: float = o.TOP_P,
-    top_k: int = o.TOP_K,
-    seed: Optional[int] = o.SEED,
-    ignore_eos: bool = o.IGNORE_EOS,
-    budget: int = o.BUDGET,
-    chunk_size: int = o.CHUNK_SIZE,
-    gamma1: Optional[int] = o.GAMMA1,
-    gamma2: Optional[int] = o.GAMMA2,
-    draft_budget: int = o.DRAFT_BUDGET,
-    prefill_chunk: int = o.PREFILL_CHUNK,
-    sinks: int = o.SINKS,
-    rebuild_every: int = o.REBUILD_EVERY,
-    rebuild_below: float = o.REBUILD_BELOW,
-    policy: str = o.POLICY,
-    deterministic: bool = o.DETERMINISTIC,
-    device: str = o.DEVICE,
-    threads: int = o.THREADS,
-    dtype: str = o.DTYPE,
-    offload: str = o.OFFLOAD,
-    gpu_memory: Optional[str] = o.GPU_MEMORY,
-    save_kv: Optional[str] = o.SAVE_KV,
-    load_kv: Optional[str] = o.LOAD_KV,
-    template: str = o.TEMPLATE,
-    system: Optional[str] = o.SYSTEM,
-    stop: Optional[List[str]] = o.STOP,
     as_json: bool = flag("--json", "One JSON object per question (question, answer, tokens, stats) per line."),
-    tp: int = o.TP,
-    gpus: Optional[int] = o.GPUS,
+    opts: Optional[dict] = None,
 ) -> None:
     """Ask questions about a document, which is prefilled once (or loaded from a KV snapshot)."""
-    params = dict(locals())
+    params = {**opts, **{k: v for k, v in locals().items() if k != "opts"}}
+    save_kv, load_kv = opts["save_kv"], opts["load_kv"]
 
     def body():
         if room is not None and room < 2:
             raise UsageError(f"--room must be >= 2, got {room}")
         setup = _configure(params, calibrate=False)
-        text, from_stdin = _document(book, load_kv, model is None)
+        text, from_stdin = _document(book, load_kv, opts["model"] is None)
         lines, from_terminal = _question_source(questions, from_stdin, save_kv is not None)
         with ExitStack() as ranks:  # tensor-parallel ranks end with the chat, however it ends
             _chat(text, lines, from_terminal, setup, room, keep_history, as_json, save_kv, load_kv, ranks)

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from ..config import Speculation
 from ..errors import UsageError
 from .app import app
 from .common import DTYPES, OFFLOAD_HELP, _guarded, _placement_options, flag
@@ -95,7 +96,8 @@ def info(
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory to plan for (default: "
                                                                          "the free memory of GPU 0)."),
     offload: str = typer.Option("auto", "--offload", help=OFFLOAD_HELP),
-    budget: int = typer.Option(4096, "--budget", help="Retrieval cache size (resident beside the full cache)."),
+    budget: int = typer.Option(Speculation.budget, "--budget", help="Retrieval cache size (resident beside the "
+                               "full cache)."),
     ranks: int = typer.Option(1, "--gpus", help="Plan one rank of the target split over N GPUs (tensor "
                                                "parallelism: half the KV heads each for 2)."),
     batch: int = typer.Option(1, "--batch", help="Plan this many sequences of --context tokens decoded together."),

@@ -16,6 +16,8 @@ import time
 
 from rich.cells import cell_len
 
+from ..text.stream import TextStream
+
 
 class Status:
     """What the live view shows, from generate's callbacks; fields() renders it as short phrases."""

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -25,70 +25,40 @@ from .live import Progress, _summary_line
 
 
 @app.command()
+@o.shared()
 def run(
     prompt_file_arg: Optional[str] = typer.Argument(None, metavar="[PROMPT_FILE]",
                                                     help="Document to read ('-' = stdin)."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f", help="Document to read ('-' = stdin)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text placed after the document."),
-    model: Optional[str] = o.MODEL,
-    draft: Optional[str] = o.DRAFT,
-    method: str = o.METHOD,
-    max_new_tokens: int = o.MAX_NEW_TOKENS,
-    temperature: float = o.TEMPERATURE,
-    top_p: float = o.TOP_P,
-    top_k: int = o.TOP_K,
-    seed: Optional[int] = o.SEED,
-    ignore_eos: bool = o.IGNORE_EOS,
-    budget: int = o.BUDGET,
-    chunk_size: int = o.CHUNK_SIZE,
-    gamma1: Optional[int] = o.GAMMA1,
-    gamma2: Optional[int] = o.GAMMA2,
-    draft_budget: int = o.DRAFT_BUDGET,
-    prefill_chunk: int = o.PREFILL_CHUNK,
-    sinks: int = o.SINKS,
-    rebuild_every: int = o.REBUILD_EVERY,
-    rebuild_below: float = o.REBUILD_BELOW,
-    policy: str = o.POLICY,
-    deterministic: bool = o.DETERMINISTIC,
-    device: str = o.DEVICE,
-    threads: int = o.THREADS,
-    dtype: str = o.DTYPE,
-    offload: str = o.OFFLOAD,
-    gpu_memory: Optional[str] = o.GPU_MEMORY,
-    save_kv: Optional[str] = o.SAVE_KV,
-    load_kv: Optional[str] = o.LOAD_KV,
-    template: str = o.TEMPLATE,
-    system: Optional[str] = o.SYSTEM,
-    stop: Optional[List[str]] = o.STOP,
     as_json: bool = flag("--json", "Print one JSON object instead of streaming text."),
-    tp: int = o.TP,
-    gpus: Optional[int] = o.GPUS,
     batch: Optional[str] = typer.Option(None, "--batch", help="JSON-lines file of prompts ('-' = stdin), one "
                                         "{\"prompt\" and/or \"file\", \"id\", \"max_new_tokens\"} a line, run as "
                                         "one batch (as several in turn when it does not fit); one JSON line out "
                                         "per prompt (--json: one object holding them; every --method; no "
                                         "--deterministic, --tp or KV snapshots)."),
+    opts: Optional[dict] = None,
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
-    params = dict(locals())
+    params = {**opts, **{k: v for k, v in locals().items() if k != "opts"}}
 
     def body():
         if prompt_file_arg is not None and prompt_file is not None and prompt_file_arg != prompt_file:
             raise UsageError("give the prompt file once: as an argument or with --prompt-file")
         if batch is not None:
             given = (prompt_file_arg, prompt_file, prompt)
-            check_options(method, policy, gpus or tp, given != (None,) * 3, deterministic,
-                          (save_kv, load_kv) != (None, None))
+            check_options(opts["method"], opts["policy"], opts["gpus"] or opts["tp"], given != (None,) * 3,
+                          opts["deterministic"], (opts["save_kv"], opts["load_kv"]) != (None, None))
         setup = _configure(params, calibrate=batch is None)
         # the prompts before any notice (notices), so that a bad prompt is the only line
         if batch is not None:
             items = read_batch(batch)
         else:
             text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
-                                demo_prompt() if model is None else None)
+                                demo_prompt() if opts["model"] is None else None)
         if batch is not None:
             return run_batch(items, setup, setup.options, as_json)
-        _run(text, setup, as_json, dict(setup.options, save_kv=save_kv, load_kv=load_kv))
+        _run(text, setup, as_json, dict(setup.options, save_kv=opts["save_kv"], load_kv=opts["load_kv"]))
 
     _guarded(body)
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
+from ..config import Sampling
 from ..errors import TforceError, UsageError
 from . import options as o
 from .app import app
@@ -19,6 +20,14 @@ from .setup import _configure, _draft_config, _dtype_bytes, _tp_target, notices
 
 
 @app.command()
+@o.shared(snapshots=False,
+          max_new_tokens=typer.Option(256, "--max-new-tokens", "-n", help="max_tokens when a request gives none."),
+          temperature=typer.Option(Sampling.temperature, "--temperature", "-t",
+                                   help="temperature when a request gives none."),
+          top_p=typer.Option(Sampling.top_p, "--top-p", help="top_p when a request gives none."),
+          seed=typer.Option(None, "--seed", help="seed when a request gives none (default: random)."),
+          template=typer.Option("auto", "--template", help="auto: chat requests are laid out in the model's chat "
+                                 "template | none: refuse chat requests (completions take text as it is)."))
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: one the system picks)."),
@@ -35,40 +44,10 @@ def serve(
                                     "used snapshots removed first)."),
     kv_dir_min: int = typer.Option(1024, "--kv-dir-min", help="Prompt tokens a request must prefill to be kept "
                                    "in --kv-dir."),
-    model: Optional[str] = o.MODEL,
-    draft: Optional[str] = o.DRAFT,
-    method: str = o.METHOD,
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="max_tokens when a request gives none."),
-    temperature: float = typer.Option(0.6, "--temperature", "-t", help="temperature when a request gives none."),
-    top_p: float = typer.Option(0.9, "--top-p", help="top_p when a request gives none."),
-    top_k: int = o.TOP_K,
-    seed: Optional[int] = typer.Option(None, "--seed", help="seed when a request gives none (default: random)."),
-    ignore_eos: bool = o.IGNORE_EOS,
-    budget: int = o.BUDGET,
-    chunk_size: int = o.CHUNK_SIZE,
-    gamma1: int = o.GAMMA1,
-    gamma2: int = o.GAMMA2,
-    draft_budget: int = o.DRAFT_BUDGET,
-    prefill_chunk: int = o.PREFILL_CHUNK,
-    sinks: int = o.SINKS,
-    rebuild_every: int = o.REBUILD_EVERY,
-    rebuild_below: float = o.REBUILD_BELOW,
-    policy: str = o.POLICY,
-    deterministic: bool = o.DETERMINISTIC,
-    device: str = o.DEVICE,
-    threads: int = o.THREADS,
-    dtype: str = o.DTYPE,
-    offload: str = o.OFFLOAD,
-    gpu_memory: Optional[str] = o.GPU_MEMORY,
-    template: str = typer.Option("auto", "--template", help="auto: chat requests are laid out in the model's chat "
-                                 "template | none: refuse chat requests (completions take text as it is)."),
-    system: Optional[str] = o.SYSTEM,
-    stop: Optional[List[str]] = o.STOP,
-    tp: int = o.TP,
-    gpus: Optional[int] = o.GPUS,
+    opts: Optional[dict] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
-    params = dict(locals(), save_kv=None, load_kv=None)
+    params = {**opts, **{k: v for k, v in locals().items() if k != "opts"}}
 
     def body():
         missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
@@ -88,7 +67,7 @@ def serve(
         store = None if kv_dir is None else (kv_dir, parse_size(kv_dir_size, "--kv-dir-size"), kv_dir_min)
         if kv_dir_min < 1:
             raise UsageError(f"--kv-dir-min must be >= 1, got {kv_dir_min}")
-        _serve(setup, host, port, api_key, max_body, ctx_size, name or model or Path(setup.target).name, store)
+        _serve(setup, host, port, api_key, max_body, ctx_size, name or opts["model"] or Path(setup.target).name, store)
 
     _guarded(body)
 

@@ -17,6 +17,7 @@ import time
 
 from .decode import decode, row_stats
 from .generate import Result, _eos_ids, _modules, check_ids, configuration, generator
+from ..config import Sampling, Speculation
 from ..errors import UsageError
 from .session import Session, _sync_device, check_rows
 
@@ -31,12 +32,15 @@ def check_batchable(method: str, policy: str) -> None:
 
 
 def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_tokens: int | list[int] = 256,
-                   temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
-                   ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
-                   gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
-                   rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512,
-                   offload: str = "auto", gpu_memory: int | None = None,
-                   device_free: int | None = None, on_row=None, until=None) -> list[Result]:
+                   temperature: float = Sampling.temperature, top_p: float = Sampling.top_p,
+                   top_k: int = Sampling.top_k, seed: int | None = None, ignore_eos: bool = False,
+                   budget: int = Speculation.budget, chunk_size: int = Speculation.chunk_size,
+                   gamma1: int = Speculation.gamma1, gamma2: int = Speculation.gamma2,
+                   draft_budget: int = Speculation.draft_budget, sinks: int = Speculation.sinks,
+                   rebuild_every: int = Speculation.rebuild_every, rebuild_below: float = Speculation.rebuild_below,
+                   policy: str = Speculation.policy, prefill_chunk: int = 512, offload: str = "auto",
+                   gpu_memory: int | None = None, device_free: int | None = None, on_row=None,
+                   until=None) -> list[Result]:
     """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
     for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).

@@ -70,12 +70,16 @@ def configuration(target, draft, *, method: str, temperature: float, top_p: floa
     return spec, sampling
 
 
-def open_session(target, draft, prompt_len: int, max_new: int, *, method: str = "triforce", temperature: float = 0.6,
-                 top_p: float = 0.9, top_k: int = 0, seed: int | None = None, budget: int = 4096, chunk_size: int = 8,
-                 gamma1: int = 2, gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
-                 rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
-                 gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
-                 deterministic: bool = False, group=None) -> Session:
+def open_session(target, draft, prompt_len: int, max_new: int, *, method: str = "triforce",
+                 temperature: float = Sampling.temperature, top_p: float = Sampling.top_p,
+                 top_k: int = Sampling.top_k, seed: int | None = None, budget: int = Speculation.budget,
+                 chunk_size: int = Speculation.chunk_size, gamma1: int = Speculation.gamma1,
+                 gamma2: int = Speculation.gamma2, draft_budget: int = Speculation.draft_budget,
+                 sinks: int = Speculation.sinks, rebuild_every: int = Speculation.rebuild_every,
+                 rebuild_below: float = Speculation.rebuild_below, policy: str = Speculation.policy,
+                 prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
+                 cuda_graphs: bool = True, device_free: int | None = None, deterministic: bool = False,
+                 group=None) -> Session:
     """The checked configuration's Session for prompt_len + max_new tokens (options: generate's)."""
     spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
                                    seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
@@ -114,13 +118,16 @@ def generator(target, seed: int | None) -> torch.Generator:
 
 
 def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_new_tokens: int = 256,
-             temperature: float = 0.6, top_p: float = 0.9, top_k: int = 0, seed: int | None = None,
-             ignore_eos: bool = False, budget: int = 4096, chunk_size: int = 8, gamma1: int = 2,
-             gamma2: int = 6, draft_budget: int = 256, sinks: int = 16, rebuild_every: int = 128,
-             rebuild_below: float = 0.3, policy: str = "retrieval", prefill_chunk: int = 512, offload: str = "auto",
-             gpu_memory: int | None = None, cuda_graphs: bool = True, device_free: int | None = None,
-             deterministic: bool = False, load_kv=None, save_kv=None, group=None, on_token=None,
-             on_prefill=None, on_round=None, on_plan=None, until=None) -> Result:
+             temperature: float = Sampling.temperature, top_p: float = Sampling.top_p, top_k: int = Sampling.top_k,
+             seed: int | None = None, ignore_eos: bool = False, budget: int = Speculation.budget,
+             chunk_size: int = Speculation.chunk_size, gamma1: int = Speculation.gamma1,
+             gamma2: int = Speculation.gamma2, draft_budget: int = Speculation.draft_budget,
+             sinks: int = Speculation.sinks, rebuild_every: int = Speculation.rebuild_every,
+             rebuild_below: float = Speculation.rebuild_below, policy: str = Speculation.policy,
+             prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
+             cuda_graphs: bool = True, device_free: int | None = None, deterministic: bool = False, load_kv=None,
+             save_kv=None, group=None, on_token=None, on_prefill=None, on_round=None, on_plan=None,
+             until=None) -> Result:
     """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
     or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
     on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model import families
+from ..config import Speculation
 from ..errors import DoesNotFit, UsageError
 
 GiB = 1024 ** 3
@@ -101,12 +102,12 @@ class Work:
     capacity: int  # full-cache slots (prompt + new tokens + lookahead)
     prompt: int  # tokens prefilled (per row: the longest row's)
     method: str = "triforce"
-    budget: int = 4096
-    chunk_size: int = 8
-    draft_budget: int = 256
-    sinks: int = 16
-    gamma1: int = 2
-    gamma2: int = 6
+    budget: int = Speculation.budget
+    chunk_size: int = Speculation.chunk_size
+    draft_budget: int = Speculation.draft_budget
+    sinks: int = Speculation.sinks
+    gamma1: int = Speculation.gamma1
+    gamma2: int = Speculation.gamma2
     prefill_chunk: int = 512
     cuda_graphs: bool = True  # graphs of the draft and middle levels (CUDA only)
     # The attention kernel, for its scratch memory: "flash" (flash-attn: nothing beyond the cache's mask);

@@ -24,6 +24,7 @@ from .projection import predict, rate_at
 
 GAMMA1 = (1, 2, 3, 4)
 GAMMA2 = (2, 4, 6, 8, 10)
+AR_MARGIN = 0.10  # pick(): how much faster than ar a speculative method must be predicted
 ORDER = ("ar", "naive", "retrieval", "streaming", "triforce")  # ties go to the earlier, simpler method
 assert sorted(ORDER) == sorted(METHODS)
 # generate's options that the calibration's runs take from the run they plan for
@@ -74,7 +75,8 @@ def predictions(entry: dict, methods, options: dict, total: int, fixed: dict) ->
     """Every candidate setting's predicted ms/token, cheapest first: each method of `methods` the entry
     measured, at each gamma of the grid (fixed: the gammas given, kept), for `total` tokens of context."""
     out = []
-    slope = target_slope(entry)
+    one = (entry["methods"].get("ar") or {}).get("costs")
+    floor = one["ms_per_forward"]["full"] if one else 0.0
     for method in methods:
         held = entry["methods"].get(method)
         if held is None or held["costs"] is None:
@@ -86,7 +88,8 @@ def predictions(entry: dict, methods, options: dict, total: int, fixed: dict) ->
             rate = {level: rate_at(r or 0.0, calibration.level_gamma(method, level, held),
                                    calibration.level_gamma(method, level, gammas))
                     for level, r in held["acceptance"].items()}
-            ms = predict(_at_gammas(held, gammas, method, slope), spec, rate)["ms_per_token"]
+            costs = _at_gammas(held, gammas, method, target_slope(entry, method), floor)
+            ms = predict(costs, spec, rate)["ms_per_token"]
             used = {k: v for k, v in gammas.items() if k in _grid(method, {"gamma1": 0, "gamma2": 0})[0]}
             out.append({"method": method, **used, "ms_per_token": ms,
                         "acceptance": rate if method != "ar" else None})
@@ -94,27 +97,27 @@ def predictions(entry: dict, methods, options: dict, total: int, fixed: dict) ->
     return out
 
 
-def target_slope(entry: dict) -> float:
-    """Milliseconds a target forward costs per token it is fed, from the calibration: the full cache's
-    forward fed 1 token (ar) against gamma2 + 1 (each speculative method's verification), the median over
-    those methods, at least 0; 0 without ar or without another method."""
-    methods = entry["methods"]
-    one = (methods.get("ar") or {}).get("costs")
-    if one is None:
+def target_slope(entry: dict, method: str) -> float:
+    """Milliseconds a target forward costs per token it is fed, for `method`: the line through ar's full-cache
+    forward (fed 1 token) and the method's own verification (fed gamma2 + 1), at least 0; 0 without ar or
+    for ar. Each method's own two points, not a figure pooled over methods: one disturbed calibration run
+    (a neighbour, a thread change) then moves only its own method's prediction."""
+    one = (entry["methods"].get("ar") or {}).get("costs")
+    held = entry["methods"].get(method)
+    if one is None or method == "ar" or held is None or held["costs"] is None:
         return 0.0
-    slopes = sorted((held["costs"]["ms_per_forward"]["full"] - one["ms_per_forward"]["full"]) / held["gamma2"]
-                    for m, held in methods.items() if m != "ar" and held["costs"] is not None)
-    return max(0.0, slopes[len(slopes) // 2]) if slopes else 0.0
+    return max(0.0, (held["costs"]["ms_per_forward"]["full"] - one["ms_per_forward"]["full"]) / held["gamma2"])
 
 
-def _at_gammas(held: dict, gammas: dict, method: str, slope: float) -> dict:
+def _at_gammas(held: dict, gammas: dict, method: str, slope: float, floor: float) -> dict:
     """A method's stage costs at other gammas than it was measured at: each target forward that verifies
     gamma drafts is fed gamma + 1 tokens, so it costs `slope` ms more per added token (target_slope: measured
-    on the full cache's forward, applied to the middle level's too: the same network). Drafters' forwards
-    are fed one or two tokens whatever the gammas."""
+    on the full cache's forward, applied to the middle level's too: the same network), and never less than
+    `floor` (ar's forward fed one token, 0 without ar). Drafters' forwards are fed one or two tokens whatever
+    the gammas."""
     costs, fed = held["costs"], VERIFIERS[method]
-    per = {node: ms + slope * (gammas[fed[node]] - held[fed[node]]) if node in fed else ms
-           for node, ms in costs["ms_per_forward"].items()}
+    per = {node: max(floor if node == "full" else 0.0, ms + slope * (gammas[fed[node]] - held[fed[node]]))
+           if node in fed else ms for node, ms in costs["ms_per_forward"].items()}
     return {**costs, "ms_per_forward": per}
 
 
@@ -150,10 +153,13 @@ class Choice:
             knobs = ", ".join(f"{k} {c[k]}" for k in ("gamma1", "gamma2") if k in c)
             return f"{c['method']}" + (f" ({knobs})" if knobs else "")
 
-        others = "; ".join(f"{setting(c)} {c['ms_per_token']:.1f}" for c in self.candidates[1:])
+        others = "; ".join(f"{setting(c)} {c['ms_per_token']:.1f}" for c in self.candidates if c is not self.best)
+        cheapest = self.candidates[0]
+        kept = "" if cheapest is self.best else \
+            f" (kept: {cheapest['method']} is predicted faster by less than {AR_MARGIN:.0%})"
         when = f"measured now in {self.entry['calibration_s']:.1f} s" if self.measured_now else \
             "measured " + time.strftime("%Y-%m-%d %H:%M", time.localtime(self.entry["measured_at"]))
-        return (f"tforce: auto: {setting(self.best)}, predicted {self.best['ms_per_token']:.1f} ms/token"
+        return (f"tforce: auto: {setting(self.best)}, predicted {self.best['ms_per_token']:.1f} ms/token{kept}"
                 + (f"; others: {others}" if others else "") + f" (stage costs {when}"
                 + (f"; not cached: {self.cache_error}" if self.cache_error else "") + ")")
 
@@ -221,8 +227,18 @@ def choose(target, draft, ids, options: dict, fixed: dict | None = None, exclude
     best_of = {}
     for c in ranked:
         best_of.setdefault(c["method"], c)
-    return Choice(ranked[0], list(best_of.values()), entry, measured_now, None if path is None else str(path),
+    return Choice(pick(best_of), list(best_of.values()), entry, measured_now, None if path is None else str(path),
                   error, folder, snapshot if snapshot is not None and snapshot.is_dir() else None)
+
+
+def pick(best_of: dict) -> dict:
+    """The cheapest setting, except that ar is kept unless the cheapest is predicted more than AR_MARGIN
+    faster: a speculative method's prediction rests on an acceptance estimated from a few tokens and on
+    stage costs from one short run each (on the 2-core CPU, 16-token calibrations under load were off by
+    up to 25%), while ar's cost has no acceptance in it."""
+    best = min(best_of.values(), key=lambda c: (c["ms_per_token"], ORDER.index(c["method"])))
+    ar = best_of.get("ar")
+    return ar if ar is not None and ar["ms_per_token"] <= best["ms_per_token"] * (1 + AR_MARGIN) else best
 
 
 def generate_auto(args: dict):

@@ -1,1 +1,3 @@
-"""The Llama-family network, its attention, the weights and their formats (safetensors, .bin, GGUF, the Hub), the families, tensor-parallel sharding of weights, the default models and synthetic checkpoints. (docs/architecture.md)"""
+"""The Llama-family network, its attention, the weights and their formats (safetensors, .bin, GGUF, the Hub), the
+families, tensor-parallel sharding of weights, the default models and synthetic checkpoints.
+(docs/architecture.md)"""

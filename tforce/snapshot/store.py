@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import save as st_save
 
 from ..errors import TforceError
-from .format import (FORMAT, MANIFEST, TP_VERSION, VERSION, _manifest_sha, _sha, check, check_target, read_manifest, same_weights)
+from .format import (FORMAT, MANIFEST, TP_VERSION, VERSION, _manifest_sha, _sha, check, check_target, read_manifest,
+                     same_weights)
 from .reader import Reader
 
 

@@ -1,1 +1,2 @@
-"""Text in and out: prompt formats and chat templates, dated templates, the demo prompt, needle prompts, streamed output. (docs/architecture.md)"""
+"""Text in and out: prompt formats and chat templates, dated templates, the demo prompt, needle prompts, streamed
+output. (docs/architecture.md)"""

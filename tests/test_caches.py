@@ -433,3 +433,32 @@ def test_view_lives_on_the_storage_device(tiny, kind):
     cache.begin(3)
     q, view = cache.update(0, *(torch.zeros(1, 3, h, 16, device="meta") for h in (4, 2, 2)))
     assert {q.device.type, view.k.device.type, view.v.device.type, view.mask.device.type} == {"meta"}
+
+
+def test_every_cache_a_session_builds_follows_the_protocol(tiny):
+    """cache.base.KVCache is the protocol the engine uses: every kind a session builds (full, offloaded,
+    retrieval, streaming, the draft's) has all of it; a class lacking one method does not pass."""
+    from tforce.cache.base import KVCache
+    from tforce.engine.generate import open_session
+
+    kinds = set()
+    for method, extra in (("triforce", {}), ("streaming", {}), ("ar", {"offload": "on", "device_free": 2**30})):
+        session = open_session(tiny["gqa"].model, tiny["draft"].model, 200, 16, method=method, budget=64,
+                               chunk_size=4, draft_budget=32, sinks=4, **extra)
+        for node in session.nodes():
+            assert isinstance(node.cache, KVCache), type(node.cache).__name__
+            kinds.add(type(node.cache).__name__)
+    assert kinds == {"FullCache", "OffloadedCache", "RetrievalCache", "StreamingCache"}
+
+    class NoCompaction:
+        rows, lengths, length = 1, [0], 0
+
+        def begin(self, n): ...
+
+        def update(self, layer, q, k, v): ...
+
+        def commit(self, counts): ...
+
+        def truncate(self, lengths): ...
+
+    assert not isinstance(NoCompaction(), KVCache)

@@ -163,7 +163,7 @@ def test_rebuild_interval_is_the_sessions(tiny, every, budget, n_prompt, n_new, 
     session._rebuild = lambda live: (at.append(session.full.cache.length), rebuild(live))
     session.prefill([ids])
     decode_one(session, n_prompt, n_new, torch.Generator().manual_seed(0), set())
-    assert session.draft_level.stats.acceptance() == session.middle_level.stats.acceptance() == 1.0
+    assert session.small_verifier.stats.acceptance() == session.middle_verifier.stats.acceptance() == 1.0
     assert len(at) >= 2 and {b - a for a, b in zip(at, at[1:])} == {interval}
     spec = Speculation(method="triforce", budget=budget, chunk_size=4, draft_budget=512, sinks=4,
                        rebuild_every=every, rebuild_below=0.0)

@@ -88,7 +88,7 @@ def test_begin_builds_its_inputs_on_the_cache_device(tiny, kind, n):
 
 
 def _levels(session):
-    return [lv for lv in (session.draft_level, session.middle_level) if lv is not None]
+    return [lv for lv in (session.small_verifier, session.middle_verifier) if lv is not None]
 
 
 @pytest.mark.parametrize("method,offload,deterministic", [
@@ -116,7 +116,7 @@ def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload
     gen, n, rounds = torch.Generator().manual_seed(0), len(prompt), 0
     while n < len(prompt) + 30:
         calls0 = len(drafted) + len(verified)
-        middle0 = session.draft_level.stats.rounds[0] if session.draft_level else 0
+        middle0 = session.small_verifier.stats.rounds[0] if session.small_verifier else 0
         n += len(session.round([n], gen)[0])
         rounds += 1
         calls = len(drafted) + len(verified) - calls0
@@ -125,7 +125,7 @@ def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload
         elif method in ("naive", "retrieval"):
             assert calls == g2 + 1
         else:
-            middle_rounds = session.draft_level.stats.rounds[0] - middle0  # the level verifying the draft
+            middle_rounds = session.small_verifier.stats.rounds[0] - middle0  # the level verifying the draft
             assert 1 <= middle_rounds <= g2
             assert calls == (g1 + 1) * middle_rounds + 1
     assert drafted == [1] * len(drafter_rounds)  # one token per transfer

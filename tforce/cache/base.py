@@ -8,7 +8,7 @@ once, in docs/architecture.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -24,16 +24,27 @@ class CacheView:
     causal: bool = False
 
 
+@runtime_checkable
 class KVCache(Protocol):
-    length: int
+    """What the engine asks of every cache kind (engine/levels.Node, engine/session.py, engine/decode.py;
+    docs/architecture.md, "Protocol"); tests/test_caches.py checks each kind a session builds against it."""
+
+    rows: int  # live rows (prompts)
+    lengths: list[int]  # committed tokens per row
+
+    @property
+    def length(self) -> int: ...  # the committed length the live rows share
 
     def begin(self, n: int) -> None: ...
 
-    def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, CacheView]: ...
+    def update(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, CacheView]: ...
 
-    def commit(self, n: int) -> None: ...
+    def commit(self, counts: int | list[int]) -> None: ...
 
-    def truncate(self, length: int) -> None: ...
+    def truncate(self, lengths: int | list[int]) -> None: ...
+
+    def keep(self, rows: list[int]) -> None: ...  # compaction: live row i becomes rows[i]
 
 
 class StaticInputs:

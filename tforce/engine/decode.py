@@ -77,7 +77,7 @@ def acceptance(session, r: int = 0) -> dict:
     def acc(level):
         return None if level is None else level.stats.acceptance(r)
 
-    return {"draft": acc(session.draft_level), "retrieval": acc(session.middle_level)}
+    return {"draft": acc(session.small_verifier), "retrieval": acc(session.middle_verifier)}
 
 
 def placement_stats(plan: placement.Plan) -> dict:

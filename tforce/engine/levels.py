@@ -67,7 +67,7 @@ class Node:
         if any(k < self.held(b) for b, k in enumerate(keep)):
             self.cache.truncate(keep[0] if len(keep) == 1 else keep)
 
-    def sync(self, seq: torch.Tensor, n: list[int]) -> list[int]:
+    def match_prefix(self, seq: torch.Tensor, n: list[int]) -> list[int]:
         """Roll each row back to the matching prefix of seq[b, :n[b]]; returns where feeding must start
         (<= n[b] - 1)."""
         keep = self.matching(seq, n)
@@ -112,7 +112,7 @@ class Node:
     def probs(self, seq: torch.Tensor, n: list[int], last: int = 1) -> torch.Tensor:
         """(B, last, V): row b's distributions of the next token after each of seq[b, :n[b] - last + 1],
         ..., seq[b, :n[b]]."""
-        start = [min(s, nb - last) for s, nb in zip(self.sync(seq, n), n)]
+        start = [min(s, nb - last) for s, nb in zip(self.match_prefix(seq, n), n)]
         self._roll_back(start)  # the logits of tokens it already holds are wanted: feed them again
         while max(nb - last - self.held(b) for b, nb in enumerate(n)) > self.prefill_chunk:  # in chunks
             self._feed(seq, [min(self.held(b) + self.prefill_chunk, nb - last) for b, nb in enumerate(n)], 0)
@@ -129,7 +129,8 @@ class Node:
         """Make row b hold exactly seq[b, :n[b]]: rolled back to what matches, the rest fed in chunks with no
         logits; rows in `refeed` feed their last token again (its queries were not at hand). progress(done,
         total) after each chunk, in tokens of all rows. Returns how many tokens each row kept."""
-        kept = [min(k, nb - (b in refeed)) for b, (k, nb) in enumerate(zip(self.sync(seq, [x + 1 for x in n]), n))]
+        matched = self.match_prefix(seq, [x + 1 for x in n])
+        kept = [min(k, nb - (b in refeed)) for b, (k, nb) in enumerate(zip(matched, n))]
         self._roll_back(kept)
         while any(self.held(b) < nb for b, nb in enumerate(n)):
             self._feed(seq, [min(self.held(b) + self.prefill_chunk, nb) for b, nb in enumerate(n)], 0)

@@ -112,10 +112,11 @@ class Session:
                                    dtype=dp.dtype, device=dp.device, rows=rows)
             self.small = Node("draft", draft, cache, sampling, capacity, chunk, _runner(draft, cache, graphs, pool),
                               shared_vocabulary(draft, cfg.vocab_size))
-        self.top, self.draft_level, self.middle_level = self._compose()
+        self.top, self.small_verifier, self.middle_verifier = self._compose()
 
     def _compose(self):
-        """Returns (top level, level verifying the small draft, level verifying the middle level)."""
+        """Returns (top level, small_verifier: the level verifying the small draft, middle_verifier: the level
+        verifying the middle level); None where the method has no such level."""
         s, ids, P = self.spec, self.ids, len(self.verified)
         if s.method == "ar":
             return Drafter(self.full), None, None
@@ -140,7 +141,7 @@ class Session:
         m = [len(p) - 1 for p in prompts] if upto is None else list(upto)
         for b, p in enumerate(prompts):
             self.buffer[b, :len(p)] = torch.as_tensor(p, dtype=torch.long)
-        kept = self.full.sync(self.buffer, [x + 1 for x in m])
+        kept = self.full.match_prefix(self.buffer, [x + 1 for x in m])
         if self.retrieval is not None:
             for b, k in enumerate(kept):
                 self.retrieval.forget_rows(k, b)  # what the full cache holds from `k` on is fed again
@@ -245,7 +246,7 @@ class Session:
     def reset_stats(self) -> None:
         """Acceptance, rounds and rebuilds count from here (a conversation's next question)."""
         P = len(self.verified)
-        for level in {self.draft_level, self.middle_level} - {None}:
+        for level in {self.small_verifier, self.middle_verifier} - {None}:
             level.stats = LevelStats(P, level.window)
         self.verified, self.rebuilds = [0] * P, [0] * P
         self.rebuild_times = ()
@@ -264,9 +265,9 @@ class Session:
         queries = [self._query(i, L) if L else [] for i, L in zip(live, lengths)]
         self.retrieval.rebuild(self.full.cache, live, queries)
         self.middle.adopt(self.buffer[live], lengths, live)
-        if self.middle_level is not None:
+        if self.middle_verifier is not None:
             for i in live:
-                self.middle_level.stats.recent[self.ids[i]] = []
+                self.middle_verifier.stats.recent[self.ids[i]] = []
         _sync_device(device)
         self.rebuild_times += (time.perf_counter() - t0,)
 
@@ -290,8 +291,8 @@ class Session:
         middle level falls under `rebuild_below`."""
         if self.retrieval is None:
             return
-        s, stats = self.spec, self.middle_level.stats
-        self.full.sync(self.buffer, n)  # drop each row's rejected tail: rebuild from committed tokens
+        s, stats = self.spec, self.middle_verifier.stats
+        self.full.match_prefix(self.buffer, n)  # drop each row's rejected tail: rebuild from committed tokens
         after = s.rebuild_after(len(n))
         stale = [i for i, r in enumerate(self.ids)
                  if self.full.held(i) - self.retrieval.base[i] >= after or stats.low(r, s.rebuild_below)]

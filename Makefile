@@ -32,7 +32,7 @@ QUESTION := Question: what did the narrator call himself?
 EXCERPT := tforce/data/demo_excerpt.txt
 DEMO_OPTS := -n 64 --temperature 0
 MIDDLE := --budget 256 --draft-budget 192
-HAS_SMOLLM2 := $(BIN)/python -c "import sys; from tforce.text.demo import smollm2_installed; sys.exit(not smollm2_installed())"
+HAS_SMOLLM2 := $(BIN)/python -c "import sys; from tforce.model.defaults import smollm2_installed; sys.exit(not smollm2_installed())"
 
 demo: venv
 	@mkdir -p demo

@@ -76,3 +76,17 @@ def test_cli_default_is_smollm2_when_installed(unset):
     assert r.exit_code == 0, (r.output, r.exception)
     assert "using SmolLM2-135M-Instruct" in r.stderr and INSTALL not in r.stderr
     assert " Paris" in r.stdout
+
+
+def test_make_demo_s_check_runs_and_agrees():
+    """The Makefile asks Python whether SmolLM2 is installed; a check that cannot import its name fails
+    the same as 'not installed' and silently demotes `make demo` to the demo pair."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
+    code = re.search(r'^HAS_SMOLLM2 := \$\(BIN\)/python -c "(.+)"$', makefile, re.M).group(1)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stderr == "" and r.returncode == (0 if defaults.smollm2_installed() else 1)

@@ -1,5 +1,5 @@
-"""Physical floors beside bench's figures (DESIGN.md habit 9): what a step or a prefill cannot beat on
-this device, from bytes that must be read or FLOPs that must be done over a measured ceiling.
+"""Physical floors beside bench's figures (docs/architecture.md, "Measurements"): what a step or a prefill cannot
+beat on this device, from bytes that must be read or FLOPs that must be done over a measured ceiling.
 
 - A decode step of a node reads its weights and its KV cache once: (weight bytes + layers x KV bytes per
   token x tokens attended) / the device's measured memory rate. The weights a step reads are the layers,

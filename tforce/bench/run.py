@@ -2,15 +2,14 @@
 configuration, the models it runs on (in this process or split over ranks), the warm-up, and a run's
 record.
 
-A run's record holds the roofline quantities of DESIGN.md habit 9: ms/token, acceptance per level, tokens
-per full-cache verification, prefill seconds, seconds spent rebuilding the retrieval cache during decoding
-(and how many rebuilds), the achieved host-to-device rate of the offloaded KV stream against the measured
-pinned-copy peak, GPU and pinned memory; bench/suite.py's report adds the speed-up over `ar` on the same engine
-and placement.
-
-Each run also carries its stage times (seconds in each level's forwards) and a projection: the ms/token
-those stage times give at an assumed acceptance rate (projection.py; default the paper's 0.92 at every
-level), which is what a synthetic run can say about a trained pair. A projection is not a measurement.
+A run's record holds the quantities of docs/architecture.md, "Measurements": ms/token, acceptance per level,
+tokens per full-cache verification, prefill seconds, seconds spent rebuilding the retrieval cache during
+decoding (and how many rebuilds), the achieved host-to-device rate of the offloaded KV stream against the
+measured pinned-copy peak, GPU and pinned memory; bench/suite.py's report adds the speed-up over `ar` on the
+same engine and placement. Each run also carries its stage times (seconds in each level's forwards) and a
+projection: the ms/token those stage times give at an assumed acceptance rate (projection.py; default the
+paper's 0.92 at every level), which is what a synthetic run can say about a trained pair. A projection is not a
+measurement.
 """
 from __future__ import annotations
 
@@ -127,7 +126,7 @@ WARMUP_TOKENS = 256  # prompt tokens of the warm-up generations
 def warm_up(models: Models, ids: list[int], cfg: BenchConfig) -> float | None:
     """A short generation per method (first WARMUP_TOKENS prompt tokens, 4 new ones) before anything is
     timed, so that one-time costs (kernel loading, allocator growth, thread pools) land in none of the runs.
-    Returns its seconds, reported apart (DESIGN.md habit 9). None when split over ranks: every
+    Returns its seconds, reported apart (docs/architecture.md, "Measurements"). None when split over ranks: every
     generation starts fresh worker processes, so nothing warm would carry over."""
     if models.world > 1:
         return None

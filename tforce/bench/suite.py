@@ -1,7 +1,7 @@
 """`tforce bench` and the measurements behind `tforce info`: the logic; the CLI only parses and prints.
 
 Per method, one `generate` over the same prompt with the same seed (ignore_eos), after a warm-up, timed
-and recorded by bench/run.py (the roofline quantities of DESIGN.md habit 9, a projection at an assumed
+and recorded by bench/run.py (the quantities of docs/architecture.md, "Measurements", a projection at an assumed
 acceptance rate); the report adds each method's speed-up over `ar` on the same engine and placement.
 
 `--peers hf` adds transformers' own `generate` on the same weights and prompt (tforce/bench/peers.py), in

@@ -1,9 +1,9 @@
 """What every command shares: option vocabularies, one-line errors, the device choice.
 
-Discipline (DESIGN.md habit 10): data and --json go to stdout, nothing else does; progress and
-diagnostics go to stderr; bad input is one line `tforce: error: ...` with exit 2 (usage) or 1 (runtime);
-Ctrl-C exits 130; TFORCE_DEBUG=1 re-raises to show the traceback. Configuration is validated before any
-model is loaded.
+Discipline (docs/architecture.md, "The command line's output"): data and --json go to stdout, nothing else does;
+progress and diagnostics go to stderr; bad input is one line `tforce: error: ...` with exit 2 (usage) or 1
+(runtime); Ctrl-C exits 130; TFORCE_DEBUG=1 re-raises to show the traceback. Configuration is validated before
+any model is loaded.
 """
 from __future__ import annotations
 

@@ -4,10 +4,7 @@ events, on the CPU with the clock, over torch's threads of the moment). floors.p
 FLOPs a step or a prefill must move or do by these."""
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
-
-import time
 
 import torch
 
@@ -28,7 +25,7 @@ def h2d_peak_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     ms = median_ms(lambda: dev.copy_(host, non_blocking=True), device, repeats)
     del host, dev
-    torch.cuda.empty_cache()  # else the allocator keeps the buffer, and later free-memory figures lack it
+    _release(device)  # else the allocator keeps the buffer, and later free-memory figures lack it
     return nbytes / (ms / 1000) / 1e9
 
 
@@ -36,34 +33,24 @@ CPU_COPY_BYTES = 256 << 20  # well past any CPU's last-level cache; a copy takes
 CPU_MATMUL_N = 1024
 
 
-def _cpu_median_ms(fn, repeats: int) -> float:
-    """Median wall-clock milliseconds of fn() over `repeats` calls after one warm-up (the CPU's work is done
-    when the call returns)."""
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times[1:])
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # as in h2d_peak_gbps
 
 
 def device_bandwidth_gbps(device, nbytes: int = GiB, repeats: int = 5) -> float | None:
     """Device memory rate in GB/s from a copy within the device (bytes read + written): on CUDA of `nbytes`,
     on the CPU of CPU_COPY_BYTES (or nbytes if smaller); None on other devices."""
     device = torch.device(device)
-    if device.type == "cpu":
-        n = min(nbytes, CPU_COPY_BYTES)
-        a = torch.ones(n, dtype=torch.uint8)  # written, so its pages exist before the timing
-        b = torch.empty_like(a)
-        b.copy_(a)
-        return 2 * n / (_cpu_median_ms(lambda: b.copy_(a), repeats) / 1000) / 1e9
-    if device.type != "cuda":
+    if device.type not in ("cuda", "cpu"):
         return None
-    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        nbytes = min(nbytes, CPU_COPY_BYTES)
+    a = torch.ones(nbytes, dtype=torch.uint8, device=device)  # written: its pages exist before the timing
     b = torch.empty_like(a)
     ms = median_ms(lambda: b.copy_(a), device, repeats)
     del a, b
-    torch.cuda.empty_cache()  # as in h2d_peak_gbps
+    _release(device)
     return 2 * nbytes / (ms / 1000) / 1e9
 
 
@@ -71,17 +58,15 @@ def matmul_tflops(device, dtype: torch.dtype, n: int = 8192, repeats: int = 5) -
     """Dense n x n x n matrix-product rate in TFLOP/s (median of `repeats`; CUDA events, on the CPU the clock
     with n at most CPU_MATMUL_N); None on other devices."""
     device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        return None
     if device.type == "cpu":
         n = min(n, CPU_MATMUL_N)
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        return 2 * n ** 3 / (_cpu_median_ms(lambda: a @ b, repeats) / 1000) / 1e12
-    if device.type != "cuda":
-        return None
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     ms = median_ms(lambda: a @ b, device, repeats)
     del a, b
-    torch.cuda.empty_cache()
+    _release(device)
     return 2 * n ** 3 / (ms / 1000) / 1e12
 
 

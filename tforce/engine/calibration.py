@@ -45,14 +45,14 @@ def shares_prefill(target, n_prompt: int) -> bool:
     """Whether a calibration's runs share one prefill of the prompt through a KV snapshot (planner.choose):
     on the CPU, where a prefill costs seconds per thousand tokens and the target's KV cache of the prompt
     is at most SHARED_PREFILL_MAX_BYTES (written once, read by each other method and by the run)."""
+    from .placement import Shape
+
     net = _network(target)
     p = next(net.parameters())
     if p.device.type != "cpu":  # a GPU prefills far faster than a disk writes and reads its KV cache back
         return False
-    c = net.config
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * heads * head_dim * n_prompt * p.element_size() <= SHARED_PREFILL_MAX_BYTES
+    shape = Shape.of(net.config, p.element_size())
+    return shape.layers * shape.layer_kv_per_token * n_prompt <= SHARED_PREFILL_MAX_BYTES
 
 
 def cache_dir() -> Path:

@@ -28,9 +28,15 @@ def cuda_event(device: torch.device) -> torch.cuda.Event:
 
 
 def median_ms(fn, device: torch.device, repeats: int) -> float:
-    """Median milliseconds of fn() on a CUDA device over `repeats` calls after one warm-up, CUDA events."""
-    times = []
+    """Median milliseconds of fn() on `device` over `repeats` calls after one warm-up: CUDA events on a
+    CUDA device, the clock on the CPU (its work is done when the call returns)."""
+    times, cuda = [], torch.device(device).type == "cuda"
     for _ in range(repeats + 1):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+            continue
         start = cuda_event(device)
         fn()
         end = cuda_event(device)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tforce
-from tforce.model.defaults import REPO_MODELS
+from tforce.paths import MODELS
 from tforce.model.synthetic import make_checkpoint
 
 # name -> make_checkpoint overrides. All share the 259-token byte vocabulary so any pair can draft.
@@ -29,7 +29,7 @@ TINY = {
 
 # Runs without --model use the small demo pair (fast), not SmolLM2: set for the whole session, fixtures of
 # every scope included (tests/test_default_model.py removes it to check the choice itself).
-os.environ.setdefault("TFORCE_DEMO_MODELS", str(REPO_MODELS))
+os.environ.setdefault("TFORCE_DEMO_MODELS", str(MODELS))
 
 # A fixed thread count for the suite's command-line runs (tforce/threads.py would follow the machine's
 # load, which the other test worker changes): results and timings do not depend on the neighbour.

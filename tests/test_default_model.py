@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tforce.model import defaults
+from tforce.paths import MODELS
 from tforce.cli import app
 from tforce.errors import UsageError
 from tforce.model.weights import REGISTRY
@@ -30,14 +31,14 @@ def test_smollm2_when_installed(unset, monkeypatch):
 def test_demo_pair_when_not_installed(unset, monkeypatch):
     monkeypatch.setattr(defaults, "smollm2_installed", lambda: False)
     target, draft = defaults.default_pair()
-    assert (target, draft) == tuple(str(defaults.REPO_MODELS / f"demo-{r}") for r in ("target", "draft"))
+    assert (target, draft) == tuple(str(MODELS / f"demo-{r}") for r in ("target", "draft"))
     assert INSTALL in defaults.notice(target, draft)
 
 
 def test_named_demo_pair_wins(monkeypatch):
-    monkeypatch.setenv("TFORCE_DEMO_MODELS", str(defaults.REPO_MODELS))
+    monkeypatch.setenv("TFORCE_DEMO_MODELS", str(MODELS))
     monkeypatch.setattr(defaults, "smollm2_installed", lambda: True)
-    assert defaults.default_pair()[0] == str(defaults.REPO_MODELS / "demo-target")
+    assert defaults.default_pair()[0] == str(MODELS / "demo-target")
     assert INSTALL not in defaults.notice(*defaults.default_pair())
 
 

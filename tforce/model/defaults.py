@@ -15,12 +15,11 @@ from pathlib import Path
 from ..errors import UsageError
 from ..paths import MODELS
 
-REPO_MODELS = MODELS  # the models committed with tforce (paths.py)
-
 
 def models_dir() -> Path:
+    """Where the demo pair is: TFORCE_DEMO_MODELS, else the models committed with tforce (paths.MODELS)."""
     env = os.environ.get("TFORCE_DEMO_MODELS")
-    return Path(env).expanduser() if env else REPO_MODELS
+    return Path(env).expanduser() if env else MODELS
 
 
 SMOLLM2 = "smollm2-135m-instruct"  # weights.REGISTRY's name of the default model

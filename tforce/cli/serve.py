@@ -21,7 +21,8 @@ from .setup import _configure, _draft_config, _dtype_bytes, _tp_target, notices
 
 @app.command()
 @o.shared(snapshots=False,
-          max_new_tokens=typer.Option(256, "--max-new-tokens", "-n", help="max_tokens when a request gives none."),
+          max_new_tokens=typer.Option(o.MAX_NEW_TOKENS.default, "--max-new-tokens", "-n",
+                                      help="max_tokens when a request gives none."),
           temperature=typer.Option(Sampling.temperature, "--temperature", "-t",
                                    help="temperature when a request gives none."),
           top_p=typer.Option(Sampling.top_p, "--top-p", help="top_p when a request gives none."),

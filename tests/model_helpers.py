@@ -85,8 +85,10 @@ def eos_token(model, token: int):
 
 
 def record_host(monkeypatch) -> list[int]:
-    """The sizes of every device -> host transfer (sync.host) the batch levels and verifications make."""
+    """The sizes of every device -> host transfer (sync.host) the levels, the verifications and the first
+    tokens (drawn from the prefill's distributions, engine/session.py) make."""
     import tforce.engine.levels
+    import tforce.engine.session
     import tforce.engine.speculative
 
     calls = []
@@ -97,4 +99,5 @@ def record_host(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(tforce.engine.levels, "host", host)
     monkeypatch.setattr(tforce.engine.speculative, "host", host)
+    monkeypatch.setattr(tforce.engine.session, "host", host)
     return calls

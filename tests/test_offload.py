@@ -94,7 +94,7 @@ def test_device_free_plans_a_cpu_run_as_if_a_device_had_that_room():
     assert ref.stats["kv_offloaded_layers"] == 0
     # The room beside the weights that the plan with 2 resident layers (and 2 staging buffers) needs.
     work = placement.Work.of(Speculation(method="ar"), len(prompt) + 8 + Speculation().max_lookahead + 1,
-                             len(prompt) - 1, cuda_graphs=False, attention="math")
+                             len(prompt), cuda_graphs=False, attention="math")
     shape = model_shape(model)
     room = placement.layout(shape, work, 2, context=0).peak - shape.weights
     events = []

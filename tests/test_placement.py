@@ -168,7 +168,7 @@ def _session(prompt_len: int, resident: int | None):
     spec, chunk = Speculation(budget=64, draft_budget=32, sinks=4), 16
     device_free = None
     if resident is not None:
-        w = placement.Work.of(spec, prompt_len + 8 + spec.max_lookahead + 1, prompt_len - 1, chunk, False, "math")
+        w = placement.Work.of(spec, prompt_len + 8 + spec.max_lookahead + 1, prompt_len, chunk, False, "math")
         shape, small = model_shape(target), model_shape(draft)
         device_free = placement.layout(shape, w, resident, small, 0).peak - shape.weights - small.weights
     s = Session(target, draft, prompt_len, 8, spec, Sampling(), chunk, "auto", None, False, device_free)
@@ -193,10 +193,10 @@ def test_items_equal_the_bytes_the_caches_and_prefill_allocate(resident):
     assert p.item("draft StreamingLLM cache") == _nbytes(s.small.cache.k, s.small.cache.v)
     assert p.item("target weights") == _nbytes(*target.parameters())
     if p.offloaded:  # the layer-major prefill: the prompt's hidden states, K/V in a staging slot
-        ids = torch.arange(3, n + 2)[: n - 1]
-        allocated = prefill_layer_major(target, [ids], full, s.full.prefill_chunk)
+        ids = torch.arange(3, n + 3)[:n]  # the whole prompt: its prefill yields the first token
+        allocated = prefill_layer_major(target, [ids], full, s.full.prefill_chunk).allocated
         assert allocated == p.item("prefill hidden states") + p.item("prefill K/V scratch (a staging slot)")
-        assert allocated == (n - 1) * target.config.hidden_size * 4
+        assert allocated == n * target.config.hidden_size * 4
 
 
 def test_host_storage_is_one_tensor_per_offloaded_layer_and_totals_the_plan():

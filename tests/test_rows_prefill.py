@@ -158,6 +158,6 @@ def test_the_plan_counts_the_rows_prefill_hidden_states(tiny, resident):
     N = max(HEADS)
     work = placement.Work(capacity=64, prompt=N, method="ar", attention="math", rows=len(seqs), cuda_graphs=False)
     plan = placement.layout(model_shape(model), work, resident, None, 0)
-    allocated = prefill_layer_major(model, seqs, make(model, len(seqs), resident), CHUNK)
+    allocated = prefill_layer_major(model, seqs, make(model, len(seqs), resident), CHUNK).allocated
     assert allocated == plan.item("prefill hidden states") + plan.item("prefill K/V scratch (a staging slot)")
     assert allocated == len(seqs) * N * model.config.hidden_size * 4

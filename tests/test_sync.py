@@ -10,7 +10,7 @@ import tforce
 from tforce.cache import FullCache, RetrievalCache, StreamingCache
 from tforce.config import Sampling, Speculation
 from tforce.engine.generate import Session
-from tforce.engine import levels, speculative
+from tforce.engine import levels, session as session_module, speculative
 from tforce.cache.rope import Rotary
 from tforce.engine.speculative import verify
 
@@ -109,11 +109,15 @@ def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload
     assert (session.plan.offloaded > 0) == (offload == "on")
     prompt = torch.arange(3, 83)
     session.prefill([prompt])
+    firsts = _counting(monkeypatch, session_module)
     drafter_rounds = []
     real_round = levels.Drafter.round
     monkeypatch.setattr(levels.Drafter, "round",
                         lambda self, *a: drafter_rounds.append(1) or real_round(self, *a))
     gen, n, rounds = torch.Generator().manual_seed(0), len(prompt), 0
+    # the first round draws every row's first token from the prefill's distributions: one transfer
+    n += len(session.round([n], gen)[0])
+    assert firsts == [1] and drafted == verified == []
     while n < len(prompt) + 30:
         calls0 = len(drafted) + len(verified)
         middle0 = session.small_verifier.stats.rounds[0] if session.small_verifier else 0

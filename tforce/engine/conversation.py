@@ -119,5 +119,5 @@ class Conversation:
         self.history, self.unfinished = history, False
         stats = one_row_stats(session, out, t1 - t0, t2 - t1, before)
         stats.update(ttft_s=(first[0] if first else t2) - t0, prompt_tokens=len(prompt),
-                     prefilled_tokens=len(prompt) - 1 - kept)
+                     prefilled_tokens=len(prompt) - kept)
         return Result(out, stats)

@@ -1,7 +1,8 @@
 """The decode loop over a Session's rows, and each row's statistics: one loop for one prompt (engine.generate,
 Conversation.ask: one row) and for a batch (batch.generate_batch: a row per prompt).
 
-Rounds of the top level until every row has its token budget, an EOS (kept) or its stop string (`until`,
+The first token of each row from the prefill (Session.round), then rounds of the top level until every
+row has its token budget, an EOS (kept) or its stop string (`until`,
 stops.StopStrings.cut); each row's tokens are cut where they would be alone (stops.end_of_round). A row
 that finishes while others go on is compacted away (Session.keep), so it costs no further work; the last
 rows to finish stay where they are (a conversation's one row goes on to the next question).
@@ -99,13 +100,14 @@ def planned_peak(plan: placement.Plan) -> dict:
 
 def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s: float,
               before: dict[str, tuple[int, float]]) -> dict:
-    """Prompt r's statistics: the session's prefill_s and decode_s, ms_per_token (decode_s over every row's
-    tokens), forwards and stage_s per node while decoding (before: session.counts() when decoding began),
-    the placement and the plan's peak, retrieval rebuild seconds (the prefill's, then those while decoding,
+    """Prompt r's statistics: the session's prefill_s and decode_s, ms_per_token (decode_s over the tokens
+    every row decoded after its first, which the prefill gave: as peers measure it, bench/peers.py),
+    forwards and stage_s per node while decoding (before: session.counts() when decoding began), the placement and the plan's peak, retrieval rebuild seconds (the prefill's, then those while decoding,
     every row's); the row's own verifications (rounds that decided its tokens), tokens_per_verification,
     acceptance and rebuilds while decoding."""
     now = session.counts()
-    n_all, n_out, verified = sum(map(len, outs)), len(outs[r]), session.verified[r]
+    n_all = sum(len(o) - session.firsts[p] for p, o in enumerate(outs))  # tokens decode_s made
+    n_out, verified = len(outs[r]) - session.firsts[r], session.verified[r]  # the row's, from verifications
     retrieval = session.retrieval is not None
     return {
         "prefill_s": prefill_s,
@@ -130,6 +132,8 @@ def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s
 
 
 def one_row_stats(session, out: list[int], prefill_s: float, decode_s: float, before: dict) -> dict:
-    """A one-row session's statistics (engine.generate, Conversation.ask): row_stats and tokens_per_s."""
+    """A one-row session's statistics (engine.generate, Conversation.ask): row_stats and tokens_per_s (the
+    tokens after the first over decode_s, as ms_per_token)."""
+    decoded = len(out) - session.firsts[0]
     return {**row_stats(session, 0, [out], prefill_s, decode_s, before),
-            "tokens_per_s": len(out) / decode_s if out and decode_s > 0 else None}
+            "tokens_per_s": decoded / decode_s if decoded and decode_s > 0 else None}

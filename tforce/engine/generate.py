@@ -146,7 +146,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     KV snapshots (snapshot/format.py): load_kv, a snapshot folder: its caches are loaded and only the part of the
     prompt after its prefix is prefilled (a prompt that leaves the prefix keeps the common part;
     stats["kv_reused"] says how many of the snapshot's stats["kv_snapshot_tokens"] were reused); save_kv, a
-    folder: the caches after prefill (the prompt but its last token) are written there. A snapshot loads only
+    folder: the caches after prefill (the whole prompt) are written there. A snapshot loads only
     into the same model, tokenizer and dtype. group: the tensor-parallel ranks (parallel.Group) when target
     is one rank's shard: their memory plans must agree before any cache is allocated, and each rank's
     snapshot part holds its own KV heads.

@@ -74,10 +74,13 @@ class Node:
         self._roll_back(keep)
         return keep
 
-    def _feed(self, seq: torch.Tensor, ends: list[int], last: int) -> torch.Tensor | None:
+    def _feed(self, seq: torch.Tensor, ends: list[int], last: int, prefill: bool = False) -> torch.Tensor | None:
         """Feed row b seq[b, held(b):ends[b]] (padded at the end to the longest; the padding is never
         committed); probs (B, last, V) after each row's last `last` real tokens (every row feeds at least
-        `last`), or None for last=0."""
+        `last`), or None for last=0. prefill: a prefill chunk (last 0 or 1; a row feeding nothing gets a
+        meaningless distribution), run by the plain forward: the runners are for decode steps (a CUDA graph
+        holds decode shapes; row-wise verification computes what a one-token step would), and one prefill
+        forward for every method gives every method the same first token."""
         B, starts = len(ends), self.cache.lengths[:len(ends)]
         counts = [e - s for s, e in zip(starts, ends)]
         T = max(counts)
@@ -93,7 +96,11 @@ class Node:
         fed = ids if self.vocab is None else self.vocab.ids(ids)
         self.cache.begin(T)
         mark = self.timer.start()
-        logits = self.runner(to_device(fed, self.device), last if same else None if last else 0)  # (B, last or T, V)
+        fed = to_device(fed, self.device)
+        if prefill:
+            logits = self._prefill_forward(fed, counts, last, same)
+        else:
+            logits = self.runner(fed, last if same else None if last else 0)  # (B, last or T, V)
         self.timer.stop(mark)
         self.cache.commit(T if same else counts)
         for b, (s, e) in enumerate(zip(starts, ends)):
@@ -101,13 +108,32 @@ class Node:
         self.forwards += 1
         if not last:
             return None
-        if not same:
+        if not same and not prefill:
             pick = torch.tensor(counts)[:, None] - last + torch.arange(last)  # (B, last)
             pick = to_device(pick, logits.device)
             logits = logits.gather(1, pick[..., None].expand(-1, -1, logits.shape[-1]))
+        return self._probs(logits)
+
+    def _prefill_forward(self, ids: torch.Tensor, counts: list[int], last: int, same: bool) -> torch.Tensor | None:
+        """The plain forward of a prefill chunk; with last=1, logits (B, 1, V) after each row's last real
+        token: the head runs on those positions only (a ragged chunk's full logits would be T x V per row)."""
+        if not last or same:
+            return self.model(ids, self.cache, last_n=last)
+        h = self.model.hidden(ids, self.cache)  # (B, T, hidden)
+        pick = to_device(torch.tensor(counts).clamp(min=1) - 1, h.device)
+        return self.model.head(h[torch.arange(len(counts), device=h.device), pick][:, None])
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits (B, k, V) in the model's ids -> the distributions (B, k, V) every level samples from."""
         if self.vocab is not None:
             logits = self.vocab.logits(logits)
-        return to_probs(logits.reshape(-1, logits.shape[-1]), self.sampling).view(len(ends), last, -1)
+        B, k = logits.shape[:2]
+        return to_probs(logits.reshape(-1, logits.shape[-1]), self.sampling).view(B, k, -1)
+
+    def next_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The distribution (B, V) of each row's next token from its last position's final hidden states
+        (B, 1, hidden): a prefill run outside a forward of this node's (prefill.prefill_layer_major)."""
+        return self._probs(self.model.head(hidden))[:, 0]
 
     def probs(self, seq: torch.Tensor, n: list[int], last: int = 1) -> torch.Tensor:
         """(B, last, V): row b's distributions of the next token after each of seq[b, :n[b] - last + 1],
@@ -132,11 +158,29 @@ class Node:
         matched = self.match_prefix(seq, [x + 1 for x in n])
         kept = [min(k, nb - (b in refeed)) for b, (k, nb) in enumerate(zip(matched, n))]
         self._roll_back(kept)
+        self._fill(seq, n, progress)
+        return kept
+
+    def prefill_next(self, seq: torch.Tensor, n: list[int], progress=None) -> tuple[list[int], torch.Tensor]:
+        """prefill, and each row's distribution of the token after seq[b, :n[b]] (B, V), from the chunk that
+        feeds its last token: every row feeds at least that one, so what the cache already holds is kept up
+        to n[b] - 1. Returns (kept, the distributions)."""
+        kept = self.match_prefix(seq, n)
+        return kept, self._fill(seq, n, progress, want=True)
+
+    def _fill(self, seq: torch.Tensor, n: list[int], progress, want: bool = False) -> torch.Tensor | None:
+        """Feed every row up to n[b] in chunks of prefill_chunk; want: the next-token distribution of each
+        row (B, V), from the chunk that ends it."""
+        out: list = [None] * len(n)
         while any(self.held(b) < nb for b, nb in enumerate(n)):
-            self._feed(seq, [min(self.held(b) + self.prefill_chunk, nb) for b, nb in enumerate(n)], 0)
+            ends = [min(self.held(b) + self.prefill_chunk, nb) for b, nb in enumerate(n)]
+            ending = [want and self.held(b) < nb == e for b, (nb, e) in enumerate(zip(n, ends))]
+            probs = self._feed(seq, ends, int(any(ending)), prefill=True)
+            for b in (b for b, e in enumerate(ending) if e):
+                out[b] = probs[b, 0]
             if progress:
                 progress(sum(self.held(b) for b in range(len(n))), sum(n))
-        return kept
+        return torch.stack(out) if want else None
 
     def keep(self, live: list[int]) -> None:
         """Only the listed rows stay (cache/rows.py keep), with their records."""

@@ -17,6 +17,8 @@ device -> host, each row's prompt K/V once (write_layer, one copy per row); host
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..cache import FullCache
@@ -65,12 +67,16 @@ def _run_layers(model, x: torch.Tensor, scratch, steps, restart, hand_over, prog
         hand_over(i)
 
 
+class Prefilled(NamedTuple):
+    allocated: int  # device bytes beyond the model's own activations (hidden states, scratch)
+    last: torch.Tensor  # (B, 1, hidden): each row's final hidden states at its last token, for its next token
+
+
 @torch.inference_mode()
-def prefill_layer_major(model, seqs, full: FullCache, chunk: int, progress=None, on_layer=None) -> int:
+def prefill_layer_major(model, seqs, full: FullCache, chunk: int, progress=None, on_layer=None) -> Prefilled:
     """Row b of `full` (every row empty, one per sequence) takes seqs[b] (token ids: a list or a 1-D
     tensor); progress(done, total) in token-layers of all rows; on_layer(i, keys) sees each layer's rotated
-    keys (B, N, H_kv, D) on the device before they leave, row b's first len(seqs[b]) real (N: the longest).
-    Returns the device bytes it allocated beyond the model's own activations (hidden states, scratch)."""
+    keys (B, N, H_kv, D) on the device before they leave, row b's first len(seqs[b]) real (N: the longest)."""
     seqs = [s.tolist() if torch.is_tensor(s) else list(s) for s in seqs]
     B, lengths = len(seqs), [len(s) for s in seqs]
     assert full.rows == B and not any(full.lengths[:B]), "layer-major prefill starts from empty rows"
@@ -97,4 +103,5 @@ def prefill_layer_major(model, seqs, full: FullCache, chunk: int, progress=None,
     _run_layers(model, x, scratch, steps, lambda: scratch.truncate(0), hand_over, progress, sum(lengths))
     full.row_queries[:B] = queries
     full.commit_written(lengths)
-    return x.nbytes + scratch_bytes
+    last = x[torch.arange(B, device=x.device), torch.tensor(lengths, device=x.device) - 1][:, None]
+    return Prefilled(x.nbytes + scratch_bytes, last)

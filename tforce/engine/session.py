@@ -17,11 +17,13 @@ from ..cache.offload import OffloadedCache
 from ..cache.policies import make_select
 from ..config import Sampling, Speculation
 from ..errors import UsageError
+from ..sync import host
 from .graphs import GraphRunner
 from .levels import Drafter, LevelStats, Node, SpecLevel
 from .prefill import prefill_layer_major
 from ..cache.rope import Rotary
 from .rowwise import RowwiseRunner
+from .sampling import sample
 from .session_plan import _plan
 from ..model.vocab import shared_vocabulary
 
@@ -63,6 +65,8 @@ class Session:
         self.seq = self.buffer[0]  # the first row's, a view (conversations and snapshots are one row's)
         self.ids = list(range(rows))  # live row i is prompt ids[i] (Session.keep compacts them)
         self.verified = [0] * rows  # per prompt: rounds of the top level that decided its tokens
+        self.firsts = [0] * rows  # per prompt: 1 once its first token came from the prefill (Session._first)
+        self.next: torch.Tensor | None = None  # (live rows, V): the prefill's distributions of the first tokens (Session.round)
         self.rebuilds = [0] * rows  # per prompt: retrieval rebuilds while decoding
         p = next(target.parameters())
         dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
@@ -73,7 +77,7 @@ class Session:
         flash = cuda and flash_attn_func is not None and p.dtype != torch.float32 and rows == 1
         graphs = cuda_graphs and cuda and rows == 1
         kernel = "flash" if flash else "sdpa" if cuda else "math"
-        work = placement.Work.of(spec, capacity, prompt_len - 1, prefill_chunk, graphs, kernel, rows=rows)
+        work = placement.Work.of(spec, capacity, prompt_len, prefill_chunk, graphs, kernel, rows=rows)
         self.plan = _plan(target, draft, work, offload, gpu_memory, device_free)
         if group is not None:
             group.check_plan(self.plan)
@@ -134,14 +138,18 @@ class Session:
         return [node for node in (self.small, self.middle, self.full) if node is not None]
 
     def prefill(self, prompts, progress=None, upto: list[int] | None = None) -> list[int]:
-        """Row b takes prompts[b] (token ids: a list or a 1-D tensor) but its last token, which the first
-        round feeds (with upto: takes prompts[b][:upto[b]], e.g. a document that questions will follow), in
-        every node. What the caches already hold of it (a conversation's document, a loaded snapshot) is kept
-        and only the rest is fed; returns how many tokens each row of the full cache kept."""
-        m = [len(p) - 1 for p in prompts] if upto is None else list(upto)
+        """Row b takes prompts[b] (token ids: a list or a 1-D tensor) in every node, and `next` holds each
+        row's distribution of the token after it: the full cache's forward that feeds the prompt's last
+        token yields it, so the first new token costs no pass over the cache of its own (Session.round).
+        With upto: row b takes prompts[b][:upto[b]] and no `next` (e.g. a document that questions will
+        follow). What the caches already hold of it (a conversation's document, a loaded snapshot) is kept
+        and only the rest is fed (at least the last token, for `next`); returns how many tokens each row of
+        the full cache kept."""
+        first = upto is None
+        m = [len(p) for p in prompts] if first else list(upto)
         for b, p in enumerate(prompts):
             self.buffer[b, :len(p)] = torch.as_tensor(p, dtype=torch.long)
-        kept = self.full.match_prefix(self.buffer, [x + 1 for x in m])
+        kept = self.full.match_prefix(self.buffer, m if first else [x + 1 for x in m])
         if self.retrieval is not None:
             for b, k in enumerate(kept):
                 self.retrieval.forget_rows(k, b)  # what the full cache holds from `k` on is fed again
@@ -150,11 +158,15 @@ class Session:
             # PCIe traffic linear in the prompts (prefill.py)
             chunk_rule = self.retrieval is not None and self.retrieval.select is None
             observe = (lambda i, k: self.retrieval.observe(full, i, k, m)) if chunk_rule else None
-            prefill_layer_major(self.target, [self.buffer[b, :mb] for b, mb in enumerate(m)], full,
-                                self.full.prefill_chunk, progress, observe)
+            done = prefill_layer_major(self.target, [self.buffer[b, :mb] for b, mb in enumerate(m)], full,
+                                       self.full.prefill_chunk, progress, observe)
             self.full.adopt(self.buffer, m)
+            self.next = self.full.next_of(done.last) if first else None
+        elif first:
+            _, self.next = self.full.prefill_next(self.buffer, m, progress)
         else:
             self.full.prefill(self.buffer, m, progress)
+            self.next = None
         if self.middle is not None:
             if self.retrieval is not None:
                 prepare = getattr(self.retrieval.select, "prepare", None)  # H2O: a pass over the prompt (one row)
@@ -248,7 +260,7 @@ class Session:
         P = len(self.verified)
         for level in {self.small_verifier, self.middle_verifier} - {None}:
             level.stats = LevelStats(P, level.window)
-        self.verified, self.rebuilds = [0] * P, [0] * P
+        self.verified, self.rebuilds, self.firsts = [0] * P, [0] * P, [0] * P
         self.rebuild_times = ()
 
     rebuild_times: tuple[float, ...] = ()  # seconds of each retrieval rebuild (all its rows), the prefill's first
@@ -301,8 +313,21 @@ class Session:
             for i in stale:
                 self.rebuilds[self.ids[i]] += 1
 
+    def _first(self, n: list[int], gen: torch.Generator) -> list[list[int]]:
+        """Every live row's first new token, drawn from the prefill's distribution of it (`next`) and
+        written at buffer[i, n[i]]: exactly the target's, as every round's tokens are."""
+        tokens = host(sample(self.next, gen))
+        self.next = None
+        for i, (r, t) in enumerate(zip(self.ids, tokens)):
+            self.buffer[i, n[i]] = t
+            self.firsts[r] = 1
+        return [[t] for t in tokens]
+
     def round(self, n: list[int], gen: torch.Generator) -> list[list[int]]:
-        """Every live row's new tokens of one round of the top level after buffer[i, :n[i]] (written there)."""
+        """Every live row's new tokens after buffer[i, :n[i]] (written there): the first round after a prefill
+        draws one token per row from the prefill's distributions (_first), the others run the top level."""
+        if self.next is not None:
+            return self._first(n, gen)
         self._maybe_rebuild(n)
         tokens, _ = self.top.round(self.buffer, n, gen)
         for r in self.ids:
@@ -314,6 +339,8 @@ class Session:
         the sequences and the row -> prompt map; a finished row costs no further work."""
         for node in self.nodes():
             node.keep(live)
+        if self.next is not None:
+            self.next = self.next[live]
         self.buffer[:len(live)] = self.buffer[live]
         self.ids[:] = [self.ids[i] for i in live]
 

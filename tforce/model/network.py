@@ -114,14 +114,21 @@ class Llama(nn.Module):
 
         The cache must have been told `begin(T)` for this forward; the caller commits afterwards.
         """
-        x = self.model.embed_tokens(ids)  # (B, T, hidden)
-        for layer in self.model.layers:
-            x = layer(x, cache)
+        x = self.hidden(ids, cache)
         if last_n == 0:
             return None
         if last_n is not None:
             x = x[:, -last_n:]
         return self.head(x)
+
+    @torch.inference_mode()
+    def hidden(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """ids (B, T) -> the last layer's hidden states (B, T, hidden), before the final norm: forward's
+        first half, for a caller that picks each row's own last position (a ragged prefill's next token)."""
+        x = self.model.embed_tokens(ids)  # (B, T, hidden)
+        for layer in self.model.layers:
+            x = layer(x, cache)
+        return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states (B, T, hidden) -> logits (B, T, V) in float32."""

@@ -63,7 +63,7 @@ class KVStore:
         return reused
 
     def save(self, session) -> None:
-        """Keep what the session's caches hold (a prompt but its last token, after its prefill)."""
+        """Keep what the session's caches hold (a prompt, after its prefill)."""
         tokens = session.seq[:session.full.cache.length].clone()
         path = self.folder / hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:24]
         t0 = time.perf_counter()

@@ -199,7 +199,7 @@ class Worker:
         reused = self._reuse(prompt, check)
         s.reset_stats()
         s.prefill([prompt], check)
-        if self.store is not None and len(job.ids) - 1 - reused >= self.store.min_tokens:
+        if self.store is not None and len(job.ids) - reused >= self.store.min_tokens:
             self.store.save(s)
         _sync_device(device)
         t1 = time.perf_counter()
@@ -224,7 +224,8 @@ class Worker:
         text = stream.finish()
         stopped = bool(out) and (out[-1] in self.eos or stops.matched(out) is not None)
         stats = one_row_stats(s, out, t1 - t0, t2 - t1, before)
-        extension = {"prefix_reused": reused, "prefix_from_kv_dir": loaded or 0, "prefilled_tokens": len(job.ids) - 1 - reused,
+        extension = {"prefix_reused": reused, "prefix_from_kv_dir": loaded or 0,
+                     "prefilled_tokens": len(job.ids) - reused,
                      "ttft_s": (first[0] if first else t2) - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1,
                      "ms_per_token": stats["ms_per_token"], "acceptance": stats["acceptance"],
                      "tokens_per_verification": stats["tokens_per_verification"],
@@ -232,12 +233,13 @@ class Worker:
         job.post(("done", text, Done("stop" if stopped else "length", len(job.ids), len(out), extension)))
 
     def _held(self, prompt: torch.Tensor) -> int:
-        """How many of the prompt's tokens, but its last, the full cache holds."""
+        """How many of the prompt's tokens, but its last (the prefill feeds it again for the first token), the
+        full cache holds."""
         full = self.session.full
         return shared_prefix(full.tokens[0, :full.cache.length], prompt[:-1])
 
     def _reuse(self, prompt: torch.Tensor, check: Callable) -> int:
-        """How many of the prompt's tokens (but its last, which the first round feeds) the caches hold
+        """How many of the prompt's tokens (but its last, which the prefill feeds for the first token) the caches hold
         already. When the prompt branches off what they hold below the streaming caches' reach, they are
         prefilled to the branch point and marked there first (unless marked at or beyond it already)."""
         s = self.session

@@ -161,10 +161,14 @@ ROWS = [PROMPT, PROMPT[:9], PROMPT[:2]]
 BUDGETS = [N_TOKENS, 1, N_TOKENS]  # the middle row leaves the batch after its first token
 
 
-def draw_rows(target, draft, method, seed):
-    """SAMPLES batches (rows of BUDGETS tokens each) -> per row, the list of sampled tuples."""
-    kw = dict(temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, top_k=SAMPLING.top_k, draft_budget=16,
-              sinks=2, gamma2=3, budget=16, chunk_size=4, gamma1=2, ignore_eos=True, max_new_tokens=BUDGETS)
+BATCH_SAMPLING = dict(temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, top_k=SAMPLING.top_k, draft_budget=16,
+                      sinks=2, gamma2=3, budget=16, chunk_size=4, gamma1=2, ignore_eos=True)
+
+
+def draw_rows(target, draft, method, seed, **extra):
+    """SAMPLES batches (rows of BUDGETS tokens each) -> per row, the list of sampled tuples; extra: more
+    generate_batch options."""
+    kw = dict(BATCH_SAMPLING, max_new_tokens=BUDGETS, **extra)
     level = {"naive": "draft", "triforce": "retrieval"}.get(method)  # the acceptance of the full cache's drafts
     samples, drafted, accepted = [[] for _ in ROWS], 0, 0
     for i in range(SAMPLES):

@@ -104,7 +104,7 @@ def test_retrieval_picks_brute_force_chunks(tiny, name, length, chunk, budget):
             slot_pos = cache.key_pos[layer, 0, h].tolist()
             blocks = [[p if p < length else -1 for p in range(c * chunk, (c + 1) * chunk)] for c in expected[h]]
             order = [p for block in blocks for p in block if p >= 0 or length > budget]
-            assert slot_pos == order + [-1] * (budget - len(order))
+            assert slot_pos == order + [-1] * (budget + 1 - len(order))  # and the spill slot, never visible
             # Gathered contents are the full cache's rotated keys and values at those positions.
             for slot, p in enumerate(slot_pos):
                 if p >= 0:
@@ -144,7 +144,7 @@ def test_shared_retrieval_keeps_the_brute_force_vote_in_every_layer(tiny, name, 
     want = [p if p < length else -1 for p in want]
     for layer in range(model.config.num_hidden_layers):
         for h in range(model.n_kv_heads):
-            assert cache.key_pos[layer, 0, h].tolist() == want + [-1] * (budget - len(want)), (layer, h)
+            assert cache.key_pos[layer, 0, h].tolist() == want + [-1] * (budget + 1 - len(want)), (layer, h)
             for slot, p in enumerate(want):
                 if p >= 0:
                     assert torch.equal(cache.k[layer, 0, slot, h], full.k[layer, 0, p, h])
@@ -453,7 +453,7 @@ def test_every_cache_a_session_builds_follows_the_protocol(tiny):
     class NoCompaction:
         rows, lengths, length = 1, [0], 0
 
-        def begin(self, n): ...
+        def begin(self, n, counts=None): ...
 
         def update(self, layer, q, k, v): ...
 

@@ -98,7 +98,7 @@ def test_batch_refusals(runner, models, tmp_path):
     _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--deterministic", *FAST), 2,
                     "no --deterministic")
     _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--save-kv", str(tmp_path / "kv"),
-                         *FAST), 2, "no --save-kv or --load-kv")
+                         *FAST), 2, "--batch saves no KV snapshot")
     assert not (tmp_path / "kv").exists()
     empty = _write(tmp_path, "", "  ")
     _one_error_line(_run(runner, models, "--batch", empty, "--method", "ar", *FAST), 2, "holds no prompts")

@@ -33,7 +33,7 @@ class _Cache(Rows):
     def __init__(self):
         self._init_rows(1)
 
-    def begin(self, n):
+    def begin(self, n, counts=None):
         self.pending = n
 
 

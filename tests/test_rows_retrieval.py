@@ -154,7 +154,9 @@ def test_new_tokens_wrap_as_a_single_caches_do(tiny):
     cache = rebuilt(model, full, 16, 4)
     cache.begin(16)
     base = torch.tensor(cache.base[:4])[:, None] + torch.arange(16)  # (B, 16): every slot holds one new position
-    assert torch.equal(cache.key_pos[:, :4].sort(-1).values, base[None, :, None].expand_as(cache.key_pos[:, :4]))
+    slots = cache.key_pos[:, :4, :, :16]  # the budget's slots (the spill slot after them stays -1)
+    assert torch.equal(slots.sort(-1).values, base[None, :, None].expand_as(slots))
+    assert (cache.key_pos[..., 16] == -1).all()
     cache.commit(16)
     cache.begin(2)  # wraps onto the newest slots, from the end backwards again
     assert cache.key_pos[0, 0, 0, 15] == cache.base[0] + 16 and cache.key_pos[0, 0, 0, 14] == cache.base[0] + 17

@@ -102,11 +102,9 @@ class Speculation:
         beyond them, and one."""
         return total + self.max_lookahead + 1
 
-    def rebuild_after(self, rows: int = 1) -> int:
+    def rebuild_after(self) -> int:
         """New committed tokens after which a row's retrieval cache is rebuilt before the next round (the one
-        rule of session.Session._maybe_rebuild): rebuild_every, or
-        fewer when one more verification's lookahead would crowd the budget (new + lookahead + padding >
-        budget - chunk_size). Padding is zero for one live row; with others, a row may be fed up to another
-        row's count of padding in a forward (cache/retrieval.py), one more lookahead and one."""
-        padding = self.max_lookahead + 1 if rows > 1 else 0
-        return min(self.rebuild_every, self.budget - self.chunk_size - self.max_lookahead - padding + 1)
+        rule of session.Session._maybe_rebuild, for one row or many alike: padding overwrites nothing,
+        cache/retrieval.py): rebuild_every, or fewer when one more verification's lookahead would crowd the
+        budget (new + lookahead > budget - chunk_size)."""
+        return min(self.rebuild_every, self.budget - self.chunk_size - self.max_lookahead + 1)

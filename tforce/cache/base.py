@@ -35,7 +35,7 @@ class KVCache(Protocol):
     @property
     def length(self) -> int: ...  # the committed length the live rows share
 
-    def begin(self, n: int) -> None: ...
+    def begin(self, n: int, counts: list[int] | None = None) -> None: ...  # counts: each row's real tokens
 
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, CacheView]: ...

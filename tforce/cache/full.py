@@ -33,7 +33,9 @@ class FullCache(Rows):
         # per row: (first position, count, per layer (1, >= count, H_q, D) queries) or None
         self.row_queries: list[tuple[int, int, list[torch.Tensor]] | None] = [None] * rows
 
-    def begin(self, n: int) -> None:
+    def begin(self, n: int, counts: list[int] | None = None) -> None:
+        """counts (each row's real tokens of the n) is not needed here: a padded position is written where
+        the row's next real token will be, before any query of the row can see it."""
         lo, hi = self.span()
         if hi + n > self.capacity:
             raise TforceError(f"KV cache full: {hi} + {n} tokens > capacity {self.capacity}")

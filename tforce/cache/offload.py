@@ -112,8 +112,8 @@ class StagedLayers:
     def _slot(self, layer: int) -> int:
         return (layer - self.resident) % 2
 
-    def begin(self, n: int) -> None:
-        super().begin(n)
+    def begin(self, n: int, counts: list[int] | None = None) -> None:
+        super().begin(n, counts)
         self._prefetch(self.resident)
 
     def _enter(self, layer: int) -> tuple[int, int]:

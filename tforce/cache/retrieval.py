@@ -17,14 +17,15 @@ first; the engine rebuilds before they would reach the first chunk. Keys keep th
 true position (docs/architecture.md), so any subset is attended exactly as in the full cache: with a budget
 >= the context, this cache gives the full cache's attention.
 
-Rows. Each row has its own budget of slots, its own key positions (key_pos (layers, B, H_kv, budget),
+Rows. Each row has its own budget of slots, its own key positions (key_pos (layers, B, H_kv, budget + 1),
 -1 = empty), its committed `lengths[b]` and `base[b]` (its length at its last rebuild), and its own chunk
 statistics; rebuild(full, rows, queries) re-selects only the listed rows, each from its own committed keys
 in `full` (a FullCache or OffloadedCache of as many rows) and its own query, exactly what a one-row cache
 on that row alone selects. Row b's position p >= base[b] takes slot budget - 1 - ((p - base[b]) mod
-budget) (from the end backwards, wrapping), so a padded position and the real token that later takes that
-position share a slot, and a padded slot carries a position no real query of the row can see before it
-is overwritten (the row rule of docs/architecture.md). New tokens past budget - chunk_size overwrite the first
+budget) (from the end backwards, wrapping). A forward's padding (rows feeding fewer tokens than others:
+the row rule of docs/architecture.md; begin(n, counts)) goes to one spill slot after the budget, never
+visible, so it overwrites nothing a row holds: each row holds what it would alone, round after round, and
+the rebuild rule has no term for padding. New tokens past budget - chunk_size overwrite the first
 chunk, then wrap onto the newest ones (the engine rebuilds before that when the budget leaves room; with
 a smaller one it cannot, and the middle level then drafts from fewer tokens): what a slot holds is always
 what key_pos says, so attention stays consistent and exactness never depends on it (the full cache
@@ -126,10 +127,13 @@ class RetrievalCache(StaticInputs, Rows):
         self.select = select  # None: the chunk rule; else a policies.py rule
         self.recompute_stats = recompute_stats  # no chunk sums kept for layers on `device` (placement.Plan)
         self.shared = shared  # the chunk rule with one selection for all layers and heads
-        shape = (n_layers, rows, budget, n_kv, head_dim)  # per layer (B, S=budget, H_kv, D)
+        # per layer (B, S, H_kv, D): `budget` slots, then one spill slot that a ragged forward's padding is
+        # written to (begin), so that padding never overwrites a slot a row holds: each row of a batch keeps
+        # exactly what it would keep alone. The spill slot's key position stays -1 (never visible).
+        shape = (n_layers, rows, budget + 1, n_kv, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.key_pos = torch.full((n_layers, rows, n_kv, budget), -1, dtype=torch.long, device=device)
+        self.key_pos = torch.full((n_layers, rows, n_kv, budget + 1), -1, dtype=torch.long, device=device)
         self.budget, self.chunk_size, self.rotary = budget, chunk_size, rotary
         self._init_rows(rows)
         self.base = [0] * rows  # each row's length at its last rebuild
@@ -204,12 +208,14 @@ class RetrievalCache(StaticInputs, Rows):
         """Fixed shapes while the rows share their slots: every forward of T tokens looks the same."""
         return ("retrieval", self.rows) if self._same else None
 
-    def begin(self, n: int) -> None:
+    def begin(self, n: int, counts: list[int] | None = None) -> None:
+        """n tokens per row, of which row b's first counts[b] are real (None: all n); the rest is padding,
+        written to the spill slot."""
         if n > self.budget:
             raise TforceError(f"retrieval cache: {n} tokens in one forward > its budget {self.budget}")
         self.pending = n
         shared = self.common(self.base)  # (length, base) of every row, or None
-        self._same = shared is not None
+        self._same = shared is not None and (counts is None or min(counts) == n)
         B, device = self.rows, self.key_pos.device
         if self._same:  # one set of slots; built on the device from Python ints, kept in static buffers
             L, base = shared
@@ -223,11 +229,14 @@ class RetrievalCache(StaticInputs, Rows):
         else:
             pos = torch.tensor(self.lengths[:B])[:, None] + torch.arange(n)  # (B, T) per-row positions
             slots = self.budget - 1 - (pos - torch.tensor(self.base[:B])[:, None]) % self.budget  # (B, T), wrapping
+            if counts is not None:
+                slots = torch.where(torch.arange(n) >= torch.tensor(counts)[:, None], self.budget, slots)
             pos, slots = to_device(pos, device), to_device(slots, device)
             self._cos, self._sin = rotation(self.rotary, pos, self.k.dtype)
             self._rows_idx = torch.arange(B, device=device)[:, None].expand(-1, n)  # (B, T)
             self._slots = slots
             self.key_pos[:, self._rows_idx, :, slots] = pos[:, :, None, None]
+            self.key_pos[:, :B, :, self.budget] = -1  # the spill slot: padding, never visible
             qpos = pos[None, :, None, :, None]  # (1, B, 1, T, 1)
         kp = self.key_pos[:, :B, :, None, :]  # (layers, B, H_kv, 1, S)
         mask = (kp >= 0) & (kp <= qpos)  # (layers, B, H_kv, T, S): the visibility rule, per row
@@ -257,7 +266,7 @@ class RetrievalCache(StaticInputs, Rows):
         self.stats[len(rows):], self._stats_of[len(rows):] = [None] * gone, [None] * gone
 
     def _used(self, b: int) -> int:
-        return self.budget  # slots wrap: a row may use any of them
+        return self.budget  # slots wrap: a row may use any of them (not the spill slot: padding)
 
     def _move_row(self, i: int, j: int) -> None:
         super()._move_row(i, j)

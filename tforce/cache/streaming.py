@@ -62,7 +62,9 @@ class StreamingCache(StaticInputs, Rows):
             self.offset[b] = start
         return start
 
-    def begin(self, n: int) -> None:
+    def begin(self, n: int, counts: list[int] | None = None) -> None:
+        """counts (each row's real tokens of the n) is not needed here: padding lands in the slots after the
+        row's window, the room max_new keeps for a forward's new tokens."""
         if n > self.max_new:
             raise TforceError(f"streaming cache takes at most {self.max_new} tokens per forward, got {n}")
         self.pending = n
@@ -162,25 +164,26 @@ class StreamingCache(StaticInputs, Rows):
         return length <= self.length and self._reach(0, length)
 
     def state(self) -> dict:
-        """A copy in host memory of what the cache holds: its slots, length and offset."""
+        """A copy in host memory of what row 0 holds: its slots (layers, 1, used, H_kv, D), length and offset."""
         used = self._used(0)
-        return {"k": self.k[:, :, :used].to("cpu", copy=True), "v": self.v[:, :, :used].to("cpu", copy=True),
+        return {"k": self.k[:, :1, :used].to("cpu", copy=True), "v": self.v[:, :1, :used].to("cpu", copy=True),
                 "length": self.length, "offset": self.offset[0]}
 
     def fits(self, state: dict) -> bool:
         """Whether a state (of this cache's geometry, e.g. from a snapshot) can be restored here."""
         k = state["k"]
-        return (k.shape[:2] == self.k.shape[:2] and k.shape[3:] == self.k.shape[3:] and k.dtype == self.k.dtype
-                and k.shape[2] <= self.capacity and int(state["offset"]) >= self.sinks)
+        return (k.shape[0] == self.k.shape[0] and k.shape[1] == 1 and k.shape[3:] == self.k.shape[3:]
+                and k.dtype == self.k.dtype and k.shape[2] <= self.capacity and int(state["offset"]) >= self.sinks)
 
-    def restore(self, state: dict | None) -> None:
-        """Hold exactly what state() copied (None: nothing, as when built)."""
+    def restore(self, state: dict | None, rows: list[int] = (0,)) -> None:
+        """Each listed row holds exactly what state() copied (None: every row holds nothing, as when built)."""
         self.pending = 0
         if state is None:
             self.lengths[:] = [0] * len(self.lengths)
             self.offset[:] = [self.sinks] * len(self.offset)
             return
         used = state["k"].shape[2]
-        self.k[:, :, :used] = state["k"].to(self.k.device)
-        self.v[:, :, :used] = state["v"].to(self.v.device)
-        self.lengths[0], self.offset[0] = int(state["length"]), int(state["offset"])
+        for b in rows:
+            self.k[:, b, :used] = state["k"][:, 0].to(self.k.device)
+            self.v[:, b, :used] = state["v"][:, 0].to(self.v.device)
+            self.lengths[b], self.offset[b] = int(state["length"]), int(state["offset"])

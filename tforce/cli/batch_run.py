@@ -85,7 +85,7 @@ def _document(path: Optional[str], where: str) -> str:
 
 
 def check_options(method: str, policy: str, world: int, prompt_given: bool, deterministic: bool,
-                  snapshots: bool) -> None:
+                  save_kv: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
     from ..engine.batch import BATCH_METHODS, check_batchable
 
@@ -96,8 +96,9 @@ def check_options(method: str, policy: str, world: int, prompt_given: bool, dete
         raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
     if deterministic:
         raise UsageError("--batch does not verify row by row yet (no --deterministic)")
-    if snapshots:
-        raise UsageError("--batch takes no KV snapshots yet (no --save-kv or --load-kv)")
+    if save_kv:  # one snapshot per file of prompts would be whose?
+        raise UsageError("--batch saves no KV snapshot: save the document's with `tforce run --save-kv` (or chat), "
+                         "then give the batch --load-kv")
     if prompt_given:
         raise UsageError("--batch takes its prompts from the batch file: no PROMPT_FILE or --prompt")
 
@@ -106,13 +107,15 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     """setup: run.Setup (the models, device, dtype and prompt format)."""
     from ..engine.batch import generate_batch
     from ..model.weights import load_model
+    from ..snapshot.format import read_manifest
     from .setup import _draft_config, _dtype_bytes, _tp_target, notices
 
     model, draft, device, dtype = setup.target, setup.draft, setup.device, setup.dtype
     path, config, tok = _tp_target(model, 1)
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
-    fmt = setup.prompt_format(tok, path)
+    load_kv = options.get("load_kv")
+    fmt = setup.prompt_format(tok, path, None if load_kv is None else read_manifest(load_kv)["tokens"])
     prompts = [fmt.prompt_ids(text) for _, text, _ in items]
     budgets = [options["max_new_tokens"] if n is None else n for _, _, n in items]
     context = config.max_position_embeddings
@@ -157,13 +160,14 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         return generate_batch(target.model, [prompts[r] for r in rows], draft=small.model if small else None,
                               method=options["method"], max_new_tokens=[budgets[r] for r in rows],
                               on_row=lambda i, out: finished.__setitem__(rows[i], out), seed=seed,
-                              until=stops.cut if stops else None, **{k: options[k] for k in keys})
+                              until=stops.cut if stops else None, load_kv=load_kv, **{k: options[k] for k in keys})
 
     results, parts = [], []  # parts: each batch's figures
     try:
         for group in run_groups(groups, run):  # in the file's order
             results += group
-            parts.append({"new_tokens": sum(len(r.tokens) for r in group), **group[0].stats})
+            parts.append({"new_tokens": sum(len(r.tokens) for r in group),
+                          "decoded": sum(max(len(r.tokens) - 1, 0) for r in group), **group[0].stats})
     except BaseException:
         # interrupted or failed half way: the rows finished so far (the earlier batches' and the current
         # one's), in the file's order, without the batch's statistics (not measured to its end); the error
@@ -173,6 +177,8 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     stats = _combined(parts)
     _write([record(r, result.tokens, result.stats) for r, result in enumerate(results)], stats, options["method"],
            device, as_json)
+    if load_kv is not None:
+        _snapshot_note(load_kv, results, prompts, sum(p["load_kv_s"] for p in parts))
     if as_json:  # the figures are in the object, as `tforce run --json` prints no summary
         return
     n, rate, ms = stats["new_tokens"], stats["batch_tokens_per_s"], stats["ms_per_token"]
@@ -185,16 +191,28 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
          f"{'n/a' if ms is None else format(ms, '.1f')} ms/token for the batch){rebuild}")
 
 
+def _snapshot_note(load_kv: str, results: list, prompts: list[list[int]], seconds: float) -> None:
+    """What the rows took from the snapshot (read once per batch: `seconds` in all), on stderr."""
+    reused = [r.stats["kv_reused"] for r in results]
+    held = results[0].stats["kv_snapshot_tokens"]
+    using = sum(1 for c in reused if c)
+    _say(f"tforce: KV snapshot {load_kv} ({held} tokens): reused by {using} of {len(results)} prompts, "
+         f"{sum(reused)} tokens in all (loaded in {seconds:.2f} s), then prefilled "
+         f"{sum(map(len, prompts)) - sum(reused)}")
+
+
 def _combined(parts: list[dict]) -> dict:
     """The whole file's figures from each batch's: times and tokens summed, tokens/s and ms/token over all
-    batches' decode time (prefills excluded, as in one batch's), batch_size the largest batch's rows."""
+    batches' decode time and the tokens it made (prefills and the first token of each row, which the prefill
+    gives, excluded, as in one batch's), batch_size the largest batch's rows."""
     n, decode = sum(p["new_tokens"] for p in parts), sum(p["decode_s"] for p in parts)
+    decoded = sum(p["decoded"] for p in parts)
     rebuilds = {k: None if parts[0][k] is None else sum(p[k] for p in parts) for k in ("prefill_rebuild_s",
                                                                                       "rebuild_s")}
     return {"batch_size": max(p["batch_size"] for p in parts), "batches": len(parts),
             "prefill_s": sum(p["prefill_s"] for p in parts), "decode_s": decode,
-            "batch_tokens_per_s": n / decode if n and decode > 0 else None,
-            "ms_per_token": 1000 * decode / n if n else None, **rebuilds, "new_tokens": n}
+            "batch_tokens_per_s": decoded / decode if decoded and decode > 0 else None,
+            "ms_per_token": 1000 * decode / decoded if decoded else None, **rebuilds, "new_tokens": n}
 
 
 def _write(records: list[dict], stats: Optional[dict], method: str, device: str, as_json: bool) -> None:

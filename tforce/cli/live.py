@@ -42,8 +42,9 @@ class Status:
     def on_round(self, tokens: list[int], acceptance: dict) -> None:
         if self.t_decode is None:  # no report of prefill's end came: time decoding from its first round
             self.t_decode = time.perf_counter()
+        if self.tokens:  # the first call brings the prefill's token (engine Session.round), not a verification's
+            self.rounds += 1
         self.tokens += len(tokens)
-        self.rounds += 1
         self.acceptance = acceptance
 
     def fields(self) -> list[str]:
@@ -51,10 +52,11 @@ class Status:
         s = self.stats
         if s is None and not self.tokens:
             return [f"prefill {done}/{total} tokens" if total else "prefill ..."] + self._kv()
-        if s is None:
-            elapsed = time.perf_counter() - self.t_decode
-            s = {"ms_per_token": 1000 * elapsed / self.tokens, "tokens_per_s": self.tokens / elapsed if elapsed else None,
-                 "acceptance": self.acceptance, "tokens_per_verification": self.tokens / self.rounds}
+        if s is None:  # as the final statistics count them: decoding's tokens are those after the prefill's first
+            elapsed, decoded = time.perf_counter() - self.t_decode, self.tokens - 1
+            s = {"ms_per_token": 1000 * elapsed / decoded if decoded else None,
+                 "tokens_per_s": decoded / elapsed if decoded and elapsed else None, "acceptance": self.acceptance,
+                 "tokens_per_verification": decoded / self.rounds if self.rounds else None}
         out = [f"{self.tokens}/{self.max_new} tokens"]
         if s.get("ms_per_token") is not None:
             out.append(f"{s['ms_per_token'] / 1000:.4f} s/token")

@@ -48,7 +48,7 @@ def run(
         if batch is not None:
             given = (prompt_file_arg, prompt_file, prompt)
             check_options(opts["method"], opts["policy"], opts["gpus"] or opts["tp"], given != (None,) * 3,
-                          opts["deterministic"], (opts["save_kv"], opts["load_kv"]) != (None, None))
+                          opts["deterministic"], opts["save_kv"] is not None)
         setup = _configure(params, calibrate=batch is None)
         # the prompts before any notice (notices), so that a bad prompt is the only line
         if batch is not None:
@@ -57,7 +57,7 @@ def run(
             text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
                                 demo_prompt() if opts["model"] is None else None)
         if batch is not None:
-            return run_batch(items, setup, setup.options, as_json)
+            return run_batch(items, setup, dict(setup.options, load_kv=opts["load_kv"]), as_json)
         _run(text, setup, as_json, dict(setup.options, save_kv=opts["save_kv"], load_kv=opts["load_kv"]))
 
     _guarded(body)
@@ -134,7 +134,7 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool,
         raise
     if not as_json:
         _end_line(out)
-    _kv_notes(options, result.stats, len(ids) - 1)
+    _kv_notes(options, result.stats, len(ids))
     if choice is not None:
         choice.remember(result.stats, len(result.tokens))
     if as_json:
@@ -166,13 +166,14 @@ def _unfit(check, has_draft: bool) -> set[str]:
 
 
 def _kv_notes(options: dict, stats: dict, cached: int) -> None:
-    """What a snapshot saved or reused, on stderr (`cached`: the tokens the caches hold after prefill)."""
+    """What a snapshot saved or reused, on stderr (`cached`: the tokens the caches hold after prefill, the
+    whole prompt; of a prompt the snapshot holds whole, its last token is fed again for the first token)."""
     if options.get("load_kv") is not None:
-        reused = stats["kv_reused"]
+        reused, held = stats["kv_reused"], stats["kv_snapshot_tokens"]
         _say(f"tforce: KV snapshot {options['load_kv']}: reused {reused} of {cached} prompt tokens "
              f"(loaded in {stats['load_kv_s']:.2f} s, then prefilled {cached - reused})"
-             + ("" if reused in (cached, stats["kv_snapshot_tokens"])
-               else f"; the prompt leaves the snapshot's {stats['kv_snapshot_tokens']}-token prefix at token {reused}"))
+             + ("" if reused >= min(cached - 1, held)
+               else f"; the prompt leaves the snapshot's {held}-token prefix at token {reused}"))
     if options.get("save_kv") is not None:
         _say(f"tforce: KV snapshot of {cached} prompt tokens written to {options['save_kv']} "
              f"in {stats['save_kv_s']:.2f} s")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from .decode import decode, row_stats
 from .generate import Result, _eos_ids, _modules, check_ids, configuration, generator
 from ..config import Sampling, Speculation
@@ -39,7 +41,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
                    draft_budget: int = Speculation.draft_budget, sinks: int = Speculation.sinks,
                    rebuild_every: int = Speculation.rebuild_every, rebuild_below: float = Speculation.rebuild_below,
                    policy: str = Speculation.policy, prefill_chunk: int = 512, offload: str = "auto",
-                   gpu_memory: int | None = None, device_free: int | None = None, on_row=None,
+                   gpu_memory: int | None = None, device_free: int | None = None, load_kv=None, on_row=None,
                    until=None) -> list[Result]:
     """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
     for every row or a list with one per prompt; every row is exactly what
@@ -56,7 +58,13 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     budget right after the prefill), so a caller keeps what is done if the rest fails or is interrupted.
     until(tokens) -> int | None: `generate`'s, asked of each row after each round with the row's tokens so
     far (stops.StopStrings.cut: each row ends at its first stop string, where it would alone); a row it
-    ends leaves the batch as a row at EOS does."""
+    ends leaves the batch as a row at EOS does.
+    load_kv: a KV snapshot folder (`generate`'s): read once, its prefix goes into every row whose prompt
+    starts with it (as far as it matches; questions about one loaded document), and only the rest of each
+    prompt is prefilled; each Result's stats give kv_reused (that row's), kv_snapshot_tokens and load_kv_s."""
+    from ..snapshot import identity as snapshot_identity, store as snapshot_io
+
+    identity = snapshot_identity.identity(target, draft) if load_kv is not None else None
     target, draft = _modules(target, draft)
     spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
                                    seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
@@ -91,6 +99,12 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     session = Session(target, draft, longest, total - longest, spec, sampling, prefill_chunk, offload, gpu_memory,
                       device_free=device_free, rows=B)
     t0 = time.perf_counter()
+    kv = [{} for _ in prompts]
+    if load_kv is not None:
+        rows = [torch.tensor(p, dtype=torch.long) for p in prompts]
+        reused, length = snapshot_io.load_rows(load_kv, session, rows, [len(p) - 1 for p in prompts], identity)
+        _sync_device(device)
+        kv = [{"kv_reused": c, "kv_snapshot_tokens": length, "load_kv_s": time.perf_counter() - t0} for c in reused]
     session.prefill(prompts)
     _sync_device(device)
     t1 = time.perf_counter()
@@ -99,6 +113,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     outs = decode(session, [len(p) for p in prompts], max_new, gen, eos, until, on_row=on_row)
     _sync_device(device)
     t2 = time.perf_counter()
-    n_all = sum(map(len, outs))
+    n_all = sum(len(o) - session.firsts[r] for r, o in enumerate(outs))  # decode_s's: each row's first is the prefill's
     batch = {"batch_size": B, "batch_tokens_per_s": n_all / (t2 - t1) if n_all and t2 > t1 else None}
-    return [Result(outs[r], {**row_stats(session, r, outs, t1 - t0, t2 - t1, before), **batch}) for r in range(B)]
+    return [Result(outs[r], {**row_stats(session, r, outs, t1 - t0, t2 - t1, before), **batch, **kv[r]})
+            for r in range(B)]

@@ -94,7 +94,7 @@ class Node:
             for b, (s, e) in enumerate(zip(starts, ends)):
                 ids[b, :e - s] = seq[b, s:e]
         fed = ids if self.vocab is None else self.vocab.ids(ids)
-        self.cache.begin(T)
+        self.cache.begin(T, None if same else counts)
         mark = self.timer.start()
         fed = to_device(fed, self.device)
         if prefill:

@@ -210,7 +210,7 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
     if w.method in ("triforce", "retrieval"):
         chunks = n_chunks(w.capacity, w.chunk_size)
         out += [Item("retrieval cache and key positions",
-                     b * n * (kv_layer_bytes(kv, d, w.budget, e) + kv * w.budget * 8), "both"),
+                     b * n * (kv_layer_bytes(kv, d, w.budget + 1, e) + kv * (w.budget + 1) * 8), "both"),
                 # Each row's resident layers keep theirs on the device (unless recomputed); every rebuild
                 # scores from one layer's means at a time (ChunkStats.means: a fresh device tensor, kept
                 # statistics or not), the rows one after another: one scratch layer.

@@ -66,7 +66,7 @@ class Session:
         self.ids = list(range(rows))  # live row i is prompt ids[i] (Session.keep compacts them)
         self.verified = [0] * rows  # per prompt: rounds of the top level that decided its tokens
         self.firsts = [0] * rows  # per prompt: 1 once its first token came from the prefill (Session._first)
-        self.next: torch.Tensor | None = None  # (live rows, V): the prefill's distributions of the first tokens (Session.round)
+        self.next: torch.Tensor | None = None  # (live rows, V): the first tokens' distributions (Session.round)
         self.rebuilds = [0] * rows  # per prompt: retrieval rebuilds while decoding
         p = next(target.parameters())
         dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
@@ -305,7 +305,7 @@ class Session:
             return
         s, stats = self.spec, self.middle_verifier.stats
         self.full.match_prefix(self.buffer, n)  # drop each row's rejected tail: rebuild from committed tokens
-        after = s.rebuild_after(len(n))
+        after = s.rebuild_after()
         stale = [i for i, r in enumerate(self.ids)
                  if self.full.held(i) - self.retrieval.base[i] >= after or stats.low(r, s.rebuild_below)]
         if stale:

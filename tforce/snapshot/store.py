@@ -204,10 +204,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def load(path, session, prompt: torch.Tensor, upto: int, ident: dict, group=None) -> tuple[int, int]:
-    """Fill a fresh session's caches from the snapshot at `path`, as far as its prefix matches prompt[:upto];
-    returns (that many tokens, the prefix's length). session.prefill(prompt) then feeds only the rest.
-    group: the tensor-parallel ranks (parallel.Group); each loads its own KV heads, cut from the parts that
-    hold them when the snapshot was made over another number of ranks (or in one process)."""
+    """Fill a fresh one-row session's caches from the snapshot at `path`, as far as its prefix matches
+    prompt[:upto]; returns (that many tokens, the prefix's length). session.prefill(prompt) then feeds only
+    the rest. group: the tensor-parallel ranks (parallel.Group); each loads its own KV heads, cut from the
+    parts that hold them when the snapshot was made over another number of ranks (or in one process)."""
+    reused, length = load_rows(path, session, [prompt], [upto], ident, group)
+    return reused[0], length
+
+
+def load_rows(path, session, prompts: list[torch.Tensor], upto: list[int], ident: dict, group=None
+              ) -> tuple[list[int], int]:
+    """load for a session of one row per prompt (questions about one loaded document): each row b takes
+    the prefix as far as it matches prompts[b][:upto[b]]; returns (those counts, the prefix's length).
+    The snapshot is read once: each layer's K/V are written into every row that uses them."""
     p = Path(path).expanduser()
     manifest = read_manifest(p)
     full = session.full.cache
@@ -216,27 +225,31 @@ def load(path, session, prompt: torch.Tensor, upto: int, ident: dict, group=None
     heads = _Heads(p, manifest, rank, world, manifest["layers"])
     try:
         prefix = manifest["tokens"]
-        c = common_prefix(prefix, prompt[:upto].tolist())
+        c = [common_prefix(prefix, p[:u].tolist()) for p, u in zip(prompts, upto)]
+        B, top = len(prompts), max(c)
         device = full.k.device
         queries = []
         for layer in range(manifest["layers"]):
             t = heads.read(f"full-{layer:03d}.safetensors", {"k": 2, "v": 2, "q": 0})
-            full.write_layer(layer, t["k"][:, :c], t["v"][:, :c])  # copied where the layer lives
+            k, v = (t[x][:, :top].expand(B, -1, -1, -1) for x in ("k", "v"))  # the one saved row, for every row
+            full.write_layer(layer, k, v, c)  # copied where the layer lives
             if "q" in t:
                 queries.append(t["q"].to(device))
         full.commit_written(c)
-        session.full.adopt(prompt[None], [c])
-        if c == len(prefix) and manifest["queries"]:
-            session.loaded_queries = (c, queries)
-        _load_streaming(session, manifest, ident, heads, world)
+        session.full.adopt(torch.tensor(prefix[:top], dtype=torch.long).expand(B, -1), c)
+        if c[0] == len(prefix) and manifest["queries"]:  # row 0's last prefix token's queries (Session._query)
+            session.loaded_queries = (c[0], queries)
+        # the streaming caches hold the state at the prefix's end: for the rows whose prompt holds it whole
+        extend = [b for b, p in enumerate(prompts) if common_prefix(prefix, p.tolist()) == len(prefix)]
+        _load_streaming(session, manifest, ident, heads, world, extend if B > 1 else [0])
     finally:
         heads.close()
     return c, len(prefix)
 
 
-def _load_streaming(session, manifest: dict, ident: dict, heads: _Heads, world: int) -> None:
-    """Restore the streaming caches the snapshot holds for this session's models and budgets; the others
-    are left for session.prefill to feed from the start."""
+def _load_streaming(session, manifest: dict, ident: dict, heads: _Heads, world: int, rows: list[int]) -> None:
+    """Restore the streaming caches the snapshot holds for this session's models and budgets into the listed
+    rows; the others are left for session.prefill to feed from the start."""
     ids = torch.tensor(manifest["tokens"], dtype=torch.long)
     for node in _streaming_nodes(session):
         info = manifest["streaming"].get(node.name)
@@ -251,6 +264,6 @@ def _load_streaming(session, manifest: dict, ident: dict, heads: _Heads, world: 
             continue  # session.prefill feeds it from the start
         t = heads.read(f"{node.name}.safetensors", {} if node.name == "draft" else {"k": 3, "v": 3})
         state = {"k": t["k"], "v": t["v"], "length": info["length"], "offset": info["offset"]}
-        if node.cache.fits(state):
-            node.cache.restore(state)
-            node.adopt(ids[None], [info["length"]])
+        if node.cache.fits(state) and rows:
+            node.cache.restore(state, rows)
+            node.adopt(ids[None].expand(len(rows), -1), [info["length"]] * len(rows), rows)

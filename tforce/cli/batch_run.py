@@ -84,8 +84,7 @@ def _document(path: Optional[str], where: str) -> str:
     return _decode_text(data, f"{path} ({where})")
 
 
-def check_options(method: str, policy: str, world: int, prompt_given: bool, deterministic: bool,
-                  snapshots: bool) -> None:
+def check_options(method: str, policy: str, world: int, prompt_given: bool, snapshots: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
     from ..engine.batch import BATCH_METHODS, check_batchable
 
@@ -94,8 +93,6 @@ def check_options(method: str, policy: str, world: int, prompt_given: bool, dete
     check_batchable("triforce" if method == "auto" else method, policy)  # auto's options are checked as triforce's
     if world > 1:
         raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
-    if deterministic:
-        raise UsageError("--batch does not verify row by row yet (no --deterministic)")
     if snapshots:
         raise UsageError("--batch takes no KV snapshots yet (no --save-kv or --load-kv)")
     if prompt_given:
@@ -119,7 +116,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     for (key, _, _), ids in zip(items, prompts):
         if len(ids) >= context:
             raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
-    notices(setup, fmt, batch=True)
+    notices(setup, fmt)
     short = [f"{key!r} gets {context - len(ids)}" for (key, _, _), ids, n in zip(items, prompts, budgets)
              if n > context - len(ids)]
     if short:  # as `tforce run` notes it for one prompt
@@ -139,7 +136,8 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
     keys = ("temperature", "top_p", "top_k", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",
-            "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory")
+            "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory",
+            "deterministic")
     stops = StopStrings(tok, setup.stops)
     finished: dict[int, list[int]] = {}  # prompt index in the file -> its tokens, as each row finishes
 

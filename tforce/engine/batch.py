@@ -39,8 +39,8 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
                    draft_budget: int = Speculation.draft_budget, sinks: int = Speculation.sinks,
                    rebuild_every: int = Speculation.rebuild_every, rebuild_below: float = Speculation.rebuild_below,
                    policy: str = Speculation.policy, prefill_chunk: int = 512, offload: str = "auto",
-                   gpu_memory: int | None = None, device_free: int | None = None, on_row=None,
-                   until=None) -> list[Result]:
+                   gpu_memory: int | None = None, device_free: int | None = None, deterministic: bool = False,
+                   on_row=None, until=None) -> list[Result]:
     """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
     for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
@@ -52,8 +52,11 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     Options as `generate`'s; policy: retrieval, shared, topk or streaming (no h2o). The batch is
     planned before anything is allocated (placement.py with B rows) and refused if it does not fit;
     offload, gpu_memory and device_free as in `generate` (offloaded layers stream once per step for all
-    rows). on_row(r, tokens) is told each row's final tokens as soon as the row is finished (a row with no
-    budget right after the prefill), so a caller keeps what is done if the rest fails or is interrupted.
+    rows). deterministic: the full cache verifies row by row (rowwise.py), each row's logits bit for bit
+    those of one-token decoding of that prompt alone (greedy: each row is `ar`'s alone in any dtype, not
+    only where no near-tie falls within a batched forward's rounding). on_row(r, tokens) is told each
+    row's final tokens as soon as the row is finished (a row with no budget right after the prefill), so
+    a caller keeps what is done if the rest fails or is interrupted.
     until(tokens) -> int | None: `generate`'s, asked of each row after each round with the row's tokens so
     far (stops.StopStrings.cut: each row ends at its first stop string, where it would alone); a row it
     ends leaves the batch as a row at EOS does."""
@@ -89,7 +92,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     total = max(len(p) + m for p, m in zip(prompts, max_new))
     # planned for B rows before anything is allocated: raises when the batch does not fit
     session = Session(target, draft, longest, total - longest, spec, sampling, prefill_chunk, offload, gpu_memory,
-                      device_free=device_free, rows=B)
+                      device_free=device_free, deterministic=deterministic, rows=B)
     t0 = time.perf_counter()
     session.prefill(prompts)
     _sync_device(device)

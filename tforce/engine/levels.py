@@ -45,6 +45,7 @@ class Node:
         self.name, self.model, self.cache, self.sampling, self.vocab = name, model, cache, sampling, vocab
         # runner(ids, last_n) replaces model(ids, cache, last_n) when given (graphs.GraphRunner, rowwise.py)
         self.runner = runner or (lambda ids, last_n: model(ids, cache, last_n=last_n))
+        self.counted = getattr(runner, "counted", False)  # takes each row's real count (rowwise.py)
         self.tokens = torch.zeros(cache.rows, capacity, dtype=torch.long)  # row b holds tokens[b, :lengths[b]]
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
@@ -93,7 +94,11 @@ class Node:
         fed = ids if self.vocab is None else self.vocab.ids(ids)
         self.cache.begin(T)
         mark = self.timer.start()
-        logits = self.runner(to_device(fed, self.device), last if same else None if last else 0)  # (B, last or T, V)
+        if self.counted:  # real tokens only: each row's last `last` logits (rowwise.py)
+            logits = self.runner(to_device(fed, self.device), last, counts)  # (B, last, V)
+        else:
+            # (B, last or T, V)
+            logits = self.runner(to_device(fed, self.device), last if same else None if last else 0)
         self.timer.stop(mark)
         self.cache.commit(T if same else counts)
         for b, (s, e) in enumerate(zip(starts, ends)):
@@ -101,7 +106,7 @@ class Node:
         self.forwards += 1
         if not last:
             return None
-        if not same:
+        if not same and not self.counted:
             pick = torch.tensor(counts)[:, None] - last + torch.arange(last)  # (B, last)
             pick = to_device(pick, logits.device)
             logits = logits.gather(1, pick[..., None].expand(-1, -1, logits.shape[-1]))

@@ -22,6 +22,7 @@ from typing import Optional
 from ..errors import UsageError
 from ..engine.stops import StopStrings
 from .batch_groups import plan_groups, run_groups
+from .batch_live import BatchProgress
 from .common import _as_role, _check_memory, _decode_text, _say
 
 KEYS = {"prompt", "file", "id", "max_new_tokens"}
@@ -146,16 +147,32 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
                 "tokens": tokens, "prompt_tokens": len(prompts[r]), "method": options["method"],
                 "stopped_by": stops.matched(tokens), "device": device, "stats": stats}
 
+    # the live view: on a terminal, as a single run's (live.py), and not with --json
+    progress = BatchProgress([len(p) for p in prompts], options["method"]) \
+        if sys.stderr.isatty() and not as_json else None
+    status = progress.status if progress else None
+
+    def done(r: int, out: list[int]) -> None:
+        finished[r] = out
+        if status:
+            status.on_row()
+
     def run(rows: range, g: int) -> list:
         # batch g is seeded seed + g: the same seed for every batch would draw the same random numbers
         # for the rows of each, so that equal prompts in two batches got equal samples; from 2**64 on (past
         # what torch takes) it wraps around, modulo 2**64 as torch reads seeds
         seed = options["seed"]
         seed = None if seed is None else seed + g - (2**64 if seed + g >= 2**64 else 0)
-        return generate_batch(target.model, [prompts[r] for r in rows], draft=small.model if small else None,
-                              method=options["method"], max_new_tokens=[budgets[r] for r in rows],
-                              on_row=lambda i, out: finished.__setitem__(rows[i], out), seed=seed,
-                              until=stops.cut if stops else None, **{k: options[k] for k in keys})
+        if status:
+            status.start(rows)
+        out = generate_batch(target.model, [prompts[r] for r in rows], draft=small.model if small else None,
+                             method=options["method"], max_new_tokens=[budgets[r] for r in rows],
+                             on_row=lambda i, tokens: done(rows[i], tokens), seed=seed,
+                             until=stops.cut if stops else None, on_prefill=status.on_prefill if status else None,
+                             on_round=status.on_round if status else None, **{k: options[k] for k in keys})
+        if status:
+            status.end()
+        return out
 
     results, parts = [], []  # parts: each batch's figures
     try:
@@ -165,10 +182,14 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     except BaseException:
         # interrupted or failed half way: the rows finished so far (the earlier batches' and the current
         # one's), in the file's order, without the batch's statistics (not measured to its end); the error
-        # follows on stderr
+        # follows on stderr, after the live view has ended
+        if progress:
+            progress.close()
         _write([record(r, finished[r], None) for r in sorted(finished)], None, options["method"], device, as_json)
         raise
     stats = _combined(parts)
+    if progress:  # its last state stays on screen, above the lines when stdout is the terminal too
+        progress.finish(stats)
     _write([record(r, result.tokens, result.stats) for r, result in enumerate(results)], stats, options["method"],
            device, as_json)
     if as_json:  # the figures are in the object, as `tforce run --json` prints no summary

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from .decode import decode, row_stats
+from .decode import decode, level_counts, row_stats
 from .generate import Result, _eos_ids, _modules, check_ids, configuration, generator
 from ..config import Sampling, Speculation
 from ..errors import UsageError
@@ -40,7 +40,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
                    rebuild_every: int = Speculation.rebuild_every, rebuild_below: float = Speculation.rebuild_below,
                    policy: str = Speculation.policy, prefill_chunk: int = 512, offload: str = "auto",
                    gpu_memory: int | None = None, device_free: int | None = None, deterministic: bool = False,
-                   on_row=None, until=None) -> list[Result]:
+                   on_row=None, until=None, on_prefill=None, on_round=None) -> list[Result]:
     """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
     for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
@@ -59,7 +59,10 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     a caller keeps what is done if the rest fails or is interrupted.
     until(tokens) -> int | None: `generate`'s, asked of each row after each round with the row's tokens so
     far (stops.StopStrings.cut: each row ends at its first stop string, where it would alone); a row it
-    ends leaves the batch as a row at EOS does."""
+    ends leaves the batch as a row at EOS does. Progress, for a live view: on_prefill(done, total) as the
+    prefill goes (`generate`'s: tokens of all rows, or token-layers where it runs layer-major); on_round(
+    tokens, counts) after each round, with each row's new tokens ({prompt index: tokens}, as cut) and each
+    level's (accepted, drafted) tokens so far over the batch's rows (decode.level_counts)."""
     target, draft = _modules(target, draft)
     spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
                                    seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
@@ -94,12 +97,13 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     session = Session(target, draft, longest, total - longest, spec, sampling, prefill_chunk, offload, gpu_memory,
                       device_free=device_free, deterministic=deterministic, rows=B)
     t0 = time.perf_counter()
-    session.prefill(prompts)
+    session.prefill(prompts, on_prefill)
     _sync_device(device)
     t1 = time.perf_counter()
     eos = set() if ignore_eos else _eos_ids(target.config)
     before = session.counts()
-    outs = decode(session, [len(p) for p in prompts], max_new, gen, eos, until, on_row=on_row)
+    told = (lambda tokens: on_round(tokens, level_counts(session))) if on_round else None
+    outs = decode(session, [len(p) for p in prompts], max_new, gen, eos, until, on_row=on_row, on_round=told)
     _sync_device(device)
     t2 = time.perf_counter()
     n_all = sum(map(len, outs))

@@ -227,3 +227,25 @@ def test_one_host_transfer_per_step_for_all_rows(tiny, monkeypatch):
     rounds = max(r.stats["verifications"] for r in rows)
     # the first tokens from the prefill (one transfer), then per round 3 drafts and 1 verdict
     assert len(calls) == 1 + rounds * (3 + 1) and calls[0] == 3 and set(calls[1:5]) == {3, 6}
+
+
+@pytest.mark.parametrize("offload", ["off", "on"])
+def test_progress_callbacks_count_the_batch(tiny, offload):
+    """on_prefill reaches its total (tokens, or token-layers layer-major); on_round hears every row's tokens
+    of each round, as cut, and each level's (accepted, drafted) over the batch's rows: the rows' own figures."""
+    prefill, tokens, counts = [], [[] for _ in range(3)], []
+
+    def on_round(new, c):
+        for r, t in new.items():
+            tokens[r] += t
+        counts.append(c)
+
+    rows = generate_batch(tiny["gqa"], prompts_of((5, 19, 2)), draft=tiny["draft"], method="naive",
+                          max_new_tokens=[6, 12, 3], temperature=0, ignore_eos=True, offload=offload,
+                          on_prefill=lambda d, t: prefill.append((d, t)), on_round=on_round, **SMALL)
+    assert prefill and prefill[-1][0] == prefill[-1][1] > 0 and all(d <= t for d, t in prefill)
+    assert tokens == [r.tokens for r in rows]
+    verified = [r.stats["verifications"] for r in rows]
+    accepted = sum(r.stats["acceptance"]["draft"] * v * SMALL["gamma2"] for r, v in zip(rows, verified))
+    assert counts[-1]["retrieval"] is None and counts[-1]["draft"][1] == SMALL["gamma2"] * sum(verified)
+    assert counts[-1]["draft"][0] == pytest.approx(accepted)

@@ -95,8 +95,6 @@ def test_batch_refusals(runner, models, tmp_path):
                     "no PROMPT_FILE or --prompt")
     _one_error_line(_run(runner, models, "--batch", str(tmp_path / "none.jsonl"), "--method", "ar", *FAST), 2,
                     "cannot read batch file")
-    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--deterministic", *FAST), 2,
-                    "no --deterministic")
     _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--save-kv", str(tmp_path / "kv"),
                          *FAST), 2, "--batch saves no KV snapshot")
     assert not (tmp_path / "kv").exists()
@@ -229,11 +227,38 @@ def test_a_row_the_context_cuts_short_is_noted(runner, models, tmp_path):
                      f"'long' gets {room}"]
 
 
-def test_batch_note_on_greedy_in_16_bits_offers_no_refused_option(runner, models, tmp_path):
-    """The exactness note ended "--deterministic makes them plain decoding's bit for bit", which --batch
-    refuses: a batch's note says the rest."""
+def test_batch_note_on_greedy_in_16_bits_offers_deterministic(runner, models, tmp_path):
+    """A batch's exactness note offers --deterministic, which batches run now; with it there is no note."""
     batch = _write(tmp_path, json.dumps({"prompt": "Who?"}))
-    r = _run(runner, models, "--batch", batch, *FAST, "-n", "2", "--dtype", "bfloat16", "--device", "cpu",
-             "--method", "triforce")
+    args = ("--batch", batch, *FAST, "-n", "2", "--dtype", "bfloat16", "--device", "cpu", "--method", "triforce")
+    r = _run(runner, models, *args)
     assert r.exit_code == 0, (r.output, r.exception)
-    assert "except where its two best logits nearly tie" in r.stderr and "--deterministic" not in r.stderr, r.stderr
+    assert "except where its two best logits nearly tie; --deterministic makes them" in r.stderr, r.stderr
+    r = _run(runner, models, *args, "--deterministic")
+    assert r.exit_code == 0 and "nearly tie" not in r.stderr, (r.output, r.exception)
+
+
+@pytest.mark.parametrize("offload", ["auto", "on"])
+def test_deterministic_batch_rows_are_ar_alone_in_bfloat16(runner, models, tmp_path, monkeypatch, offload):
+    """`run --batch --deterministic`: each line's tokens are greedy `ar` of that prompt alone in bfloat16
+    (prompts of different lengths and budgets; tests/test_rows_deterministic.py checks the logits bit for
+    bit), the full cache verifying row by row (one RowwiseRunner for the batch)."""
+    import torch
+
+    import tforce
+    from model_helpers import count_rowwise_runners
+
+    built = count_rowwise_runners(monkeypatch)
+    texts, budgets = ["It was", DOC + "\n\nWho?", DOC], [12, 12, 5]
+    batch = _write(tmp_path, *(json.dumps({"prompt": t, "max_new_tokens": n}) for t, n in zip(texts, budgets)))
+    r = _run(runner, models, "--batch", batch, "--deterministic", "--dtype", "bfloat16", "--device", "cpu",
+             "--offload", offload, *FAST)
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert built == [1]
+    out = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    target = tforce.load_model(str(models / "tiny-target"), dtype=torch.bfloat16)
+    for o, text, n in zip(out, texts, budgets):
+        ar = tforce.generate(target.model, target.tokenizer.encode(text), method="ar", max_new_tokens=n,
+                             temperature=0)
+        assert o["tokens"] == ar.tokens and len(ar.tokens) == n
+        assert o["stats"]["kv_offloaded_layers"] == (2 if offload == "on" else 0)

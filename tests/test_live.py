@@ -46,17 +46,18 @@ def expected(prompt_file) -> str:
     return json.loads(r.stdout)["text"]
 
 
-def _spawn(args, stdout_tty: bool = True):
+def _spawn(args, stdout_tty: bool = True, size: tuple[int, int] = (COLS, ROWS)):
     """`python -m tforce run ARGS` with stderr (and stdout, unless stdout_tty is False: then a pipe) on a
-    pty of COLS x ROWS. Returns (process, pty master fd)."""
+    pty of size (columns, rows). Returns (process, pty master fd)."""
     import fcntl
     import pty
     import struct
     import termios
 
+    cols, rows = size
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLS, 0, 0))
-    env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(COLS), LINES=str(ROWS), PYTHONPATH=str(ROOT))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(cols), LINES=str(rows), PYTHONPATH=str(ROOT))
     env.pop("TFORCE_DEBUG", None)
     proc = subprocess.Popen([sys.executable, "-m", "tforce", "run", *args], cwd=ROOT, env=env, stdin=slave,
                             stdout=slave if stdout_tty else subprocess.PIPE, stderr=slave, start_new_session=True)
@@ -64,11 +65,11 @@ def _spawn(args, stdout_tty: bool = True):
     return proc, master
 
 
-def _watch(proc, master, interrupt=None, timeout: float = 120.0):
-    """Feed everything the child writes to its terminal into a pyte screen, snapshotting the screen after each
-    read, and collect its stdout if that is a pipe; interrupt(snapshot) true sends Ctrl-C's SIGINT once.
-    Returns (screen, snapshots, stdout bytes)."""
-    screen = pyte.Screen(COLS, ROWS)
+def _watch(proc, master, interrupt=None, timeout: float = 120.0, size: tuple[int, int] = (COLS, ROWS)):
+    """Feed everything the child writes to its terminal into a pyte screen of size (columns, rows),
+    snapshotting the screen after each read, and collect its stdout if that is a pipe; interrupt(snapshot)
+    true sends Ctrl-C's SIGINT once. Returns (screen, snapshots, stdout bytes)."""
+    screen = pyte.Screen(*size)
     stream = pyte.ByteStream(screen)
     snapshots, out = [], []
     fds = {master: "tty"}

@@ -36,10 +36,9 @@ def test_rows_refuse_what_runs_for_one_row_only(tiny):
     h2o = Speculation(method="triforce", policy="h2o", **{k: v for k, v in SMALL.items() if k != "prefill_chunk"})
     with pytest.raises(tforce.UsageError, match="batches run --policy retrieval|shared|topk|streaming so far"):
         Session(model, draft, 20, 4, h2o, Sampling(), rows=2)
-    with pytest.raises(tforce.UsageError, match="batches do not run --deterministic yet"):
-        Session(model, None, 20, 4, Speculation(method="ar"), Sampling(), deterministic=True, rows=2)
     Session(model, draft, 20, 4, h2o, Sampling(), rows=1)
-    Session(model, None, 20, 4, Speculation(method="ar"), Sampling(), deterministic=True, rows=1)
+    for rows in (1, 2):  # row-wise verification runs for any rows (tests/test_rows_deterministic.py)
+        Session(model, None, 20, 4, Speculation(method="ar"), Sampling(), deterministic=True, rows=rows)
 
 
 @pytest.mark.parametrize("method", ["ar", "triforce"])

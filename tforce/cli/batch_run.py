@@ -22,6 +22,7 @@ from typing import Optional
 from ..errors import UsageError
 from ..engine.stops import StopStrings
 from .batch_groups import plan_groups, run_groups
+from .batch_live import BatchProgress
 from .common import _as_role, _check_memory, _decode_text, _say
 
 KEYS = {"prompt", "file", "id", "max_new_tokens"}
@@ -84,8 +85,7 @@ def _document(path: Optional[str], where: str) -> str:
     return _decode_text(data, f"{path} ({where})")
 
 
-def check_options(method: str, policy: str, world: int, prompt_given: bool, deterministic: bool,
-                  save_kv: bool) -> None:
+def check_options(method: str, policy: str, world: int, prompt_given: bool, save_kv: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
     from ..engine.batch import BATCH_METHODS, check_batchable
 
@@ -94,8 +94,6 @@ def check_options(method: str, policy: str, world: int, prompt_given: bool, dete
     check_batchable("triforce" if method == "auto" else method, policy)  # auto's options are checked as triforce's
     if world > 1:
         raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
-    if deterministic:
-        raise UsageError("--batch does not verify row by row yet (no --deterministic)")
     if save_kv:  # one snapshot per file of prompts would be whose?
         raise UsageError("--batch saves no KV snapshot: save the document's with `tforce run --save-kv` (or chat), "
                          "then give the batch --load-kv")
@@ -122,7 +120,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     for (key, _, _), ids in zip(items, prompts):
         if len(ids) >= context:
             raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
-    notices(setup, fmt, batch=True)
+    notices(setup, fmt)
     short = [f"{key!r} gets {context - len(ids)}" for (key, _, _), ids, n in zip(items, prompts, budgets)
              if n > context - len(ids)]
     if short:  # as `tforce run` notes it for one prompt
@@ -142,7 +140,8 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
     keys = ("temperature", "top_p", "top_k", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",
-            "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory")
+            "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory",
+            "deterministic")
     stops = StopStrings(tok, setup.stops)
     finished: dict[int, list[int]] = {}  # prompt index in the file -> its tokens, as each row finishes
 
@@ -151,16 +150,33 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
                 "tokens": tokens, "prompt_tokens": len(prompts[r]), "method": options["method"],
                 "stopped_by": stops.matched(tokens), "device": device, "stats": stats}
 
+    # the live view: on a terminal, as a single run's (live.py), and not with --json
+    progress = BatchProgress([len(p) for p in prompts], options["method"]) \
+        if sys.stderr.isatty() and not as_json else None
+    status = progress.status if progress else None
+
+    def done(r: int, out: list[int]) -> None:
+        finished[r] = out
+        if status:
+            status.on_row()
+
     def run(rows: range, g: int) -> list:
         # batch g is seeded seed + g: the same seed for every batch would draw the same random numbers
         # for the rows of each, so that equal prompts in two batches got equal samples; from 2**64 on (past
         # what torch takes) it wraps around, modulo 2**64 as torch reads seeds
         seed = options["seed"]
         seed = None if seed is None else seed + g - (2**64 if seed + g >= 2**64 else 0)
-        return generate_batch(target.model, [prompts[r] for r in rows], draft=small.model if small else None,
-                              method=options["method"], max_new_tokens=[budgets[r] for r in rows],
-                              on_row=lambda i, out: finished.__setitem__(rows[i], out), seed=seed,
-                              until=stops.cut if stops else None, load_kv=load_kv, **{k: options[k] for k in keys})
+        if status:
+            status.start(rows)
+        out = generate_batch(target.model, [prompts[r] for r in rows], draft=small.model if small else None,
+                             method=options["method"], max_new_tokens=[budgets[r] for r in rows],
+                             on_row=lambda i, tokens: done(rows[i], tokens), seed=seed,
+                             until=stops.cut if stops else None, on_prefill=status.on_prefill if status else None,
+                             on_round=status.on_round if status else None, load_kv=load_kv,
+                             **{k: options[k] for k in keys})
+        if status:
+            status.end()
+        return out
 
     results, parts = [], []  # parts: each batch's figures
     try:
@@ -171,10 +187,14 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     except BaseException:
         # interrupted or failed half way: the rows finished so far (the earlier batches' and the current
         # one's), in the file's order, without the batch's statistics (not measured to its end); the error
-        # follows on stderr
+        # follows on stderr, after the live view has ended
+        if progress:
+            progress.close()
         _write([record(r, finished[r], None) for r in sorted(finished)], None, options["method"], device, as_json)
         raise
     stats = _combined(parts)
+    if progress:  # its last state stays on screen, above the lines when stdout is the terminal too
+        progress.finish(stats)
     _write([record(r, result.tokens, result.stats) for r, result in enumerate(results)], stats, options["method"],
            device, as_json)
     if load_kv is not None:

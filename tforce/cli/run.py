@@ -36,7 +36,7 @@ def run(
                                         "{\"prompt\" and/or \"file\", \"id\", \"max_new_tokens\"} a line, run as "
                                         "one batch (as several in turn when it does not fit); one JSON line out "
                                         "per prompt (--json: one object holding them; every --method; no "
-                                        "--deterministic, --tp or KV snapshots)."),
+                                        "--tp or KV snapshots)."),
     opts: Optional[dict] = None,
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
@@ -48,7 +48,7 @@ def run(
         if batch is not None:
             given = (prompt_file_arg, prompt_file, prompt)
             check_options(opts["method"], opts["policy"], opts["gpus"] or opts["tp"], given != (None,) * 3,
-                          opts["deterministic"], opts["save_kv"] is not None)
+                          opts["save_kv"] is not None)
         setup = _configure(params, calibrate=batch is None)
         # the prompts before any notice (notices), so that a bad prompt is the only line
         if batch is not None:

@@ -103,15 +103,15 @@ class Setup:
         return fmt if snapshot_ids is None else fmt.as_made(snapshot_ids)
 
 
-def notices(setup: Setup, fmt, batch: bool = False, serving: bool = False) -> None:
+def notices(setup: Setup, fmt, serving: bool = False) -> None:
     """The command's stderr notes (--gpu-memory off CUDA, the demo pair, greedy's exactness in a 16-bit
     dtype, the chat template laying the prompt out): after the prompt's checks, the template's included, so
-    that a refused prompt's error is the only line. batch: --batch's. serving: `tforce serve`'s, where only
-    chat requests take the template."""
+    that a refused prompt's error is the only line. serving: `tforce serve`'s, where only chat requests
+    take the template."""
     _gpu_memory_note(setup.options["gpu_memory"], setup.device)
     if setup.demo is not None:
         _say(notice(setup.target, setup.demo))
-    _exactness_note(setup, batch)
+    _exactness_note(setup)
     if fmt.templated and serving:
         _say(f"tforce: chat requests follow {setup.target}'s chat template; completions take the text as it is")
     elif fmt.templated:
@@ -208,16 +208,14 @@ def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int,
         check_dtype(load_kv, manifest, dtype)
 
 
-def _exactness_note(setup: Setup, batch: bool = False) -> None:
+def _exactness_note(setup: Setup) -> None:
     """Greedy speculation in a 16-bit dtype, said where it is run: a verification's logits round differently
-    from one-token decoding's (README, Exactness), so a near-tie can flip a token. batch: --batch, which
-    refuses --deterministic, so the note does not offer it."""
+    from one-token decoding's (README, Exactness), so a near-tie can flip a token."""
     o = setup.options
     dtype = _dtype_name(setup.dtype, setup.device)
     if o["temperature"] == 0 and o["method"] != "ar" and not o["deterministic"] and dtype != "float32":
         _say(f"tforce: note: greedy in {dtype}: the tokens are plain decoding's (--method ar) except where its "
-             "two best logits nearly tie" + ("" if batch else
-                                            "; --deterministic makes them plain decoding's bit for bit"))
+             "two best logits nearly tie; --deterministic makes them plain decoding's bit for bit")
 
 
 def _parallel(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .decode import decode, row_stats
+from .decode import decode, level_counts, row_stats
 from .generate import Result, _eos_ids, _modules, check_ids, configuration, generator
 from ..config import Sampling, Speculation
 from ..errors import UsageError
@@ -41,8 +41,8 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
                    draft_budget: int = Speculation.draft_budget, sinks: int = Speculation.sinks,
                    rebuild_every: int = Speculation.rebuild_every, rebuild_below: float = Speculation.rebuild_below,
                    policy: str = Speculation.policy, prefill_chunk: int = 512, offload: str = "auto",
-                   gpu_memory: int | None = None, device_free: int | None = None, load_kv=None, on_row=None,
-                   until=None) -> list[Result]:
+                   gpu_memory: int | None = None, device_free: int | None = None, deterministic: bool = False,
+                   load_kv=None, on_row=None, until=None, on_prefill=None, on_round=None) -> list[Result]:
     """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
     for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
@@ -54,11 +54,17 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     Options as `generate`'s; policy: retrieval, shared, topk or streaming (no h2o). The batch is
     planned before anything is allocated (placement.py with B rows) and refused if it does not fit;
     offload, gpu_memory and device_free as in `generate` (offloaded layers stream once per step for all
-    rows). on_row(r, tokens) is told each row's final tokens as soon as the row is finished (a row with no
-    budget right after the prefill), so a caller keeps what is done if the rest fails or is interrupted.
+    rows). deterministic: the full cache verifies row by row (rowwise.py), each row's logits bit for bit
+    those of one-token decoding of that prompt alone (greedy: each row is `ar`'s alone in any dtype, not
+    only where no near-tie falls within a batched forward's rounding). on_row(r, tokens) is told each
+    row's final tokens as soon as the row is finished (a row with no budget right after the prefill), so
+    a caller keeps what is done if the rest fails or is interrupted.
     until(tokens) -> int | None: `generate`'s, asked of each row after each round with the row's tokens so
     far (stops.StopStrings.cut: each row ends at its first stop string, where it would alone); a row it
-    ends leaves the batch as a row at EOS does.
+    ends leaves the batch as a row at EOS does. Progress, for a live view: on_prefill(done, total) as the
+    prefill goes (`generate`'s: tokens of all rows, or token-layers where it runs layer-major); on_round(
+    tokens, counts) after each round, with each row's new tokens ({prompt index: tokens}, as cut) and each
+    level's (accepted, drafted) tokens so far over the batch's rows (decode.level_counts).
     load_kv: a KV snapshot folder (`generate`'s): read once, its prefix goes into every row whose prompt
     starts with it (as far as it matches; questions about one loaded document), and only the rest of each
     prompt is prefilled; each Result's stats give kv_reused (that row's), kv_snapshot_tokens and load_kv_s."""
@@ -97,7 +103,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     total = max(len(p) + m for p, m in zip(prompts, max_new))
     # planned for B rows before anything is allocated: raises when the batch does not fit
     session = Session(target, draft, longest, total - longest, spec, sampling, prefill_chunk, offload, gpu_memory,
-                      device_free=device_free, rows=B)
+                      device_free=device_free, deterministic=deterministic, rows=B)
     t0 = time.perf_counter()
     kv = [{} for _ in prompts]
     if load_kv is not None:
@@ -105,12 +111,13 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
         reused, length = snapshot_io.load_rows(load_kv, session, rows, [len(p) - 1 for p in prompts], identity)
         _sync_device(device)
         kv = [{"kv_reused": c, "kv_snapshot_tokens": length, "load_kv_s": time.perf_counter() - t0} for c in reused]
-    session.prefill(prompts)
+    session.prefill(prompts, on_prefill)
     _sync_device(device)
     t1 = time.perf_counter()
     eos = set() if ignore_eos else _eos_ids(target.config)
     before = session.counts()
-    outs = decode(session, [len(p) for p in prompts], max_new, gen, eos, until, on_row=on_row)
+    told = (lambda tokens: on_round(tokens, level_counts(session))) if on_round else None
+    outs = decode(session, [len(p) for p in prompts], max_new, gen, eos, until, on_row=on_row, on_round=told)
     _sync_device(device)
     t2 = time.perf_counter()
     n_all = sum(len(o) - session.firsts[r] for r, o in enumerate(outs))  # decode_s's: each row's first is the prefill's

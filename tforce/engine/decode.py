@@ -17,11 +17,12 @@ from .stops import end_of_round
 
 
 def decode(session, n: list[int], max_new: list[int], gen: torch.Generator, eos: set[int], until=None,
-           on_tokens=None, on_row=None) -> list[list[int]]:
+           on_tokens=None, on_row=None, on_round=None) -> list[list[int]]:
     """Each prompt r's new tokens after session.buffer[i, :n[r]] (live row i is prompt session.ids[i]), at
     most max_new[r]. on_tokens(r, tokens) after each round, for every row that took part, with its new
-    tokens (as cut); on_row(r, tokens) with a row's final tokens once it is finished (a row with no budget
-    before the first round), so a caller keeps what is done if the rest fails."""
+    tokens (as cut), then on_round({r: tokens} of those rows); on_row(r, tokens) with a row's final tokens
+    once it is finished (a row with no budget before the first round), so a caller keeps what is done if
+    the rest fails."""
     out: list[list[int]] = [[] for _ in n]
     n = list(n)
     if not _finish(session, out, [m == 0 for m in max_new], on_row):
@@ -30,7 +31,7 @@ def decode(session, n: list[int], max_new: list[int], gen: torch.Generator, eos:
         threads.tick()
         ids = list(session.ids)
         news = session.round([n[r] for r in ids], gen)
-        done = []
+        done, told = [], {}
         for r, tokens in zip(ids, news):
             tokens = tokens[: max_new[r] - len(out[r])]
             end = end_of_round(out[r], tokens, eos, until)
@@ -40,7 +41,10 @@ def decode(session, n: list[int], max_new: list[int], gen: torch.Generator, eos:
             n[r] += len(tokens)
             if on_tokens:
                 on_tokens(r, tokens)
+            told[r] = tokens
             done.append(end is not None or len(out[r]) >= max_new[r])
+        if on_round:
+            on_round(told)
         if not _finish(session, out, done, on_row):
             return out
 
@@ -81,6 +85,15 @@ def acceptance(session, r: int = 0) -> dict:
     return {"draft": acc(session.small_verifier), "retrieval": acc(session.middle_verifier)}
 
 
+def level_counts(session) -> dict:
+    """Every prompt's drafted tokens so far per level, as (accepted, drafted): {"draft", "retrieval"} (None
+    where the method has none); counts, not rates, so that several batches' add up."""
+    def counts(level):
+        return None if level is None else (sum(level.stats.accepted), sum(level.stats.drafted))
+
+    return {"draft": counts(session.small_verifier), "retrieval": counts(session.middle_verifier)}
+
+
 def placement_stats(plan: placement.Plan) -> dict:
     """The full cache's placement, as the statistics and on_plan report it."""
     return {
@@ -102,7 +115,8 @@ def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s
               before: dict[str, tuple[int, float]]) -> dict:
     """Prompt r's statistics: the session's prefill_s and decode_s, ms_per_token (decode_s over the tokens
     every row decoded after its first, which the prefill gave: as peers measure it, bench/peers.py),
-    forwards and stage_s per node while decoding (before: session.counts() when decoding began), the placement and the plan's peak, retrieval rebuild seconds (the prefill's, then those while decoding,
+    forwards and stage_s per node while decoding (before: session.counts() when decoding began), the
+    placement and the plan's peak, retrieval rebuild seconds (the prefill's, then those while decoding,
     every row's); the row's own verifications (rounds that decided its tokens), tokens_per_verification,
     acceptance and rebuilds while decoding."""
     now = session.counts()

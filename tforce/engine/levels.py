@@ -45,6 +45,7 @@ class Node:
         self.name, self.model, self.cache, self.sampling, self.vocab = name, model, cache, sampling, vocab
         # runner(ids, last_n) replaces model(ids, cache, last_n) when given (graphs.GraphRunner, rowwise.py)
         self.runner = runner or (lambda ids, last_n: model(ids, cache, last_n=last_n))
+        self.counted = getattr(runner, "counted", False)  # takes each row's real count (rowwise.py)
         self.tokens = torch.zeros(cache.rows, capacity, dtype=torch.long)  # row b holds tokens[b, :lengths[b]]
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
@@ -97,8 +98,10 @@ class Node:
         self.cache.begin(T, None if same else counts)
         mark = self.timer.start()
         fed = to_device(fed, self.device)
-        if prefill:
+        if prefill and not (self.counted and B > 1):
             logits = self._prefill_forward(fed, counts, last, same)
+        elif self.counted:  # real tokens only: each row's last `last` logits (rowwise.py)
+            logits = self.runner(fed, last, counts, prefill)  # (B, last, V)
         else:
             logits = self.runner(fed, last if same else None if last else 0)  # (B, last or T, V)
         self.timer.stop(mark)
@@ -108,7 +111,7 @@ class Node:
         self.forwards += 1
         if not last:
             return None
-        if not same and not prefill:
+        if not same and not prefill and not self.counted:
             pick = torch.tensor(counts)[:, None] - last + torch.arange(last)  # (B, last)
             pick = to_device(pick, logits.device)
             logits = logits.gather(1, pick[..., None].expand(-1, -1, logits.shape[-1]))
@@ -132,7 +135,10 @@ class Node:
 
     def next_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """The distribution (B, V) of each row's next token from its last position's final hidden states
-        (B, 1, hidden): a prefill run outside a forward of this node's (prefill.prefill_layer_major)."""
+        (B, 1, hidden): a prefill run outside a forward of this node's (prefill.prefill_layer_major). Row by
+        row under row-wise verification: (1, 1, hidden) as each row's prefill alone computes it."""
+        if self.counted:
+            return self._probs(torch.cat([self.model.head(hidden[b:b + 1]) for b in range(len(hidden))]))[:, 0]
         return self._probs(self.model.head(hidden))[:, 0]
 
     def probs(self, seq: torch.Tensor, n: list[int], last: int = 1) -> torch.Tensor:

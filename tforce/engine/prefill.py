@@ -22,6 +22,8 @@ from typing import NamedTuple
 import torch
 
 from ..cache import FullCache
+from ..cache.rows import per_row
+from .rowwise import prefill_rows
 
 
 class _AsLayerZero:
@@ -48,19 +50,24 @@ def _scratch(model, full, n: int, rows: int):
     return scratch, 0
 
 
-def _run_layers(model, x: torch.Tensor, scratch, steps, restart, hand_over, progress, total: int) -> None:
+def _run_layers(model, x: torch.Tensor, scratch, steps, restart, hand_over, progress, total: int,
+                rowwise: bool = False) -> None:
     """x (B, N, hidden) through every layer in place: per layer the scratch restarts empty (restart()),
     takes the chunks steps = [(a, b, counts, done)]: positions [a, b) of x, each row committing counts
-    of them, `done` token-layers of the layer finished after it; then hand_over(layer) takes the layer."""
+    of them, `done` token-layers of the layer finished after it; then hand_over(layer) takes the layer.
+    rowwise: each row's chunk alone, as the row-wise verifier prefills rows (rowwise.py)."""
     layers = model.model.layers
     alias = _AsLayerZero(scratch)
     for i, layer in enumerate(layers):
         restart()
         for a, b, counts, done in steps:
             scratch.begin(b - a)
-            # contiguous: with B > 1 rows the slice is strided, and token-major prefill feeds a layer a
-            # fresh tensor (the same GEMM inputs, whatever path a strided input would take)
-            x[:, a:b] = layer(x[:, a:b].contiguous(), alias)
+            if rowwise:
+                prefill_rows(layer, x, a, per_row(counts, scratch.rows), alias, scratch.lengths[:scratch.rows])
+            else:
+                # contiguous: with B > 1 rows the slice is strided, and token-major prefill feeds a layer a
+                # fresh tensor (the same GEMM inputs, whatever path a strided input would take)
+                x[:, a:b] = layer(x[:, a:b].contiguous(), alias)
             scratch.commit(counts)
             if progress:
                 progress(i * total + done, len(layers) * total)
@@ -73,10 +80,12 @@ class Prefilled(NamedTuple):
 
 
 @torch.inference_mode()
-def prefill_layer_major(model, seqs, full: FullCache, chunk: int, progress=None, on_layer=None) -> Prefilled:
+def prefill_layer_major(model, seqs, full: FullCache, chunk: int, progress=None, on_layer=None,
+                        rowwise: bool = False) -> Prefilled:
     """Row b of `full` (every row empty, one per sequence) takes seqs[b] (token ids: a list or a 1-D
     tensor); progress(done, total) in token-layers of all rows; on_layer(i, keys) sees each layer's rotated
-    keys (B, N, H_kv, D) on the device before they leave, row b's first len(seqs[b]) real (N: the longest)."""
+    keys (B, N, H_kv, D) on the device before they leave, row b's first len(seqs[b]) real (N: the longest).
+    rowwise (deterministic, rows > 1): each row's chunks computed alone, bit for bit its prefill alone."""
     seqs = [s.tolist() if torch.is_tensor(s) else list(s) for s in seqs]
     B, lengths = len(seqs), [len(s) for s in seqs]
     assert full.rows == B and not any(full.lengths[:B]), "layer-major prefill starts from empty rows"
@@ -100,7 +109,8 @@ def prefill_layer_major(model, seqs, full: FullCache, chunk: int, progress=None,
         counts = [max(0, min(chunk, n - a)) for n in lengths]
         steps.append((a, a + max(counts), counts[0] if B == 1 else torch.tensor(counts),
                       sum(min(a + chunk, n) for n in lengths)))
-    _run_layers(model, x, scratch, steps, lambda: scratch.truncate(0), hand_over, progress, sum(lengths))
+    _run_layers(model, x, scratch, steps, lambda: scratch.truncate(0), hand_over, progress, sum(lengths),
+                rowwise and B > 1)
     full.row_queries[:B] = queries
     full.commit_written(lengths)
     last = x[torch.arange(B, device=x.device), torch.tensor(lengths, device=x.device) - 1][:, None]

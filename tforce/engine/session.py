@@ -36,12 +36,10 @@ def _sync_device(device: torch.device) -> None:
 ROW_POLICIES = ("retrieval", "shared", "topk", "streaming")  # not h2o: its recording pass is one prompt's
 
 
-def check_rows(rows: int, policy: str, deterministic: bool = False) -> None:
+def check_rows(rows: int, policy: str) -> None:
     """What runs for one row only so far, refused in one line for more."""
     if rows > 1 and policy not in ROW_POLICIES:  # cache/policies.py: H2O's scores are one prompt's
         raise UsageError(f"batches run --policy {'|'.join(ROW_POLICIES)} so far, not {policy!r}")
-    if rows > 1 and deterministic:  # rowwise.py: its views are one causal prefix, the same for every row
-        raise UsageError("batches do not run --deterministic yet (one prompt at a time does)")
 
 
 class Session:
@@ -54,7 +52,7 @@ class Session:
         """prompt_len + max_new: the longest row's tokens (rows: its prompt and budget need not be the
         same row's). group: the tensor-parallel ranks (parallel.Group), whose plans must agree before any
         cache exists."""
-        check_rows(rows, spec.policy, deterministic)
+        check_rows(rows, spec.policy)
         self.target, self.draft = target, draft
         cfg = target.config
         self.total = prompt_len + max_new
@@ -159,7 +157,7 @@ class Session:
             chunk_rule = self.retrieval is not None and self.retrieval.select is None
             observe = (lambda i, k: self.retrieval.observe(full, i, k, m)) if chunk_rule else None
             done = prefill_layer_major(self.target, [self.buffer[b, :mb] for b, mb in enumerate(m)], full,
-                                       self.full.prefill_chunk, progress, observe)
+                                       self.full.prefill_chunk, progress, observe, rowwise=self.full.counted)
             self.full.adopt(self.buffer, m)
             self.next = self.full.next_of(done.last) if first else None
         elif first:

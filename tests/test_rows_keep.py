@@ -95,7 +95,9 @@ def test_retrieval_keep_moves_rows_without_scratch(tiny):
     cache.stats = ["s0", "s1", "s2", "s3"]  # each row's ChunkStats, moved with it
     before = [x.clone() for x in (cache.k, cache.v, cache.key_pos)]
     assert largest_allocation(lambda: cache.keep(KEEP)) < cache.k[0, 0].nbytes
-    for x, old in zip((cache.k, cache.v, cache.key_pos), before):
-        assert torch.equal(x[:, :2], old[:, KEEP])
+    budget = (slice(None), slice(None), slice(0, 256))  # the budget's slots (the spill slot holds padding only)
+    for x, old in zip((cache.k, cache.v), before):
+        assert torch.equal(x[:, :2][budget], old[:, KEEP][budget])
+    assert torch.equal(cache.key_pos[:, :2, :, :256], before[2][:, KEEP, :, :256])
     assert cache.rows == 2 and cache.lengths[:2] == [20, 40] and cache.base[:2] == [15, 35]
     assert cache.stats[:2] == ["s1", "s3"] and cache.stats[2:] == [None, None]

@@ -115,7 +115,8 @@ def test_chat_and_run_reuse_a_snapshot_made_on_another_day(models, tmp_path, mon
     r = _cli(models, "run", str(models / "doc.txt"), "-p", "Who?", "--load-kv", str(tmp_path / "run-kv"), "--json")
     assert r.exit_code == 0, (r.output, r.exception)
     assert json.loads(r.stdout)["tokens"] == _greedy(models, day1)
-    assert f"reused {len(day1) - 1} of {len(day1) - 1} prompt tokens" in r.stderr and note in r.stderr
+    # the same prompt: all of it but its last token, fed again for the first new token's distribution
+    assert f"reused {len(day1) - 1} of {len(day1)} prompt tokens" in r.stderr and note in r.stderr
     fresh = _cli(models, "run", str(models / "doc.txt"), "-p", "Who?", "--json")  # no snapshot: today's date
     assert json.loads(fresh.stdout)["prompt_tokens"] == len(PromptFormat(tok, now=DAY2).prompt_ids(DOC + "\n\nWho?"))
     assert "writes the date" not in fresh.stderr

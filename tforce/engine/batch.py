@@ -13,15 +13,11 @@ nothing streams back; PCIe traffic linear in the prompts).
 """
 from __future__ import annotations
 
-import time
-
-import torch
-
-from .decode import decode, level_counts, row_stats
 from .generate import Result, _eos_ids, _modules, check_ids, configuration, generator
+from .generation import run
 from ..config import Sampling, Speculation
 from ..errors import UsageError
-from .session import Session, _sync_device, check_rows
+from .session import check_rows
 
 BATCH_METHODS = ("ar", "triforce", "naive", "retrieval", "streaming")
 
@@ -68,7 +64,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     load_kv: a KV snapshot folder (`generate`'s): read once, its prefix goes into every row whose prompt
     starts with it (as far as it matches; questions about one loaded document), and only the rest of each
     prompt is prefilled; each Result's stats give kv_reused (that row's), kv_snapshot_tokens and load_kv_s."""
-    from ..snapshot import identity as snapshot_identity, store as snapshot_io
+    from ..snapshot import identity as snapshot_identity
 
     identity = snapshot_identity.identity(target, draft) if load_kv is not None else None
     target, draft = _modules(target, draft)
@@ -93,34 +89,12 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     if min(budgets) < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {min(budgets)}")
     max_new = [min(m, context - len(p)) for p, m in zip(prompts, budgets)]
-    if (target.config.rope_parameters or {}).get("rope_type") == "dynamic":
+    if len(prompts) > 1 and (target.config.rope_parameters or {}).get("rope_type") == "dynamic":
         # its frequencies depend on each row's final length (rope.py): one rotation per row, not done
         raise UsageError("batches do not support dynamic NTK RoPE yet")
-    device = next(target.parameters()).device
-    gen = generator(target, seed)
-
-    B, longest = len(prompts), max(map(len, prompts))
-    total = max(len(p) + m for p, m in zip(prompts, max_new))
-    # planned for B rows before anything is allocated: raises when the batch does not fit
-    session = Session(target, draft, longest, total - longest, spec, sampling, prefill_chunk, offload, gpu_memory,
-                      device_free=device_free, deterministic=deterministic, rows=B)
-    t0 = time.perf_counter()
-    kv = [{} for _ in prompts]
-    if load_kv is not None:
-        rows = [torch.tensor(p, dtype=torch.long) for p in prompts]
-        reused, length = snapshot_io.load_rows(load_kv, session, rows, [len(p) - 1 for p in prompts], identity)
-        _sync_device(device)
-        kv = [{"kv_reused": c, "kv_snapshot_tokens": length, "load_kv_s": time.perf_counter() - t0} for c in reused]
-    session.prefill(prompts, on_prefill)
-    _sync_device(device)
-    t1 = time.perf_counter()
     eos = set() if ignore_eos else _eos_ids(target.config)
-    before = session.counts()
-    told = (lambda tokens: on_round(tokens, level_counts(session))) if on_round else None
-    outs = decode(session, [len(p) for p in prompts], max_new, gen, eos, until, on_row=on_row, on_round=told)
-    _sync_device(device)
-    t2 = time.perf_counter()
-    n_all = sum(len(o) - session.firsts[r] for r, o in enumerate(outs))  # decode_s's: each row's first is the prefill's
-    batch = {"batch_size": B, "batch_tokens_per_s": n_all / (t2 - t1) if n_all and t2 > t1 else None}
-    return [Result(outs[r], {**row_stats(session, r, outs, t1 - t0, t2 - t1, before), **batch, **kv[r]})
-            for r in range(B)]
+    outs, stats = run(target, draft, prompts, max_new, spec, sampling, generator(target, seed), eos,
+                      prefill_chunk=prefill_chunk, offload=offload, gpu_memory=gpu_memory, device_free=device_free,
+                      deterministic=deterministic, identity=identity, load_kv=load_kv, on_prefill=on_prefill,
+                      on_round=on_round, on_row=on_row, until=until)
+    return [Result(out, s) for out, s in zip(outs, stats)]

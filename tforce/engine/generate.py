@@ -1,21 +1,19 @@
-"""generate: checks the arguments, opens a one-row Session (session.py: the caches and levels for a method
-and their lifecycles), runs the decode loop (decode.py, the one loop for one prompt and for a batch),
-reports the statistics.
+"""generate: checks the arguments of one prompt and runs it as a batch of one row (generation.py: the one
+path of a Session, its prefill, decode loop and statistics, for one prompt and for a batch); and the
+checks and helpers generate_batch and conversations share.
 
 One generation = prefill every node on the prompt, then rounds of the top level until the token
 budget or EOS; each round: (maybe) rebuild the retrieval cache, draft, verify, commit, stream.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from ..config import Sampling, Speculation
 from ..errors import UsageError
-from .decode import decode_one, one_row_stats, placement_stats
-from .session import Session, _sync_device
+from .session import Session
 from ..model.vocab import check_sizes, check_tokenizers
 
 
@@ -136,10 +134,10 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     until(tokens) -> int | None: after each round, given every token generated so far, how many to keep
     and end there (stops.StopStrings.cut), or None to go on; the tokens kept stay an exact prefix.
     offload: where the full KV cache lives ("auto": on the GPU while it fits, the rest in pinned host
-    memory; "on": all in host memory; "off": all on the device); gpu_memory caps the bytes tforce may use on the GPU. device_free: the device's free bytes
-    as the caller measured them (tensor-parallel ranks pass their minimum so that all plan alike; None:
-    measured here); given on a CPU run, the KV cache is placed as if a device had that much room, which
-    runs the offloaded cache's code path on the CPU (for tests). policy: which tokens the middle
+    memory; "on": all in host memory; "off": all on the device); gpu_memory caps the bytes tforce may use on
+    the GPU. device_free: the device's free bytes as the caller measured them (tensor-parallel ranks pass
+    their minimum so that all plan alike; None: measured here); given on a CPU run, the KV cache is placed
+    as if a device had that much room, which runs the offloaded cache's code path on the CPU (for tests). policy: which tokens the middle
     (retrieval) cache holds: retrieval | topk | streaming | h2o (cache/policies.py). deterministic: the
     full-cache level computes every drafted position's logits exactly as one-token decoding does
     (rowwise.py), so greedy output equals `ar`'s in any dtype; it costs weight reads per verification.
@@ -158,43 +156,34 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
         from .planner import generate_auto
 
         return generate_auto(args)
-    from ..snapshot import format as snapshot, identity as snapshot_identity, store as snapshot_io
+    from ..snapshot import format as snapshot, identity as snapshot_identity
+    from .generation import run
 
     identity = snapshot_identity.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
     target, draft = _modules(target, draft)
-    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+    prompt = [int(t) for t in prompt_ids]
     max_new = check_prompt(target, len(prompt), max_new_tokens)
     check_ids(target, prompt)
-    session = open_session(target, draft, len(prompt), max_new, method=method, temperature=temperature,
-                           top_p=top_p, top_k=top_k, seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1,
-                           gamma2=gamma2, draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
-                           rebuild_below=rebuild_below, policy=policy, prefill_chunk=prefill_chunk, offload=offload,
-                           gpu_memory=gpu_memory, cuda_graphs=cuda_graphs, device_free=device_free,
-                           deterministic=deterministic, group=group)
-    if on_plan:
-        on_plan(placement_stats(session.plan))
+    spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
+                                   draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
+                                   rebuild_below=rebuild_below, policy=policy)
     if save_kv is not None:
         snapshot.check_target(save_kv)  # before the work, not after
-    gen = generator(target, seed)
-    device = next(target.parameters()).device
-    t0 = time.perf_counter()
-    kv = {}
-    if load_kv is not None:
-        kv["kv_reused"], kv["kv_snapshot_tokens"] = snapshot_io.load(load_kv, session, prompt, len(prompt) - 1,
-                                                                    identity, group)
-        _sync_device(device)
-        kv["load_kv_s"] = time.perf_counter() - t0
-    session.prefill([prompt], on_prefill)
-    _sync_device(device)
-    t1 = time.perf_counter()
-    if save_kv is not None:
-        snapshot_io.save(save_kv, session, identity, group)
-        kv["save_kv_s"] = time.perf_counter() - t1
+
+    def told(r, tokens, acceptance):
+        if on_token:
+            on_token(tokens)
+        if on_round:
+            on_round(tokens, acceptance)
+
     eos = set() if ignore_eos else _eos_ids(target.config)
-    before = session.counts()
-    t2 = time.perf_counter()
-    out = decode_one(session, len(prompt), max_new, gen, eos, on_token, on_round, until)
-    _sync_device(device)
-    t3 = time.perf_counter()
-    stats = one_row_stats(session, out, t1 - t0, t3 - t2, before)
-    return Result(out, {**stats, **kv})
+    # one prompt is a batch of one row: the batch's path (generation.py), its statistics those of the row
+    [out], [stats] = run(target, draft, [prompt], [max_new], spec, sampling, generator(target, seed), eos,
+                         prefill_chunk=prefill_chunk, offload=offload, gpu_memory=gpu_memory, cuda_graphs=cuda_graphs,
+                         device_free=device_free, deterministic=deterministic, group=group, identity=identity,
+                         load_kv=load_kv, save_kv=save_kv, on_plan=on_plan, on_prefill=on_prefill,
+                         on_tokens=told if on_token or on_round else None, until=until)
+    del stats["batch_size"]
+    stats["tokens_per_s"] = stats.pop("batch_tokens_per_s")  # the one row's: tokens after the first over decode_s
+    return Result(out, stats)

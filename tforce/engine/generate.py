@@ -137,8 +137,9 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     memory; "on": all in host memory; "off": all on the device); gpu_memory caps the bytes tforce may use on
     the GPU. device_free: the device's free bytes as the caller measured them (tensor-parallel ranks pass
     their minimum so that all plan alike; None: measured here); given on a CPU run, the KV cache is placed
-    as if a device had that much room, which runs the offloaded cache's code path on the CPU (for tests). policy: which tokens the middle
-    (retrieval) cache holds: retrieval | topk | streaming | h2o (cache/policies.py). deterministic: the
+    as if a device had that much room, which runs the offloaded cache's code path on the CPU (for tests).
+    policy: which tokens the middle (retrieval) cache holds: retrieval | topk | streaming | h2o
+    (cache/policies.py). deterministic: the
     full-cache level computes every drafted position's logits exactly as one-token decoding does
     (rowwise.py), so greedy output equals `ar`'s in any dtype; it costs weight reads per verification.
     KV snapshots (snapshot/format.py): load_kv, a snapshot folder: its caches are loaded and only the part of the

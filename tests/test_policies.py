@@ -118,7 +118,7 @@ def test_h2o_holds_heavy_hitters_and_recent_window(tiny, name):
     select.prepare(model, ids[0], chunk=16)  # chunks: the result must not depend on them
     for layer in range(len(acc)):
         for h in range(model.n_kv_heads):
-            got = select.scores[layer][h].double()
+            got = select.scores[0][layer][h].double()
             assert torch.allclose(got, torch.tensor(acc[layer][h], dtype=torch.float64), atol=1e-4)
     cache = build(model, full, budget, select)
     n_recent = budget // 2

@@ -40,12 +40,15 @@ def test_greedy_rows_equal_plain_decoding(tiny, target, method):
 
 @pytest.mark.parametrize("method, policy", [("triforce", "retrieval"), ("retrieval", "retrieval"),
                                             ("triforce", "topk"), ("retrieval", "topk"),
-                                            ("triforce", "streaming"), ("retrieval", "streaming")])
+                                            ("triforce", "streaming"), ("retrieval", "streaming"),
+                                            ("triforce", "h2o"), ("retrieval", "h2o")])
 def test_rows_accept_and_rebuild_what_they_would_alone(tiny, method, policy):
     """With rebuild_every below the crowded threshold, a row's rebuilds come at the same tokens as alone:
     greedy, its drafts are then fixed, so its acceptance at both levels, rebuilds and verifications equal
     the single-prompt path's (per-row selection by the policy, catch-up and acceptance, checked together);
-    its tokens are plain decoding's."""
+    its tokens are plain decoding's. h2o: each row selects by its own prompt's scores, which follow it when
+    the rows that finish first are compacted away (rows 0 and 1 leave first; rows 2 and 3, whose prompts are
+    longer than the budget, move and are selected again)."""
     prompts = prompts_of(LENGTHS, seed=1)
     kw = dict(draft=tiny["draft"], method=method, temperature=0, ignore_eos=True, policy=policy, **SMALL)
     rows = generate_batch(tiny["gqa"], prompts, max_new_tokens=BUDGETS, **kw)

@@ -214,9 +214,9 @@ def test_the_extreme_seeds_torch_takes_still_run(runner, models):
         assert _run(runner, models, "--seed", seed).exit_code == 0
 
 
-def test_batch_refuses_the_h2o_policy_before_loading(runner, models, tmp_path, monkeypatch):
-    """README: options are checked before any model is loaded; --batch --policy h2o was refused by
-    generate_batch, after both models' weights were read."""
+def test_batch_refuses_its_options_before_loading(runner, models, tmp_path, monkeypatch):
+    """README: options are checked before any model is loaded; a --batch refusal (once --policy h2o, read by
+    generate_batch after both models' weights) comes before any weights are read."""
     import tforce.model.weights
 
     def no_loading(*a, **k):
@@ -225,8 +225,9 @@ def test_batch_refuses_the_h2o_policy_before_loading(runner, models, tmp_path, m
     monkeypatch.setattr(tforce.model.weights, "load_model", no_loading)
     batch = tmp_path / "prompts.jsonl"
     batch.write_text('{"prompt": "Hello"}\n')
-    r = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "--batch", str(batch), "--policy", "h2o"])
-    _one_error_line(r, 2, "batches run --policy retrieval|shared|topk|streaming so far, not 'h2o'")
+    r = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "--batch", str(batch), "--save-kv",
+                            str(tmp_path / "kv")])
+    _one_error_line(r, 2, "--batch saves no KV snapshot")
 
 
 def test_eval_out_that_is_a_file_is_refused_before_the_work(runner, models, tmp_path, monkeypatch):

@@ -111,7 +111,7 @@ def test_a_select_rules_empty_slots_stay_empty(tiny):
     full = filled(model, LENGTHS)
     n_layers, n_kv, d = dims(model)
 
-    def first_and_empty(layer, keys, length, query, budget):
+    def first_and_empty(layer, keys, length, query, budget, row):
         return torch.tensor([[0, -1]] * keys.shape[1])
 
     cache = RetrievalCache(n_layers, n_kv, d, 16, 4, full.rotary, select=first_and_empty, rows=full.rows)
@@ -177,3 +177,45 @@ def test_offloaded_rows_are_gathered_into_one_reused_host_buffer(tiny):
     assert (k1.data_ptr(), v1.data_ptr()) == (k2.data_ptr(), v2.data_ptr())
     assert torch.equal(k2, gather_heads(full.host_k[1][2:3], idx[:2]))
     assert torch.equal(v2, gather_heads(full.host_v[1][2:3], idx[:2]))
+
+
+def test_h2o_rows_select_by_their_own_prompts_scores(tiny):
+    """H2O's heavy hitters come from each row's own prompt (prepare(model, prompt, row)): row b's scores are
+    those of H2O prepared on prompt b alone, the long rows' scores and heavy hitters differ, and every row
+    holds what a single cache with H2O prepared on its prompt holds. When finished rows are compacted away
+    (keep), the rule's scores move with their rows: a moved row selected again still holds what it would
+    alone."""
+    model = tiny["gqa"].model
+    full, ref = filled(model, LENGTHS), filled(model, LENGTHS)
+    prompts = [torch.tensor(p) for p in rows_ids(LENGTHS)]  # what `filled` fed each row
+    budget, chunk = 16, 4  # rows 0 and 2 (37 and 23 tokens) select; rows 1 and 3 are held whole
+    n_layers, n_kv, d = dims(model)
+    h2o = make_select("h2o")
+    for b, p in enumerate(prompts):
+        h2o.prepare(model, p, b)
+    batched = RetrievalCache(n_layers, n_kv, d, budget, chunk, full.rotary, select=h2o, rows=full.rows)
+    rows = list(range(full.rows))
+    batched.rebuild(full, rows, [full.query_at(b, L - 1) for b, L in enumerate(LENGTHS)])
+    singles = []
+    for b, L in enumerate(LENGTHS):
+        alone = make_select("h2o")
+        alone.prepare(model, prompts[b])
+        assert all(torch.equal(a, s) for a, s in zip(alone.scores[0], h2o.scores[b]))
+        one = full_cache(model, 128, full.rotary)
+        one.k[:, 0, :L], one.v[:, 0, :L] = ref.k[:, b, :L], ref.v[:, b, :L]
+        one.lengths[0] = L
+        single = RetrievalCache(n_layers, n_kv, d, budget, chunk, full.rotary, select=alone)
+        single.rebuild(one, [0], [full.query_at(b, L - 1)])
+        assert torch.equal(batched.key_pos[:, b], single.key_pos[:, 0]), b
+        assert torch.equal(batched.k[:, b], single.k[:, 0]) and torch.equal(batched.v[:, b], single.v[:, 0])
+        singles.append(single)
+    n_recent = budget // 2  # the rest of a selecting row's slots are its heavy hitters
+    heavy = [batched.key_pos[:, b, :, :budget - n_recent] for b in (0, 2)]
+    assert not torch.equal(heavy[0], heavy[1])  # two prompts, two selections
+    assert not torch.equal(h2o.scores[0][0][:, :LENGTHS[2]], h2o.scores[2][0])
+    # rows 0 and 1 finish: rows 2 and 3 move to the front and row 2 (now 0) is selected again
+    full.keep([2, 3])
+    batched.keep([2, 3])
+    batched.rebuild(full, [0], [full.query_at(0, LENGTHS[2] - 1)])
+    assert torch.equal(batched.key_pos[:, 0], singles[2].key_pos[:, 0])
+    assert torch.equal(batched.k[:, 0], singles[2].k[:, 0])

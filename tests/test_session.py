@@ -31,13 +31,13 @@ def test_a_one_prompt_batch_is_generate_draw_for_draw(tiny, method):
         assert row.stats[key] == alone.stats[key], key
 
 
-def test_rows_refuse_what_runs_for_one_row_only(tiny):
+def test_rows_take_h2o_and_rowwise_verification(tiny):
+    """Both once ran for one row only: h2o keeps each row's prompt scores (tests/test_rows_retrieval.py), the
+    row-wise verifier runs for any rows (tests/test_rows_deterministic.py)."""
     model, draft = tiny["gqa"].model, tiny["draft"].model
     h2o = Speculation(method="triforce", policy="h2o", **{k: v for k, v in SMALL.items() if k != "prefill_chunk"})
-    with pytest.raises(tforce.UsageError, match="batches run --policy retrieval|shared|topk|streaming so far"):
-        Session(model, draft, 20, 4, h2o, Sampling(), rows=2)
-    Session(model, draft, 20, 4, h2o, Sampling(), rows=1)
-    for rows in (1, 2):  # row-wise verification runs for any rows (tests/test_rows_deterministic.py)
+    for rows in (1, 2):
+        Session(model, draft, 20, 4, h2o, Sampling(), rows=rows)
         Session(model, None, 20, 4, Speculation(method="ar"), Sampling(), deterministic=True, rows=rows)
 
 

@@ -5,10 +5,12 @@ query and the budget, which sequence positions should the cache hold, per KV hea
 holds exactly those keys (at their true rotations), so the rules differ only in *which* tokens, never
 in how they are attended; the output stays exact whatever the rule (speculative sampling).
 
-    select(layer, keys, length, query, budget) -> positions (H_kv, n), n <= budget, -1 = empty slot
+    select(layer, keys, length, query, budget, row) -> positions (H_kv, n), n <= budget, -1 = empty slot
 
-keys (S >= length, H_kv, D) rotated, query (H_q, D) rotated (the last committed token's). Positions
-come in descending importance: tokens generated after a rebuild overwrite the end of the buffer first.
+keys (S >= length, H_kv, D) rotated, query (H_q, D) rotated (the last committed token's), both row `row`'s
+(the cache row selected for: a batch's rows are different prompts; only a rule with per-prompt state, H2O,
+reads it). Positions come in descending importance: tokens generated after a rebuild overwrite the end of
+the buffer first. A rule with per-row state has `keep(rows)`: RetrievalCache.keep tells it which rows stay.
 
 - "retrieval" (ours, TriForce): chunk-mean keys scored by the group query, first chunk always kept
   (the RetrievalCache default; `select=None`).
@@ -30,7 +32,9 @@ come in descending importance: tokens generated after a rebuild overwrite the en
   in blocks of queries: O(layers * H_q * L^2 * D) time and O(block * H_q * L) memory on top of a
   prefill. Fine for evaluation at a few thousand tokens; not a production path at 128K (H2O itself
   accumulates during prefill inside the attention kernel, which this engine's kernels do not expose).
-  Tokens after the prompt have no accumulated score (0); the recent window covers them.
+  Tokens after the prompt have no accumulated score (0); the recent window covers them. In a batch each
+  row's scores are its own prompt's (`prepare(..., row=b)`, one pass per row), so a row selects what it
+  would alone; `keep(rows)` moves them with their rows when finished rows are compacted away.
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ def _all(n_kv: int, length: int, device) -> torch.Tensor:
 class TopK:
     """The exact top-`budget` tokens by the current query's group-summed attention."""
 
-    def __call__(self, layer, keys, length, query, budget):
+    def __call__(self, layer, keys, length, query, budget, row):
         if length <= budget:
             return _all(keys.shape[1], length, keys.device)
         scores = group_attention(keys, length, query.to(keys.device))
@@ -73,7 +77,7 @@ class Streaming:
     def __init__(self, sinks: int):
         self.sinks = sinks
 
-    def __call__(self, layer, keys, length, query, budget):
+    def __call__(self, layer, keys, length, query, budget, row):
         n_kv, device = keys.shape[1], keys.device
         if length <= budget:
             return _all(n_kv, length, device)
@@ -119,10 +123,12 @@ class H2O:
 
     def __init__(self, recent_frac: float = 0.5):
         self.recent_frac = recent_frac
-        self.scores: list[torch.Tensor] | None = None  # per layer (H_kv, L_prompt)
+        # per cache row (its own prompt's), per layer (H_kv, L_prompt); None: not prepared
+        self.scores: list[list[torch.Tensor] | None] = []
 
-    def prepare(self, model, prompt_ids: torch.Tensor, chunk: int = 512) -> None:
-        """One recording pass over prompt_ids; accumulate attention per layer (see the module doc)."""
+    def prepare(self, model, prompt_ids: torch.Tensor, row: int = 0, chunk: int = 512) -> None:
+        """One recording pass over prompt_ids, cache row `row`'s prompt; accumulate attention per layer (see
+        the module doc)."""
         p = next(model.parameters())
         from .rope import Rotary
 
@@ -135,20 +141,27 @@ class H2O:
                 cache.begin(len(ids))
                 model(ids[None].to(p.device), cache, last_n=0)
                 cache.commit(len(ids))
-            self.scores = [accumulated_attention(cache.k[layer, 0, :n], torch.cat(qs)) if qs
-                           else torch.zeros(model.n_kv_heads, 0)
-                           for layer, qs in enumerate(cache.all_queries)]
+            scores = [accumulated_attention(cache.k[layer, 0, :n], torch.cat(qs)) if qs
+                      else torch.zeros(model.n_kv_heads, 0)
+                      for layer, qs in enumerate(cache.all_queries)]
+        self.scores += [None] * (row + 1 - len(self.scores))
+        self.scores[row] = scores
 
-    def __call__(self, layer, keys, length, query, budget):
+    def keep(self, rows: list[int]) -> None:
+        """The cache kept only these rows (increasing), moved to the front: each row's scores go with it."""
+        self.scores = [self.scores[i] if i < len(self.scores) else None for i in rows]
+
+    def __call__(self, layer, keys, length, query, budget, row):
         n_kv, device = keys.shape[1], keys.device
         if length <= budget:
             return _all(n_kv, length, device)
-        assert self.scores is not None, "H2O.prepare(model, prompt) must run before the first rebuild"
+        assert row < len(self.scores) and self.scores[row] is not None, \
+            "H2O.prepare(model, prompt, row) must run before the row's first rebuild"
         n_recent = max(1, int(budget * self.recent_frac))
         n_heavy = budget - n_recent
         start = length - n_recent
         score = torch.zeros(n_kv, start, device=device)
-        known = self.scores[layer].to(device)[:, :start]
+        known = self.scores[row][layer].to(device)[:, :start]
         score[:, :known.shape[1]] = known
         heavy = score.topk(n_heavy, dim=1).indices  # (H_kv, n_heavy), descending
         recent = torch.arange(length - 1, start - 1, -1, device=device).expand(n_kv, n_recent)

@@ -41,8 +41,10 @@ do); per-layer selection drops the key from exactly those layers, while a model-
 chunks the answering layers point at everywhere (EVALUATION.md). It scores from the same statistics.
 
 Other selection rules (Top-K, StreamingLLM, H2O: cache/policies.py) fill the same fixed budget through
-`select(layer, keys, length, query, budget) -> positions (H_kv, n <= budget)` (-1 = empty, descending
-importance); `select=None` is the chunk rule above. Those rules read a layer's full keys.
+`select(layer, keys, length, query, budget, row) -> positions (H_kv, n <= budget)` (-1 = empty, descending
+importance), asked per row with that row's keys and query; `select=None` is the chunk rule above. Those rules
+read a layer's full keys. A rule that keeps per-row state (H2O's prompt scores) is told by `keep` which rows
+stay, so its state follows the rows as finished ones are compacted away.
 """
 from __future__ import annotations
 
@@ -189,7 +191,7 @@ class RetrievalCache(StaticInputs, Rows):
         positions = []
         for layer, q in enumerate(query):
             keys = row.read_keys(layer, 0, L)[0]  # (L, H_kv, D), the row's committed keys, wherever they live
-            positions.append(self.select(layer, keys, L, q.to(keys.device), self.budget))
+            positions.append(self.select(layer, keys, L, q.to(keys.device), self.budget, row.b))
             assert positions[-1].shape[1] <= self.budget, "a select rule returned more positions than the budget"
         return positions
 
@@ -260,10 +262,14 @@ class RetrievalCache(StaticInputs, Rows):
         super().truncate(lengths)
 
     def keep(self, rows: list[int]) -> None:
-        """Rows.keep (rows moved in place, no scratch memory); finished rows' chunk statistics dropped."""
+        """Rows.keep (rows moved in place, no scratch memory); finished rows' chunk statistics dropped; a
+        select rule's per-row state (H2O's scores) moves with its rows, so row b still selects by its own."""
         super().keep(rows)
         gone = len(self.stats) - len(rows)
         self.stats[len(rows):], self._stats_of[len(rows):] = [None] * gone, [None] * gone
+        keep = getattr(self.select, "keep", None)
+        if keep is not None:
+            keep(rows)
 
     def _used(self, b: int) -> int:
         return self.budget  # slots wrap: a row may use any of them (not the spill slot: padding)

@@ -85,13 +85,12 @@ def _document(path: Optional[str], where: str) -> str:
     return _decode_text(data, f"{path} ({where})")
 
 
-def check_options(method: str, policy: str, world: int, prompt_given: bool, save_kv: bool) -> None:
+def check_options(method: str, world: int, prompt_given: bool, save_kv: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
-    from ..engine.batch import BATCH_METHODS, check_batchable
+    from ..engine.batch import BATCH_METHODS
 
     if method != "auto" and method not in BATCH_METHODS:  # auto becomes one of them (setup._configure)
         raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)}, not {method!r}")
-    check_batchable("triforce" if method == "auto" else method, policy)  # auto's options are checked as triforce's
     if world > 1:
         raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
     if save_kv:  # one snapshot per file of prompts would be whose?

@@ -7,9 +7,9 @@ or its token budget (its cache rows are compacted away, so it costs no further w
 The same Session (session.py) and decode loop (decode.py) as `generate`, with a row per prompt: every
 method (`ar`, `naive`, `retrieval`, `streaming`, `triforce`), per-row retrieval rebuilds
 (Session._maybe_rebuild), selecting by the chunk rule (policy retrieval or shared) or a policies.py rule
-(topk, streaming). The full cache may be offloaded in part (cache/offload.py); the prefill then runs
-layer-major for all rows (prefill.py: each offloaded layer's prompt K/V cross to host memory once,
-nothing streams back; PCIe traffic linear in the prompts).
+(topk, streaming, h2o: each row's heavy hitters from its own prompt). The full cache may be offloaded in
+part (cache/offload.py); the prefill then runs layer-major for all rows (prefill.py: each offloaded layer's
+prompt K/V cross to host memory once, nothing streams back; PCIe traffic linear in the prompts).
 """
 from __future__ import annotations
 
@@ -17,16 +17,14 @@ from .generate import Result, _eos_ids, _modules, check_ids, configuration, gene
 from .generation import run
 from ..config import Sampling, Speculation
 from ..errors import UsageError
-from .session import check_rows
 
 BATCH_METHODS = ("ar", "triforce", "naive", "retrieval", "streaming")
 
 
-def check_batchable(method: str, policy: str) -> None:
-    """What batches do not run yet (the command line asks before loading any weights)."""
+def check_batchable(method: str) -> None:
+    """What batches do not run yet (the command line refuses it too, before loading any weights)."""
     if method not in BATCH_METHODS:
         raise UsageError(f"batches run --method {'|'.join(BATCH_METHODS)} so far, not {method!r}")
-    check_rows(2, policy)
 
 
 def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_tokens: int | list[int] = 256,
@@ -47,7 +45,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     prefill_rebuild_s and rebuild_s (retrieval rebuilds of all rows: the prefill's, those during
     decoding); the row's verifications, tokens_per_verification, acceptance {"draft", "retrieval"} and
     retrieval rebuilds during decoding (rebuilds); the full cache's placement (kv_*).
-    Options as `generate`'s; policy: retrieval, shared, topk or streaming (no h2o). The batch is
+    Options as `generate`'s, policy included (h2o: a recording pass over each row's prompt). The batch is
     planned before anything is allocated (placement.py with B rows) and refused if it does not fit;
     offload, gpu_memory and device_free as in `generate` (offloaded layers stream once per step for all
     rows). deterministic: the full cache verifies row by row (rowwise.py), each row's logits bit for bit
@@ -72,7 +70,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
                                    seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
                                    draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                                    rebuild_below=rebuild_below, policy=policy)
-    check_batchable(method, policy)
+    check_batchable(method)
     prompts = [list(map(int, p)) for p in prompts]
     context = target.config.max_position_embeddings
     if not prompts:

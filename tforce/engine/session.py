@@ -16,7 +16,6 @@ from ..cache import FullCache, RetrievalCache, StreamingCache
 from ..cache.offload import OffloadedCache
 from ..cache.policies import make_select
 from ..config import Sampling, Speculation
-from ..errors import UsageError
 from ..sync import host
 from .graphs import GraphRunner
 from .levels import Drafter, LevelStats, Node, SpecLevel
@@ -33,15 +32,6 @@ def _sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-ROW_POLICIES = ("retrieval", "shared", "topk", "streaming")  # not h2o: its recording pass is one prompt's
-
-
-def check_rows(rows: int, policy: str) -> None:
-    """What runs for one row only so far, refused in one line for more."""
-    if rows > 1 and policy not in ROW_POLICIES:  # cache/policies.py: H2O's scores are one prompt's
-        raise UsageError(f"batches run --policy {'|'.join(ROW_POLICIES)} so far, not {policy!r}")
-
-
 class Session:
     """The caches and levels of one generation over `rows` prompts, one cache row each."""
 
@@ -52,7 +42,6 @@ class Session:
         """prompt_len + max_new: the longest row's tokens (rows: its prompt and budget need not be the
         same row's). group: the tensor-parallel ranks (parallel.Group), whose plans must agree before any
         cache exists."""
-        check_rows(rows, spec.policy)
         self.target, self.draft = target, draft
         cfg = target.config
         self.total = prompt_len + max_new
@@ -167,9 +156,10 @@ class Session:
             self.next = None
         if self.middle is not None:
             if self.retrieval is not None:
-                prepare = getattr(self.retrieval.select, "prepare", None)  # H2O: a pass over the prompt (one row)
+                prepare = getattr(self.retrieval.select, "prepare", None)  # H2O: a pass over each row's prompt
                 if prepare is not None:
-                    prepare(self.target, self.seq[:m[0]])
+                    for b, mb in enumerate(m):  # each row's scores from its own prompt: it selects as alone
+                        prepare(self.target, self.buffer[b, :mb], b)
                 self._rebuild(list(range(len(m))))
             else:
                 self._catch_up(self.middle, m)

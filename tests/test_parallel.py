@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU (gloo, 2 spawned processes): a sharded forward's logits match the
 unsharded model's, a rank loading only its slices equals load-then-apply_tp, greedy tokens with --tp 2
 equal --tp 1 (ar and triforce), sampled tokens agree across ranks, ranks measuring different free memory
-still plan alike, ranks whose plans differ anyway refuse before prefill, worker failures and a rank that never starts surface as one line, and bad --tp /
---gpus values are one usage line.
+still plan alike, ranks whose plans differ anyway refuse before prefill, worker failures and a rank that never
+starts surface as one line, and bad --tp / --gpus values are one usage line.
 
 Starting workers costs seconds (each imports torch and transformers), so one launch runs every
 in-worker check and the CLI test makes the only other one."""
@@ -147,7 +147,7 @@ def test_ranks_with_different_free_memory_plan_alike(five):
     expected = tforce.generate(tforce.load_model(str(path), tokenizer=False).model, prompt, **kw)
     assert expected.stats["kv_offloaded_layers"] == 0
     free = [room("ar", 2), room("ar", 5)]  # rank 0: 2 staging + 2 layers; rank 1: all 5
-    results = launch(_generate_worker, 2, "gloo", str(path), None, prompt, "cpu", torch.float32,
+    results = launch(_generate_worker, 2, "gloo", str(path), None, prompt, False, "cpu", torch.float32,
                      dict(kw, seed=0), (), free, all_ranks=True)
     for result in results:
         assert (result.stats["kv_resident_layers"], result.stats["kv_offloaded_layers"]) == (2, 3)
@@ -187,7 +187,7 @@ def test_ranks_that_plan_differently_refuse_before_prefill(five, method, rooms, 
     path, prompt, room = five
     free = [room(method, *r) for r in rooms]
     with pytest.raises(TforceError) as info:
-        launch(_unagreed_worker, 2, "gloo", str(path), None, prompt, "cpu", torch.float32,
+        launch(_unagreed_worker, 2, "gloo", str(path), None, prompt, False, "cpu", torch.float32,
                dict(FIVE, method=method, seed=0), (), free)
     assert str(info.value) == f"the tensor-parallel ranks planned different KV caches ({plans}): please report this"
 
@@ -209,7 +209,7 @@ def test_ranks_offloading_more_than_the_host_holds_together_refuse_before_prefil
     anything is pinned (each rank checked only its own before). With room for both, prefill is reached."""
     path, prompt, room = five
     free = [room("ar", 2)] * 2  # 3 of 5 layers offloaded on each rank
-    args = (str(path), None, prompt, "cpu", torch.float32, dict(FIVE, method="ar", seed=0), (), free)
+    args = (str(path), None, prompt, False, "cpu", torch.float32, dict(FIVE, method="ar", seed=0), (), free)
     host = launch(_generate_worker, 2, "gloo", *args).stats["kv_host_bytes"]  # one rank's
     assert host > 0
     with pytest.raises(TforceError, match="needed by the 2 ranks together"):

@@ -85,14 +85,12 @@ def _document(path: Optional[str], where: str) -> str:
     return _decode_text(data, f"{path} ({where})")
 
 
-def check_options(method: str, world: int, prompt_given: bool, save_kv: bool) -> None:
+def check_options(method: str, prompt_given: bool, save_kv: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
     from ..engine.batch import BATCH_METHODS
 
     if method != "auto" and method not in BATCH_METHODS:  # auto becomes one of them (setup._configure)
         raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)}, not {method!r}")
-    if world > 1:
-        raise UsageError("--batch runs in one process so far (no --tp or --gpus)")
     if save_kv:  # one snapshot per file of prompts would be whose?
         raise UsageError("--batch saves no KV snapshot: save the document's with `tforce run --save-kv` (or chat), "
                          "then give the batch --load-kv")
@@ -103,12 +101,12 @@ def check_options(method: str, world: int, prompt_given: bool, save_kv: bool) ->
 def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: dict, as_json: bool) -> None:
     """setup: run.Setup (the models, device, dtype and prompt format)."""
     from ..engine.batch import generate_batch
-    from ..model.weights import load_model
+    from ..model.weights import load_model, resolve
     from ..snapshot.format import read_manifest
     from .setup import _draft_config, _dtype_bytes, _tp_target, notices
 
-    model, draft, device, dtype = setup.target, setup.draft, setup.device, setup.dtype
-    path, config, tok = _tp_target(model, 1)
+    model, draft, device, dtype, world = setup.target, setup.draft, setup.device, setup.dtype, setup.world
+    path, config, tok = _tp_target(model, world)
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
     load_kv = options.get("load_kv")
@@ -132,12 +130,16 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         _check_memory(config, draft_config, max(lengths[r] for r in rows), _dtype_bytes(dtype, device), device,
                       options["offload"], options["gpu_memory"], options["budget"], options["method"], rows=len(rows))
 
-    groups = plan_groups(check, len(prompts))
+    # split over ranks (--tp), the ranks plan the batch as one and refuse it if it does not fit, as a single
+    # split run's do; in one process the file is split into the batches that fit
+    groups = plan_groups(check, len(prompts)) if world == 1 else [range(len(prompts))]
     if len(groups) > 1:
         _say(f"tforce: the batch of {len(prompts)} does not fit: running it as {len(groups)} batches of at most "
              f"{max(map(len, groups))}")
-    target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
-    small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) if draft else None
+    if world == 1:
+        target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
+        small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) \
+            if draft else None
     keys = ("temperature", "top_p", "top_k", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",
             "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory",
             "deterministic")
@@ -167,12 +169,18 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         seed = None if seed is None else seed + g - (2**64 if seed + g >= 2**64 else 0)
         if status:
             status.start(rows)
-        out = generate_batch(target.model, [prompts[r] for r in rows], draft=small.model if small else None,
-                             method=options["method"], max_new_tokens=[budgets[r] for r in rows],
-                             on_row=lambda i, tokens: done(rows[i], tokens), seed=seed,
-                             until=stops.cut if stops else None, on_prefill=status.on_prefill if status else None,
-                             on_round=status.on_round if status else None, load_kv=load_kv,
-                             **{k: options[k] for k in keys})
+        kwargs = dict(method=options["method"], max_new_tokens=[budgets[r] for r in rows],
+                      on_row=lambda i, tokens: done(rows[i], tokens), seed=seed, until=stops.cut if stops else None,
+                      on_prefill=status.on_prefill if status else None, on_round=status.on_round if status else None,
+                      load_kv=load_kv, **{k: options[k] for k in keys})
+        if world > 1:
+            from ..parallel.tp import generate_batch_tp
+
+            out = generate_batch_tp(str(path), str(resolve(draft)) if draft else None, [prompts[r] for r in rows],
+                                    world, device, dtype, **kwargs)
+        else:
+            out = generate_batch(target.model, [prompts[r] for r in rows], draft=small.model if small else None,
+                                 **kwargs)
         if status:
             status.end()
         return out

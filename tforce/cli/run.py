@@ -47,8 +47,7 @@ def run(
             raise UsageError("give the prompt file once: as an argument or with --prompt-file")
         if batch is not None:
             given = (prompt_file_arg, prompt_file, prompt)
-            check_options(opts["method"], opts["gpus"] or opts["tp"], given != (None,) * 3,
-                          opts["save_kv"] is not None)
+            check_options(opts["method"], given != (None,) * 3, opts["save_kv"] is not None)
         setup = _configure(params, calibrate=batch is None)
         # the prompts before any notice (notices), so that a bad prompt is the only line
         if batch is not None:

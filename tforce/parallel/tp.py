@@ -37,6 +37,7 @@ from ..engine.placement import GiB
 from .ranks import launch
 
 EVENTS = ("on_token", "on_prefill", "on_round", "on_plan")
+BATCH_EVENTS = ("on_prefill", "on_round", "on_row")  # generate_batch's
 
 
 def all_equal(obj) -> bool:
@@ -46,17 +47,21 @@ def all_equal(obj) -> bool:
     return all(o == objs[0] for o in objs)
 
 
-def _generate_worker(rank, world, model_path, draft_path, prompt_ids, device, dtype, options, events, free,
+def _generate_worker(rank, world, model_path, draft_path, prompts, batch, device, dtype, options, events, free,
                      emit=None):
-    """One rank of generate_tp. free: one device_free figure per rank (tests give the ranks different ones)."""
+    """One rank of generate_tp (prompts: one prompt's ids) or generate_batch_tp (batch: a list of them).
+    free: one device_free figure per rank (tests give the ranks different ones)."""
+    from ..engine.batch import generate_batch
     from ..engine.generate import generate
 
     target, small, dev = rank_models(model_path, draft_path, device, dtype, rank, world)
     options = dict(options)
     device_free = _agreed_free(dev, free[rank], options.pop("gpu_memory", None))
-    result = generate(target, prompt_ids, draft=small, device_free=device_free, group=Group(), **options,
-                      **rank_callbacks(rank, emit, events))
-    if not all_equal(result.tokens):  # the plans were compared before prefill (Group.check_plan)
+    run = generate_batch if batch else generate
+    result = run(target, prompts, draft=small, device_free=device_free, group=Group(), **options,
+                 **rank_callbacks(rank, emit, events))
+    tokens = [r.tokens for r in result] if batch else result.tokens
+    if not all_equal(tokens):  # the plans were compared before prefill (Group.check_plan)
         raise TforceError("the tensor-parallel ranks generated different tokens: please report this")
     return result
 
@@ -181,11 +186,25 @@ def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int,
     so every rank samples with the same one. Every rank plans its KV cache from the least free device
     memory over the ranks (device_free, when given, stands for every rank's measure; _agreed_free).
     KV snapshots (load_kv, save_kv) hold each rank's KV heads in a folder of its own (snapshot/format.py)."""
-    callbacks = {name: generate_kwargs.pop(name) for name in EVENTS if generate_kwargs.get(name) is not None}
-    generate_kwargs.pop("draft", None)
-    for name in EVENTS:
-        generate_kwargs.pop(name, None)
-    dtype, generate_kwargs, free = tp_options(device, dtype, generate_kwargs, world)
+    return _launch(model_path, draft_path, list(prompt_ids), False, world, device, dtype, generate_kwargs, EVENTS)
+
+
+def generate_batch_tp(model_path: str, draft_path: str | None, prompts, world: int, device: str = "cpu",
+                      dtype: torch.dtype | str | None = None, **batch_kwargs):
+    """tforce.generate_batch with the target split over `world` processes, as generate_tp runs one prompt:
+    every rank runs the whole batch on its KV heads; on_prefill / on_round / on_row run here as rank 0
+    produces them. Returns rank 0's Results."""
+    return _launch(model_path, draft_path, [list(map(int, p)) for p in prompts], True, world, device, dtype,
+                   batch_kwargs, BATCH_EVENTS)
+
+
+def _launch(model_path, draft_path, prompts, batch: bool, world: int, device: str, dtype, kwargs: dict,
+            events: tuple[str, ...]):
+    callbacks = {name: kwargs.pop(name) for name in events if kwargs.get(name) is not None}
+    kwargs.pop("draft", None)
+    for name in events:
+        kwargs.pop(name, None)
+    dtype, kwargs, free = tp_options(device, dtype, kwargs, world)
 
     def on_event(event):
         name, args = event
@@ -193,5 +212,5 @@ def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int,
 
     backend = "nccl" if device == "cuda" else "gloo"
     return launch(_generate_worker, world, backend, str(model_path), str(draft_path) if draft_path else None,
-                  list(prompt_ids), device, dtype, generate_kwargs, tuple(callbacks), free,
+                  prompts, batch, device, dtype, kwargs, tuple(callbacks), free,
                   on_event=on_event if callbacks else None)

@@ -1,0 +1,54 @@
+"""A batch with the target split over ranks (parallel/tp.py generate_batch_tp, `tforce run --batch --tp N`):
+gloo on the CPU, 2 spawned processes. Every rank runs the whole batch on its KV heads; the rows are the
+one-process batch's, greedy token for token and sampled with the same seed (the ranks' logits match the
+unsharded model's up to summation order, as for one prompt: tests/test_parallel.py)."""
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+import tforce
+from tforce.cli import app
+from tforce.parallel.tp import generate_batch_tp
+
+from model_helpers import random_ids
+from test_parallel import GEN, paths, single  # noqa: F401
+
+PROMPTS = [random_ids(n, seed=n)[0].tolist() for n in (48, 9, 30)]  # ragged rows
+BATCH = dict(GEN, max_new_tokens=[16, 6, 12])
+
+
+def test_split_batch_rows_are_the_one_process_rows(paths, single):  # noqa: F811
+    """Greedy triforce and sampled naive rows in one launch each; rows finish at different rounds."""
+    target, draft = single
+    rows = {}
+    for method, sampling in (("triforce", dict(temperature=0)), ("naive", dict(temperature=0.9, seed=77))):
+        done = []
+        got = generate_batch_tp(paths[0], paths[1], PROMPTS, 2, "cpu", method=method,
+                                on_row=lambda r, t: done.append(r), **sampling, **BATCH)
+        want = tforce.generate_batch(target, PROMPTS, draft=draft, method=method, **sampling, **BATCH)
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+        assert sorted(done) == [0, 1, 2]  # rank 0's on_row events reach this process
+        rows[method] = got
+    greedy = [tforce.generate(target, p, draft=draft, method="ar", temperature=0, **dict(GEN, max_new_tokens=n)).tokens
+              for p, n in zip(PROMPTS, BATCH["max_new_tokens"])]
+    assert [r.tokens for r in rows["triforce"]] == greedy
+    assert all(len(r.tokens) == n for r, n in zip(rows["naive"], BATCH["max_new_tokens"]))
+
+
+def test_cli_batch_with_tp2(paths, single, tmp_path):  # noqa: F811
+    target, draft = single
+    tok = tforce.load_model(str(paths[0]), tokenizer=True).tokenizer
+    texts = ["It was the best of times, it was the worst of times.", "Call me Ishmael."]
+    batch = tmp_path / "b.jsonl"
+    batch.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    args = ["run", "-m", str(paths[0]), "--draft", str(paths[1]), "--batch", str(batch), "--tp", "2", "--device",
+            "cpu", "-t", "0", "-n", "16", "--budget", "32", "--chunk-size", "4", "--draft-budget", "16", "--sinks", "2",
+            "--ignore-eos", "--method", "triforce"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    for line, text in zip(lines, texts):
+        assert line["tokens"] == tforce.generate(target, tok.encode(text), draft=draft, temperature=0, **GEN).tokens
+    assert "batch of 2 prompts" in result.stderr

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tforce.engine.sampling import residual, to_probs
+from tforce.engine.sampling import residual, sample, to_probs
 from tforce.config import Sampling
 from tforce.engine.speculative import verify
 
@@ -101,3 +101,21 @@ def test_to_probs_transforms():
     assert (top_p[0] > 0).tolist() == [True, True, False, False]  # smallest prefix reaching top_p
     hot = to_probs(logits, Sampling(temperature=0.5, top_p=1))
     assert torch.allclose(hot, (logits / 0.5).softmax(-1))
+
+
+def test_greedy_draws_are_the_one_hot_argmax_multinomial_draws():
+    """sample(..., greedy=True) takes the argmax of temperature 0's one-hot distributions instead of
+    drawing: the same token multinomial draws, for a batch of rows and a proposal's positions; and a greedy
+    verification decides what the drawing one does."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 3, 50, generator=g)
+    probs = to_probs(logits.view(-1, 50), Sampling(temperature=0)).view(4, 3, 50)
+    assert torch.equal(sample(probs, g, greedy=True), sample(probs, g))
+    assert sample(probs, g, greedy=True).shape == (4, 3)
+    q, p = probs[:, :2], to_probs(torch.randn(12, 50, generator=g), Sampling(temperature=0)).view(4, 3, 50)
+    p[0, :2] = q[0]  # row 0 accepts both drafts: its bonus token; the other rows reject at their first mismatch
+    drafts = q.argmax(-1)
+    assert verify(drafts, q, p, torch.Generator().manual_seed(1), greedy=True) == \
+        verify(drafts, q, p, torch.Generator().manual_seed(2))
+    n, _ = verify(drafts, q, p, g, greedy=True)
+    assert n[0] == 2 and min(n) < 2

@@ -256,7 +256,7 @@ class Drafter(Level):
         p = self.node.probs(seq, n)[:, 0]  # (B, V)
         # A host sync per drafted token (all rows): the tokens join the host-side sequences that every
         # node's catch-up (Node.sync) compares against. The verification's sync comes on top (speculative.py).
-        tokens = host(sample(p, gen))
+        tokens = host(sample(p, gen, self.node.sampling.greedy))
         for b, (nb, t) in enumerate(zip(n, tokens)):
             seq[b, nb] = t
         return [[t] for t in tokens], list(p[:, None])
@@ -273,7 +273,7 @@ class SpecLevel(Level):
         active = [True] * len(n) if active is None else active
         drafts, q = self.proposer.propose(seq, n, self.gamma, gen, active)  # writes seq[b, n:n + gamma]
         p = self.node.probs(seq, [nb + self.gamma for nb in n], last=self.gamma + 1)  # (B, gamma + 1, V)
-        n_acc, nxt = verify(to_device(drafts, p.device), q.to(p.device), p, gen)
+        n_acc, nxt = verify(to_device(drafts, p.device), q.to(p.device), p, gen, greedy=self.node.sampling.greedy)
         tokens, probs = [], []
         for b, (nb, a) in enumerate(zip(n, n_acc)):
             row = drafts[b, :a].tolist() + [nxt[b]]

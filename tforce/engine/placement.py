@@ -224,7 +224,8 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
         cap = streaming_capacity(w.budget, w.sinks, w.lookahead, w.prefill_chunk + w.lookahead)
         out.append(Item("middle StreamingLLM cache", b * n * kv_layer_bytes(kv, d, cap, e), "both"))
     if w.uses_draft and draft is not None:
-        cap = streaming_capacity(w.draft_budget, w.sinks, w.lookahead, min(w.prefill_chunk, w.draft_budget) + w.lookahead)
+        chunk = min(w.prefill_chunk, w.draft_budget)
+        cap = streaming_capacity(w.draft_budget, w.sinks, w.lookahead, chunk + w.lookahead)
         out.append(Item("draft StreamingLLM cache", b * draft.layers * kv_layer_bytes(draft.kv_heads, draft.head_dim,
                                                                                        cap, draft.dtype_bytes), "both"))
     # Rotated queries of the last forward, kept per layer for rebuilds (FullCache.row_queries: each

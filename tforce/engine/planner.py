@@ -33,7 +33,8 @@ RUN_OPTIONS = ("temperature", "top_p", "top_k", "budget", "chunk_size", "gamma1"
                "device_free", "deterministic")
 # per method, the nodes that verify drafts and the gamma they verify (projection.hierarchy's levels)
 VERIFIERS = {"ar": {}, "naive": {"full": "gamma2"}, "retrieval": {"full": "gamma2"},
-             "streaming": {"streaming": "gamma1", "full": "gamma2"}, "triforce": {"retrieval": "gamma1", "full": "gamma2"}}
+             "streaming": {"streaming": "gamma1", "full": "gamma2"},
+             "triforce": {"retrieval": "gamma1", "full": "gamma2"}}
 SPEC_OPTIONS = ("budget", "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every",
                 "rebuild_below", "policy")
 

@@ -32,8 +32,12 @@ def to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return probs
 
 
-def sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """probs (..., V) -> token ids (...), drawn on the probs' device; the ids stay there."""
+def sample(probs: torch.Tensor, gen: torch.Generator, greedy: bool = False) -> torch.Tensor:
+    """probs (..., V) -> token ids (...), drawn on the probs' device; the ids stay there. greedy: the
+    distributions are one-hot (temperature 0, to_probs), so the draw is their argmax: taken directly, without
+    multinomial's pass over the vocabulary (a tenth of a greedy batch's decode time on the CPU, BENCHMARKS.md)."""
+    if greedy:
+        return probs.argmax(-1)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=gen).view(probs.shape[:-1])
 

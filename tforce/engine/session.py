@@ -304,7 +304,7 @@ class Session:
     def _first(self, n: list[int], gen: torch.Generator) -> list[list[int]]:
         """Every live row's first new token, drawn from the prefill's distribution of it (`next`) and
         written at buffer[i, n[i]]: exactly the target's, as every round's tokens are."""
-        tokens = host(sample(self.next, gen))
+        tokens = host(sample(self.next, gen, self.sampling.greedy))
         self.next = None
         for i, (r, t) in enumerate(zip(self.ids, tokens)):
             self.buffer[i, n[i]] = t

@@ -24,13 +24,14 @@ class Proposal:
 
 
 def verify(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator,
-           residual=exact_residual) -> tuple[list[int], list[int]]:
+           residual=exact_residual, greedy: bool = False) -> tuple[list[int], list[int]]:
     """B rows at once (one prompt: B = 1), each row deciding its own acceptance: tokens (B, k) drafted from
     q (B, k, V); p (B, k + 1, V) the verifier's distributions at the k drafted positions and the one after.
     Returns (accepted count per row, next token per row: the residual sample at the row's first rejection,
     or its bonus token), fetched in one host sync.
 
-    `residual` is a parameter only so that a test can show a wrong one is caught.
+    `residual` is a parameter only so that a test can show a wrong one is caught. greedy: p and q are
+    one-hot (sampling.sample).
     """
     B, k = tokens.shape
     rows = torch.arange(B, device=p.device)
@@ -41,6 +42,6 @@ def verify(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Ge
     # First rejection, or k when every token is accepted.
     n = torch.where(accepted, k, cols).min(1).values if k else torch.zeros(B, dtype=torch.long, device=p.device)
     candidates = torch.cat([residual(p[:, :k], q), p[:, k:k + 1]], dim=1)  # (B, k + 1, V)
-    nxt = sample(candidates[rows, n], gen)  # (B,); indexing by tensors, not ints: no host sync
+    nxt = sample(candidates[rows, n], gen, greedy)  # (B,); indexing by tensors, not ints: no host sync
     n_acc, token = host(torch.stack([n, nxt]))
     return n_acc, token

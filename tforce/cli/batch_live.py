@@ -19,7 +19,7 @@ class BatchStatus:
 
     def __init__(self, prompt_lengths: list[int], method: str):
         self.method, self.rows = method, len(prompt_lengths)
-        self.need = [max(0, n - 1) for n in prompt_lengths]  # a prefill feeds a prompt but its last token
+        self.need = list(prompt_lengths)  # a prefill feeds each prompt whole (its last forward: the first token)
         self.prefill_total, self.prefilled = sum(self.need), 0  # prefilled: the finished batches' tokens
         self.rows_done = self.tokens = 0
         self.decode_s = 0.0  # the finished batches' decoding

@@ -142,9 +142,26 @@ def test_bench_batch_against_one_at_a_time(runner):
     assert "triforce" in text.stdout
 
 
+def test_bench_batch_times_row_wise_verification(runner, monkeypatch):
+    """A method ending in +det runs the batch and each prompt alone with --deterministic; greedy rows equal."""
+    import tforce.engine.session
+    from tforce.engine.rowwise import RowwiseRunner
+
+    rows = []  # the rows of every session verifying row by row
+    monkeypatch.setattr(tforce.engine.session, "RowwiseRunner",
+                        lambda model, cache: rows.append(cache.rows) or RowwiseRunner(model, cache))
+    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "30",
+                            "--gen-len", "6", "--temperature", "0", "--budget", "16", "--chunk-size", "4",
+                            "--draft-budget", "24", "--methods", "ar,triforce+det", "--json"])
+    assert r.exit_code == 0, r.output
+    runs = json.loads(r.stdout)["runs"]
+    assert [run["method"] for run in runs] == ["ar", "triforce+det"] and all(run["rows_equal_alone"] for run in runs)
+    assert 2 in rows and 1 in rows  # the batch's session (warm-up and timed) and the prompts alone
+
+
 def test_bench_batch_refusals(runner):
-    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--methods", "ar,triforce+det"])
-    _one_error_line(r, 2, "--batch runs --method ar|triforce|naive|retrieval|streaming")
+    r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--methods", "ar,auto+det"])
+    _one_error_line(r, 2, "--batch runs --method ar|triforce|naive|retrieval|streaming (each may end in +det)")
     _one_error_line(runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "0"]), 2, "--batch must be >= 1")
 
 

@@ -12,7 +12,7 @@ import time
 
 from ..engine.batch import BATCH_METHODS, generate_batch
 from .suite import prompt_ids
-from .run import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, memory_record, reset_peaks
+from .run import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, memory_record, reset_peaks, split_method
 from ..errors import UsageError
 
 BATCH_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "offload", "gpu_memory", "budget",
@@ -22,8 +22,8 @@ DRAFTED = ("triforce", "naive", "streaming")  # the methods with a small draft (
 
 def check_methods(methods: tuple[str, ...]) -> None:
     for m in methods:
-        if m not in BATCH_METHODS:
-            raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} (no row-by-row +det), not {m!r}")
+        if split_method(m)[0] not in BATCH_METHODS:
+            raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} (each may end in +det), not {m!r}")
 
 
 def batch_prompts(n_rows: int, length: int, vocab: int, tokenizer, text, seed: int) -> list[list[int]]:
@@ -38,10 +38,13 @@ def _batch_options(cfg: BenchConfig, max_new: int) -> dict:
 
 
 def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchConfig) -> dict:
-    draft = models.draft if method in DRAFTED else None
+    """method: an engine method, or one ending in +det (row-wise verification, in the batch and alone)."""
+    engine_method, deterministic = split_method(method)
+    draft = models.draft if engine_method in DRAFTED else None
     cuda = models.device.type == "cuda"
     reset_peaks(models.device, cuda)
-    rows = generate_batch(models.target, prompts, draft=draft, method=method, **_batch_options(cfg, cfg.gen_len))
+    rows = generate_batch(models.target, prompts, draft=draft, method=engine_method, deterministic=deterministic,
+                          **_batch_options(cfg, cfg.gen_len))
     memory = memory_record(models.device, rows[0].stats, cuda)  # the batch's, before the one-at-a-time runs
     alone = [models.generate(p, method, **_options(cfg, cfg.gen_len)) for p in prompts]
     n = sum(len(r.tokens) for r in rows)
@@ -77,9 +80,9 @@ def bench_batch(models: Models, prompts: list[list[int]], cfg: BenchConfig, synt
     if progress:
         progress(f"warm-up: every method on {len(prompts)} prompts of {WARMUP_TOKENS} tokens (not timed)")
     t0 = time.perf_counter()
-    for method in cfg.methods:
+    for method, deterministic in map(split_method, cfg.methods):
         generate_batch(models.target, [p[:WARMUP_TOKENS] for p in prompts],
-                       draft=models.draft if method in DRAFTED else None, method=method,
+                       draft=models.draft if method in DRAFTED else None, method=method, deterministic=deterministic,
                        **_batch_options(cfg, 4))
     warmup_s = time.perf_counter() - t0
     head = {"device": device_name(models.device), "synthetic": synthetic, "model": model_name,

@@ -52,3 +52,14 @@ def test_cli_batch_with_tp2(paths, single, tmp_path):  # noqa: F811
     for line, text in zip(lines, texts):
         assert line["tokens"] == tforce.generate(target, tok.encode(text), draft=draft, temperature=0, **GEN).tokens
     assert "batch of 2 prompts" in result.stderr
+
+
+def test_a_cuda_launchs_options_are_generate_batchs(single):  # noqa: F811
+    """A CUDA launch runs the ranks eager (tp_options: cuda_graphs=False, no all_reduce inside a captured
+    graph): generate_batch takes that option, as generate does (checked on the CPU, where it does nothing)."""
+    from tforce.parallel.tp import tp_options
+
+    _, options, _ = tp_options("cuda", None, dict(method="ar", max_new_tokens=4, temperature=0), 2)
+    assert options["cuda_graphs"] is False
+    rows = tforce.generate_batch(single[0], PROMPTS[:2], **options)
+    assert [len(r.tokens) for r in rows] == [4, 4]

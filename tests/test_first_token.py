@@ -75,3 +75,14 @@ def test_the_first_token_costs_no_decode_forward_and_the_whole_prompt_counts_as_
     more = tforce.generate(model, prompt, method="ar", max_new_tokens=6, temperature=0, ignore_eos=True)
     assert more.tokens[:1] == one.tokens and more.stats["forwards"] == {"full": 5}
     assert more.stats["tokens_per_verification"] == 1.0  # the rounds' tokens over the rounds
+
+
+def test_a_stop_that_keeps_none_of_the_first_token_counts_no_decoded_token(tiny):
+    """until may end a row before its first token (keep 0): the row decoded nothing, so no rate is given
+    (not a negative one), for one prompt and for a batch."""
+    model = tiny["gqa"]
+    one = tforce.generate(model, PROMPTS[0], method="ar", max_new_tokens=4, temperature=0, until=lambda t: 0)
+    assert one.tokens == [] and one.stats["ms_per_token"] is None and one.stats["tokens_per_s"] is None
+    rows = tforce.generate_batch(model, PROMPTS[:2], method="ar", max_new_tokens=4, temperature=0,
+                                 until=lambda t: 0 if len(t) == 1 else None)
+    assert [r.tokens for r in rows] == [[], []] and rows[0].stats["batch_tokens_per_s"] is None

@@ -100,12 +100,12 @@ def test_status_counts_across_the_batches_of_a_split_file(monkeypatch):
 
     clock = iter([10.0, 12.0, 20.0, 21.0])  # decoding: 10 -> 12 (batch 1), 20 -> 21 (batch 2, so far)
     monkeypatch.setattr(batch_live.time, "perf_counter", lambda: next(clock))
-    status = batch_live.BatchStatus([11, 5, 1, 21], "triforce")  # prefills 10 + 4 + 0 + 20 tokens
-    assert status.fields() == ["prefill 0/34 tokens", "rows 0/4 done"]
+    status = batch_live.BatchStatus([11, 5, 1, 21], "triforce")  # prefills the whole prompts: 38 tokens
+    assert status.fields() == ["prefill 0/38 tokens", "rows 0/4 done"]
     status.start(range(0, 4))  # refused whole by the engine: runs as two batches
     status.start(range(0, 2))
-    status.on_prefill(7, 14)  # half its token-layers: half its 14 tokens
-    assert status.fields() == ["prefill 7/34 tokens", "rows 0/4 done"]
+    status.on_prefill(7, 14)  # half its token-layers: half its 16 tokens
+    assert status.fields() == ["prefill 8/38 tokens", "rows 0/4 done"]
     status.on_prefill(14, 14)  # decoding starts (10.0)
     status.on_round({0: [1, 2], 1: [3]}, {"draft": (3, 8), "retrieval": None})
     status.on_row()
@@ -113,7 +113,7 @@ def test_status_counts_across_the_batches_of_a_split_file(monkeypatch):
     status.on_row()
     status.end()  # 12.0: 2 s of decoding
     status.start(range(2, 4))
-    assert status.fields() == ["prefill 14/34 tokens", "rows 2/4 done", "4 tokens", "2.0 tokens/s",
+    assert status.fields() == ["prefill 16/38 tokens", "rows 2/4 done", "4 tokens", "2.0 tokens/s",
                                "accept draft 33.3%"]
     status.on_prefill(20, 20)  # 20.0
     status.on_round({2: [5, 6], 3: [7, 8, 9, 10]}, {"draft": (5, 8), "retrieval": None})

@@ -35,8 +35,8 @@ def run(
     batch: Optional[str] = typer.Option(None, "--batch", help="JSON-lines file of prompts ('-' = stdin), one "
                                         "{\"prompt\" and/or \"file\", \"id\", \"max_new_tokens\"} a line, run as "
                                         "one batch (as several in turn when it does not fit); one JSON line out "
-                                        "per prompt (--json: one object holding them; every --method; no "
-                                        "--tp or KV snapshots)."),
+                                        "per prompt (--json: one object holding them; every --method; --tp; "
+                                        "--load-kv, not --save-kv)."),
     opts: Optional[dict] = None,
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""

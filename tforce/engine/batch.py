@@ -36,8 +36,8 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
                    rebuild_every: int = Speculation.rebuild_every, rebuild_below: float = Speculation.rebuild_below,
                    policy: str = Speculation.policy, prefill_chunk: int = 512, offload: str = "auto",
                    gpu_memory: int | None = None, device_free: int | None = None, deterministic: bool = False,
-                   load_kv=None, on_row=None, until=None, on_prefill=None, on_round=None, group=None
-                   ) -> list[Result]:
+                   cuda_graphs: bool = True, load_kv=None, on_row=None, until=None, on_prefill=None, on_round=None,
+                   group=None) -> list[Result]:
     """One Result per prompt (a list of token-id lists, any lengths), in order; max_new_tokens: one budget
     for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
@@ -94,6 +94,6 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     eos = set() if ignore_eos else _eos_ids(target.config)
     outs, stats = run(target, draft, prompts, max_new, spec, sampling, generator(target, seed), eos,
                       prefill_chunk=prefill_chunk, offload=offload, gpu_memory=gpu_memory, device_free=device_free,
-                      deterministic=deterministic, group=group, identity=identity, load_kv=load_kv,
-                      on_prefill=on_prefill, on_round=on_round, on_row=on_row, until=until)
+                      deterministic=deterministic, cuda_graphs=cuda_graphs, group=group, identity=identity,
+                      load_kv=load_kv, on_prefill=on_prefill, on_round=on_round, on_row=on_row, until=until)
     return [Result(out, s) for out, s in zip(outs, stats)]

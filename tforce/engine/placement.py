@@ -231,7 +231,7 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
     # Rotated queries of the last forward, kept per layer for rebuilds (FullCache.row_queries: each
     # row's, at most a prefill chunk per row).
     out.append(Item("stored queries", b * n * w.prefill_chunk * s.heads * d * e, "both"))
-    layer_major = offloaded and w.prompt > 1  # session.Session.prefill (every row)
+    layer_major = offloaded and w.prompt > 0  # session.Session.prefill (every row, the whole prompt)
     out += [Item("prefill hidden states", b * w.prompt * s.hidden * e if layer_major else 0, "prefill"),
             Item("prefill K/V scratch (a staging slot)", 0, "prefill"),
             Item("prefill chunk activations", _activations(s, w, b * w.prefill_chunk, w.prompt), "prefill"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from ..engine.batch import BATCH_METHODS, generate_batch
+from ..engine.decode import decoded
 from .suite import prompt_ids
 from .run import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, memory_record, reset_peaks, split_method
 from ..errors import UsageError
@@ -50,14 +51,14 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
     n = sum(len(r.tokens) for r in rows)
     batch_s, alone_s = rows[0].stats["decode_s"], sum(r.stats["decode_s"] for r in alone)
     # decoding's tokens: each row's first comes from its prefill (engine Session.round), outside decode_s
-    decoded = sum(max(len(r.tokens) - 1, 0) for r in alone)
+    n_decoded = sum(decoded(r.tokens) for r in alone)
     return {
         "method": method,
         "rows": len(prompts),
         "tokens": n,
         "batch_tokens_per_s": rows[0].stats["batch_tokens_per_s"],  # decode_s's tokens over decode_s
         "ms_per_token": rows[0].stats["ms_per_token"],  # the batch's decode_s over the same tokens
-        "one_at_a_time_tokens_per_s": decoded / alone_s if alone_s > 0 else None,
+        "one_at_a_time_tokens_per_s": n_decoded / alone_s if alone_s > 0 else None,
         "speedup_vs_one_at_a_time": alone_s / batch_s if batch_s > 0 else None,
         "batch_prefill_s": rows[0].stats["prefill_s"],
         "one_at_a_time_prefill_s": sum(r.stats["prefill_s"] for r in alone),

@@ -25,13 +25,13 @@ on that row alone selects. Row b's position p >= base[b] takes slot budget - 1 -
 budget) (from the end backwards, wrapping). A forward's padding (rows feeding fewer tokens than others:
 the row rule of docs/architecture.md; begin(n, counts)) goes to one spill slot after the budget, never
 visible, so it overwrites nothing a row holds (a row's own tokens beyond what it keeps, fed while other
-rows draft on, still take slots: engine/levels.py), and the rebuild rule has no term for padding. New tokens past budget - chunk_size overwrite the first
-chunk, then wrap onto the newest ones (the engine rebuilds before that when the budget leaves room; with
-a smaller one it cannot, and the middle level then drafts from fewer tokens): what a slot holds is always
-what key_pos says, so attention stays consistent and exactness never depends on it (the full cache
-verifies). Rows that share a length and a base (always one row) write one set of slots and their
-forwards may be replayed from CUDA graphs; the mask is per row and KV head either way, (B, H_kv, T, S)
-per layer.
+rows draft on, still take slots: engine/levels.py), and the rebuild rule has no term for padding. New
+tokens past budget - chunk_size overwrite the first chunk, then wrap onto the newest ones (the engine
+rebuilds before that when the budget leaves room; with a smaller one it cannot, and the middle level then
+drafts from fewer tokens): what a slot holds is always what key_pos says, so attention stays consistent
+and exactness never depends on it (the full cache verifies). Rows that share a length and a base (always
+one row) write one set of slots and their forwards may be replayed from CUDA graphs; the mask is per row
+and KV head either way, (B, H_kv, T, S) per layer.
 
 With `shared=True` ("shared" policy) one selection serves every layer and KV head: each (layer, head)'s
 chunk scores, scaled by 1/sqrt(head_dim), become a softmax over chunks; their mean over layers and
@@ -130,8 +130,8 @@ class RetrievalCache(StaticInputs, Rows):
         self.recompute_stats = recompute_stats  # no chunk sums kept for layers on `device` (placement.Plan)
         self.shared = shared  # the chunk rule with one selection for all layers and heads
         # per layer (B, S, H_kv, D): `budget` slots, then one spill slot that a ragged forward's padding is
-        # written to (begin), so that padding never overwrites a slot a row holds: each row of a batch keeps
-        # exactly what it would keep alone. The spill slot's key position stays -1 (never visible).
+        # written to (begin), so that padding never overwrites a slot a row holds. The spill slot's key
+        # position stays -1 (never visible).
         shape = (n_layers, rows, budget + 1, n_kv, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -231,14 +231,15 @@ class RetrievalCache(StaticInputs, Rows):
         else:
             pos = torch.tensor(self.lengths[:B])[:, None] + torch.arange(n)  # (B, T) per-row positions
             slots = self.budget - 1 - (pos - torch.tensor(self.base[:B])[:, None]) % self.budget  # (B, T), wrapping
+            held = pos  # the key position each slot takes: padding's is -1 in the spill slot, never visible
             if counts is not None:
-                slots = torch.where(torch.arange(n) >= torch.tensor(counts)[:, None], self.budget, slots)
-            pos, slots = to_device(pos, device), to_device(slots, device)
+                pad = torch.arange(n) >= torch.tensor(counts)[:, None]
+                slots, held = torch.where(pad, self.budget, slots), torch.where(pad, -1, pos)
+            pos, slots, held = to_device(pos, device), to_device(slots, device), to_device(held, device)
             self._cos, self._sin = rotation(self.rotary, pos, self.k.dtype)
             self._rows_idx = torch.arange(B, device=device)[:, None].expand(-1, n)  # (B, T)
             self._slots = slots
-            self.key_pos[:, self._rows_idx, :, slots] = pos[:, :, None, None]
-            self.key_pos[:, :B, :, self.budget] = -1  # the spill slot: padding, never visible
+            self.key_pos[:, self._rows_idx, :, slots] = held[:, :, None, None]
             qpos = pos[None, :, None, :, None]  # (1, B, 1, T, 1)
         kp = self.key_pos[:, :B, :, None, :]  # (layers, B, H_kv, 1, S)
         mask = (kp >= 0) & (kp <= qpos)  # (layers, B, H_kv, T, S): the visibility rule, per row

@@ -101,6 +101,7 @@ def check_options(method: str, prompt_given: bool, save_kv: bool) -> None:
 def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: dict, as_json: bool) -> None:
     """setup: run.Setup (the models, device, dtype and prompt format)."""
     from ..engine.batch import generate_batch
+    from ..engine.decode import decoded
     from ..model.weights import load_model, resolve
     from ..snapshot.format import read_manifest
     from .setup import _draft_config, _dtype_bytes, _tp_target, notices
@@ -190,7 +191,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         for group in run_groups(groups, run):  # in the file's order
             results += group
             parts.append({"new_tokens": sum(len(r.tokens) for r in group),
-                          "decoded": sum(max(len(r.tokens) - 1, 0) for r in group), **group[0].stats})
+                          "decoded": sum(decoded(r.tokens) for r in group), **group[0].stats})
     except BaseException:
         # interrupted or failed half way: the rows finished so far (the earlier batches' and the current
         # one's), in the file's order, without the batch's statistics (not measured to its end); the error

@@ -120,8 +120,8 @@ def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s
     every row's); the row's own verifications (rounds that decided its tokens), tokens_per_verification,
     acceptance and rebuilds while decoding."""
     now = session.counts()
-    n_all = sum(decoded(session, p, o) for p, o in enumerate(outs))  # tokens decode_s made
-    n_out, verified = decoded(session, r, outs[r]), session.verified[r]  # the row's, from verifications
+    n_all = sum(map(decoded, outs))  # tokens decode_s made
+    n_out, verified = decoded(outs[r]), session.verified[r]  # the row's, from verifications
     retrieval = session.retrieval is not None
     return {
         "prefill_s": prefill_s,
@@ -148,12 +148,12 @@ def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s
 def one_row_stats(session, out: list[int], prefill_s: float, decode_s: float, before: dict) -> dict:
     """A one-row session's statistics (engine.generate, Conversation.ask): row_stats and tokens_per_s (the
     tokens after the first over decode_s, as ms_per_token)."""
-    n = decoded(session, 0, out)
+    n = decoded(out)
     return {**row_stats(session, 0, [out], prefill_s, decode_s, before),
             "tokens_per_s": n / decode_s if n and decode_s > 0 else None}
 
 
-def decoded(session, r: int, out: list[int]) -> int:
-    """Prompt r's tokens that rounds made: all but the first when the prefill gave it (and it was kept: a
-    stop may keep none of it)."""
-    return len(out) - min(session.firsts[r], len(out))
+def decoded(out: list[int]) -> int:
+    """How many of a row's new tokens rounds made: all but the first, which the prefill gave (decode starts
+    right after Session.prefill, whose last forward gives every row its first token: Session.round)."""
+    return max(len(out) - 1, 0)

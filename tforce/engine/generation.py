@@ -60,6 +60,6 @@ def run(target, draft, prompts: list[list[int]], max_new: list[int], spec: Specu
     outs = decode(session, [len(p) for p in prompts], max_new, gen, eos, until, told, on_row, counted)
     _sync_device(device)
     t3 = time.perf_counter()
-    n = sum(decoded(session, r, o) for r, o in enumerate(outs))  # each row's first is its prefill's
+    n = sum(map(decoded, outs))  # each row's first is its prefill's
     batch = {"batch_size": B, "batch_tokens_per_s": n / (t3 - t2) if n and t3 > t2 else None}
     return outs, [{**row_stats(session, r, outs, t1 - t0, t3 - t2, before), **batch, **kv[r]} for r in range(B)]

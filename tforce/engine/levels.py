@@ -180,7 +180,7 @@ class Node:
         out: list = [None] * len(n)
         while any(self.held(b) < nb for b, nb in enumerate(n)):
             ends = [min(self.held(b) + self.prefill_chunk, nb) for b, nb in enumerate(n)]
-            ending = [want and self.held(b) < nb == e for b, (nb, e) in enumerate(zip(n, ends))]
+            ending = [want and self.held(b) < nb and e == nb for b, (nb, e) in enumerate(zip(n, ends))]
             probs = self._feed(seq, ends, int(any(ending)), prefill=True)
             for b in (b for b, e in enumerate(ending) if e):
                 out[b] = probs[b, 0]

@@ -52,7 +52,6 @@ class Session:
         self.seq = self.buffer[0]  # the first row's, a view (conversations and snapshots are one row's)
         self.ids = list(range(rows))  # live row i is prompt ids[i] (Session.keep compacts them)
         self.verified = [0] * rows  # per prompt: rounds of the top level that decided its tokens
-        self.firsts = [0] * rows  # per prompt: 1 once its first token came from the prefill (Session._first)
         self.next: torch.Tensor | None = None  # (live rows, V): the first tokens' distributions (Session.round)
         self.rebuilds = [0] * rows  # per prompt: retrieval rebuilds while decoding
         p = next(target.parameters())
@@ -248,7 +247,7 @@ class Session:
         P = len(self.verified)
         for level in {self.small_verifier, self.middle_verifier} - {None}:
             level.stats = LevelStats(P, level.window)
-        self.verified, self.rebuilds, self.firsts = [0] * P, [0] * P, [0] * P
+        self.verified, self.rebuilds = [0] * P, [0] * P
         self.rebuild_times = ()
 
     rebuild_times: tuple[float, ...] = ()  # seconds of each retrieval rebuild (all its rows), the prefill's first
@@ -306,9 +305,8 @@ class Session:
         written at buffer[i, n[i]]: exactly the target's, as every round's tokens are."""
         tokens = host(sample(self.next, gen, self.sampling.greedy))
         self.next = None
-        for i, (r, t) in enumerate(zip(self.ids, tokens)):
+        for i, t in enumerate(tokens):
             self.buffer[i, n[i]] = t
-            self.firsts[r] = 1
         return [[t] for t in tokens]
 
     def round(self, n: list[int], gen: torch.Generator) -> list[list[int]]:

@@ -59,6 +59,43 @@ def test_rows_accept_and_rebuild_what_they_would_alone(tiny, method, policy):
             assert row.stats[key] == one.stats[key], key
 
 
+@pytest.mark.parametrize("method", ["triforce", "streaming"])
+def test_rows_that_have_their_drafts_sit_out_the_rounds_that_follow(tiny, monkeypatch, method):
+    """Under triforce the middle level proposes gamma2 tokens in rounds of different yields per row: a row
+    that has its gamma2 takes no part in the rounds its neighbours still need (it is not fed, it drafts
+    nothing), so each node feeds each row in exactly the forwards that row's prompt alone needs, and the
+    caches that run forwards over some of their rows run them without it."""
+    fed: dict[tuple[str, str], int] = {}
+    in_forward: dict[str, int] = {}
+    feed, phase = Node._feed, ["batch"]
+
+    def counting_feed(self, seq, ends, last, prefill=False, want=None):
+        counts = [e - s for s, e in zip(self.cache.lengths, ends)]
+        key = (self.name, phase[0])
+        fed[key] = fed.get(key, 0) + sum(c > 0 for c in counts)
+        begin = self.cache.begin
+
+        def counting_begin(n, counts=None, rows=None):
+            in_forward[self.name] = in_forward.get(self.name, 0) + (len(ends) if rows is None else len(rows))
+            return begin(n, counts) if rows is None else begin(n, counts, rows)
+        self.cache.begin = counting_begin
+        try:
+            return feed(self, seq, ends, last, prefill, want)
+        finally:
+            del self.cache.begin
+
+    monkeypatch.setattr(Node, "_feed", counting_feed)
+    prompts = prompts_of(LENGTHS, seed=1)
+    kw = dict(draft=tiny["gqa"], method=method, temperature=0, ignore_eos=True, **SMALL)
+    rows = generate_batch(tiny["gqa"], prompts, max_new_tokens=BUDGETS, **kw)
+    batch_in_forward, phase[0] = dict(in_forward), "alone"
+    for prompt, n, row in zip(prompts, BUDGETS, rows):
+        assert row.tokens == tforce.generate(tiny["gqa"], prompt, max_new_tokens=n, **kw).tokens
+    for name in ("draft", "retrieval" if method == "triforce" else "streaming"):
+        assert fed[(name, "batch")] == fed[(name, "alone")], name  # row-forwards: the batch's = the runs alone'
+        assert batch_in_forward[name] == fed[(name, "batch")], name  # no row rides along unfed
+
+
 @pytest.mark.parametrize("method", METHODS + ["ar"])
 def test_batch_statistics_with_the_single_paths_names(tiny, method):
     """ms_per_token, prefill_rebuild_s and rebuild_s are the batch's (the same in every row; rebuild

@@ -35,31 +35,33 @@ def full_logits(monkeypatch):
     feeding, into = [], [None]
     feed, next_of, to_probs = levels.Node._feed, levels.Node.next_of, levels.to_probs
 
-    def recorded_feed(self, seq, ends, last, prefill=False):
-        feeding.append((self.name, seq, list(ends), last, list(self.cache.lengths[:len(ends)])))
+    def recorded_feed(self, seq, ends, last, prefill=False, want=None):
+        rows = range(len(ends)) if want is None else want  # the rows whose logits come back, in order
+        feeding.append((self.name, seq, list(rows), [ends[b] for b in rows], last,
+                        [self.cache.lengths[b] for b in rows]))
         try:
-            return feed(self, seq, ends, last, prefill)
+            return feed(self, seq, ends, last, prefill, want)
         finally:
             feeding.pop()
 
     def recorded_next_of(self, hidden):  # a layer-major prefill's first token, after the rows' whole prompts
         B = len(hidden)
-        feeding.append((self.name, self.tokens, [self.held(b) for b in range(B)], 1, [-1] * B))
+        feeding.append((self.name, self.tokens, list(range(B)), [self.held(b) for b in range(B)], 1, [-1] * B))
         try:
             return next_of(self, hidden)
         finally:
             feeding.pop()
 
     def recorded_probs(logits, sampling):
-        name, seq, ends, last, starts = feeding[-1]
+        name, seq, rows, ends, last, starts = feeding[-1]
         if name == "full":
             grid = logits.view(len(ends), last, -1)
-            for b, end in enumerate(ends):
-                if end == starts[b]:  # a prefill chunk this row fed nothing of: its logits are not computed
+            for j, (b, end) in enumerate(zip(rows, ends)):
+                if end == starts[j]:  # a prefill chunk this row fed nothing of: its logits are not computed
                     continue
                 for i in range(last):
                     context = tuple(seq[b, :end - last + i + 1].tolist())
-                    into[0].setdefault(context, []).append(grid[b, i].clone())
+                    into[0].setdefault(context, []).append(grid[j, i].clone())
         return to_probs(logits, sampling)
 
     monkeypatch.setattr(levels.Node, "_feed", recorded_feed)

@@ -210,15 +210,18 @@ class RetrievalCache(StaticInputs, Rows):
         """Fixed shapes while the rows share their slots: every forward of T tokens looks the same."""
         return ("retrieval", self.rows) if self._same else None
 
-    def begin(self, n: int, counts: list[int] | None = None) -> None:
-        """n tokens per row, of which row b's first counts[b] are real (None: all n); the rest is padding,
-        written to the spill slot."""
+    subsets = True  # a forward may feed some of the rows (begin's rows): the others sit it out, untouched
+
+    def begin(self, n: int, counts: list[int] | None = None, rows: list[int] | None = None) -> None:
+        """n tokens per fed row (rows: the live rows this forward feeds, increasing; None: every one), of which
+        row rows[i]'s first counts[i] are real (None: all n); the rest is padding, written to the spill slot."""
         if n > self.budget:
             raise TforceError(f"retrieval cache: {n} tokens in one forward > its budget {self.budget}")
         self.pending = n
-        shared = self.common(self.base)  # (length, base) of every row, or None
+        shared = self.common(self.base) if rows is None else None  # (length, base) of every row, or None
         self._same = shared is not None and (counts is None or min(counts) == n)
         B, device = self.rows, self.key_pos.device
+        self._fed = None  # the fed rows' indices when they are not all the live rows
         if self._same:  # one set of slots; built on the device from Python ints, kept in static buffers
             L, base = shared
             pos = torch.arange(L, L + n, device=device)
@@ -228,21 +231,27 @@ class RetrievalCache(StaticInputs, Rows):
             self._cos, self._sin = self._static("cos", cos), self._static("sin", sin)
             self.key_pos[:, :B, :, self._slot] = pos
             qpos = pos[:, None]  # (T, 1)
+            kp = self.key_pos[:, :B, :, None, :]  # (layers, B, H_kv, 1, S)
         else:
-            pos = torch.tensor(self.lengths[:B])[:, None] + torch.arange(n)  # (B, T) per-row positions
-            slots = self.budget - 1 - (pos - torch.tensor(self.base[:B])[:, None]) % self.budget  # (B, T), wrapping
+            fed = list(range(B)) if rows is None else list(rows)
+            lengths, bases = torch.tensor([self.lengths[b] for b in fed]), torch.tensor([self.base[b] for b in fed])
+            pos = lengths[:, None] + torch.arange(n)  # (R, T) per-row positions
+            slots = self.budget - 1 - (pos - bases[:, None]) % self.budget  # (R, T), wrapping
             held = pos  # the key position each slot takes: padding's is -1 in the spill slot, never visible
             if counts is not None:
                 pad = torch.arange(n) >= torch.tensor(counts)[:, None]
                 slots, held = torch.where(pad, self.budget, slots), torch.where(pad, -1, pos)
             pos, slots, held = to_device(pos, device), to_device(slots, device), to_device(held, device)
             self._cos, self._sin = rotation(self.rotary, pos, self.k.dtype)
-            self._rows_idx = torch.arange(B, device=device)[:, None].expand(-1, n)  # (B, T)
+            idx = to_device(torch.tensor(fed), device)
+            self._rows_idx = idx[:, None].expand(-1, n)  # (R, T)
             self._slots = slots
             self.key_pos[:, self._rows_idx, :, slots] = held[:, :, None, None]
-            qpos = pos[None, :, None, :, None]  # (1, B, 1, T, 1)
-        kp = self.key_pos[:, :B, :, None, :]  # (layers, B, H_kv, 1, S)
-        mask = (kp >= 0) & (kp <= qpos)  # (layers, B, H_kv, T, S): the visibility rule, per row
+            qpos = pos[None, :, None, :, None]  # (1, R, 1, T, 1)
+            if rows is not None:
+                self._fed = idx
+            kp = self.key_pos[:, :B, :, None, :] if rows is None else self.key_pos[:, idx, :, None, :]
+        mask = (kp >= 0) & (kp <= qpos)  # (layers, R, H_kv, T, S): the visibility rule, per row
         self._mask = self._static("mask", mask) if self._same else mask
 
     def update(self, layer, q, k, v):
@@ -255,6 +264,8 @@ class RetrievalCache(StaticInputs, Rows):
         else:
             self.k[layer][self._rows_idx, self._slots] = k
             self.v[layer][self._rows_idx, self._slots] = v
+        if self._fed is not None:  # some rows: their slots gathered (a copy of theirs only)
+            return q, CacheView(self.k[layer, self._fed], self.v[layer, self._fed], self._mask[layer])
         return q, CacheView(self.k[layer, :B], self.v[layer, :B], self._mask[layer])
 
     def truncate(self, lengths) -> None:

@@ -62,18 +62,21 @@ class StreamingCache(StaticInputs, Rows):
             self.offset[b] = start
         return start
 
-    def begin(self, n: int, counts: list[int] | None = None) -> None:
-        """counts (each row's real tokens of the n) is not needed here: padding lands in the slots after the
-        row's window, the room max_new keeps for a forward's new tokens."""
+    subsets = True  # a forward may feed some of the rows (begin's rows): the others sit it out, untouched
+
+    def begin(self, n: int, counts: list[int] | None = None, rows: list[int] | None = None) -> None:
+        """rows: the live rows this forward feeds (increasing; None: every one). counts (each fed row's real
+        tokens of the n) is not needed here: padding lands in the slots after the row's window, the room
+        max_new keeps for a forward's new tokens."""
         if n > self.max_new:
             raise TforceError(f"streaming cache takes at most {self.max_new} tokens per forward, got {n}")
         self.pending = n
-        shared = self.common(self.offset)  # (length, offset) of every row, or None
+        shared = self.common(self.offset) if rows is None else None  # (length, offset) of every row, or None
         self._same = shared is not None
         if self._same:
             self._begin_shared(n, *shared)
         else:
-            self._begin_rows(n)
+            self._begin_rows(n, range(self.rows) if rows is None else rows)
 
     def _begin_shared(self, n: int, length: int, offset: int) -> None:
         """One view for every row; everything built on the device from Python ints: no host -> device copy."""
@@ -94,10 +97,10 @@ class StreamingCache(StaticInputs, Rows):
         self._mask = None if n == 1 else self._static("mask", visibility(pos[None], pos[-n:]))
         self.view_positions = pos
 
-    def _begin_rows(self, n: int) -> None:
-        """Each row's own view, padded at the end to the longest with masked slots."""
+    def _begin_rows(self, n: int, rows) -> None:
+        """Each fed row's own view, padded at the end to the longest with masked slots."""
         views, news = [], []
-        for b in range(self.rows):
+        for b in rows:
             length = self.lengths[b]
             if self._slot(b, length + n) > self.capacity:
                 self._compact(range(b, b + 1), length, self.offset[b])
@@ -110,7 +113,7 @@ class StreamingCache(StaticInputs, Rows):
         device = self.k.device
         self._view_slots = to_device(torch.tensor([r + [0] * (S - len(r)) for r in views]), device)  # (B, S)
         self._new_slots = to_device(torch.tensor(news), device)  # (B, T)
-        self._rows_view = torch.arange(self.rows, device=device)[:, None]
+        self._rows_view = to_device(torch.tensor(list(rows)), device)[:, None]
         self._cos, self._sin = self.rotary.cos_sin(torch.arange(S, device=device), self.k.dtype)  # by view slot
         qpos = to_device((sizes - n)[:, None] + torch.arange(n), device)  # (B, T): each new token's view slot
         self._qcos, self._qsin = rotation(self.rotary, qpos, self.k.dtype)

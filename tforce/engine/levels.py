@@ -14,8 +14,9 @@ A Level produces tokens together with the distribution each was drawn from, per 
   of the node's own distribution, so a SpecLevel is itself a proposer for the level above: that is
   the whole hierarchy (triforce = SpecLevel(SpecLevel(Drafter(draft), middle, g1), full, g2)).
 Each row accepts its own number of drafted tokens. A level proposing k tokens repeats its rounds until
-every row has k; a row that has them already goes on drafting from its first k (its results are
-dropped and not counted), so no cache runs further ahead than k tokens.
+every row has k; a row that has them sits the later rounds out (a round is for the rows it lists), so
+each row drafts and is fed exactly what its prompt alone would be, and a cache that runs forwards over
+some of its rows (`cache.subsets`) runs them without it (docs/architecture.md, "Protocol").
 
 Host and device. The shared sequence buffer (B, capacity) and each node's record of its tokens live on
 the host; token ids reach the device through sync.to_device (no sync). The device -> host transfers of a
@@ -55,11 +56,12 @@ class Node:
     def held(self, b: int) -> int:
         return self.cache.lengths[b]
 
-    def matching(self, seq: torch.Tensor, n: list[int]) -> list[int]:
-        """Per row, how many of the tokens its cache holds match seq[b, :n[b] - 1] (the prefix sync keeps)."""
+    def matching(self, seq: torch.Tensor, n: list[int], rows=None) -> list[int]:
+        """Per row, how many of the tokens its cache holds match seq[b, :n[b] - 1] (the prefix it keeps);
+        with rows, only those rows' (the others: what they hold)."""
         out = []
         for b, nb in enumerate(n):
-            m = min(self.held(b), nb - 1)
+            m = min(self.held(b), nb - 1) if rows is None or b in rows else self.held(b)
             diff = (self.tokens[b, :m] != seq[b, :m]).nonzero()
             out.append(int(diff[0]) if len(diff) else m)
         return out
@@ -75,46 +77,60 @@ class Node:
         self._roll_back(keep)
         return keep
 
-    def _feed(self, seq: torch.Tensor, ends: list[int], last: int, prefill: bool = False) -> torch.Tensor | None:
+    def _feed(self, seq: torch.Tensor, ends: list[int], last: int, prefill: bool = False,
+              want: list[int] | None = None) -> torch.Tensor | None:
         """Feed row b seq[b, held(b):ends[b]] (padded at the end to the longest; the padding is never
-        committed); probs (B, last, V) after each row's last `last` real tokens (every row feeds at least
-        `last`), or None for last=0. prefill: a prefill chunk (last 0 or 1; a row feeding nothing gets a
-        meaningless distribution), run by the plain forward: the runners are for decode steps (a CUDA graph
-        holds decode shapes; row-wise verification computes what a one-token step would), and one prefill
-        forward for every method gives every method the same first token."""
+        committed); probs (W, last, V) after the last `last` real tokens of each row in `want` (None: every
+        row; each feeds at least `last`), or None for last=0. A row feeding nothing sits the forward out
+        when the cache runs forwards over some of its rows (`cache.subsets`: the draft and middle levels'
+        caches); else it is fed padding. prefill: a prefill chunk (last 0 or 1; a row feeding nothing
+        gets a meaningless distribution), run by the plain forward: the runners are for decode steps (a CUDA
+        graph holds decode shapes; row-wise verification computes what a one-token step would), and one
+        prefill forward for every method gives every method the same first token."""
         B, starts = len(ends), self.cache.lengths[:len(ends)]
         counts = [e - s for s, e in zip(starts, ends)]
-        T = max(counts)
-        same = min(counts) == T  # rows of one count (always one row): the forward keeps only `last` logits
-        if B == 1:
-            ids = seq[:1, starts[0]:ends[0]]  # (1, T), a view
+        rows = list(range(B))  # the rows in the forward
+        if B > 1 and getattr(self.cache, "subsets", False) and 0 in counts:
+            rows = [b for b in rows if counts[b]]
+        fed_counts = [counts[b] for b in rows]
+        T = max(fed_counts)
+        same = min(fed_counts) == T  # rows of one count (always one row): the forward keeps only `last` logits
+        if len(rows) == 1:
+            b = rows[0]
+            ids = seq[b:b + 1, starts[b]:ends[b]]  # (1, T), a view
         elif same:
-            ids = torch.stack([seq[b, s:e] for b, (s, e) in enumerate(zip(starts, ends))])  # (B, T)
+            ids = torch.stack([seq[b, starts[b]:ends[b]] for b in rows])  # (R, T)
         else:
-            ids = torch.zeros(B, T, dtype=torch.long)
-            for b, (s, e) in enumerate(zip(starts, ends)):
-                ids[b, :e - s] = seq[b, s:e]
+            ids = torch.zeros(len(rows), T, dtype=torch.long)
+            for i, b in enumerate(rows):
+                ids[i, :counts[b]] = seq[b, starts[b]:ends[b]]
         fed = ids if self.vocab is None else self.vocab.ids(ids)
-        self.cache.begin(T, None if same else counts)
+        if len(rows) < B:
+            self.cache.begin(T, None if same else fed_counts, rows)
+        else:
+            self.cache.begin(T, None if same else fed_counts)
         mark = self.timer.start()
         fed = to_device(fed, self.device)
         if prefill and not (self.counted and B > 1):
-            logits = self._prefill_forward(fed, counts, last, same)
+            logits = self._prefill_forward(fed, fed_counts, last, same)
         elif self.counted:  # real tokens only: each row's last `last` logits (rowwise.py)
-            logits = self.runner(fed, last, counts, prefill)  # (B, last, V)
+            logits = self.runner(fed, last, fed_counts, prefill)  # (R, last, V)
         else:
-            logits = self.runner(fed, last if same else None if last else 0)  # (B, last or T, V)
+            logits = self.runner(fed, last if same else None if last else 0)  # (R, last or T, V)
         self.timer.stop(mark)
-        self.cache.commit(T if same else counts)
+        self.cache.commit(T if same and len(rows) == B else counts)
         for b, (s, e) in enumerate(zip(starts, ends)):
             self.tokens[b, s:e] = seq[b, s:e]
         self.forwards += 1
         if not last:
             return None
         if not same and not prefill and not self.counted:
-            pick = torch.tensor(counts)[:, None] - last + torch.arange(last)  # (B, last)
+            # (R, last); a row feeding nothing (padding only) picks position 0, never used
+            pick = (torch.tensor(fed_counts)[:, None] - last + torch.arange(last)).clamp(min=0)
             pick = to_device(pick, logits.device)
             logits = logits.gather(1, pick[..., None].expand(-1, -1, logits.shape[-1]))
+        if want is not None and want != rows:
+            logits = logits[to_device(torch.tensor([rows.index(b) for b in want]), logits.device)]
         return self._probs(logits)
 
     def _prefill_forward(self, ids: torch.Tensor, counts: list[int], last: int, same: bool) -> torch.Tensor | None:
@@ -141,14 +157,20 @@ class Node:
             return self._probs(torch.cat([self.model.head(hidden[b:b + 1]) for b in range(len(hidden))]))[:, 0]
         return self._probs(self.model.head(hidden))[:, 0]
 
-    def probs(self, seq: torch.Tensor, n: list[int], last: int = 1) -> torch.Tensor:
-        """(B, last, V): row b's distributions of the next token after each of seq[b, :n[b] - last + 1],
-        ..., seq[b, :n[b]]."""
-        start = [min(s, nb - last) for s, nb in zip(self.match_prefix(seq, n), n)]
+    def probs(self, seq: torch.Tensor, n: list[int], last: int = 1, rows: list[int] | None = None
+              ) -> torch.Tensor:
+        """(R, last, V): for each listed row (None: every row), its distributions of the next token after
+        each of seq[b, :n[b] - last + 1], ..., seq[b, :n[b]]. The other rows are left as they are."""
+        rows = list(range(len(n))) if rows is None else rows
+        start = self.matching(seq, n, rows)
+        for b in rows:
+            start[b] = min(start[b], n[b] - last)
         self._roll_back(start)  # the logits of tokens it already holds are wanted: feed them again
-        while max(nb - last - self.held(b) for b, nb in enumerate(n)) > self.prefill_chunk:  # in chunks
-            self._feed(seq, [min(self.held(b) + self.prefill_chunk, nb - last) for b, nb in enumerate(n)], 0)
-        return self._feed(seq, n, last)
+        asked = set(rows)
+        while max(n[b] - last - self.held(b) for b in rows) > self.prefill_chunk:  # in chunks
+            self._feed(seq, [min(self.held(b) + self.prefill_chunk, nb - last) if b in asked else self.held(b)
+                             for b, nb in enumerate(n)], 0)
+        return self._feed(seq, [nb if b in asked else self.held(b) for b, nb in enumerate(n)], last, want=rows)
 
     def adopt(self, seq: torch.Tensor, lengths: list[int], rows: list[int] | None = None) -> None:
         """The listed rows' caches (None: every row) were filled outside a forward (a rebuild, a layer-major
@@ -181,9 +203,10 @@ class Node:
         while any(self.held(b) < nb for b, nb in enumerate(n)):
             ends = [min(self.held(b) + self.prefill_chunk, nb) for b, nb in enumerate(n)]
             ending = [want and self.held(b) < nb and e == nb for b, (nb, e) in enumerate(zip(n, ends))]
-            probs = self._feed(seq, ends, int(any(ending)), prefill=True)
-            for b in (b for b, e in enumerate(ending) if e):
-                out[b] = probs[b, 0]
+            ended = [b for b, e in enumerate(ending) if e]
+            probs = self._feed(seq, ends, int(bool(ended)), prefill=True, want=ended)
+            for i, b in enumerate(ended):
+                out[b] = probs[i, 0]
             if progress:
                 progress(sum(self.held(b) for b in range(len(n))), sum(n))
         return torch.stack(out) if want else None
@@ -225,40 +248,40 @@ class Level:
     """Produces tokens continuing each row's sequence seq[b, :n[b]], each with the distribution it was
     drawn from."""
 
-    def round(self, seq: torch.Tensor, n: list[int], gen: torch.Generator, active: list[bool] | None = None
+    def round(self, seq: torch.Tensor, n: list[int], gen: torch.Generator, rows: list[int] | None = None
               ) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """Per row: new tokens (written into seq[b, n[b]:]) and their distributions (n_b, V); active[b]
-        False: row b's round is dropped by the caller (not counted)."""
+        """For each listed row (None: every row), in that order: new tokens (written into seq[b, n[b]:]) and
+        their distributions (n_b, V). The other rows take no part: their caches and sequences are left as
+        they are."""
         raise NotImplementedError
 
-    def propose(self, seq: torch.Tensor, n: list[int], k: int, gen: torch.Generator, active: list[bool]
+    def propose(self, seq: torch.Tensor, n: list[int], k: int, gen: torch.Generator, rows: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exactly k tokens per row (written into seq[b, n[b]:n[b] + k]): (B, k) ids, (B, k, V) their
-        distributions."""
-        have, probs = [0] * len(n), [[] for _ in n]
-        while min(have) < k:
-            more = [a and h < k for a, h in zip(active, have)]
-            # a row that has k tokens drafts again after its first k, dropped: no cache runs further ahead
-            t, p = self.round(seq, [nb + min(h, k) for nb, h in zip(n, have)], gen, more)
-            for b in range(len(n)):
-                if have[b] < k:
-                    have[b] += len(t[b])
-                    probs[b].append(p[b])
-        tokens = torch.stack([seq[b, nb:nb + k] for b, nb in enumerate(n)])
-        return tokens, torch.stack([torch.cat(p)[:k] for p in probs])
+        """Exactly k tokens for each listed row (written into seq[b, n[b]:n[b] + k]): (R, k) ids, (R, k, V)
+        their distributions. Rounds repeat until every row has k; a row that has them sits the later rounds
+        out, so it drafts exactly what it would alone."""
+        have, probs = dict.fromkeys(rows, 0), {b: [] for b in rows}
+        while more := [b for b in rows if have[b] < k]:
+            t, p = self.round(seq, [nb + have.get(b, 0) for b, nb in enumerate(n)], gen, more)
+            for b, tb, pb in zip(more, t, p):
+                have[b] += len(tb)
+                probs[b].append(pb)
+        tokens = torch.stack([seq[b, n[b]:n[b] + k] for b in rows])
+        return tokens, torch.stack([torch.cat(probs[b])[:k] for b in rows])
 
 
 class Drafter(Level):
     def __init__(self, node: Node):
         self.node = node
 
-    def round(self, seq, n, gen, active=None):
-        p = self.node.probs(seq, n)[:, 0]  # (B, V)
+    def round(self, seq, n, gen, rows=None):
+        rows = list(range(len(n))) if rows is None else rows
+        p = self.node.probs(seq, n, rows=rows)[:, 0]  # (R, V)
         # A host sync per drafted token (all rows): the tokens join the host-side sequences that every
-        # node's catch-up (Node.sync) compares against. The verification's sync comes on top (speculative.py).
+        # node's catch-up (Node.probs) compares against. The verification's sync comes on top (speculative.py).
         tokens = host(sample(p, gen, self.node.sampling.greedy))
-        for b, (nb, t) in enumerate(zip(n, tokens)):
-            seq[b, nb] = t
+        for b, t in zip(rows, tokens):
+            seq[b, n[b]] = t
         return [[t] for t in tokens], list(p[:, None])
 
 
@@ -269,17 +292,15 @@ class SpecLevel(Level):
         self.ids = [0] if ids is None else ids  # live row i is prompt ids[i] (the caller's list, updated in place)
         self.stats = LevelStats(n_prompts, window)
 
-    def round(self, seq, n, gen, active=None):
-        active = [True] * len(n) if active is None else active
-        drafts, q = self.proposer.propose(seq, n, self.gamma, gen, active)  # writes seq[b, n:n + gamma]
-        p = self.node.probs(seq, [nb + self.gamma for nb in n], last=self.gamma + 1)  # (B, gamma + 1, V)
+    def round(self, seq, n, gen, rows=None):
+        rows = list(range(len(n))) if rows is None else rows
+        drafts, q = self.proposer.propose(seq, n, self.gamma, gen, rows)  # writes seq[b, n:n + gamma]
+        p = self.node.probs(seq, [nb + self.gamma for nb in n], last=self.gamma + 1, rows=rows)  # (R, gamma + 1, V)
         n_acc, nxt = verify(to_device(drafts, p.device), q.to(p.device), p, gen, greedy=self.node.sampling.greedy)
         tokens, probs = [], []
-        for b, (nb, a) in enumerate(zip(n, n_acc)):
-            row = drafts[b, :a].tolist() + [nxt[b]]
-            seq[b, nb + a] = nxt[b]
-            tokens.append(row)
-            probs.append(p[b, :a + 1])
-            if active[b]:
-                self.stats.count(self.ids[b], self.gamma, a)
+        for i, (b, a) in enumerate(zip(rows, n_acc)):
+            seq[b, n[b] + a] = nxt[i]
+            tokens.append(drafts[i, :a].tolist() + [nxt[i]])
+            probs.append(p[i, :a + 1])
+            self.stats.count(self.ids[b], self.gamma, a)
         return tokens, probs

@@ -98,26 +98,28 @@ class StreamingCache(StaticInputs, Rows):
         self.view_positions = pos
 
     def _begin_rows(self, n: int, rows) -> None:
-        """Each fed row's own view, padded at the end to the longest with masked slots."""
-        views, news = [], []
+        """Each fed row's own view, padded at the end to the longest with masked slots: row b's view is its
+        sinks' slots [0, n_sinks) then the run [first, first + size - n_sinks) of its window and new tokens.
+        Built from one small tensor of per-row ints (a list per slot cost 0.4 ms a forward for 8 rows)."""
+        per_row = []  # (b, n_sinks, first slot of the run, view size, first new slot)
         for b in rows:
             length = self.lengths[b]
             if self._slot(b, length + n) > self.capacity:
                 self._compact(range(b, b + 1), length, self.offset[b])
             n_sinks, lo = self._view_start(length)
-            first = self._slot(b, lo)
-            views.append(list(range(n_sinks)) + list(range(first, first + length + n - lo)))
-            news.append(list(range(self._slot(b, length), self._slot(b, length) + n)))
-        S = max(len(r) for r in views)
-        sizes = torch.tensor([len(r) for r in views])
+            per_row.append((b, n_sinks, self._slot(b, lo), n_sinks + length + n - lo, self._slot(b, length)))
         device = self.k.device
-        self._view_slots = to_device(torch.tensor([r + [0] * (S - len(r)) for r in views]), device)  # (B, S)
-        self._new_slots = to_device(torch.tensor(news), device)  # (B, T)
-        self._rows_view = to_device(torch.tensor(list(rows)), device)[:, None]
-        self._cos, self._sin = self.rotary.cos_sin(torch.arange(S, device=device), self.k.dtype)  # by view slot
-        qpos = to_device((sizes - n)[:, None] + torch.arange(n), device)  # (B, T): each new token's view slot
+        b, n_sinks, first, sizes, new = to_device(torch.tensor(per_row), device).T[:, :, None]  # each (R, 1)
+        S = max(r[3] for r in per_row)
+        j = torch.arange(S, device=device)
+        slots = torch.where(j < n_sinks, j, first + j - n_sinks)
+        self._view_slots = torch.where(j < sizes, slots, 0)  # (R, S); padding reads slot 0, masked
+        self._new_slots = new + torch.arange(n, device=device)  # (R, T)
+        self._rows_view = b
+        self._cos, self._sin = self.rotary.cos_sin(j, self.k.dtype)  # by view slot
+        qpos = sizes - n + torch.arange(n, device=device)  # (R, T): each new token's view slot
         self._qcos, self._qsin = rotation(self.rotary, qpos, self.k.dtype)
-        self._mask = (torch.arange(S, device=device) <= qpos[:, :, None])[:, None]  # (B, 1, T, S)
+        self._mask = (j <= qpos[:, :, None])[:, None]  # (R, 1, T, S)
 
     def graph_key(self):
         """The view's size and the row count, once the window is full (before that it grows every step) and

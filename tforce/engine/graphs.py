@@ -67,7 +67,7 @@ class GraphRunner:
         self.cache.begin(n_tokens)
         shape_key = self.cache.graph_key()
         if shape_key is not None and (n_tokens, last_n, shape_key) not in self.graphs:
-            ids = torch.zeros(1, n_tokens, dtype=torch.long, device=device)
+            ids = torch.zeros(self.cache.rows, n_tokens, dtype=torch.long, device=device)  # every live row
             self.graphs[(n_tokens, last_n, shape_key)] = self._capture(ids, last_n)
         self.cache.commit(0)
 

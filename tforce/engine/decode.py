@@ -148,12 +148,16 @@ def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s
 def one_row_stats(session, out: list[int], prefill_s: float, decode_s: float, before: dict) -> dict:
     """A one-row session's statistics (engine.generate, Conversation.ask): row_stats and tokens_per_s (the
     tokens after the first over decode_s, as ms_per_token)."""
-    n = decoded(out)
-    return {**row_stats(session, 0, [out], prefill_s, decode_s, before),
-            "tokens_per_s": n / decode_s if n and decode_s > 0 else None}
+    return {**row_stats(session, 0, [out], prefill_s, decode_s, before), "tokens_per_s": rate(decoded(out), decode_s)}
 
 
 def decoded(out: list[int]) -> int:
     """How many of a row's new tokens rounds made: all but the first, which the prefill gave (decode starts
     right after Session.prefill, whose last forward gives every row its first token: Session.round)."""
     return max(len(out) - 1, 0)
+
+
+def rate(tokens: int, seconds: float) -> float | None:
+    """Tokens per second, or None when nothing was decoded or no time passed (one rule for a single run's
+    tokens_per_s and a batch's batch_tokens_per_s)."""
+    return tokens / seconds if tokens and seconds > 0 else None

@@ -11,7 +11,7 @@ import torch
 
 from ..config import Sampling, Speculation
 from ..errors import UsageError
-from .decode import acceptance, decode, decoded, level_counts, placement_stats, row_stats
+from .decode import acceptance, decode, decoded, level_counts, placement_stats, rate, row_stats
 from .session import Session, _sync_device
 
 
@@ -61,5 +61,5 @@ def run(target, draft, prompts: list[list[int]], max_new: list[int], spec: Specu
     _sync_device(device)
     t3 = time.perf_counter()
     n = sum(map(decoded, outs))  # each row's first is its prefill's
-    batch = {"batch_size": B, "batch_tokens_per_s": n / (t3 - t2) if n and t3 > t2 else None}
+    batch = {"batch_size": B, "batch_tokens_per_s": rate(n, t3 - t2)}
     return outs, [{**row_stats(session, r, outs, t1 - t0, t3 - t2, before), **batch, **kv[r]} for r in range(B)]

@@ -54,6 +54,41 @@ def test_cli_batch_with_tp2(paths, single, tmp_path):  # noqa: F811
     assert "batch of 2 prompts" in result.stderr
 
 
+def test_a_batch_the_ranks_refuse_runs_as_smaller_batches(paths, single, tmp_path, monkeypatch):  # noqa: F811
+    """Under --tp the ranks plan the file's batch (the CLI's check plans one process, not a rank's shard):
+    when they refuse it (DoesNotFit, raised here as such: test_parallel.py), it runs halved, each half
+    again on ranks, every row as alone. The refusal is stood in for in this process for batches of more
+    than one row."""
+    import tforce.parallel.tp as tp
+    from tforce.errors import DoesNotFit
+
+    target, draft = single
+    real, tried = tp.generate_batch_tp, []
+
+    def refusing(model, draft_path, prompts, *args, **kwargs):
+        tried.append(len(prompts))
+        if len(prompts) > 1:
+            raise DoesNotFit("not enough GPU memory: stand-in")
+        return real(model, draft_path, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(tp, "generate_batch_tp", refusing)
+    tok = tforce.load_model(str(paths[0]), tokenizer=True).tokenizer
+    texts = ["It was the best of times.", "Call me Ishmael."]
+    batch = tmp_path / "b.jsonl"
+    batch.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    args = ["run", "-m", str(paths[0]), "--batch", str(batch), "--tp", "2", "--device", "cpu", "-t", "0", "-n", "8",
+            "--ignore-eos", "--method", "ar"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert tried == [2, 1, 1]
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["id"] for line in lines] == [0, 1]
+    for line, text in zip(lines, texts):
+        assert line["tokens"] == tforce.generate(target, tok.encode(text), method="ar", temperature=0,
+                                                 max_new_tokens=8, ignore_eos=True).tokens
+    assert "prompts 1-2 do not fit together after all (not enough GPU memory: stand-in)" in result.stderr
+
+
 def test_a_cuda_launchs_options_are_generate_batchs(single):  # noqa: F811
     """A CUDA launch runs the ranks eager (tp_options: cuda_graphs=False, no all_reduce inside a captured
     graph): generate_batch takes that option, as generate does (checked on the CPU, where it does nothing)."""

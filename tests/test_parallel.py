@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import tforce
 from model_helpers import forward, full_cache, random_ids
 from tforce.cli import app
-from tforce.errors import TforceError, UsageError
+from tforce.errors import DoesNotFit, TforceError, UsageError
 from tforce.engine import placement
 from tforce.parallel.tp import _generate_worker, _rank_room
 from tforce.parallel.ranks import launch
@@ -66,6 +66,12 @@ def _fail(rank, world):
     torch.distributed.barrier()  # rank 0 would wait here for ever: the parent must end it
 
 
+def _refuse(rank, world):
+    if rank == 1:
+        raise DoesNotFit("not enough GPU memory: stand-in")
+    torch.distributed.barrier()
+
+
 @pytest.fixture(scope="module")
 def ranks(paths):
     return launch(_checks, 2, "gloo", str(paths[0]), str(paths[1]), all_ranks=True)
@@ -111,6 +117,13 @@ def test_worker_error_is_one_line_not_a_hang():
         launch(_fail, 2, "gloo")
     assert str(info.value) == "rank 1: ValueError: boom"
     assert "Traceback" in str(info.value.__cause__)  # the worker's traceback, for TFORCE_DEBUG=1
+
+
+def test_a_ranks_memory_refusal_arrives_as_one():
+    """A rank's DoesNotFit is raised here as DoesNotFit (not a plain TforceError), so that `run --batch
+    --tp N` runs a batch the ranks refuse as smaller batches (cli/batch_groups.run_groups)."""
+    with pytest.raises(DoesNotFit, match="^not enough GPU memory: stand-in$"):
+        launch(_refuse, 2, "gloo")
 
 
 FIVE = dict(temperature=0, max_new_tokens=12, ignore_eos=True, budget=32, prefill_chunk=16)
@@ -212,7 +225,7 @@ def test_ranks_offloading_more_than_the_host_holds_together_refuse_before_prefil
     args = (str(path), None, prompt, False, "cpu", torch.float32, dict(FIVE, method="ar", seed=0), (), free)
     host = launch(_generate_worker, 2, "gloo", *args).stats["kv_host_bytes"]  # one rank's
     assert host > 0
-    with pytest.raises(TforceError, match="needed by the 2 ranks together"):
+    with pytest.raises(DoesNotFit, match="needed by the 2 ranks together"):
         launch(_tight_host_worker, 2, "gloo", int(1.5 * host), *args)
     with pytest.raises(TforceError, match="reached prefill"):
         launch(_tight_host_worker, 2, "gloo", 2 * host, *args)

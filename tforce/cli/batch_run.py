@@ -131,8 +131,9 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         _check_memory(config, draft_config, max(lengths[r] for r in rows), _dtype_bytes(dtype, device), device,
                       options["offload"], options["gpu_memory"], options["budget"], options["method"], rows=len(rows))
 
-    # split over ranks (--tp), the ranks plan the batch as one and refuse it if it does not fit, as a single
-    # split run's do; in one process the file is split into the batches that fit
+    # in one process the file is split into the batches that fit; split over ranks (--tp), the check above
+    # plans one process, not a rank's shard, so the ranks plan the file as one batch and run_groups halves
+    # it each time they refuse it (their DoesNotFit arrives as such: parallel/rank_worker.py)
     groups = plan_groups(check, len(prompts)) if world == 1 else [range(len(prompts))]
     if len(groups) > 1:
         _say(f"tforce: the batch of {len(prompts)} does not fit: running it as {len(groups)} batches of at most "

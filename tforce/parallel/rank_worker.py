@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..errors import TforceError, UsageError
+from ..errors import DoesNotFit, TforceError, UsageError
 
 COLLECTIVE_TIMEOUT_S = 600  # a worker waiting this long in one collective (or the rendezvous) fails itself
 P2P_HINT = "GPUs without working peer-to-peer access (e.g. RTX 4090 pairs) need NCCL_P2P_DISABLE=1"
@@ -26,8 +26,8 @@ P2P_HINT = "GPUs without working peer-to-peer access (e.g. RTX 4090 pairs) need 
 def _portable(rank: int, e: BaseException) -> tuple[TforceError, str]:
     """A worker's exception -> (a picklable one-line TforceError, the traceback text)."""
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    if isinstance(e, TforceError):
-        err = (UsageError if isinstance(e, UsageError) else TforceError)(str(e))
+    if isinstance(e, TforceError):  # its class kept: a DoesNotFit lets `run --batch` retry smaller batches
+        err = next(c for c in (UsageError, DoesNotFit, TforceError) if isinstance(e, c))(str(e))
     elif isinstance(e, KeyboardInterrupt):
         err = TforceError(f"rank {rank}: interrupted")
     else:

@@ -32,7 +32,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ..errors import TforceError, UsageError
+from ..errors import DoesNotFit, TforceError, UsageError
 from ..engine.placement import GiB
 from .ranks import launch
 
@@ -127,7 +127,7 @@ class Group:
         # ranks share one host and none has pinned anything yet, so together they must fit it.
         need, available = sum(g[2] for g in gathered), min(g[3] for g in gathered)
         if need > available:
-            raise TforceError(f"not enough host memory for the offloaded KV cache: {need / GiB:.1f} GiB needed by "
+            raise DoesNotFit(f"not enough host memory for the offloaded KV cache: {need / GiB:.1f} GiB needed by "
                               f"the {self.world} ranks together, {available / GiB:.1f} GiB available")
 
 

@@ -169,6 +169,39 @@ def test_a_node_rolls_each_row_back_to_its_longest_matching_prefix(tiny):
     torch.testing.assert_close(got, want)
 
 
+def test_a_row_not_asked_for_is_left_as_it_is(tiny):
+    """probs(..., rows=[0]) feeds row 0 only, in a forward over that row (a cache that takes some rows):
+    row 1 keeps its length, slots and record even though the sequence changed under what it holds (a
+    rejected speculation: it rolls back when it is next asked for), and row 0's distributions are those
+    of row 0 alone."""
+    from tforce.cache.streaming import StreamingCache
+    from tforce.config import Sampling
+    from model_helpers import rotary_for
+
+    model = tiny["gqa"].model
+    cfg = model.config
+
+    def node(rows):
+        cache = StreamingCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, 16, 2, rotary_for(model), 8,
+                               16, rows=rows)
+        return Node("draft", model, cache, Sampling(temperature=0), 64, 8)
+
+    a, b = prompts_of((20, 11), seed=4)
+    buf = torch.zeros(2, 64, dtype=torch.long)
+    buf[0, :20], buf[1, :11] = torch.tensor(a), torch.tensor(b)
+    two, one = node(2), node(1)
+    two.prefill(buf, [20, 11])
+    one.prefill(buf[:1], [20])
+    k1, v1, record = two.cache.k[:, 1].clone(), two.cache.v[:, 1].clone(), two.tokens[1].clone()
+    buf[1, 5] += 1
+    buf[0, 20] = buf[1, 20] = 3
+    got = two.probs(buf, [21, 12], rows=[0])
+    assert got.shape[0] == 1 and two.cache.lengths == [21, 11]
+    assert torch.equal(two.cache.k[:, 1], k1) and torch.equal(two.cache.v[:, 1], v1)
+    assert torch.equal(two.tokens[1], record)
+    torch.testing.assert_close(got, one.probs(buf[:1], [21]))
+
+
 def test_rebuilds_refeed_a_token_whose_query_is_not_at_hand(tiny, monkeypatch):
     """Every forward of more than one token forgets its queries (the prefill's chunks, the verifications):
     each rebuild then feeds the row's last committed token again for its query, and every row still

@@ -35,7 +35,9 @@ class KVCache(Protocol):
     @property
     def length(self) -> int: ...  # the committed length the live rows share
 
-    def begin(self, n: int, counts: list[int] | None = None) -> None: ...  # counts: each row's real tokens
+    # counts: each fed row's real tokens of the n. A cache with `subsets = True` (streaming, retrieval) also
+    # takes rows: the live rows this forward feeds; the others sit it out, untouched (commit gives them 0).
+    def begin(self, n: int, counts: list[int] | None = None) -> None: ...
 
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, CacheView]: ...

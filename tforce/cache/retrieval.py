@@ -24,8 +24,8 @@ in `full` (a FullCache or OffloadedCache of as many rows) and its own query, exa
 on that row alone selects. Row b's position p >= base[b] takes slot budget - 1 - ((p - base[b]) mod
 budget) (from the end backwards, wrapping). A forward's padding (rows feeding fewer tokens than others:
 the row rule of docs/architecture.md; begin(n, counts)) goes to one spill slot after the budget, never
-visible, so it overwrites nothing a row holds (a row's own tokens beyond what it keeps, fed while other
-rows draft on, still take slots: engine/levels.py), and the rebuild rule has no term for padding. New
+visible, so it overwrites nothing a row holds, and the rebuild rule has no term for padding; a row that
+sits a forward out (begin's rows: engine/levels.py) is not touched at all. New
 tokens past budget - chunk_size overwrite the first chunk, then wrap onto the newest ones (the engine
 rebuilds before that when the budget leaves room; with a smaller one it cannot, and the middle level then
 drafts from fewer tokens): what a slot holds is always what key_pos says, so attention stays consistent

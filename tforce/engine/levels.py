@@ -3,8 +3,9 @@
 A Node is one network with one cache (a row per prompt) and the record of the tokens each row's cache
 holds. Nodes catch up by themselves: asked for distributions after the first n[b] tokens of each row of
 the shared sequence buffer, a node rolls each row back to the longest prefix it holds that still matches
-the buffer (dropping rejected speculation) and feeds only the rest, every row in one forward, padded at
-the end to the longest (the row rule of docs/architecture.md). No object patches another's cache.
+the buffer (dropping rejected speculation) and feeds only the rest, the rows asked for in one forward,
+padded at the end to the longest (the row rule of docs/architecture.md); the other rows are left as they
+are, rolled back at their next catch-up. No object patches another's cache.
 
 A Level produces tokens together with the distribution each was drawn from, per row:
 - Drafter(node): autoregressive sampling from the node, one token per round.
@@ -58,10 +59,13 @@ class Node:
 
     def matching(self, seq: torch.Tensor, n: list[int], rows=None) -> list[int]:
         """Per row, how many of the tokens its cache holds match seq[b, :n[b] - 1] (the prefix it keeps);
-        with rows, only those rows' (the others: what they hold)."""
+        with rows, only those rows' (the others: what they hold, untouched until they are asked for)."""
         out = []
         for b, nb in enumerate(n):
-            m = min(self.held(b), nb - 1) if rows is None or b in rows else self.held(b)
+            if rows is not None and b not in rows:
+                out.append(self.held(b))
+                continue
+            m = min(self.held(b), nb - 1)
             diff = (self.tokens[b, :m] != seq[b, :m]).nonzero()
             out.append(int(diff[0]) if len(diff) else m)
         return out

@@ -136,6 +136,11 @@ def test_bench_batch_against_one_at_a_time(runner):
         assert len(run["tokens_per_verification"]) == 3 and min(run["tokens_per_verification"]) >= 1
         assert (run["rebuild_s"] is None) == (run["prefill_rebuild_s"] is None) == (run["method"] != "triforce")
         assert run["gpu_mem_gib"] is None and run["gpu_reserved_gib"] is None and run["planned_peak_gib"] > 0
+        nodes = {"ar": {"full"}, "triforce": {"draft", "retrieval", "full"}, "naive": {"draft", "full"}}[run["method"]]
+        for key in ("forwards", "stage_s", "one_at_a_time_forwards", "one_at_a_time_stage_s"):
+            assert set(run[key]) == nodes and min(run[key].values()) > 0, key
+        # the rows decode together: fewer forwards than alone, each row's tokens the same
+        assert run["forwards"]["full"] < run["one_at_a_time_forwards"]["full"]
     text = runner.invoke(app, ["bench", "--synthetic", "tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "20",
                                "--gen-len", "4", "--methods", "ar,triforce"], env={"COLUMNS": "200"})
     assert text.exit_code == 0 and "tforce bench --batch 2" in text.stdout and "one at a time" in text.stdout

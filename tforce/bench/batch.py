@@ -62,6 +62,11 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
         "speedup_vs_one_at_a_time": alone_s / batch_s if batch_s > 0 else None,
         "batch_prefill_s": rows[0].stats["prefill_s"],
         "one_at_a_time_prefill_s": sum(r.stats["prefill_s"] for r in alone),
+        # per node while decoding: the batch's forwards and their seconds, and the same summed over the prompts
+        # run alone (what a row-forward costs in a batch against alone: stage_s / forwards)
+        "forwards": rows[0].stats["forwards"], "stage_s": rows[0].stats["stage_s"],
+        "one_at_a_time_forwards": _summed([r.stats["forwards"] for r in alone]),
+        "one_at_a_time_stage_s": _summed([r.stats["stage_s"] for r in alone]),
         "acceptance": [r.stats["acceptance"] for r in rows],  # per row {"draft", "retrieval"}
         "tokens_per_verification": [r.stats["tokens_per_verification"] for r in rows],
         "rebuilds": [r.stats["rebuilds"] for r in rows],
@@ -72,6 +77,11 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
         "kv_offloaded_layers": rows[0].stats["kv_offloaded_layers"],
         **memory,  # gpu_mem_gib, gpu_reserved_gib, planned_peak_gib of the batch run
     }
+
+
+def _summed(per_run: list[dict]) -> dict:
+    """Per-node figures of several runs, added up by node name."""
+    return {name: sum(d[name] for d in per_run) for name in per_run[0]}
 
 
 def bench_batch(models: Models, prompts: list[list[int]], cfg: BenchConfig, synthetic: bool, model_name: str,

@@ -247,3 +247,21 @@ def test_progress_callbacks_count_the_batch(tiny, offload):
     accepted = sum(r.stats["acceptance"]["draft"] * v * SMALL["gamma2"] for r, v in zip(rows, verified))
     assert counts[-1]["retrieval"] is None and counts[-1]["draft"][1] == SMALL["gamma2"] * sum(verified)
     assert counts[-1]["draft"][0] == pytest.approx(accepted)
+
+
+@pytest.mark.parametrize("method", ["ar", "triforce"])
+def test_dynamic_ntk_rows_equal_plain_decoding(tmp_path, tiny, method):
+    """Dynamic NTK RoPE fixes its frequencies per generation from the longest length it reaches, which never
+    passes the model's context, where transformers keeps one set of frequencies: a batch's rows of
+    different lengths and budgets are each the prompt alone (tests/test_model.py: against transformers)."""
+    path = make_checkpoint(tmp_path / "dynamic", seed=7, num_key_value_heads=2, max_position_embeddings=96,
+                           rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    model = tforce.load_model(str(path), tokenizer=False).model
+    prompts = prompts_of((60, 9, 33), seed=2)
+    budgets = [20, 40, 30]  # one row reaches 80 of 96 positions, another 49
+    kw = dict(draft=tiny["draft"], method=method, temperature=0, ignore_eos=True, budget=32, chunk_size=4,
+              draft_budget=16, sinks=2)
+    rows = generate_batch(model, prompts, max_new_tokens=budgets, **kw)
+    for p, n, row in zip(prompts, budgets, rows):
+        assert row.tokens == tforce.generate(model, p, method="ar", temperature=0, ignore_eos=True,
+                                             max_new_tokens=n).tokens

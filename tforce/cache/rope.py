@@ -19,7 +19,9 @@ class Rotary:
         elif rope_type == "dynamic":
             # Dynamic NTK rescales with the sequence length. We fix the frequencies once per generation,
             # for the longest length it can reach, so that every cache and every level agrees on them
-            # (recomputing mid-sequence would make old keys and new queries disagree).
+            # (recomputing mid-sequence would make old keys and new queries disagree). transformers takes
+            # max(max_len, max_position_embeddings), and no row of a generation passes the model's
+            # context, so every row of a batch gets the frequencies it gets alone.
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=max_len)
         else:
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, None)

@@ -88,9 +88,6 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     if min(budgets) < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {min(budgets)}")
     max_new = [min(m, context - len(p)) for p, m in zip(prompts, budgets)]
-    if len(prompts) > 1 and (target.config.rope_parameters or {}).get("rope_type") == "dynamic":
-        # its frequencies depend on each row's final length (rope.py): one rotation per row, not done
-        raise UsageError("batches do not support dynamic NTK RoPE yet")
     eos = set() if ignore_eos else _eos_ids(target.config)
     outs, stats = run(target, draft, prompts, max_new, spec, sampling, generator(target, seed), eos,
                       prefill_chunk=prefill_chunk, offload=offload, gpu_memory=gpu_memory, device_free=device_free,

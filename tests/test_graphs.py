@@ -22,6 +22,24 @@ def test_graph_replay_equals_eager(tiny_dir, method, temperature):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("method", ["triforce", "retrieval", "streaming"])
+def test_batch_graph_replay_equals_eager(tiny_dir, method):
+    """A batch replays graphs captured per live row count while its rows share one view (two rows are one
+    prompt, so they stay in step); its rows equal the eager batch's (test_gpu_semantics.py: the same on the
+    CPU through a stand-in for the graph API)."""
+    from tforce.engine.batch import generate_batch
+
+    target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda", dtype=torch.float32).model
+    draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda", dtype=torch.float32).model
+    same = list(range(3, 120))
+    prompts = [same, list(range(130, 247)), same, list(range(40, 157))]
+    kw = dict(draft=draft, method=method, max_new_tokens=[40, 20, 40, 25], temperature=0, ignore_eos=True, budget=32,
+              chunk_size=4, draft_budget=24, sinks=4)
+    eager = [r.tokens for r in generate_batch(target, prompts, cuda_graphs=False, **kw)]
+    assert [r.tokens for r in generate_batch(target, prompts, cuda_graphs=True, **kw)] == eager
+
+
+@pytest.mark.cuda
 def test_draft_and_middle_steps_replay_graphs(tiny_dir):
     target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda", dtype=torch.float32).model
     draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda", dtype=torch.float32).model

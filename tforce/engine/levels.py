@@ -48,6 +48,7 @@ class Node:
         # runner(ids, last_n) replaces model(ids, cache, last_n) when given (graphs.GraphRunner, rowwise.py)
         self.runner = runner or (lambda ids, last_n: model(ids, cache, last_n=last_n))
         self.counted = getattr(runner, "counted", False)  # takes each row's real count (rowwise.py)
+        self.subsets = getattr(cache, "subsets", False)  # runs forwards over some of its rows (_feed)
         self.tokens = torch.zeros(cache.rows, capacity, dtype=torch.long)  # row b holds tokens[b, :lengths[b]]
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
@@ -57,7 +58,7 @@ class Node:
     def held(self, b: int) -> int:
         return self.cache.lengths[b]
 
-    def matching(self, seq: torch.Tensor, n: list[int], rows=None) -> list[int]:
+    def matching(self, seq: torch.Tensor, n: list[int], rows: set[int] | None = None) -> list[int]:
         """Per row, how many of the tokens its cache holds match seq[b, :n[b] - 1] (the prefix it keeps);
         with rows, only those rows' (the others: what they hold, untouched until they are asked for)."""
         out = []
@@ -94,7 +95,7 @@ class Node:
         B, starts = len(ends), self.cache.lengths[:len(ends)]
         counts = [e - s for s, e in zip(starts, ends)]
         rows = list(range(B))  # the rows in the forward
-        if B > 1 and getattr(self.cache, "subsets", False) and 0 in counts:
+        if B > 1 and self.subsets and 0 in counts:
             rows = [b for b in rows if counts[b]]
         fed_counts = [counts[b] for b in rows]
         T = max(fed_counts)
@@ -166,11 +167,11 @@ class Node:
         """(R, last, V): for each listed row (None: every row), its distributions of the next token after
         each of seq[b, :n[b] - last + 1], ..., seq[b, :n[b]]. The other rows are left as they are."""
         rows = list(range(len(n))) if rows is None else rows
-        start = self.matching(seq, n, rows)
+        asked = set(rows)
+        start = self.matching(seq, n, asked)
         for b in rows:
             start[b] = min(start[b], n[b] - last)
         self._roll_back(start)  # the logits of tokens it already holds are wanted: feed them again
-        asked = set(rows)
         while max(n[b] - last - self.held(b) for b in rows) > self.prefill_chunk:  # in chunks
             self._feed(seq, [min(self.held(b) + self.prefill_chunk, nb - last) if b in asked else self.held(b)
                              for b, nb in enumerate(n)], 0)
@@ -206,8 +207,7 @@ class Node:
         out: list = [None] * len(n)
         while any(self.held(b) < nb for b, nb in enumerate(n)):
             ends = [min(self.held(b) + self.prefill_chunk, nb) for b, nb in enumerate(n)]
-            ending = [want and self.held(b) < nb and e == nb for b, (nb, e) in enumerate(zip(n, ends))]
-            ended = [b for b, e in enumerate(ending) if e]
+            ended = [b for b, (nb, e) in enumerate(zip(n, ends)) if want and self.held(b) < nb and e == nb]
             probs = self._feed(seq, ends, int(bool(ended)), prefill=True, want=ended)
             for i, b in enumerate(ended):
                 out[b] = probs[i, 0]

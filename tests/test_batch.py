@@ -138,6 +138,8 @@ def test_refusals(tiny):
         generate_batch(tiny["gqa"], [[5, 6]], method="naive")
     with pytest.raises(tforce.UsageError, match="2 budgets for 1 prompts"):
         generate_batch(tiny["gqa"], [[5, 6]], max_new_tokens=[3, 4])
+    with pytest.raises(tforce.UsageError, match=r"runs --method ar\|triforce\|naive\|retrieval\|streaming, not 'auto'"):
+        generate_batch(tiny["gqa"], [[5, 6]], method="auto")  # the command line chooses one before a batch
 
 
 def test_a_batch_that_does_not_fit_is_refused_before_allocating(tiny):

@@ -119,6 +119,9 @@ def test_batch_refusals(runner, models, tmp_path):
     assert not (tmp_path / "kv").exists()
     empty = _write(tmp_path, "", "  ")
     _one_error_line(_run(runner, models, "--batch", empty, "--method", "ar", *FAST), 2, "holds no prompts")
+    # the one method check of batches (engine.batch.check_batchable), as bench's below and generate_batch's
+    _one_error_line(_run(runner, models, "--batch", batch, "--method", "beam", *FAST), 2,
+                    "--batch runs --method ar|triforce|naive|retrieval|streaming, not 'beam'")
 
 
 def test_bench_batch_against_one_at_a_time(runner):

@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import time
 
-from ..engine.batch import BATCH_METHODS, generate_batch
+from ..engine.batch import generate_batch
 from ..engine.decode import decoded
 from .suite import prompt_ids
 from .run import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, memory_record, reset_peaks, split_method
-from ..errors import UsageError
 
 BATCH_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "offload", "gpu_memory", "budget",
               "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy")
 DRAFTED = ("triforce", "naive", "streaming")  # the methods with a small draft (config.Speculation.uses_draft)
-
-
-def check_methods(methods: tuple[str, ...]) -> None:
-    for m in methods:
-        if split_method(m)[0] not in BATCH_METHODS:
-            raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)} (each may end in +det), not {m!r}")
 
 
 def batch_prompts(n_rows: int, length: int, vocab: int, tokenizer, text, seed: int) -> list[list[int]]:

@@ -87,10 +87,10 @@ def _document(path: Optional[str], where: str) -> str:
 
 def check_options(method: str, prompt_given: bool, save_kv: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
-    from ..engine.batch import BATCH_METHODS
+    from ..engine.batch import check_batchable
 
-    if method != "auto" and method not in BATCH_METHODS:  # auto becomes one of them (setup._configure)
-        raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)}, not {method!r}")
+    if method != "auto":  # auto becomes one of the batch's methods (setup._configure)
+        check_batchable(method)
     if save_kv:  # one snapshot per file of prompts would be whose?
         raise UsageError("--batch saves no KV snapshot: save the document's with `tforce run --save-kv` (or chat), "
                          "then give the batch --load-kv")
@@ -234,13 +234,15 @@ def _combined(parts: list[dict]) -> dict:
     """The whole file's figures from each batch's: times and tokens summed, tokens/s and ms/token over all
     batches' decode time and the tokens it made (prefills and the first token of each row, which the prefill
     gives, excluded, as in one batch's), batch_size the largest batch's rows."""
+    from ..engine.decode import rate
+
     n, decode = sum(p["new_tokens"] for p in parts), sum(p["decode_s"] for p in parts)
     decoded = sum(p["decoded"] for p in parts)
     rebuilds = {k: None if parts[0][k] is None else sum(p[k] for p in parts) for k in ("prefill_rebuild_s",
                                                                                       "rebuild_s")}
     return {"batch_size": max(p["batch_size"] for p in parts), "batches": len(parts),
             "prefill_s": sum(p["prefill_s"] for p in parts), "decode_s": decode,
-            "batch_tokens_per_s": decoded / decode if decoded and decode > 0 else None,
+            "batch_tokens_per_s": rate(decoded, decode),
             "ms_per_token": 1000 * decode / decoded if decoded else None, **rebuilds, "new_tokens": n}
 
 

@@ -96,11 +96,12 @@ def bench(
         default = "ar,triforce,naive" if batch is not None else "ar,triforce,naive,retrieval,streaming,auto"
         names = b.parse_methods(methods or default)
         if batch is not None:
-            from ..bench.batch import check_methods
+            from ..engine.batch import check_batchable
 
             if batch < 1:
                 raise UsageError(f"--batch must be >= 1, got {batch}")
-            check_methods(names)
+            for name in names:
+                check_batchable(name, det=True)
         peer_names = parse_peers(peers)
         _threads(threads)
         engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget)

@@ -1,9 +1,10 @@
 """generate_batch: several prompts through one decode loop, each row exact on its own.
 
-Every forward feeds all live rows at once (the weights are read once per step for the whole batch); each
-row keeps its own length in the caches (one class per cache kind, one row per prompt: docs/architecture.md),
-accepts its own number of drafted tokens, and leaves the batch when it reaches EOS, a stop string (`until`)
-or its token budget (its cache rows are compacted away, so it costs no further work).
+Each forward feeds the live rows at once (the weights are read once per step for the whole batch; a row
+that has its drafts for a round sits the rest of the round out: levels.py); each row keeps its own length
+in the caches (one class per cache kind, one row per prompt: docs/architecture.md), accepts its own number
+of drafted tokens, and leaves the batch when it reaches EOS, a stop string (`until`) or its token budget
+(its cache rows are compacted away, so it costs no further work).
 The same Session (session.py) and decode loop (decode.py) as `generate`, with a row per prompt: every
 method (`ar`, `naive`, `retrieval`, `streaming`, `triforce`), per-row retrieval rebuilds
 (Session._maybe_rebuild), selecting by the chunk rule (policy retrieval or shared) or a policies.py rule
@@ -21,10 +22,12 @@ from ..errors import UsageError
 BATCH_METHODS = ("ar", "triforce", "naive", "retrieval", "streaming")
 
 
-def check_batchable(method: str) -> None:
-    """What batches do not run yet (the command line refuses it too, before loading any weights)."""
-    if method not in BATCH_METHODS:
-        raise UsageError(f"batches run --method {'|'.join(BATCH_METHODS)} so far, not {method!r}")
+def check_batchable(method: str, det: bool = False) -> None:
+    """The one check of a batch's method: generate_batch's, and the command line's before any weights load
+    (`run --batch`, and `bench --batch` with det=True: its methods may end in +det)."""
+    if (method.removesuffix("+det") if det else method) not in BATCH_METHODS:
+        note = " (each may end in +det)" if det else ""
+        raise UsageError(f"--batch runs --method {'|'.join(BATCH_METHODS)}{note}, not {method!r}")
 
 
 def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_tokens: int | list[int] = 256,
@@ -65,13 +68,13 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     prompt is prefilled; each Result's stats give kv_reused (that row's), kv_snapshot_tokens and load_kv_s."""
     from ..snapshot import identity as snapshot_identity
 
+    check_batchable(method)
     identity = snapshot_identity.identity(target, draft, group) if load_kv is not None else None
     target, draft = _modules(target, draft)
     spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
                                    seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
                                    draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                                    rebuild_below=rebuild_below, policy=policy)
-    check_batchable(method)
     prompts = [list(map(int, p)) for p in prompts]
     context = target.config.max_position_embeddings
     if not prompts:

@@ -127,6 +127,7 @@ def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "ms_per_token": 1000 * decode_s / n_all if n_all else None,
+        "batch_tokens_per_s": rate(n_all, decode_s),  # every row's; one row's is its tokens_per_s (one_row)
         "acceptance": acceptance(session, r),
         "tokens_per_verification": n_out / verified if verified else None,
         "verifications": verified,
@@ -146,9 +147,16 @@ def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s
 
 
 def one_row_stats(session, out: list[int], prefill_s: float, decode_s: float, before: dict) -> dict:
-    """A one-row session's statistics (engine.generate, Conversation.ask): row_stats and tokens_per_s (the
-    tokens after the first over decode_s, as ms_per_token)."""
-    return {**row_stats(session, 0, [out], prefill_s, decode_s, before), "tokens_per_s": rate(decoded(out), decode_s)}
+    """A one-row session's statistics (Conversation.ask, serve): row_stats under one_row's names."""
+    return one_row(row_stats(session, 0, [out], prefill_s, decode_s, before))
+
+
+def one_row(stats: dict) -> dict:
+    """A one-row run's statistics under `generate`'s names: the batch's tokens/s (the tokens after the first
+    over decode_s, as ms_per_token) is the row's tokens_per_s, and there is no batch size."""
+    stats.pop("batch_size", None)
+    stats["tokens_per_s"] = stats.pop("batch_tokens_per_s")
+    return stats
 
 
 def decoded(out: list[int]) -> int:

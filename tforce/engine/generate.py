@@ -13,6 +13,7 @@ import torch
 
 from ..config import Sampling, Speculation
 from ..errors import UsageError
+from .decode import one_row
 from .session import Session
 from ..model.vocab import check_sizes, check_tokenizers
 
@@ -185,6 +186,4 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
                          device_free=device_free, deterministic=deterministic, group=group, identity=identity,
                          load_kv=load_kv, save_kv=save_kv, on_plan=on_plan, on_prefill=on_prefill,
                          on_tokens=told if on_token or on_round else None, until=until)
-    del stats["batch_size"]
-    stats["tokens_per_s"] = stats.pop("batch_tokens_per_s")  # the one row's: tokens after the first over decode_s
-    return Result(out, stats)
+    return Result(out, one_row(stats))

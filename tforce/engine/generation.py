@@ -11,7 +11,7 @@ import torch
 
 from ..config import Sampling, Speculation
 from ..errors import UsageError
-from .decode import acceptance, decode, decoded, level_counts, placement_stats, rate, row_stats
+from .decode import acceptance, decode, level_counts, placement_stats, row_stats
 from .session import Session, _sync_device
 
 
@@ -60,6 +60,5 @@ def run(target, draft, prompts: list[list[int]], max_new: list[int], spec: Specu
     outs = decode(session, [len(p) for p in prompts], max_new, gen, eos, until, told, on_row, counted)
     _sync_device(device)
     t3 = time.perf_counter()
-    n = sum(map(decoded, outs))  # each row's first is its prefill's
-    batch = {"batch_size": B, "batch_tokens_per_s": rate(n, t3 - t2)}
-    return outs, [{**row_stats(session, r, outs, t1 - t0, t3 - t2, before), **batch, **kv[r]} for r in range(B)]
+    return outs, [{**row_stats(session, r, outs, t1 - t0, t3 - t2, before), "batch_size": B, **kv[r]}
+                  for r in range(B)]

@@ -151,7 +151,7 @@ def features_six(tmp_path_factory):
 
 def _room_for(model, draft, method, lengths, max_new, resident):
     """device_free that leaves room for exactly `resident` layers of the batch's full cache (as batch.py
-    plans it on CUDA: SDPA, and the CUDA graph pool for the methods with a draft or middle level), beside
+    plans it on CUDA in float32: SDPA, and the CUDA graph pool for the methods with a draft or middle level), beside
     the weights."""
     spec = Speculation(method=method, **{k: v for k, v in FEATURES_SMALL.items() if k != "prefill_chunk"})
     total = max(lengths) + max_new

@@ -22,6 +22,10 @@ class CacheView:
     # True when the mask is exactly "the T queries are the last T keys, causally" (bottom-right
     # aligned): then flash-attn's causal kernel computes the same thing without a mask.
     causal: bool = False
+    # Rows of different lengths in the full and streaming caches: (B,) int32 on the view's device, row b's
+    # visible keys are its first seqlens[b] slots and its T queries the last T of them, causally (the mask
+    # says exactly that): flash-attn's kvcache kernel takes it as cache_seqlens instead of the mask.
+    seqlens: torch.Tensor | None = None
 
 
 @runtime_checkable

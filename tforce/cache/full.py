@@ -42,7 +42,7 @@ class FullCache(Rows):
         self.pending, self._S = n, hi + n
         device = self.k.device
         if lo == hi:  # one block at [lo, lo + n) for every row; positions built on the device, no copy
-            self._uniform = lo
+            self._uniform, self._seqlens = lo, None
             pos = torch.arange(lo, lo + n, device=device)
             self._cos, self._sin = self.rotary.cos_sin(pos, self.k.dtype)
             # One new token sees everything before it: no mask needed.
@@ -54,8 +54,10 @@ class FullCache(Rows):
         self._cos, self._sin = rotation(self.rotary, pos, self.k.dtype)
         self._rows_idx = torch.arange(self.rows, device=device)[:, None].expand(-1, n)  # (B, T)
         self._slots = pos
-        # slot s visible to row b's query t iff s <= lengths[b] + t: hides each row's unused tail
+        # slot s visible to row b's query t iff s <= lengths[b] + t: hides each row's unused tail; the same
+        # as seqlens lengths[b] + n, bottom-right causal (CacheView.seqlens)
         self._mask = (torch.arange(self._S, device=device) <= pos[:, :, None])[:, None]  # (B, 1, T, S)
+        self._seqlens = (lengths + n).to(torch.int32)
 
     def _write(self, k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """This forward's K/V (B, T, H_kv, D) into one layer's storage (B', S, H_kv, D), at each row's slots."""
@@ -78,7 +80,7 @@ class FullCache(Rows):
             self.k[layer, :B, L:S] = k
             self.v[layer, :B, L:S] = v
         return q, CacheView(self.k[layer, :B, :S], self.v[layer, :B, :S], self._mask,
-                            causal=self._uniform is not None)
+                            causal=self._uniform is not None, seqlens=self._seqlens)
 
     def commit(self, counts) -> None:
         starts = self.lengths[:self.rows]

@@ -120,6 +120,7 @@ class StreamingCache(StaticInputs, Rows):
         qpos = sizes - n + torch.arange(n, device=device)  # (R, T): each new token's view slot
         self._qcos, self._qsin = rotation(self.rotary, qpos, self.k.dtype)
         self._mask = (j <= qpos[:, :, None])[:, None]  # (R, 1, T, S)
+        self._seqlens = sizes[:, 0].to(torch.int32)  # the same rule (CacheView.seqlens)
 
     def graph_key(self):
         """The view's size and the row count, once the window is full (before that it grows every step) and
@@ -139,7 +140,7 @@ class StreamingCache(StaticInputs, Rows):
         self.v[layer][self._rows_view, self._new_slots] = v
         keys = self.rotary.rotate(self.k[layer][self._rows_view, self._view_slots], self._cos, self._sin)
         q = self.rotary.rotate(q, self._qcos, self._qsin)
-        return q, CacheView(keys, self.v[layer][self._rows_view, self._view_slots], self._mask)
+        return q, CacheView(keys, self.v[layer][self._rows_view, self._view_slots], self._mask, seqlens=self._seqlens)
 
     def _reach(self, b: int, length: int) -> bool:
         """Whether row b can roll back to `length` (its window's start is still held)."""

@@ -58,10 +58,10 @@ class Session:
         dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
         rotary = Rotary(cfg, max_len=self.total, device=p.device)
         cuda = p.device.type == "cuda"
-        # Rows > 1: SDPA's attention in the plan (ragged rows' views are masked; rows of one length still
-        # take flash-attn when it is there). CUDA graphs for any row count: a graph is captured per live row
-        # count and replayed while the rows share one view (graph_key); docs/architecture.md, the fast path.
-        flash = cuda and flash_attn_func is not None and p.dtype != torch.float32 and rows == 1
+        # flash-attn for any row count (rows of different lengths: cache_seqlens). CUDA graphs for any row
+        # count: a graph is captured per live row count and replayed while the rows share one view
+        # (graph_key); docs/architecture.md, the fast path.
+        flash = cuda and flash_attn_func is not None and p.dtype != torch.float32
         graphs = cuda_graphs and cuda
         kernel = "flash" if flash else "sdpa" if cuda else "math"
         work = placement.Work.of(spec, capacity, prompt_len, prefill_chunk, graphs, kernel, rows=rows)

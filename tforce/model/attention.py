@@ -1,7 +1,8 @@
 """attend(q, view): attention of fresh queries over what a cache hands back.
 
-flash-attn (`flash_attn_func`, causal and bottom-right aligned) on CUDA when it is installed and the
-view's mask is plain causal; PyTorch SDPA otherwise (and for the retrieval cache's per-head masks),
+flash-attn on CUDA when it is installed and the view's mask is plain causal (`flash_attn_func`, causal and
+bottom-right aligned) or causal per row over each row's own count of keys (`flash_attn_with_kvcache` with
+cache_seqlens: rows of different lengths); PyTorch SDPA otherwise (and for the retrieval cache's per-head masks),
 with each KV head's query heads folded into the query axis so that memory stays O(S x H_kv);
 `attend_reference` is the plain-math oracle the tests compare against.
 Layouts are the ones fixed in docs/architecture.md: q (B, T, H_q, D), view.k / view.v (B, S, H_kv, D).
@@ -23,9 +24,9 @@ from ..cache.base import CacheView
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 try:  # optional: the `gpu` extra
-    from flash_attn import flash_attn_func
+    from flash_attn import flash_attn_func, flash_attn_with_kvcache
 except ImportError:  # pragma: no cover - depends on the machine
-    flash_attn_func = None
+    flash_attn_func = flash_attn_with_kvcache = None
 
 
 def _fold(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -69,14 +70,17 @@ def _sdpa_mask(view: CacheView, n_heads: int) -> torch.Tensor | None:
 
 
 def flash_usable(q: torch.Tensor, view: CacheView) -> bool:
-    return (flash_attn_func is not None and q.is_cuda and view.causal
+    return (flash_attn_func is not None and q.is_cuda and (view.causal or view.seqlens is not None)
             and q.dtype in (torch.float16, torch.bfloat16))
 
 
 def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Tensor:
     """q (B, T, H_q, D) -> (B, T, H_q, D)."""
     if use_flash and flash_usable(q, view):
-        # Same layout as ours, GQA native; causal=True aligns the T queries with the last T keys.
+        # Same layout as ours, GQA native; causal=True aligns the T queries with the last T keys (of each
+        # row's seqlens[b] with rows of different lengths; the keys beyond are not read).
+        if view.seqlens is not None:
+            return flash_attn_with_kvcache(q, view.k, view.v, cache_seqlens=view.seqlens, causal=True)
         return flash_attn_func(q, view.k, view.v, causal=q.shape[1] > 1)
     # GQA folded into the query axis rather than SDPA's enable_gqa: with a mask, enable_gqa sends SDPA to
     # its math backend, which repeats K/V per query head and upcasts them to float32 (gigabytes per layer

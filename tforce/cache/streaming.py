@@ -113,7 +113,10 @@ class StreamingCache(StaticInputs, Rows):
         S = max(r[3] for r in per_row)
         j = torch.arange(S, device=device)
         slots = torch.where(j < n_sinks, j, first + j - n_sinks)
-        self._view_slots = torch.where(j < sizes, slots, 0)  # (R, S); padding reads slot 0, masked
+        slots = torch.where(j < sizes, slots, 0)  # (R, S); padding reads slot 0, masked
+        # each view slot's index among a layer's rows x capacity slots: one index_select per layer reads the
+        # views (6x faster than indexing by (row, slot) pairs for 8 rows of a 256-token window on the CPU)
+        self._view_flat = (b * self.capacity + slots).reshape(-1)
         self._new_slots = new + torch.arange(n, device=device)  # (R, T)
         self._rows_view = b
         self._cos, self._sin = self.rotary.cos_sin(j, self.k.dtype)  # by view slot
@@ -138,9 +141,12 @@ class StreamingCache(StaticInputs, Rows):
             return q, CacheView(keys, self.v[layer, :B, self._view], self._mask, causal=True)
         self.k[layer][self._rows_view, self._new_slots] = k
         self.v[layer][self._rows_view, self._new_slots] = v
-        keys = self.rotary.rotate(self.k[layer][self._rows_view, self._view_slots], self._cos, self._sin)
+        shape = (len(q), -1, *k.shape[2:])  # (R, S, H_kv, D)
+        keys = self.k[layer].flatten(0, 1).index_select(0, self._view_flat).view(shape)
+        values = self.v[layer].flatten(0, 1).index_select(0, self._view_flat).view(shape)
+        keys = self.rotary.rotate(keys, self._cos, self._sin)
         q = self.rotary.rotate(q, self._qcos, self._qsin)
-        return q, CacheView(keys, self.v[layer][self._rows_view, self._view_slots], self._mask, seqlens=self._seqlens)
+        return q, CacheView(keys, values, self._mask, seqlens=self._seqlens)
 
     def _reach(self, b: int, length: int) -> bool:
         """Whether row b can roll back to `length` (its window's start is still held)."""

@@ -264,8 +264,10 @@ class RetrievalCache(StaticInputs, Rows):
         else:
             self.k[layer][self._rows_idx, self._slots] = k
             self.v[layer][self._rows_idx, self._slots] = v
-        if self._fed is not None:  # some rows: their slots gathered (a copy of theirs only)
-            return q, CacheView(self.k[layer, self._fed], self.v[layer, self._fed], self._mask[layer])
+        if self._fed is not None:  # some rows: their slots gathered (a copy of theirs only; index_select copies
+            # 7 rows of 257 slots in half the time of indexing by a tensor on the CPU)
+            return q, CacheView(self.k[layer].index_select(0, self._fed), self.v[layer].index_select(0, self._fed),
+                                self._mask[layer])
         return q, CacheView(self.k[layer, :B], self.v[layer, :B], self._mask[layer])
 
     def truncate(self, lengths) -> None:

@@ -113,9 +113,10 @@ def test_status_counts_across_the_batches_of_a_split_file(monkeypatch):
     status.on_row()
     status.end()  # 12.0: 2 s of decoding
     status.start(range(2, 4))
-    assert status.fields() == ["prefill 16/38 tokens", "rows 2/4 done", "4 tokens", "2.0 tokens/s",
+    # tokens/s counts each row's tokens after its first (the prefill's), as the final figure: 2 in 2 s
+    assert status.fields() == ["prefill 16/38 tokens", "rows 2/4 done", "4 tokens", "1.0 tokens/s",
                                "accept draft 33.3%"]
     status.on_prefill(20, 20)  # 20.0
     status.on_round({2: [5, 6], 3: [7, 8, 9, 10]}, {"draft": (5, 8), "retrieval": None})
-    # 10 tokens in 2 + 1 s of decoding; (4 + 5) of (12 + 8) drafts accepted
-    assert status.fields() == ["rows 2/4 done", "10 tokens", "3.3 tokens/s", "accept draft 45.0%"]
+    # 10 tokens, 2 + 4 of them decoded in 2 + 1 s; (4 + 5) of (12 + 8) drafts accepted
+    assert status.fields() == ["rows 2/4 done", "10 tokens", "2.0 tokens/s", "accept draft 45.0%"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from ..engine.batch import generate_batch
-from ..engine.decode import decoded
+from ..engine.rates import decoded
 from .suite import prompt_ids
 from .run import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, memory_record, reset_peaks, split_method
 
@@ -44,7 +44,7 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
     n = sum(len(r.tokens) for r in rows)
     batch_s, alone_s = rows[0].stats["decode_s"], sum(r.stats["decode_s"] for r in alone)
     # decoding's tokens: each row's first comes from its prefill (engine Session.round), outside decode_s
-    n_decoded = sum(decoded(r.tokens) for r in alone)
+    n_decoded = sum(decoded(len(r.tokens)) for r in alone)
     return {
         "method": method,
         "rows": len(prompts),

@@ -101,7 +101,7 @@ def check_options(method: str, prompt_given: bool, save_kv: bool) -> None:
 def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: dict, as_json: bool) -> None:
     """setup: run.Setup (the models, device, dtype and prompt format)."""
     from ..engine.batch import generate_batch
-    from ..engine.decode import decoded
+    from ..engine.rates import decoded
     from ..model.weights import load_model, resolve
     from ..snapshot.format import read_manifest
     from .setup import _draft_config, _dtype_bytes, _tp_target, notices
@@ -192,7 +192,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         for group in run_groups(groups, run):  # in the file's order
             results += group
             parts.append({"new_tokens": sum(len(r.tokens) for r in group),
-                          "decoded": sum(decoded(r.tokens) for r in group), **group[0].stats})
+                          "decoded": sum(decoded(len(r.tokens)) for r in group), **group[0].stats})
     except BaseException:
         # interrupted or failed half way: the rows finished so far (the earlier batches' and the current
         # one's), in the file's order, without the batch's statistics (not measured to its end); the error
@@ -234,7 +234,7 @@ def _combined(parts: list[dict]) -> dict:
     """The whole file's figures from each batch's: times and tokens summed, tokens/s and ms/token over all
     batches' decode time and the tokens it made (prefills and the first token of each row, which the prefill
     gives, excluded, as in one batch's), batch_size the largest batch's rows."""
-    from ..engine.decode import rate
+    from ..engine.rates import rate
 
     n, decode = sum(p["new_tokens"] for p in parts), sum(p["decode_s"] for p in parts)
     decoded = sum(p["decoded"] for p in parts)

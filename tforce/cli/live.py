@@ -16,6 +16,7 @@ import time
 
 from rich.cells import cell_len
 
+from ..engine.rates import decoded, rate
 from ..text.stream import TextStream
 
 
@@ -53,10 +54,9 @@ class Status:
         if s is None and not self.tokens:
             return [f"prefill {done}/{total} tokens" if total else "prefill ..."] + self._kv()
         if s is None:  # as the final statistics count them: decoding's tokens are those after the prefill's first
-            elapsed, decoded = time.perf_counter() - self.t_decode, self.tokens - 1
-            s = {"ms_per_token": 1000 * elapsed / decoded if decoded else None,
-                 "tokens_per_s": decoded / elapsed if decoded and elapsed else None, "acceptance": self.acceptance,
-                 "tokens_per_verification": decoded / self.rounds if self.rounds else None}
+            elapsed, n = time.perf_counter() - self.t_decode, decoded(self.tokens)
+            s = {"ms_per_token": 1000 * elapsed / n if n else None, "tokens_per_s": rate(n, elapsed),
+                 "acceptance": self.acceptance, "tokens_per_verification": n / self.rounds if self.rounds else None}
         out = [f"{self.tokens}/{self.max_new} tokens"]
         if s.get("ms_per_token") is not None:
             out.append(f"{s['ms_per_token'] / 1000:.4f} s/token")

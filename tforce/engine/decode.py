@@ -13,6 +13,7 @@ import torch
 
 from . import placement
 from .. import threads
+from .rates import decoded, rate
 from .stops import end_of_round
 
 
@@ -120,8 +121,8 @@ def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s
     every row's); the row's own verifications (rounds that decided its tokens), tokens_per_verification,
     acceptance and rebuilds while decoding."""
     now = session.counts()
-    n_all = sum(map(decoded, outs))  # tokens decode_s made
-    n_out, verified = decoded(outs[r]), session.verified[r]  # the row's, from verifications
+    n_all = sum(decoded(len(out)) for out in outs)  # tokens decode_s made
+    n_out, verified = decoded(len(outs[r])), session.verified[r]  # the row's, from verifications
     retrieval = session.retrieval is not None
     return {
         "prefill_s": prefill_s,
@@ -158,14 +159,3 @@ def one_row(stats: dict) -> dict:
     stats["tokens_per_s"] = stats.pop("batch_tokens_per_s")
     return stats
 
-
-def decoded(out: list[int]) -> int:
-    """How many of a row's new tokens rounds made: all but the first, which the prefill gave (decode starts
-    right after Session.prefill, whose last forward gives every row its first token: Session.round)."""
-    return max(len(out) - 1, 0)
-
-
-def rate(tokens: int, seconds: float) -> float | None:
-    """Tokens per second, or None when nothing was decoded or no time passed (one rule for a single run's
-    tokens_per_s and a batch's batch_tokens_per_s)."""
-    return tokens / seconds if tokens and seconds > 0 else None

@@ -159,7 +159,7 @@ class Node:
         (B, 1, hidden): a prefill run outside a forward of this node's (prefill.prefill_layer_major). Row by
         row under row-wise verification: (1, 1, hidden) as each row's prefill alone computes it."""
         if self.counted:
-            return self._probs(torch.cat([self.model.head(hidden[b:b + 1]) for b in range(len(hidden))]))[:, 0]
+            return self._probs(self.runner.heads(list(hidden.split(1))))[:, 0]
         return self._probs(self.model.head(hidden))[:, 0]
 
     def probs(self, seq: torch.Tensor, n: list[int], last: int = 1, rows: list[int] | None = None

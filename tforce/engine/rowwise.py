@@ -48,7 +48,7 @@ class RowwiseRunner:
     real tokens (the rest of its T is padding), and the result is each row's logits after its last last_n
     real tokens. prefill: a prefill chunk (last_n 0 or 1): each row's tokens as one span, as the row's
     prefill alone feeds them, with last_n=1 the logits after the row's last token (a row feeding nothing:
-    zeros, never used)."""
+    the head of a zero state, never used)."""
 
     counted = True  # levels.Node passes each row's real count and takes (B, last_n, V) as it comes
 
@@ -71,15 +71,21 @@ class RowwiseRunner:
             xs = layer_rows(layer, xs, pieces, self.cache, starts, T)
         if last == 0:
             return None
-        if prefill:  # the head on each row's last position, (1, 1, hidden) as the row's prefill alone runs it
-            heads = {b: self.model.head(x[:, -1:]) for x, (b, _, _) in zip(xs, pieces)}
-            blank = torch.zeros_like(next(iter(heads.values())))
-            return torch.cat([heads.get(b, blank) for b in range(B)])  # (B, 1, V)
+        if prefill:
+            ends = {b: x[:, -1:] for x, (b, _, _) in zip(xs, pieces)}
+            blank = torch.zeros_like(next(iter(ends.values())))
+            return self.heads([ends.get(b, blank) for b in range(B)])
         keep = [[] for _ in range(B)]
         for x, (b, s, _) in zip(xs, pieces):
             if s >= counts[b] - last:
                 keep[b].append(self.model.head(x))
         return torch.cat([torch.cat(row, dim=1) for row in keep])  # (B, last, V)
+
+
+    def heads(self, hidden: list[torch.Tensor]) -> torch.Tensor:
+        """Each row's logits (B, 1, V) from its last position's hidden state (1, 1, hidden): the head run on
+        each row apart, as that row's prefill alone runs it (levels.Node.next_of, the prefill above)."""
+        return torch.cat([self.model.head(h) for h in hidden])
 
 
 def layer_rows(layer, xs: list[torch.Tensor], pieces: list[Span], cache, starts: list[int], T: int

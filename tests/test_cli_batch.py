@@ -144,9 +144,22 @@ def test_bench_batch_against_one_at_a_time(runner):
             assert set(run[key]) == nodes and min(run[key].values()) > 0, key
         # the rows decode together: fewer forwards than alone, each row's tokens the same
         assert run["forwards"]["full"] < run["one_at_a_time_forwards"]["full"]
+        # each node's forwards beside their floor at the rows they fed: up to 3 in the batch, 1 alone
+        batch, alone = run["floors"], run["one_at_a_time_floors"]
+        assert set(batch["step_floor_ms"]) == set(alone["step_floor_ms"]) == nodes
+        assert all(1 <= x <= 3 for x in batch["rows_per_forward"].values())
+        assert set(alone["rows_per_forward"].values()) == {1}
+        if run["method"] == "ar":  # one token per row and step: the rows finish together
+            assert batch["rows_per_forward"]["full"] == 3
+        for name in nodes:
+            assert batch["step_ms"][name] == pytest.approx(1000 * run["stage_s"][name] / run["forwards"][name])
+            more = batch["rows_per_forward"][name] > 1  # more rows' KV beside the same weights (test_floors.py)
+            assert batch["step_floor_ms"][name] > alone["step_floor_ms"][name] if more else \
+                batch["step_floor_ms"][name] == pytest.approx(alone["step_floor_ms"][name])
     text = runner.invoke(app, ["bench", "--synthetic", "tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "20",
                                "--gen-len", "4", "--methods", "ar,triforce"], env={"COLUMNS": "200"})
     assert text.exit_code == 0 and "tforce bench --batch 2" in text.stdout and "one at a time" in text.stdout
+    assert "per forward, ms: measured = floor" in text.stdout and "triforce, batch: draft " in text.stdout
     assert "triforce" in text.stdout
 
 

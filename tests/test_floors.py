@@ -50,6 +50,11 @@ def test_step_floors_of_llama2_7b_at_122k():
     assert step_floors_ms(tied, d, 2, spec, 122880, 1000.0)["full"] == pytest.approx(f["full"])
     assert step_floors_ms(c, d, 2, spec, 122880, None) is None
     assert set(step_floors_ms(c, d, 2, Speculation(method="ar"), 1000, 1.0)) == {"full"}
+    # a batch's forward reads the weights once and each fed row's KV
+    rows = step_floors_ms(c, d, 2, spec, 122880, 1000.0, {"full": 8, "retrieval": 2.5})
+    assert rows["full"] == pytest.approx(1000 * (weights + 8 * kv_token * 122880) / (1000 * GB))
+    assert rows["retrieval"] == pytest.approx(1000 * (weights + 2.5 * kv_token * 4096) / (1000 * GB))
+    assert rows["draft"] == pytest.approx(f["draft"])  # not given: one row
 
 
 def test_bench_gives_each_stage_its_measured_step_beside_its_floor(tiny):
@@ -61,6 +66,7 @@ def test_bench_gives_each_stage_its_measured_step_beside_its_floor(tiny):
                         budget=64, chunk_size=4, draft_budget=32, sinks=4)
     got = bench_run._floors(models, spec, len(ids), 16, r.stats, Ceilings(device_gbps=10.0, tflops=2.0))
     assert set(got["step_ms"]) == set(got["step_floor_ms"]) == {"draft", "retrieval", "full"}
+    assert got["rows_per_forward"] == {"draft": 1, "retrieval": 1, "full": 1}  # one prompt: one row a forward
     for name, n in r.stats["forwards"].items():
         assert got["step_ms"][name] == pytest.approx(1000 * r.stats["stage_s"][name] / n)
     assert got["step_floor_ms"] == step_floors_ms(target.config, draft.config, 4, spec, 208, 10.0)

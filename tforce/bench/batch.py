@@ -12,8 +12,10 @@ import time
 
 from ..engine.batch import generate_batch
 from ..engine.rates import decoded
+from .ceilings import Ceilings
 from .suite import prompt_ids
-from .run import WARMUP_TOKENS, BenchConfig, Models, _options, device_name, memory_record, reset_peaks, split_method
+from .run import (WARMUP_TOKENS, BenchConfig, Models, _floors, _options, device_name, memory_record, reset_peaks,
+                  run_spec, split_method)
 
 BATCH_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "offload", "gpu_memory", "budget",
               "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy")
@@ -31,7 +33,7 @@ def _batch_options(cfg: BenchConfig, max_new: int) -> dict:
     return {k: v for k, v in _options(cfg, max_new).items() if k in BATCH_KEYS}
 
 
-def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchConfig) -> dict:
+def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchConfig, ceil: Ceilings) -> dict:
     """method: an engine method, or one ending in +det (row-wise verification, in the batch and alone)."""
     engine_method, deterministic = split_method(method)
     draft = models.draft if engine_method in DRAFTED else None
@@ -45,6 +47,8 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
     batch_s, alone_s = rows[0].stats["decode_s"], sum(r.stats["decode_s"] for r in alone)
     # decoding's tokens: each row's first comes from its prefill (engine Session.round), outside decode_s
     n_decoded = sum(decoded(len(r.tokens)) for r in alone)
+    spec, n_prompt = run_spec(cfg, method, max(map(len, prompts))), len(prompts[0])
+    summed = {k: _summed([r.stats[k] for r in alone]) for k in ("forwards", "stage_s", "row_forwards")}
     return {
         "method": method,
         "rows": len(prompts),
@@ -58,8 +62,11 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
         # per node while decoding: the batch's forwards and their seconds, and the same summed over the prompts
         # run alone (what a row-forward costs in a batch against alone: stage_s / forwards)
         "forwards": rows[0].stats["forwards"], "stage_s": rows[0].stats["stage_s"],
-        "one_at_a_time_forwards": _summed([r.stats["forwards"] for r in alone]),
-        "one_at_a_time_stage_s": _summed([r.stats["stage_s"] for r in alone]),
+        "one_at_a_time_forwards": summed["forwards"], "one_at_a_time_stage_s": summed["stage_s"],
+        # each node's ms per forward beside its floor at the rows its forwards fed (run.py, floors.py): the
+        # batch's reads the weights once for all rows a forward feeds, each row's KV
+        "floors": _floors(models, spec, n_prompt, cfg.gen_len, rows[0].stats, ceil),
+        "one_at_a_time_floors": _floors(models, spec, n_prompt, cfg.gen_len, summed, ceil),
         "acceptance": [r.stats["acceptance"] for r in rows],  # per row {"draft", "retrieval"}
         "tokens_per_verification": [r.stats["tokens_per_verification"] for r in rows],
         "rebuilds": [r.stats["rebuilds"] for r in rows],
@@ -89,16 +96,18 @@ def bench_batch(models: Models, prompts: list[list[int]], cfg: BenchConfig, synt
                        draft=models.draft if method in DRAFTED else None, method=method, deterministic=deterministic,
                        **_batch_options(cfg, 4))
     warmup_s = time.perf_counter() - t0
+    ceil = Ceilings.measure(models.device, models.dtype)
     head = {"device": device_name(models.device), "synthetic": synthetic, "model": model_name,
             "dtype": str(models.dtype).removeprefix("torch."), "batch": len(prompts),
             "prompt_tokens": len(prompts[0]), "gen_len": cfg.gen_len, "temperature": cfg.temperature,
-            "offload": cfg.offload, "warmup_s": warmup_s, "methods": list(cfg.methods)}
+            "offload": cfg.offload, "warmup_s": warmup_s, "methods": list(cfg.methods),
+            "device_gbps": ceil.device_gbps, "matmul_tflops": ceil.tflops, "h2d_peak_gbps": ceil.h2d_gbps}
     runs = []
     for method in cfg.methods:
         if progress:
             progress(f"{method}: {len(prompts)} prompts of {len(prompts[0])} tokens, {cfg.gen_len} new tokens each, "
                      "as one batch and one at a time")
-        runs.append(run_batch(models, prompts, method, cfg))
+        runs.append(run_batch(models, prompts, method, cfg, ceil))
         if on_run and len(runs) < len(cfg.methods):
             on_run({**head, "complete": False, "runs": runs})
     return {**head, "complete": True, "runs": runs}
@@ -121,4 +130,23 @@ def print_batch(r: dict) -> None:
         eq = "-" if run["rows_equal_alone"] is None else ("yes" if run["rows_equal_alone"] else "NO")
         t.add_row(run["method"], f(run["batch_tokens_per_s"], ".1f"), f(run["one_at_a_time_tokens_per_s"], ".1f"),
                   f(run["speedup_vs_one_at_a_time"], ".2f", "x"), eq)
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    for line in floor_notes(r):
+        console.print(line, highlight=False)
+
+
+def floor_notes(r: dict) -> list[str]:
+    """Lines under the table: per run, each level's ms per forward in the batch and one at a time, each as
+    measured = floor + overhead, with the rows its forwards fed on average."""
+    if not r.get("device_gbps"):
+        return []
+    lines = [f"per forward, ms: measured = floor (weights once + each fed row's attended KV, over "
+             f"{r['device_gbps']:.1f} GB/s measured) + overhead [rows fed per forward]"]
+    for run in r["runs"]:
+        for label, fl in (("batch", run.get("floors")), ("one at a time", run.get("one_at_a_time_floors"))):
+            if fl and fl.get("step_overhead_ms"):
+                parts = [f"{name} {fl['step_ms'][name]:.2f} = {fl['step_floor_ms'][name]:.2f} + {over:.2f} "
+                         f"[{fl['rows_per_forward'][name]:.1f}]" for name, over in fl["step_overhead_ms"].items()]
+                lines.append(f"  {run['method']}, {label}: " + "; ".join(parts))
+    return lines if len(lines) > 1 else []

@@ -2,7 +2,8 @@
 beat on this device, from bytes that must be read or FLOPs that must be done over a measured ceiling.
 
 - A decode step of a node reads its weights and its KV cache once: (weight bytes + layers x KV bytes per
-  token x tokens attended) / the device's measured memory rate. The weights a step reads are the layers,
+  token x tokens attended x rows fed) / the device's measured memory rate (a batch's forward reads the
+  weights once for all its rows, each row's own KV). The weights a step reads are the layers,
   the final norm and the output projection: of an untied input embedding table it reads one row per
   token (a Llama-68M draft's table is a third of its bytes), so the table is not counted. The full node
   attends the whole context, the middle node its budget, the small draft its StreamingLLM budget. (The
@@ -11,7 +12,8 @@ beat on this device, from bytes that must be read or FLOPs that must be done ove
   attention's 2 x n^2 x heads x head_dim per layer (QK^T and PV, each n^2/2 x heads x head_dim
   multiply-adds), at the device's measured dense matrix-product rate in the run's dtype. The vocabulary
   projection is counted for one token.
-The ceilings (ceilings.py) are measured on CUDA only: on the CPU they are None and no floor is given.
+The ceilings (ceilings.py) are measured on CUDA and on the CPU (the CPU's memory copy rate and matrix
+products over the threads of the moment); on other devices they are None and no floor is given.
 """
 from __future__ import annotations
 
@@ -36,22 +38,24 @@ def step_weight_bytes(config, dtype_bytes: int, world: int = 1) -> int:
 
 
 def step_floors_ms(config, draft_config, dtype_bytes: int, spec: Speculation, context: float,
-                   bandwidth_gbps: float | None) -> dict[str, float] | None:
+                   bandwidth_gbps: float | None, rows: dict[str, float] | None = None) -> dict[str, float] | None:
     """Per node of the method, the ms one decode step must take to read its weights and attended KV at
-    the measured device rate; context: the full node's mean attended tokens. None without a rate."""
+    the measured device rate; context: the full node's mean attended tokens per row; rows: per node, the
+    rows a forward feeds (a batch's mean; default one). None without a rate."""
     if not bandwidth_gbps:
         return None
     target = step_weight_bytes(config, dtype_bytes)
     per_token = _kv_token_bytes(config, dtype_bytes)
-    floors = {"full": target + per_token * context}
+    floors = {"full": (target, per_token * context)}  # (weights, one row's KV)
     if spec.method in ("triforce", "retrieval"):
-        floors["retrieval"] = target + per_token * min(spec.budget, context)
+        floors["retrieval"] = (target, per_token * min(spec.budget, context))
     if spec.method == "streaming":
-        floors["streaming"] = target + per_token * min(spec.budget, context)
+        floors["streaming"] = (target, per_token * min(spec.budget, context))
     if spec.uses_draft and draft_config is not None:
-        floors["draft"] = step_weight_bytes(draft_config, dtype_bytes) + \
-            _kv_token_bytes(draft_config, dtype_bytes) * min(spec.draft_budget, context)
-    return {name: 1000 * b / (bandwidth_gbps * 1e9) for name, b in floors.items()}
+        floors["draft"] = (step_weight_bytes(draft_config, dtype_bytes),
+                           _kv_token_bytes(draft_config, dtype_bytes) * min(spec.draft_budget, context))
+    rows = rows or {}
+    return {name: 1000 * (w + kv * rows.get(name, 1)) / (bandwidth_gbps * 1e9) for name, (w, kv) in floors.items()}
 
 
 def _kv_token_bytes(config, dtype_bytes: int) -> int:

@@ -139,18 +139,21 @@ def warm_up(models: Models, ids: list[int], cfg: BenchConfig) -> float | None:
 
 
 def _floors(models: Models, spec: Speculation, n_prompt: int, n_out: int, s: dict, ceil: Ceilings) -> dict | None:
-    """Each stage's measured ms per forward beside its floor (floors.py) and the difference (the overhead
-    per forward), and the prefill's FLOP floor;
-    None where the models live in other processes (their configs are not here)."""
+    """Each stage's measured ms per forward beside its floor (floors.py, at the rows its forwards fed on
+    average: one for one prompt) and the difference (the overhead per forward), and the prefill's FLOP
+    floor; n_out: one row's new tokens (the mean context is n_prompt + n_out / 2). None where the models
+    live in other processes (their configs are not here)."""
     if models.target is None:
         return None
     config = models.target.config
     draft_config = models.draft.config if models.draft is not None else None
     elem = next(models.target.parameters()).element_size()
-    steps = step_floors_ms(config, draft_config, elem, spec, n_prompt + n_out / 2, ceil.device_gbps)
+    rows = {name: s["row_forwards"][name] / n for name, n in s["forwards"].items() if n}
+    steps = step_floors_ms(config, draft_config, elem, spec, n_prompt + n_out / 2, ceil.device_gbps, rows)
     measured = {name: 1000 * s["stage_s"][name] / n for name, n in s["forwards"].items() if n}
     return {
         "step_ms": measured,
+        "rows_per_forward": rows,
         "step_floor_ms": steps,
         # what a forward costs beyond reading its bytes: kernel launches, Python, small ops, compute
         "step_overhead_ms": None if steps is None else
@@ -179,6 +182,16 @@ def memory_record(device: torch.device, stats: dict, cuda: bool) -> dict:
     }
 
 
+def run_spec(cfg: BenchConfig, method: str, n_prompt: int, chosen: dict | None = None) -> Speculation:
+    """The Speculation a run of `method` on an n_prompt-token prompt had (chosen: what auto ran), fitted as
+    the Session fitted it."""
+    knobs = {k: v for k, v in cfg.engine.items() if k in Speculation.__dataclass_fields__}
+    if chosen is not None:
+        knobs.update({k: chosen[k] for k in ("gamma1", "gamma2") if k in chosen})
+    spec = Speculation(method=chosen["method"] if chosen else split_method(method)[0], **knobs)
+    return spec.fitted(spec.capacity(n_prompt + cfg.gen_len))
+
+
 def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
             ceil: Ceilings) -> tuple[dict, list[int]]:
     """The run's record and its tokens."""
@@ -190,11 +203,7 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
     s = result.stats
     n = len(result.tokens)
     chosen = s.get("auto")  # what auto ran (planner.Choice.record): the projection is that method's
-    knobs = {k: v for k, v in cfg.engine.items() if k in Speculation.__dataclass_fields__}
-    if chosen is not None:
-        knobs.update({k: chosen[k] for k in ("gamma1", "gamma2") if k in chosen})
-    spec = Speculation(method=chosen["method"] if chosen else split_method(method)[0], **knobs)
-    spec = spec.fitted(spec.capacity(len(ids) + cfg.gen_len))  # as the Session fitted it
+    spec = run_spec(cfg, method, len(ids), chosen)
     # Bytes of offloaded KV one rank streams per full-cache verification: only committed rows are
     # copied, so at the mean context length over the decode (about prompt + half the generated tokens).
     # The ranks stream in parallel, each over its own link: the achieved rate is their sum.

@@ -113,7 +113,7 @@ def planned_peak(plan: placement.Plan) -> dict:
 
 
 def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s: float,
-              before: dict[str, tuple[int, float]]) -> dict:
+              before: dict[str, tuple[int, float, int]]) -> dict:
     """Prompt r's statistics: the session's prefill_s and decode_s, ms_per_token (decode_s over the tokens
     every row decoded after its first, which the prefill gave: as peers measure it, bench/peers.py),
     forwards and stage_s per node while decoding (before: session.counts() when decoding began), the
@@ -133,10 +133,12 @@ def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s
         "tokens_per_verification": n_out / verified if verified else None,
         "verifications": verified,
         # per node while decoding: what each level's step costs is read that often
-        "forwards": {name: k - before[name][0] for name, (k, _) in now.items()},
+        "forwards": {name: c[0] - before[name][0] for name, c in now.items()},
+        # and the rows they fed (a forward of R rows counts R; one row: the forwards)
+        "row_forwards": {name: c[2] - before[name][2] for name, c in now.items()},
         # per node, seconds of those forwards (timing.py); the rest of decode_s is sampling, verification,
         # host syncs, rebuilds and Python between forwards
-        "stage_s": {name: s - before[name][1] for name, (_, s) in now.items()},
+        "stage_s": {name: c[1] - before[name][1] for name, c in now.items()},
         **placement_stats(session.plan),
         **planned_peak(session.plan),
         # Retrieval rebuilds: the prefill's (within prefill_s), then those while decoding (within decode_s;

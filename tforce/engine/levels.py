@@ -53,6 +53,7 @@ class Node:
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
         self.forwards = 0
+        self.row_forwards = 0  # rows fed, over the forwards (a forward of R rows counts R): bench's floors
         self.timer = ForwardTimer(self.device)  # seconds in forwards, read after decoding (stage times)
 
     def held(self, b: int) -> int:
@@ -127,6 +128,7 @@ class Node:
         for b, (s, e) in enumerate(zip(starts, ends)):
             self.tokens[b, s:e] = seq[b, s:e]
         self.forwards += 1
+        self.row_forwards += len(rows)
         if not last:
             return None
         if not same and not prefill and not self.counted:

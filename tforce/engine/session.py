@@ -238,10 +238,10 @@ class Session:
             if node is not None:
                 node.sampling = sampling
 
-    def counts(self) -> dict[str, tuple[int, float]]:
-        """(forwards run so far, seconds in them) per node, by node name (draft; retrieval or streaming;
-        full). On CUDA, after synchronising the device (timing.py)."""
-        return {node.name: (node.forwards, node.timer.seconds()) for node in self.nodes()}
+    def counts(self) -> dict[str, tuple[int, float, int]]:
+        """(forwards run so far, seconds in them, rows they fed) per node, by node name (draft; retrieval or
+        streaming; full). On CUDA, after synchronising the device (timing.py)."""
+        return {node.name: (node.forwards, node.timer.seconds(), node.row_forwards) for node in self.nodes()}
 
     def reset_stats(self) -> None:
         """Acceptance, rounds and rebuilds count from here (a conversation's next question)."""

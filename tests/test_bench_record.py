@@ -76,10 +76,10 @@ def test_a_batch_bench_cut_short_keeps_its_finished_methods(runner, tmp_path, mo
 
     run_batch = tforce.bench.batch.run_batch
 
-    def dies_second(models, prompts, method, cfg):
+    def dies_second(models, prompts, method, cfg, ceil):
         if method == "naive":
             raise KeyboardInterrupt
-        return run_batch(models, prompts, method, cfg)
+        return run_batch(models, prompts, method, cfg, ceil)
 
     monkeypatch.setattr(tforce.bench.batch, "run_batch", dies_second)
     path = tmp_path / "b.json"

@@ -15,6 +15,7 @@ import tforce
 import tforce.model.attention as attention
 from tforce.cache import CacheView, FullCache
 from tforce.cache.offload import OffloadedCache
+from tforce.cache.rope import Rotary
 from tforce.cache.streaming import StreamingCache
 from tforce.engine.batch import generate_batch
 
@@ -146,7 +147,8 @@ def test_the_kvcache_kernel_matches_sdpa_on_ragged_rows_on_cuda(tiny):
     float64 at most twice SDPA's (with the mask) + eps."""
     if attention.flash_attn_with_kvcache is None:
         pytest.skip("flash-attn is not installed on this CUDA machine")
-    cache = FullCache(L, H, D, 256, rotary_for(tiny["gqa"], 256), dtype=torch.bfloat16, device="cuda", rows=3)
+    rotary = Rotary(tiny["gqa"].model.config, max_len=256, device="cuda")
+    cache = FullCache(L, H, D, 256, rotary, dtype=torch.bfloat16, device="cuda", rows=3)
     g = torch.Generator(device="cuda").manual_seed(5)
     for n, counts in ((40, [40, 31, 7]), (6, [6, 2, 5])):
         cache.begin(n, counts)

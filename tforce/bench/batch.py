@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from ..engine.batch import generate_batch
-from ..engine.rates import decoded
+from ..engine.rates import decoded, rate
 from .ceilings import Ceilings
 from .suite import prompt_ids
 from .run import (WARMUP_TOKENS, BenchConfig, Models, _floors, _options, device_name, memory_record, reset_peaks,
@@ -55,7 +55,7 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
         "tokens": n,
         "batch_tokens_per_s": rows[0].stats["batch_tokens_per_s"],  # decode_s's tokens over decode_s
         "ms_per_token": rows[0].stats["ms_per_token"],  # the batch's decode_s over the same tokens
-        "one_at_a_time_tokens_per_s": n_decoded / alone_s if alone_s > 0 else None,
+        "one_at_a_time_tokens_per_s": rate(n_decoded, alone_s),
         "speedup_vs_one_at_a_time": alone_s / batch_s if batch_s > 0 else None,
         "batch_prefill_s": rows[0].stats["prefill_s"],
         "one_at_a_time_prefill_s": sum(r.stats["prefill_s"] for r in alone),

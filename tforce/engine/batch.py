@@ -45,7 +45,8 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     for every row or a list with one per prompt; every row is exactly what
     `generate` gives for that prompt alone (greedy token for token; sampled, the same distribution).
     Each Result's stats (`generate`'s names): the batch's prefill_s and decode_s, batch_size,
-    batch_tokens_per_s (all rows' tokens over decode_s) and ms_per_token (decode_s over all rows' tokens),
+    batch_tokens_per_s (all rows' tokens after each row's first, the prefill's, over decode_s: rates.py) and
+    ms_per_token (its inverse, in ms),
     prefill_rebuild_s and rebuild_s (retrieval rebuilds of all rows: the prefill's, those during
     decoding); the row's verifications, tokens_per_verification, acceptance {"draft", "retrieval"} and
     retrieval rebuilds during decoding (rebuilds); the full cache's placement (kv_*).

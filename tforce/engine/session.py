@@ -11,7 +11,7 @@ import time
 import torch
 
 from . import placement
-from ..model.attention import flash_attn_func
+from ..model.attention import flash_attn_func, flash_attn_with_kvcache
 from ..cache import FullCache, RetrievalCache, StreamingCache
 from ..cache.offload import OffloadedCache
 from ..cache.policies import make_select
@@ -58,10 +58,11 @@ class Session:
         dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
         rotary = Rotary(cfg, max_len=self.total, device=p.device)
         cuda = p.device.type == "cuda"
-        # flash-attn for any row count (rows of different lengths: cache_seqlens). CUDA graphs for any row
-        # count: a graph is captured per live row count and replayed while the rows share one view
-        # (graph_key); docs/architecture.md, the fast path.
-        flash = cuda and flash_attn_func is not None and p.dtype != torch.float32
+        # flash-attn for any row count where it has its kvcache kernel (rows of different lengths:
+        # cache_seqlens). CUDA graphs for any row count: a graph is captured per live row count and replayed
+        # while the rows share one view (graph_key); docs/architecture.md, the fast path.
+        flash = (cuda and flash_attn_func is not None and p.dtype != torch.float32
+                 and (rows == 1 or flash_attn_with_kvcache is not None))
         graphs = cuda_graphs and cuda
         kernel = "flash" if flash else "sdpa" if cuda else "math"
         work = placement.Work.of(spec, capacity, prompt_len, prefill_chunk, graphs, kernel, rows=rows)

@@ -24,9 +24,13 @@ from ..cache.base import CacheView
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 try:  # optional: the `gpu` extra
-    from flash_attn import flash_attn_func, flash_attn_with_kvcache
+    from flash_attn import flash_attn_func
 except ImportError:  # pragma: no cover - depends on the machine
-    flash_attn_func = flash_attn_with_kvcache = None
+    flash_attn_func = None
+try:  # apart: a flash-attn without it still runs the causal views
+    from flash_attn import flash_attn_with_kvcache
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_with_kvcache = None
 
 
 def _fold(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -70,8 +74,8 @@ def _sdpa_mask(view: CacheView, n_heads: int) -> torch.Tensor | None:
 
 
 def flash_usable(q: torch.Tensor, view: CacheView) -> bool:
-    return (flash_attn_func is not None and q.is_cuda and (view.causal or view.seqlens is not None)
-            and q.dtype in (torch.float16, torch.bfloat16))
+    kernel = flash_attn_with_kvcache if view.seqlens is not None else flash_attn_func if view.causal else None
+    return kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Tensor:

@@ -156,10 +156,17 @@ def test_bench_batch_against_one_at_a_time(runner):
             more = batch["rows_per_forward"][name] > 1  # more rows' KV beside the same weights (test_floors.py)
             assert batch["step_floor_ms"][name] > alone["step_floor_ms"][name] if more else \
                 batch["step_floor_ms"][name] == pytest.approx(alone["step_floor_ms"][name])
+        # the stage times projected at the paper's acceptance, the batch's as 3 rows (projection.py)
+        p = run["projection"]
+        assert p["acceptance"] == 0.92 and p["batch"]["rows"] == 3 and p["one_at_a_time"]["rows"] == 1
+        assert p["speedup_vs_one_at_a_time"] == pytest.approx(
+            p["one_at_a_time"]["ms_per_token"] / p["batch"]["ms_per_token"])
     text = runner.invoke(app, ["bench", "--synthetic", "tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "20",
                                "--gen-len", "4", "--methods", "ar,triforce"], env={"COLUMNS": "200"})
     assert text.exit_code == 0 and "tforce bench --batch 2" in text.stdout and "one at a time" in text.stdout
     assert "per forward, ms: measured = floor" in text.stdout and "triforce, batch: draft " in text.stdout
+    assert "projected from these stage times (NOT measured" in text.stdout
+    assert "triforce at acceptance 0.92" in text.stdout
     assert "triforce" in text.stdout
 
 

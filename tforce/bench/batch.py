@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from ..engine.batch import generate_batch
+from ..engine.projection import project
 from ..engine.rates import decoded, rate
 from .ceilings import Ceilings
 from .suite import prompt_ids
@@ -49,6 +50,7 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
     n_decoded = sum(decoded(len(r.tokens)) for r in alone)
     spec, n_prompt = run_spec(cfg, method, max(map(len, prompts))), len(prompts[0])
     summed = {k: _summed([r.stats[k] for r in alone]) for k in ("forwards", "stage_s", "row_forwards")}
+    summed.update(_run_totals(alone))
     return {
         "method": method,
         "rows": len(prompts),
@@ -67,6 +69,8 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
         # batch's reads the weights once for all rows a forward feeds, each row's KV
         "floors": _floors(models, spec, n_prompt, cfg.gen_len, rows[0].stats, ceil),
         "one_at_a_time_floors": _floors(models, spec, n_prompt, cfg.gen_len, summed, ceil),
+        # NOT measured: the stage times above at an assumed acceptance (cfg.project) for the batch and alone
+        "projection": _projection(rows, summed, spec, cfg.project),
         "acceptance": [r.stats["acceptance"] for r in rows],  # per row {"draft", "retrieval"}
         "tokens_per_verification": [r.stats["tokens_per_verification"] for r in rows],
         "rebuilds": [r.stats["rebuilds"] for r in rows],
@@ -77,6 +81,34 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
         "kv_offloaded_layers": rows[0].stats["kv_offloaded_layers"],
         **memory,  # gpu_mem_gib, gpu_reserved_gib, planned_peak_gib of the batch run
     }
+
+
+def _run_totals(runs: list) -> dict:
+    """decode_s and the retrieval rebuilds of several runs (or of a batch's rows, whose decode_s is one):
+    the statistics projection.stage_costs reads, added up."""
+    def total(key):
+        return None if runs[0].stats[key] is None else sum(r.stats[key] for r in runs)
+
+    return {"decode_s": sum(r.stats["decode_s"] for r in runs), "rebuild_s": total("rebuild_s"),
+            "rebuilds": total("rebuilds"), "prefill_rebuild_s": total("prefill_rebuild_s")}
+
+
+def _projection(rows: list, alone: dict, spec, at) -> dict:
+    """The batch's and the prompts' alone decode projected at acceptance `at` (projection.py: the batch runs
+    as many proposer rounds as its slowest row needs); "measured": the rows' mean acceptance per level."""
+    if at == "measured":
+        at = {level: _mean([r.stats["acceptance"][level] for r in rows]) for level in ("draft", "retrieval")}
+    # the batch's stage times; its rebuild cost per row rebuilt (rows rebuilt together share one rebuild_s)
+    batch = {**rows[0].stats, "rebuilds": _run_totals(rows)["rebuilds"]}
+    together, apart = project(batch, spec, at, rows=len(rows)), project(alone, spec, at)
+    return {"acceptance": at, "batch": together, "one_at_a_time": apart,
+            "speedup_vs_one_at_a_time": apart["ms_per_token"] / together["ms_per_token"]
+            if together and apart and together["ms_per_token"] else None}
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def _summed(per_run: list[dict]) -> dict:
@@ -132,8 +164,24 @@ def print_batch(r: dict) -> None:
                   f(run["speedup_vs_one_at_a_time"], ".2f", "x"), eq)
     console = Console()
     console.print(t)
-    for line in floor_notes(r):
+    for line in floor_notes(r) + projection_notes(r):
         console.print(line, highlight=False)
+
+
+def projection_notes(r: dict) -> list[str]:
+    """Lines under the table: per run, the batch and one at a time projected at the assumed acceptance."""
+    lines = []
+    for run in r["runs"]:
+        p = run.get("projection") or {}
+        if p.get("speedup_vs_one_at_a_time") is None:
+            continue
+        at = p["acceptance"] if not isinstance(p["acceptance"], dict) else \
+            ", ".join(f"{k} {v:.2f}" for k, v in p["acceptance"].items() if v is not None) or "-"
+        lines.append(f"  {run['method']} at acceptance {at}: batch {1000 / p['batch']['ms_per_token']:.1f} tokens/s, "
+                     f"one at a time {1000 / p['one_at_a_time']['ms_per_token']:.1f}, "
+                     f"{p['speedup_vs_one_at_a_time']:.2f}x")
+    head = "projected from these stage times (NOT measured; a batch waits for its slowest row's drafts):"
+    return [head] + lines if lines else []
 
 
 def floor_notes(r: dict) -> list[str]:

@@ -22,6 +22,16 @@ not depend on how many tokens it catches up; near rebuild_below, some windows of
 other side of it than the acceptance does (low_acceptance_rule's window_below_p). tests/test_projection.py
 checks the forward counts against the real levels driven by fixed distributions (independent
 acceptance), and the rebuilds against the engine's.
+
+A batch of B rows (rows=B) decodes in rounds of the top level over every live row; each row accepts on
+its own, and a row that has its drafts sits the rest of the round out (levels.py), so a round runs as many
+proposer rounds as its slowest row needs: E[max of B independent rows' rounds] from the distribution of
+one row's (_rounds_max). That is exact for every hierarchy here, whose innermost proposer is a drafter (one
+token per round, so the levels under the top one keep their rows in step). Every row has the same
+acceptance. Not modelled: rows whose prompts differ in acceptance, so that the batch runs until its slowest
+row is done, with fewer rows after the others finish (on the demo pair's 8 prompts at their measured
+acceptance, a `naive` batch ran 1.57x the full forwards projected, a `triforce` batch 1.1x: BENCHMARKS.md),
+and how a forward's cost depends on its rows (the measured mean cost per forward is used).
 """
 from __future__ import annotations
 
@@ -101,26 +111,43 @@ def _rounds_for(level: tuple, k: int, rate, most: int | None = None) -> float:
     return e[k]
 
 
-def _round_forwards(level: tuple, rate) -> dict[str, float]:
-    """Expected forwards per node of one round of `level`."""
+def _rounds_max(level: tuple, k: int, rate, rows: int) -> float:
+    """Expected rounds of `level` until each of `rows` independent rows has yielded at least k tokens: the
+    maximum of the rows' rounds, E[max] = sum over m of P(some row needs more than m rounds)."""
+    dist = _round_tokens(level, rate)
+    have = {0: 1.0}  # the distribution of min(tokens after m rounds, k)
+    total = 0.0
+    for _ in range(k):  # every round yields at least one token: no row needs more than k
+        total += 1.0 - have.get(k, 0.0) ** rows  # P(not every row is done within m rounds)
+        step: dict[int, float] = {}
+        for s, p in have.items():
+            for n, q in dist.items():
+                step[min(k, s + n)] = step.get(min(k, s + n), 0.0) + p * q
+        have = step
+    return total
+
+
+def _round_forwards(level: tuple, rate, rows: int = 1) -> dict[str, float]:
+    """Expected forwards per node of one round of `level` over `rows` rows (module docstring)."""
     if level[0] == "drafter":
         return {level[1]: 1.0}
     _, proposer, node, gamma = level
-    rounds = _rounds_for(proposer, gamma, rate)
-    out = {name: rounds * f for name, f in _round_forwards(proposer, rate).items()}
+    rounds = _rounds_for(proposer, gamma, rate) if rows == 1 else _rounds_max(proposer, gamma, rate, rows)
+    out = {name: rounds * f for name, f in _round_forwards(proposer, rate, rows).items()}
     out[node] = out.get(node, 0.0) + 1.0
     return out
 
 
-def forwards_per_token(spec: Speculation, rate) -> dict[str, float]:
-    """Expected forwards of each node per generated token at acceptance rate `rate`: one for every level,
-    or {"draft": a, "retrieval": b} as the statistics name the levels (None for a level not there)."""
+def forwards_per_token(spec: Speculation, rate, rows: int = 1) -> dict[str, float]:
+    """Expected forwards of each node per generated token (of all rows, for a batch of `rows`) at acceptance
+    rate `rate`: one for every level, or {"draft": a, "retrieval": b} as the statistics name the levels
+    (None for a level not there)."""
     for a in (rate.values() if isinstance(rate, dict) else [rate]):
         if a is not None and not 0 <= a <= 1:
             raise ValueError(f"acceptance must be in [0, 1], got {a}")
     top = hierarchy(spec)
-    tokens = _mean_tokens(top, rate)
-    return {name: f / tokens for name, f in _round_forwards(top, rate).items()}
+    tokens = rows * _mean_tokens(top, rate)
+    return {name: f / tokens for name, f in _round_forwards(top, rate, rows).items()}
 
 
 def low_acceptance_rule(spec: Speculation, rate, window: int = REBUILD_WINDOW) -> dict:
@@ -158,12 +185,12 @@ def rebuild_interval(spec: Speculation, rate, window: int = REBUILD_WINDOW) -> f
     return _rounds_for(top, max(1, spec.rebuild_after()), rate, most) * _mean_tokens(top, rate)
 
 
-def project(stats: dict, spec: Speculation, rate) -> dict | None:
+def project(stats: dict, spec: Speculation, rate, rows: int = 1) -> dict | None:
     """The projected decode cost at acceptance `rate` (forwards_per_token's) from one run's statistics
-    (decode.row_stats), or None when the run timed too little to project from (a node that ran no forward
-    while decoding)."""
+    (decode.row_stats; a batch of `rows` rows: the batch's), or None when the run timed too little to project
+    from (a node that ran no forward while decoding)."""
     costs = stage_costs(stats)
-    return None if costs is None else predict(costs, spec, rate)
+    return None if costs is None else predict(costs, spec, rate, rows)
 
 
 def stage_costs(stats: dict) -> dict | None:
@@ -183,10 +210,12 @@ def stage_costs(stats: dict) -> dict | None:
             "other_ms_per_forward": 1000 * other, "rebuild_ms": rebuild}
 
 
-def predict(costs: dict, spec: Speculation, rate) -> dict:
-    """The decode cost per token of `spec` at acceptance `rate` from step costs (stage_costs')."""
+def predict(costs: dict, spec: Speculation, rate, rows: int = 1) -> dict:
+    """The decode cost per token (of all rows, for a batch of `rows`) of `spec` at acceptance `rate` from step
+    costs (stage_costs': rebuild_ms is one row's rebuild, and each row rebuilds once per interval of its own
+    tokens)."""
     per_forward, other = costs["ms_per_forward"], costs["other_ms_per_forward"]
-    need = forwards_per_token(spec, rate)
+    need = forwards_per_token(spec, rate, rows)
     ms = {name: f * (per_forward[name] + other) for name, f in need.items()}
     rebuilds = {"rebuilds_per_token": None, "low_acceptance_rebuilds": None}  # no retrieval cache
     if costs["rebuild_ms"] is not None:
@@ -195,8 +224,9 @@ def predict(costs: dict, spec: Speculation, rate) -> dict:
         ms["rebuilds"] = costs["rebuild_ms"] * rebuilds["rebuilds_per_token"]
     return {
         "acceptance": rate,
+        "rows": rows,
         "ms_per_token": sum(ms.values()),
-        "tokens_per_verification": 1 / need["full"],
+        "tokens_per_verification": 1 / (rows * need["full"]),  # one row's
         "forwards_per_token": need,
         "ms_per_token_by_stage": ms,
         "ms_per_forward": dict(per_forward),

@@ -119,3 +119,14 @@ def test_greedy_draws_are_the_one_hot_argmax_multinomial_draws():
         verify(drafts, q, p, torch.Generator().manual_seed(2))
     n, _ = verify(drafts, q, p, g, greedy=True)
     assert n[0] == 2 and min(n) < 2
+    # greedy=True decides without drawing: the drawing rule's outcome on one-hot p and q, whatever the drafts
+    # agree on (every first-mismatch position, all accepted, nothing drafted)
+    for trial in range(300):
+        k = trial % 5
+        q = to_probs(torch.randn(6 * k, 7, generator=g), Sampling(temperature=0)).view(6, k, 7)
+        p = to_probs(torch.randn(6 * (k + 1), 7, generator=g), Sampling(temperature=0)).view(6, k + 1, 7)
+        agree = torch.rand(6, k, generator=g) < 0.7
+        p[:, :k] = torch.where(agree[..., None], q, p[:, :k])
+        drafts = q.argmax(-1) if k else torch.zeros(6, 0, dtype=torch.long)
+        assert verify(drafts, q, p, torch.Generator().manual_seed(trial), greedy=True) == \
+            verify(drafts, q, p, torch.Generator().manual_seed(trial))

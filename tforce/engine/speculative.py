@@ -31,11 +31,18 @@ def verify(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Ge
     or its bonus token), fetched in one host sync.
 
     `residual` is a parameter only so that a test can show a wrong one is caught. greedy: p and q are
-    one-hot (sampling.sample).
+    one-hot (sampling.sample) and each drafted token is its q's argmax, so the rule above decides without
+    drawing: a draft stays while it is p's argmax (p(x) is 1, else 0), and the next token is p's argmax where
+    the row stops (the residual of a one-hot p at a rejected token is p itself); no pass over q.
     """
     B, k = tokens.shape
     rows = torch.arange(B, device=p.device)
     cols = torch.arange(k, device=p.device).expand(B, k)
+    if greedy:
+        target = p.argmax(-1)  # (B, k + 1)
+        n = torch.where(tokens == target[:, :k], k, cols).min(1).values if k else target.new_zeros(B)
+        n_acc, token = host(torch.stack([n, target[rows, n]]))
+        return n_acc, token
     u = torch.rand(B, k, generator=gen, device=p.device)
     x = tokens[..., None]
     accepted = u * q.gather(2, x)[..., 0] < p[:, :k].gather(2, x)[..., 0]  # (B, k): u < p/q without dividing

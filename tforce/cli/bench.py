@@ -15,7 +15,7 @@ from ..text.demo import BENCH_TOKENS, EXCERPT, NAME
 from ..errors import TforceError, UsageError
 from . import options as o
 from .app import app
-from .bench_table import _print_bench
+from .bench_table import _print_batch, _print_bench
 from .common import (DTYPES, _as_role, _check_memory, _gpu_memory_note,
                      _guarded, _placement_options, _say, _threads, flag)
 from .setup import _check_local, _default_draft, _draft_config, _parallel, _read_prompt, _tp_target
@@ -162,9 +162,7 @@ def bench(
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
         elif batch is not None:
-            from ..bench.batch import print_batch
-
-            print_batch(record)
+            _print_batch(record)
         else:
             _print_bench(record)
         if failed:  # the report is out; the whole record is not in FILE

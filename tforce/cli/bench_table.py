@@ -76,10 +76,16 @@ def _floor_notes(r: dict) -> list[str]:
         fl = run.get("floors") or {}
         if not fl.get("step_overhead_ms"):
             continue
-        parts = [f"{name} {fl['step_ms'][name]:.2f} = {fl['step_floor_ms'][name]:.2f} + {over:.2f}"
-                 for name, over in fl["step_overhead_ms"].items()]
-        lines.append(f"  {run['method']}: " + "; ".join(parts))
+        lines.append(f"  {run['method']}: " + _steps(fl))
     return lines if len(lines) > 1 else []
+
+
+def _steps(fl: dict, rows: bool = False) -> str:
+    """A run's floors (bench/run.py _floors) as "level measured = floor + overhead; ..."; rows: with the rows
+    its forwards fed on average, in brackets (a batch's)."""
+    return "; ".join(f"{name} {fl['step_ms'][name]:.2f} = {fl['step_floor_ms'][name]:.2f} + {over:.2f}"
+                     + (f" [{fl['rows_per_forward'][name]:.1f}]" if rows else "")
+                     for name, over in fl["step_overhead_ms"].items())
 
 
 def _peer_notes(r: dict) -> list[str]:
@@ -149,3 +155,57 @@ def _print_bench(r: dict, console=None) -> None:
         console.print(t)
     for line in _floor_notes(r) + _peer_notes(r):
         console.print(line, highlight=False, markup=False)
+
+
+def _print_batch(r: dict) -> None:
+    """`tforce bench --batch`'s table, then each level's forwards beside their floors and the projection."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(x, fmt, suffix=""):
+        return "-" if x is None else format(x, fmt) + suffix
+
+    t = Table(title=f"tforce bench --batch {r['batch']}: {r['model']} on {r['device']}, {r['batch']} x "
+                    f"{r['prompt_tokens']} prompt + {r['gen_len']} tokens, {r['dtype']}, temperature "
+                    f"{r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"] else ""),
+              caption=f"decode tokens/s of all rows; warm-up {r['warmup_s']:.1f} s (not in the runs)")
+    for c in ("method", "batch\ntokens/s", "one at a time\ntokens/s", "speed-up", "rows equal\nalone"):
+        t.add_column(c, justify="left" if c == "method" else "right")
+    for run in r["runs"]:
+        eq = "-" if run["rows_equal_alone"] is None else ("yes" if run["rows_equal_alone"] else "NO")
+        t.add_row(run["method"], f(run["batch_tokens_per_s"], ".1f"), f(run["one_at_a_time_tokens_per_s"], ".1f"),
+                  f(run["speedup_vs_one_at_a_time"], ".2f", "x"), eq)
+    console = Console()
+    console.print(t)
+    for line in _batch_floor_notes(r) + _projection_notes(r):
+        console.print(line, highlight=False, markup=False)
+
+
+def _projection_notes(r: dict) -> list[str]:
+    """Lines under the table: per run, the batch and one at a time projected at the assumed acceptance."""
+    lines = []
+    for run in r["runs"]:
+        p = run.get("projection") or {}
+        if p.get("speedup_vs_one_at_a_time") is None:
+            continue
+        at = p["acceptance"] if not isinstance(p["acceptance"], dict) else \
+            ", ".join(f"{k} {v:.2f}" for k, v in p["acceptance"].items() if v is not None) or "-"
+        lines.append(f"  {run['method']} at acceptance {at}: batch {1000 / p['batch']['ms_per_token']:.1f} tokens/s, "
+                     f"one at a time {1000 / p['one_at_a_time']['ms_per_token']:.1f}, "
+                     f"{p['speedup_vs_one_at_a_time']:.2f}x")
+    head = "projected from these stage times (NOT measured; a batch waits for its slowest row's drafts):"
+    return [head] + lines if lines else []
+
+
+def _batch_floor_notes(r: dict) -> list[str]:
+    """Lines under the batch table: per run, each level's ms per forward in the batch and one at a time, each
+    as measured = floor + overhead, with the rows its forwards fed on average."""
+    if not r.get("device_gbps"):
+        return []
+    lines = [f"per forward, ms: measured = floor (weights once + each fed row's attended KV, over "
+             f"{r['device_gbps']:.1f} GB/s measured) + overhead [rows fed per forward]"]
+    for run in r["runs"]:
+        for label, fl in (("batch", run.get("floors")), ("one at a time", run.get("one_at_a_time_floors"))):
+            if fl and fl.get("step_overhead_ms"):
+                lines.append(f"  {run['method']}, {label}: " + _steps(fl, rows=True))
+    return lines if len(lines) > 1 else []

@@ -234,7 +234,7 @@ def _combined(parts: list[dict]) -> dict:
     """The whole file's figures from each batch's: times and tokens summed, tokens/s and ms/token over all
     batches' decode time and the tokens it made (prefills and the first token of each row, which the prefill
     gives, excluded, as in one batch's), batch_size the largest batch's rows."""
-    from ..engine.rates import rate
+    from ..engine.rates import ms_per_token, rate
 
     n, decode = sum(p["new_tokens"] for p in parts), sum(p["decode_s"] for p in parts)
     decoded = sum(p["decoded"] for p in parts)
@@ -243,7 +243,7 @@ def _combined(parts: list[dict]) -> dict:
     return {"batch_size": max(p["batch_size"] for p in parts), "batches": len(parts),
             "prefill_s": sum(p["prefill_s"] for p in parts), "decode_s": decode,
             "batch_tokens_per_s": rate(decoded, decode),
-            "ms_per_token": 1000 * decode / decoded if decoded else None, **rebuilds, "new_tokens": n}
+            "ms_per_token": ms_per_token(decoded, decode), **rebuilds, "new_tokens": n}
 
 
 def _write(records: list[dict], stats: Optional[dict], method: str, device: str, as_json: bool) -> None:

@@ -16,7 +16,7 @@ import time
 
 from rich.cells import cell_len
 
-from ..engine.rates import decoded, rate
+from ..engine.rates import decoded, ms_per_token, rate
 from ..text.stream import TextStream
 
 
@@ -55,7 +55,7 @@ class Status:
             return [f"prefill {done}/{total} tokens" if total else "prefill ..."] + self._kv()
         if s is None:  # as the final statistics count them: decoding's tokens are those after the prefill's first
             elapsed, n = time.perf_counter() - self.t_decode, decoded(self.tokens)
-            s = {"ms_per_token": 1000 * elapsed / n if n else None, "tokens_per_s": rate(n, elapsed),
+            s = {"ms_per_token": ms_per_token(n, elapsed), "tokens_per_s": rate(n, elapsed),
                  "acceptance": self.acceptance, "tokens_per_verification": n / self.rounds if self.rounds else None}
         out = [f"{self.tokens}/{self.max_new} tokens"]
         if s.get("ms_per_token") is not None:

@@ -13,7 +13,7 @@ import torch
 
 from . import placement
 from .. import threads
-from .rates import decoded, rate
+from .rates import decoded, ms_per_token, rate
 from .stops import end_of_round
 
 
@@ -127,7 +127,7 @@ def row_stats(session, r: int, outs: list[list[int]], prefill_s: float, decode_s
     return {
         "prefill_s": prefill_s,
         "decode_s": decode_s,
-        "ms_per_token": 1000 * decode_s / n_all if n_all else None,
+        "ms_per_token": ms_per_token(n_all, decode_s),
         "batch_tokens_per_s": rate(n_all, decode_s),  # every row's; one row's is its tokens_per_s (one_row)
         "acceptance": acceptance(session, r),
         "tokens_per_verification": n_out / verified if verified else None,

@@ -14,3 +14,8 @@ def rate(tokens: int, seconds: float) -> float | None:
     """Tokens per second, or None when nothing was decoded or no time passed (a single run's tokens_per_s,
     a batch's batch_tokens_per_s, the live views' figures)."""
     return tokens / seconds if tokens and seconds > 0 else None
+
+
+def ms_per_token(tokens: int, seconds: float) -> float | None:
+    """Milliseconds of decoding per decoded token, or None when nothing was decoded."""
+    return 1000 * seconds / tokens if tokens else None

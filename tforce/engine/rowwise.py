@@ -81,7 +81,6 @@ class RowwiseRunner:
                 keep[b].append(self.model.head(x))
         return torch.cat([torch.cat(row, dim=1) for row in keep])  # (B, last, V)
 
-
     def heads(self, hidden: list[torch.Tensor]) -> torch.Tensor:
         """Each row's logits (B, 1, V) from its last position's hidden state (1, 1, hidden): the head run on
         each row apart, as that row's prefill alone runs it (levels.Node.next_of, the prefill above)."""

@@ -117,8 +117,7 @@ class StreamingCache(StaticInputs, Rows):
         # each view slot's index among a layer's rows x capacity slots: one index_select per layer reads the
         # views (6x faster than indexing by (row, slot) pairs for 8 rows of a 256-token window on the CPU)
         self._view_flat = (b * self.capacity + slots).reshape(-1)
-        self._new_slots = new + torch.arange(n, device=device)  # (R, T)
-        self._rows_view = b
+        self._new_flat = (b * self.capacity + new + torch.arange(n, device=device)).reshape(-1)  # (R * T,): writes
         self._cos, self._sin = self.rotary.cos_sin(j, self.k.dtype)  # by view slot
         qpos = sizes - n + torch.arange(n, device=device)  # (R, T): each new token's view slot
         self._qcos, self._qsin = rotation(self.rotary, qpos, self.k.dtype)
@@ -139,11 +138,13 @@ class StreamingCache(StaticInputs, Rows):
             keys = self.rotary.rotate(self.k[layer, :B, self._view], self._cos, self._sin)
             q = self.rotary.rotate(q, self._qcos, self._qsin)
             return q, CacheView(keys, self.v[layer, :B, self._view], self._mask, causal=True)
-        self.k[layer][self._rows_view, self._new_slots] = k
-        self.v[layer][self._rows_view, self._new_slots] = v
+        # (rows * capacity, H_kv, D) views of the layer (view, not flatten: a copy would drop the writes)
+        k_all, v_all = (x[layer].view(-1, *x.shape[3:]) for x in (self.k, self.v))
+        k_all.index_copy_(0, self._new_flat, k.flatten(0, 1))
+        v_all.index_copy_(0, self._new_flat, v.flatten(0, 1))
         shape = (len(q), -1, *k.shape[2:])  # (R, S, H_kv, D)
-        keys = self.k[layer].flatten(0, 1).index_select(0, self._view_flat).view(shape)
-        values = self.v[layer].flatten(0, 1).index_select(0, self._view_flat).view(shape)
+        keys = k_all.index_select(0, self._view_flat).view(shape)
+        values = v_all.index_select(0, self._view_flat).view(shape)
         keys = self.rotary.rotate(keys, self._cos, self._sin)
         q = self.rotary.rotate(q, self._qcos, self._qsin)
         return q, CacheView(keys, values, self._mask, seqlens=self._seqlens)

@@ -41,29 +41,68 @@ def doc_snapshots(tiny, tmp_path_factory):
 @pytest.mark.parametrize("offload", ["off", "on"])
 @pytest.mark.parametrize("method", METHODS)
 def test_rows_loaded_from_one_snapshot_give_each_prompts_own_tokens(tiny, doc_snapshots, method, offload):
+    """Each row: the tokens of its prompt alone (with or without the snapshot), and the drafts, acceptance
+    and reuse of its prompt alone loading the same snapshot (`--load-kv`: the same caches to start from)."""
     kw = dict(draft=tiny["draft"], method=method, offload=offload, **GREEDY)
-    rows = tforce.generate_batch(tiny["gqa"], PROMPTS, load_kv=doc_snapshots / method, **kw)
+    snap = doc_snapshots / method
+    rows = tforce.generate_batch(tiny["gqa"], PROMPTS, load_kv=snap, **kw)
     for prompt, row, reused in zip(PROMPTS, rows, REUSED):
-        assert row.tokens == tforce.generate(tiny["gqa"], prompt, **kw).tokens
-        assert (row.stats["kv_reused"], row.stats["kv_snapshot_tokens"]) == (reused, 40)
+        alone = tforce.generate(tiny["gqa"], prompt, load_kv=snap, **kw)
+        assert row.tokens == alone.tokens == tforce.generate(tiny["gqa"], prompt, **kw).tokens
+        assert (row.stats["kv_reused"], row.stats["kv_snapshot_tokens"]) == (reused, 40) == \
+            (alone.stats["kv_reused"], alone.stats["kv_snapshot_tokens"])
+        for key in ("acceptance", "verifications", "rebuilds"):
+            assert row.stats[key] == alone.stats[key], (key, prompt)
+
+
+def _session(tiny, method, prompts):
+    """A session of a row per prompt, with the options the snapshots were made with."""
+    spec = Speculation(method=method, **{k: v for k, v in GREEDY.items() if k in Speculation.__dataclass_fields__})
+    return Session(tiny["gqa"].model, tiny["draft"].model, max(map(len, prompts)), 8, spec, Sampling(temperature=0),
+                   rows=len(prompts))
+
+
+def _loaded(tiny, path, method, prompts):
+    """_session right after load_rows (each row's last token left for the prefill): (session, load_rows')."""
+    session = _session(tiny, method, prompts)
+    ident = snapshot_identity.identity(tiny["gqa"], tiny["draft"])
+    return session, snapshot_io.load_rows(path, session, [torch.tensor(p) for p in prompts],
+                                          [len(p) - 1 for p in prompts], ident)
+
+
+def _held(session, name, b):
+    """What the streaming node `name` holds in row b: its count, offset and K/V slots."""
+    node = next(n for n in session._streaming_nodes() if n.name == name)
+    used = node.cache._used(b)
+    return node.held(b), node.cache.offset[b], node.cache.k[:, b, :used], node.cache.v[:, b, :used]
 
 
 @pytest.mark.parametrize("method", ["triforce", "streaming"])
-def test_streaming_caches_go_to_the_rows_that_hold_the_whole_prefix(tiny, doc_snapshots, method):
+def test_streaming_caches_go_to_the_rows_that_can_roll_back_to_what_they_share(tiny, doc_snapshots, method):
     """The snapshot's streaming caches (the draft's; --method streaming's middle) hold its state at the
-    document's end: restored into the rows whose prompt starts with the whole document (no draft forward
-    over it), the others are fed from the start by the prefill."""
-    spec = Speculation(method=method, **{k: GREEDY[k] for k in ("budget", "chunk_size", "draft_budget", "sinks")})
-    session = Session(tiny["gqa"].model, tiny["draft"].model, max(map(len, PROMPTS)), 8, spec,
-                      Sampling(temperature=0), rows=len(PROMPTS))
-    ident = snapshot_identity.identity(tiny["gqa"], tiny["draft"])
-    reused, length = snapshot_io.load_rows(doc_snapshots / method, session, [torch.tensor(p) for p in PROMPTS],
-                                           [len(p) - 1 for p in PROMPTS], ident)
-    assert (reused, length) == (REUSED, 40)
-    assert [session.full.held(b) for b in range(len(PROMPTS))] == REUSED
+    document's end: restored into every row whose prompt shares tokens with the document and can roll back
+    to them (the prefill then feeds only the rest), the others fed from the start, by the rule one prompt's
+    load follows: each row holds exactly what its prompt's one-row session holds after the same load. The
+    rows holding the whole document hold what feeding the document computes (the restored K/V are the
+    snapshot's)."""
+    prompts = PROMPTS + [DOC[:38] + ids(5, seed=5)]  # leaves the document 2 tokens before its end: in reach
+    session, (reused, length) = _loaded(tiny, doc_snapshots / method, method, prompts)
+    assert (reused, length) == (REUSED + [38], 40)
+    assert [session.full.held(b) for b in range(len(prompts))] == REUSED + [38]
+    fed = _session(tiny, method, [DOC])
+    fed.prefill([DOC])
     for node in session._streaming_nodes():
-        assert [node.held(b) for b in range(len(PROMPTS))] == [40, 40, 40, 0, 0]
-        assert all(torch.equal(node.tokens[b, :40], torch.tensor(DOC)) for b in range(3))
+        held = [node.held(b) for b in range(len(prompts))]
+        assert held[:3] == [40, 40, 40] and held[4] == 0 and held[5] == 40, (node.name, held)
+        assert all(torch.equal(node.tokens[b, :40], torch.tensor(DOC)) for b in (0, 1, 2, 5))
+        for b, prompt in enumerate(prompts):
+            alone, _ = _loaded(tiny, doc_snapshots / method, method, [prompt])
+            mine, its = _held(session, node.name, b), _held(alone, node.name, 0)
+            assert mine[:2] == its[:2] and torch.equal(mine[2], its[2]) and torch.equal(mine[3], its[3]), \
+                (node.name, b)
+        mine, its = _held(session, node.name, 0), _held(fed, node.name, 0)
+        assert mine[:2] == its[:2], (node.name, mine[:2], its[:2])
+        torch.testing.assert_close(mine[2:], its[2:])
 
 
 def test_sampled_rows_from_a_snapshot_match_their_target_distributions(small_vocab, tmp_path):

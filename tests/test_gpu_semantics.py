@@ -293,16 +293,19 @@ def test_graphed_conversation_on_the_cpu_equals_generate(tiny, cpu_graphs, monke
 def test_graphed_rows_on_the_cpu_equal_eager(tiny, cpu_graphs, monkeypatch, method):
     """Rows of one length replay graphs captured for every live row (then per row count, as finished rows
     are compacted away); ragged forwards and forwards over some rows run eagerly. Two rows are one prompt
-    (they stay in step, so their forwards replay), two others differ and finish earlier."""
+    (they stay in step, so their forwards replay), two others differ and finish earlier. Greedy rows' tokens
+    are fixed by the full cache whatever the drafts were: each row's acceptance and verifications show a
+    draft or middle level replaying stale inputs."""
     from tforce.engine.batch import generate_batch
 
     same = list(range(3, 120))
     prompts = [same, list(range(130, 247)), same, list(range(40, 157))]
     kw = dict(draft=tiny["draft"], method=method, max_new_tokens=[40, 20, 40, 25], temperature=0, ignore_eos=True,
               budget=32, chunk_size=4, draft_budget=24, sinks=4)
-    graphed = [r.tokens for r in generate_batch(tiny["gqa"], prompts, **kw)]
+    row = lambda r: (r.tokens, r.stats["acceptance"], r.stats["verifications"])  # noqa: E731
+    graphed = [row(r) for r in generate_batch(tiny["gqa"], prompts, **kw)]
     assert sum(r.replays for r in cpu_graphs) > 0
     rows_captured = {key[2][-1] for r in cpu_graphs for key in r.graphs}  # graph_key ends in the row count
     assert {4, 2} <= rows_captured, rows_captured
     monkeypatch.undo()
-    assert graphed == [r.tokens for r in generate_batch(tiny["gqa"], prompts, cuda_graphs=False, **kw)]
+    assert graphed == [row(r) for r in generate_batch(tiny["gqa"], prompts, cuda_graphs=False, **kw)]

@@ -80,15 +80,17 @@ def models(tiny, dtype):
     return (copy.deepcopy(tiny["gqa"].model).to(dtype), copy.deepcopy(tiny["draft"].model).to(dtype))
 
 
-def compare_with_ar_alone(record, target, draft, method, deterministic, **kw):
-    """Runs the batch and each prompt alone with `ar`. Returns (each row's tokens, each prompt's alone, the
-    logit vectors of the batch at a context ar computed too, how many of them differ from ar's bit for bit)."""
+def compare_with_ar_alone(record, target, draft, method, deterministic, policy=None, **kw):
+    """Runs the batch (its middle cache's policy: `policy`, None for the default) and each prompt alone
+    with `ar`. Returns (each row's tokens, each prompt's alone, the logit vectors of the batch at a context ar
+    computed too, how many of them differ from ar's bit for bit)."""
     prompts = prompts_of(LENGTHS, seed=5)
     opts = {**OPTS, **kw}
     alone = record({})
     ar = [tforce.generate(target, p, method="ar", **opts).tokens for p in prompts]
     batch = record({})
-    rows = generate_batch(target, prompts, draft=draft, method=method, deterministic=deterministic, **opts)
+    chosen = {} if policy is None else {"policy": policy}
+    rows = generate_batch(target, prompts, draft=draft, method=method, deterministic=deterministic, **chosen, **opts)
     compared = [(x, alone[c][0]) for c, xs in batch.items() if c in alone for x in xs]
     return [r.tokens for r in rows], ar, len(compared), sum(not torch.equal(x, y) for x, y in compared)
 
@@ -102,10 +104,11 @@ def check_rows_are_ar_alone(record, target, draft, method, **kw) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("method", ["ar", "naive", "retrieval", "triforce"])
+@pytest.mark.parametrize("method", ["ar", "naive", "retrieval", "triforce", "streaming", "triforce+h2o"])
 def test_deterministic_rows_compute_ar_alone_logits_bit_for_bit(tiny, full_logits, dtype, method):
     target, draft = models(tiny, dtype)
-    check_rows_are_ar_alone(full_logits, target, draft, method)
+    method, _, policy = method.partition("+")
+    check_rows_are_ar_alone(full_logits, target, draft, method, policy=policy or None)
 
 
 def test_without_it_bf16_batch_logits_are_not_one_token_decodings(tiny, full_logits):

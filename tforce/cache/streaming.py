@@ -151,7 +151,10 @@ class StreamingCache(StaticInputs, Rows):
 
     def _reach(self, b: int, length: int) -> bool:
         """Whether row b can roll back to `length` (its window's start is still held)."""
-        return not self.sinks <= max(min(self.sinks, length), length - self.window) < self.offset[b]
+        return self._reaches(self.offset[b], length)
+
+    def _reaches(self, offset: int, length: int) -> bool:
+        return not self.sinks <= max(min(self.sinks, length), length - self.window) < offset
 
     def truncate(self, lengths) -> None:
         keep = per_row(lengths, self.rows)
@@ -175,6 +178,10 @@ class StreamingCache(StaticInputs, Rows):
     def reachable(self, length: int) -> bool:
         """Whether truncate(length) can roll back to that length."""
         return length <= self.length and self._reach(0, length)
+
+    def reachable_from(self, state: dict, length: int) -> bool:
+        """Whether a row restored to `state` (state(), a snapshot's) could roll back to `length`."""
+        return length <= state["length"] and self._reaches(int(state["offset"]), length)
 
     def state(self) -> dict:
         """A copy in host memory of what row 0 holds: its slots (layers, 1, used, H_kv, D), length and offset."""

@@ -239,17 +239,19 @@ def load_rows(path, session, prompts: list[torch.Tensor], upto: list[int], ident
         session.full.adopt(torch.tensor(prefix[:top], dtype=torch.long).expand(B, -1), c)
         if c[0] == len(prefix) and manifest["queries"]:  # row 0's last prefix token's queries (Session._query)
             session.loaded_queries = (c[0], queries)
-        # the streaming caches hold the state at the prefix's end: for the rows whose prompt holds it whole
-        extend = [b for b, p in enumerate(prompts) if common_prefix(prefix, p.tolist()) == len(prefix)]
-        _load_streaming(session, manifest, ident, heads, world, extend if B > 1 else [0])
+        # the streaming caches hold the state at the prefix's end; each row keeps what its prompt shares of it
+        # (Session.prefill's catch-up rolls it back), the same rule for one row and many
+        _load_streaming(session, manifest, ident, heads, world, [common_prefix(prefix, p.tolist()) for p in prompts])
     finally:
         heads.close()
     return c, len(prefix)
 
 
-def _load_streaming(session, manifest: dict, ident: dict, heads: _Heads, world: int, rows: list[int]) -> None:
-    """Restore the streaming caches the snapshot holds for this session's models and budgets into the listed
-    rows; the others are left for session.prefill to feed from the start."""
+def _load_streaming(session, manifest: dict, ident: dict, heads: _Heads, world: int, shared: list[int]) -> None:
+    """Restore the streaming caches the snapshot holds for this session's models and budgets into every row
+    b whose prompt shares shared[b] > 0 tokens with the prefix and that can roll back to them (within the
+    cache's reach: the tokens that left its window do not come back); the others are left for
+    session.prefill to feed from the start."""
     ids = torch.tensor(manifest["tokens"], dtype=torch.long)
     for node in _streaming_nodes(session):
         info = manifest["streaming"].get(node.name)
@@ -264,6 +266,7 @@ def _load_streaming(session, manifest: dict, ident: dict, heads: _Heads, world: 
             continue  # session.prefill feeds it from the start
         t = heads.read(f"{node.name}.safetensors", {} if node.name == "draft" else {"k": 3, "v": 3})
         state = {"k": t["k"], "v": t["v"], "length": info["length"], "offset": info["offset"]}
-        if node.cache.fits(state) and rows:
+        rows = [b for b, k in enumerate(shared) if k and node.cache.fits(state) and node.cache.reachable_from(state, k)]
+        if rows:
             node.cache.restore(state, rows)
             node.adopt(ids[None].expand(len(rows), -1), [info["length"]] * len(rows), rows)

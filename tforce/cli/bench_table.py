@@ -9,6 +9,11 @@ import os
 import sys
 
 
+def _fmt(x, fmt: str, suffix: str = "") -> str:
+    """A figure as the tables show it: '-' where it is None (not applicable or not measured)."""
+    return "-" if x is None else format(x, fmt) + suffix
+
+
 def _rebuilds(run: dict) -> str:
     """Seconds in retrieval rebuilds during decoding and their count, e.g. '0.12 (3)'; '-' without any."""
     return "-" if run["rebuilds"] is None else f"{run['rebuild_s']:.2f} ({run['rebuilds']})"
@@ -20,30 +25,27 @@ COLUMNS = ("method", "ms/token", "speed-up\nvs ar", "accept\ndraft", "accept\nre
 
 
 def _bench_rows(r: dict) -> list[list[str]]:
-    def f(x, fmt, suffix=""):
-        return "-" if x is None else format(x, fmt) + suffix
-
     peak = r["h2d_peak_gbps"]
     rows = []
     for run in r["runs"]:
         acc = run["acceptance"]
-        h2d = "-" if run["h2d_gbps"] is None else f"{run['h2d_gbps']:.1f} ({f(peak, '.1f')})"
+        h2d = "-" if run["h2d_gbps"] is None else f"{run['h2d_gbps']:.1f} ({_fmt(peak, '.1f')})"
         pl = run["placement"]
         label = run["method"] if not run.get("auto") else f"{run['method']}: {run['auto']['method']}"
-        rows.append([label, f(run["ms_per_token"], ".1f"), f(run["speedup_vs_ar"], ".2f", "x"),
-                     f(acc.get("draft"), ".1%"), f(acc.get("retrieval"), ".1%"),
-                     f(run["tokens_per_verification"], ".2f"), f(run["prefill_s"], ".2f"), _rebuilds(run), h2d,
-                     f(run["floor_ms_per_verification"], ".1f"), f(run["gpu_mem_gib"], ".1f"),
-                     f(run["pinned_gib"], ".2f"), f"{pl['resident_layers']}/{pl['offloaded_layers']}"])
+        rows.append([label, _fmt(run["ms_per_token"], ".1f"), _fmt(run["speedup_vs_ar"], ".2f", "x"),
+                     _fmt(acc.get("draft"), ".1%"), _fmt(acc.get("retrieval"), ".1%"),
+                     _fmt(run["tokens_per_verification"], ".2f"), _fmt(run["prefill_s"], ".2f"), _rebuilds(run), h2d,
+                     _fmt(run["floor_ms_per_verification"], ".1f"), _fmt(run["gpu_mem_gib"], ".1f"),
+                     _fmt(run["pinned_gib"], ".2f"), f"{pl['resident_layers']}/{pl['offloaded_layers']}"])
     if _projected(r):  # synthetic: measured acceptance means nothing there, the projection says what the times give
         for row, run in zip(rows, r["runs"]):
             p = run.get("projection") or {}
-            row += [f(p.get("ms_per_token"), ".1f"), f(p.get("speedup_vs_ar"), ".2f", "x")]
+            row += [_fmt(p.get("ms_per_token"), ".1f"), _fmt(p.get("speedup_vs_ar"), ".2f", "x")]
     for peer in r.get("peers", []):
-        ms = "not run" if peer["skipped"] else f(peer["ms_per_token"], ".1f")
-        cells = {0: f"{peer['method']} (peer)", 1: ms, 2: f(peer["speedup_vs_ar"], ".2f", "x"),
-                 5: f(peer["tokens_per_verification"], ".2f"), 6: f(peer["prefill_s"], ".2f"),
-                 10: f(peer["gpu_mem_gib"], ".1f")}
+        ms = "not run" if peer["skipped"] else _fmt(peer["ms_per_token"], ".1f")
+        cells = {0: f"{peer['method']} (peer)", 1: ms, 2: _fmt(peer["speedup_vs_ar"], ".2f", "x"),
+                 5: _fmt(peer["tokens_per_verification"], ".2f"), 6: _fmt(peer["prefill_s"], ".2f"),
+                 10: _fmt(peer["gpu_mem_gib"], ".1f")}
         rows.append([cells.get(i, "-") for i in range(len(_columns(r)))])
     return rows
 
@@ -128,9 +130,6 @@ def _print_bench(r: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    def f(x, fmt, suffix=""):
-        return "-" if x is None else format(x, fmt) + suffix
-
     if console is None:  # a file or pipe gets one wide table unless COLUMNS says otherwise
         wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
         console = Console(width=200 if wide else None)
@@ -141,8 +140,8 @@ def _print_bench(r: dict, console=None) -> None:
     title = (f"tforce bench: {r['model']} on {r['device']}, {r['prompt_tokens']} prompt + {r['gen_len']} tokens, "
              f"{r['dtype']}, temperature {r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"]
                                                                 else ""))
-    caption = (f"pinned H2D peak: {f(r['h2d_peak_gbps'], '.1f', ' GB/s')}; floor = offloaded KV bytes per "
-               f"verification / peak; warm-up {f(r['warmup_s'], '.1f', ' s')} (not in the runs); "
+    caption = (f"pinned H2D peak: {_fmt(r['h2d_peak_gbps'], '.1f', ' GB/s')}; floor = offloaded KV bytes per "
+               f"verification / peak; warm-up {_fmt(r['warmup_s'], '.1f', ' s')} (not in the runs); "
                f"'-' = not applicable or not measured"
                + (f"; projected = NOT measured: this run's stage times at {_at(r)} (tforce/engine/projection.py)"
                   if _projected(r) else ""))
@@ -162,9 +161,6 @@ def _print_batch(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    def f(x, fmt, suffix=""):
-        return "-" if x is None else format(x, fmt) + suffix
-
     t = Table(title=f"tforce bench --batch {r['batch']}: {r['model']} on {r['device']}, {r['batch']} x "
                     f"{r['prompt_tokens']} prompt + {r['gen_len']} tokens, {r['dtype']}, temperature "
                     f"{r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"] else ""),
@@ -173,8 +169,8 @@ def _print_batch(r: dict) -> None:
         t.add_column(c, justify="left" if c == "method" else "right")
     for run in r["runs"]:
         eq = "-" if run["rows_equal_alone"] is None else ("yes" if run["rows_equal_alone"] else "NO")
-        t.add_row(run["method"], f(run["batch_tokens_per_s"], ".1f"), f(run["one_at_a_time_tokens_per_s"], ".1f"),
-                  f(run["speedup_vs_one_at_a_time"], ".2f", "x"), eq)
+        t.add_row(run["method"], _fmt(run["batch_tokens_per_s"], ".1f"), _fmt(run["one_at_a_time_tokens_per_s"], ".1f"),
+                  _fmt(run["speedup_vs_one_at_a_time"], ".2f", "x"), eq)
     console = Console()
     console.print(t)
     for line in _batch_floor_notes(r) + _projection_notes(r):

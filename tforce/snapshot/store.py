@@ -266,7 +266,9 @@ def _load_streaming(session, manifest: dict, ident: dict, heads: _Heads, world: 
             continue  # session.prefill feeds it from the start
         t = heads.read(f"{node.name}.safetensors", {} if node.name == "draft" else {"k": 3, "v": 3})
         state = {"k": t["k"], "v": t["v"], "length": info["length"], "offset": info["offset"]}
-        rows = [b for b, k in enumerate(shared) if k and node.cache.fits(state) and node.cache.reachable_from(state, k)]
+        if not node.cache.fits(state):
+            continue
+        rows = [b for b, k in enumerate(shared) if k and node.cache.reachable_from(state, k)]
         if rows:
             node.cache.restore(state, rows)
             node.adopt(ids[None].expand(len(rows), -1), [info["length"]] * len(rows), rows)

@@ -2,8 +2,10 @@
 
 flash-attn on CUDA when it is installed and the view's mask is plain causal (`flash_attn_func`, causal and
 bottom-right aligned) or causal per row over each row's own count of keys (`flash_attn_with_kvcache` with
-cache_seqlens: rows of different lengths); PyTorch SDPA otherwise (and for the retrieval cache's per-head masks),
-with each KV head's query heads folded into the query axis so that memory stays O(S x H_kv);
+cache_seqlens: rows of different lengths); else, on CUDA, a plain causal view of several queries through SDPA's
+flash backend with a lower-right causal bias (`lower_right`); PyTorch SDPA with the view's mask otherwise (and
+for the retrieval cache's per-head masks), with each KV head's query heads folded into the query axis so that
+memory stays O(S x H_kv);
 `attend_reference` is the plain-math oracle the tests compare against.
 Layouts are the ones fixed in docs/architecture.md: q (B, T, H_q, D), view.k / view.v (B, S, H_kv, D).
 """
@@ -15,6 +17,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.base import CacheView
 
@@ -73,6 +76,40 @@ def _sdpa_mask(view: CacheView, n_heads: int) -> torch.Tensor | None:
     return m
 
 
+def lower_right(q: torch.Tensor, view: CacheView) -> torch.Tensor:
+    """A plain causal view (view.causal: the T queries are the last T keys) as SDPA with a
+    `causal_lower_right` bias and GQA by enable_gqa: no mask materialised, K/V not repeated.
+    q (B, T, H_q, D) -> (B, T, H_q, D)."""
+    T, S = q.shape[1], view.k.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), view.k.transpose(1, 2), view.v.transpose(1, 2),
+                                         attn_mask=causal_lower_right(T, S), enable_gqa=q.shape[2] != view.k.shape[2])
+    return out.transpose(1, 2)
+
+
+# (device, dtype, head dim, GQA) -> whether SDPA's flash backend takes lower_right's call there; decided
+# by the first call of each kind (flash needs a recent GPU, and the head dims and dtypes it supports).
+_FLASH_TAKES_LOWER_RIGHT: dict[tuple, bool] = {}
+
+
+def _flash_lower_right(q: torch.Tensor, view: CacheView) -> torch.Tensor | None:
+    """lower_right() through SDPA's flash backend alone, or None where that backend does not take it.
+    Why: on an H200 (torch 2.11) the masked call below ran the memory-efficient kernel at about 11x the
+    K/V read time for 7 queries over 131,072 keys, this form at the read time (docs/architecture.md,
+    "Attention"). Flash alone, since SDPA's other routes for this bias either fail on GQA or
+    materialise the mask and run the math backend."""
+    kind = (q.device, q.dtype, q.shape[-1], q.shape[2] != view.k.shape[2])
+    if not _FLASH_TAKES_LOWER_RIGHT.get(kind, True):
+        return None
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = lower_right(q, view)
+    except RuntimeError:
+        _FLASH_TAKES_LOWER_RIGHT[kind] = False
+        return None
+    _FLASH_TAKES_LOWER_RIGHT[kind] = True
+    return out
+
+
 def flash_usable(q: torch.Tensor, view: CacheView) -> bool:
     kernel = flash_attn_with_kvcache if view.seqlens is not None else flash_attn_func if view.causal else None
     return kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
@@ -86,6 +123,12 @@ def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Te
         if view.seqlens is not None:
             return flash_attn_with_kvcache(q, view.k, view.v, cache_seqlens=view.seqlens, causal=True)
         return flash_attn_func(q, view.k, view.v, causal=q.shape[1] > 1)
+    # CUDA only: on the CPU this form measured slower than the fold below (float32, 7 queries over 7,500
+    # keys: 7.7 against 5.5 ms; BENCHMARKS.md, "Attention on the CPU").
+    if q.is_cuda and view.causal and view.seqlens is None and q.shape[1] > 1:
+        out = _flash_lower_right(q, view)
+        if out is not None:
+            return out
     # GQA folded into the query axis rather than SDPA's enable_gqa: with a mask, enable_gqa sends SDPA to
     # its math backend, which repeats K/V per query head and upcasts them to float32 (gigabytes per layer
     # at 128K tokens); folded, the heads match and the memory-efficient backend takes the mask.

@@ -112,7 +112,10 @@ def test_hf_model_shares_our_weights_and_ignores_eos(pair):
     run = peers.Runner(model, None, temperature=0, top_p=1, seed=0)
     assert run.target.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert run.target.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
-    tokens, seconds, forwards = run.generate("hf", ids, 8)
+    tokens, clock, forwards = run.generate("hf", ids, 8)
+    seconds = clock.prefill_s()
+    # the streamer saw every new token, one at a time, after the prompt: 7 decoded after the first
+    assert [n for _, n in clock.stamps] == [1] * 8 and clock.decode()[1] == 7 and clock.decode()[0] > 0
     assert tokens == ar and seconds > 0 and forwards == 8  # the prompt's, then one per token but the last
 
 
@@ -164,3 +167,18 @@ def test_peers_on_cuda_include_the_offloaded_cache(runner):
     report = json.loads(result.stdout)
     for p in report["peers"]:
         assert p["skipped"] is None and p["vs_ar"] == "match" and p["gpu_mem_gib"] > 0, p
+
+
+def test_clock_times_the_decode_from_the_first_batch_of_new_tokens(monkeypatch):
+    """The peers' ms/token: from the first batch of new tokens to the last, over the tokens after the first
+    batch (assisted generation hands out several at once); the prompt's put is not a token."""
+    now = iter([10.5, 11.5, 12.0])
+    monkeypatch.setattr(peers.time, "perf_counter", lambda: next(now))
+    clock = peers._Clock()
+    clock.start = 10.0
+    clock.put(torch.zeros(1, 50))  # the prompt
+    for n in (1, 3, 2):  # at 10.5, 11.5, 12.0
+        clock.put(torch.zeros(n))
+    assert clock.prefill_s() == 0.5
+    assert clock.decode() == (1.5, 5)
+    assert peers._Clock().decode() == (0.0, 0) and peers._Clock().prefill_s() is None

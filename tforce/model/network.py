@@ -10,12 +10,12 @@ returns the keys and values to attend to (see docs/architecture.md).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .attention import attend
+from .linear import Linear, linear
 from .families import head_dim, kv_heads, layout
 
 
@@ -28,10 +28,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim(config)
         parts = layout(config)
         h, d = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=parts.qkv_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=parts.qkv_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=parts.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=parts.o_bias)
+        self.q_proj = Linear(h, self.n_heads * d, bias=parts.qkv_bias)
+        self.k_proj = Linear(h, self.n_kv * d, bias=parts.qkv_bias)
+        self.v_proj = Linear(h, self.n_kv * d, bias=parts.qkv_bias)
+        self.o_proj = Linear(self.n_heads * d, h, bias=parts.o_bias)
         if parts.qk_norm:  # one norm over head_dim shared by every head: whole on every tensor-parallel rank
             self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
@@ -59,9 +59,9 @@ class MLP(nn.Module):
     def __init__(self, config, bias: bool):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +94,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.model = Body(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -149,8 +149,8 @@ def float32_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     and demos). float32 weights: the plain product.
     """
     if weight.dtype == torch.float32:
-        return F.linear(h.float(), weight)
+        return linear(h.float(), weight)
     if h.is_cuda and _MM_OUT_DTYPE:
         rows = h.reshape(-1, h.shape[-1])
         return torch.mm(rows, weight.t(), out_dtype=torch.float32).view(*h.shape[:-1], -1)
-    return F.linear(h.float(), weight.float())
+    return linear(h.float(), weight.float())

@@ -12,6 +12,7 @@ Layouts are the ones fixed in docs/architecture.md: q (B, T, H_q, D), view.k / v
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -101,7 +102,9 @@ def _flash_lower_right(q: torch.Tensor, view: CacheView) -> torch.Tensor | None:
     if not _FLASH_TAKES_LOWER_RIGHT.get(kind, True):
         return None
     try:
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        # a refusal also warns about each check that failed: the fallback is the answer, not the warnings
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             out = lower_right(q, view)
     except RuntimeError:
         _FLASH_TAKES_LOWER_RIGHT[kind] = False
@@ -125,7 +128,8 @@ def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Te
         return flash_attn_func(q, view.k, view.v, causal=q.shape[1] > 1)
     # CUDA only: on the CPU this form measured slower than the fold below (float32, 7 queries over 7,500
     # keys: 7.7 against 5.5 ms; BENCHMARKS.md, "Attention on the CPU").
-    if q.is_cuda and view.causal and view.seqlens is None and q.shape[1] > 1:
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and view.causal and view.seqlens is None \
+            and q.shape[1] > 1:  # the dtypes the flash backend takes
         out = _flash_lower_right(q, view)
         if out is not None:
             return out

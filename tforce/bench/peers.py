@@ -16,8 +16,9 @@ methods. Then one gen_len-token generation per peer, timed inside: a streamer (`
 batch of new tokens as generate hands it out, so `prefill_s` is the time to the first batch and
 ms/token the time from it to the last over the tokens after it, decoding without the prefill, as
 tforce's ms/token is. (Timing a 1-token run and subtracting it, as before, printed -29.4 ms/token at
-7,500 prompt tokens on a CPU, where two prefills vary by seconds.) tokens/verification = new tokens / the target's forward passes (the first, over
-the prompt, yields a token too): 1 for plain decoding, more where drafted tokens are accepted.
+7,500 prompt tokens on a CPU, where two prefills vary by seconds.) tokens/verification = new tokens /
+the target's forward passes (the first, over the prompt, yields a token too): 1 for plain decoding, more
+where drafted tokens are accepted.
 """
 from __future__ import annotations
 

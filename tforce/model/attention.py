@@ -26,6 +26,7 @@ from ..cache.base import CacheView
 # cost 2.7 ms of host time per call (a new cuDNN graph for every key length, i.e. every decode step):
 # 92 ms/token for Llama-2-7B on chip at 8K where the weights read in 5 ms (BENCHMARKS.md, GPU log).
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what flash kernels (flash-attn's and SDPA's) take
 
 try:  # optional: the `gpu` extra
     from flash_attn import flash_attn_func
@@ -115,7 +116,7 @@ def _flash_lower_right(q: torch.Tensor, view: CacheView) -> torch.Tensor | None:
 
 def flash_usable(q: torch.Tensor, view: CacheView) -> bool:
     kernel = flash_attn_with_kvcache if view.seqlens is not None else flash_attn_func if view.causal else None
-    return kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    return kernel is not None and q.is_cuda and q.dtype in _FLASH_DTYPES
 
 
 def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Tensor:
@@ -128,8 +129,7 @@ def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Te
         return flash_attn_func(q, view.k, view.v, causal=q.shape[1] > 1)
     # CUDA only: on the CPU this form measured slower than the fold below (float32, 7 queries over 7,500
     # keys: 7.7 against 5.5 ms; BENCHMARKS.md, "Attention on the CPU").
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and view.causal and view.seqlens is None \
-            and q.shape[1] > 1:  # the dtypes the flash backend takes
+    if q.is_cuda and q.dtype in _FLASH_DTYPES and view.causal and view.seqlens is None and q.shape[1] > 1:
         out = _flash_lower_right(q, view)
         if out is not None:
             return out

@@ -15,8 +15,8 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .attention import attend
-from .linear import Linear, linear
 from .families import head_dim, kv_heads, layout
+from .linear import Linear, linear
 
 
 class Attention(nn.Module):
@@ -146,7 +146,7 @@ def float32_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     CUDA, 16-bit weights: one GEMM with a float32 output (cuBLAS accumulates in float32 anyway).
     CPU without that kernel, 16-bit weights: the weight is converted to float32 at every call (4 bytes
     per parameter written and read again: 2 GB for Llama-3's 128K x 4096 lm_head; CPU runs are for tests
-    and demos). float32 weights: the plain product.
+    and demos). float32 weights: the plain product (by `linear`, as every projection).
     """
     if weight.dtype == torch.float32:
         return linear(h.float(), weight)

@@ -12,6 +12,7 @@
 # KV cache offloaded. Every bench records torch.cuda.max_memory_reserved (gpu_reserved_gib) beside the
 # plan's predicted peak (planned_peak_gib).
 #
+# SKIP names steps to leave out (shell globs), e.g. SKIP="cuda_tests batch?_chip chat_*" after a call that ran them.
 # Time: the script starts no step after DEADLINE_S seconds (default 460) and cuts each at its own limit, so it
 # ends inside one 10-minute call. Output: at most 8 files come back from a device call's $OUT, so logs and
 # JSON go to a work folder that is packed into $OUT/gpu_features.tgz after every step (a call cut short
@@ -41,6 +42,15 @@ SUMMARY="$LOGS/steps.txt"
 failed=()
 
 start() {  # start NAME WANTED_S: LIMIT = the seconds the step may take within the deadline; false past it
+    local pattern
+    for pattern in ${SKIP:-}; do  # SKIP="cuda_tests batch?_chip chat_*": steps a previous call ran
+        # shellcheck disable=SC2053  # a glob on purpose
+        if [[ "$1" == $pattern ]]; then
+            echo "== $1: skipped (SKIP)"
+            echo "$1 skipped (SKIP)" >>"$SUMMARY"
+            return 1
+        fi
+    done
     local left=$((DEADLINE_S - SECONDS))
     LIMIT=$(($2 < left ? $2 : left))
     if [ "$left" -lt 30 ]; then

@@ -84,7 +84,7 @@ def test_bad_peers_are_one_line(runner, args, needle):
 def test_peers_refuse_ranks(runner, pair):
     result = runner.invoke(app, BENCH + ["-m", str(pair / "target"), "--tp", "2", "--peers", "hf"])
     assert result.exit_code == 2
-    assert result.stderr.strip() == "tforce: error: --peers runs transformers in one process: drop --gpus/--tp"
+    assert result.stderr.strip() == "tforce: error: --peers runs in one process: drop --gpus/--tp"
 
 
 def test_parse_peers():

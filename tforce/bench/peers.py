@@ -1,4 +1,5 @@
-"""`tforce bench --peers hf`: the same prompt through transformers' own `generate`, on the same weights.
+"""`tforce bench --peers hf`: the same prompt through transformers' own `generate`, on the same weights
+(and `--peers llama.cpp`, llama.cpp's decode on the same GGUF file: llamacpp.py).
 
 The question a user asks is "what do I gain over what I already have". Each peer is one way to decode
 with stock transformers: `hf` (plain decoding), `hf-assisted` (assisted generation with tforce's draft
@@ -30,18 +31,19 @@ import torch
 
 from ..errors import TforceError, UsageError
 
-FAMILIES = {"hf": ("hf", "hf-assisted", "hf-lookup", "hf-offload")}
+FAMILIES = {"hf": ("hf", "hf-assisted", "hf-lookup", "hf-offload"), "llama.cpp": ("llama.cpp",)}
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 ATTENTION = "sdpa"  # what transformers' from_pretrained picks by default
 
 
 def parse_peers(text: str | None) -> tuple[str, ...]:
-    """'' or None -> (); 'hf' -> the hf peers."""
+    """'' or None -> (); 'hf' -> the hf peers; 'llama.cpp' -> llama.cpp's llama-bench (llamacpp.py)."""
     names = tuple(dict.fromkeys(p.strip() for p in (text or "").split(",") if p.strip()))
     bad = [n for n in names if n not in FAMILIES]
     if bad or (text and not names):
-        raise UsageError(f"--peers takes {', '.join(FAMILIES)} (transformers' generate: plain, assisted by the "
-                         f"draft, prompt lookup, offloaded cache); got {text!r}")
+        raise UsageError(f"--peers takes {', '.join(FAMILIES)} (hf: transformers' generate, plain, assisted by the "
+                         f"draft, prompt lookup, offloaded cache; llama.cpp: llama-bench on the same GGUF); "
+                         f"got {text!r}")
     return tuple(peer for n in names for peer in FAMILIES[n])
 
 
@@ -190,23 +192,39 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(models, ids: list[int], cfg, ar_tokens: list[int] | None, warmup_tokens: int, progress=None) -> list[dict]:
-    """One record per peer of cfg.peers (bench's JSON "peers"); the speed-up over ar is filled by bench."""
+def run(models, ids: list[int], cfg, ar_tokens: list[int] | None, warmup_tokens: int, progress=None,
+        gguf=None) -> list[dict]:
+    """One record per peer of cfg.peers (bench's JSON "peers"); the speed-up over ar is filled by bench.
+    gguf: the model's GGUF file, which the llama.cpp peer reads (None: not a GGUF model)."""
+    records = _hf_records(models, ids, cfg, ar_tokens, warmup_tokens, progress)
+    if "llama.cpp" in cfg.peers:
+        from . import llamacpp
+
+        if progress:
+            progress(f"llama.cpp: llama-bench at depth {len(ids)}, {cfg.gen_len} new tokens")
+        records.append(llamacpp.record(gguf, models.device, len(ids), cfg.gen_len))
+    return records
+
+
+def _hf_records(models, ids: list[int], cfg, ar_tokens, warmup_tokens: int, progress) -> list[dict]:
+    hf_peers = [p for p in cfg.peers if p in FAMILIES["hf"]]
+    if not hf_peers:
+        return []
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its deprecation notices about its own internal calls are not ours
     try:
         runner = Runner(models.target, models.draft, cfg.temperature, cfg.top_p, cfg.seed)
-        skips = {p: skip_reason(p, models.device, models.draft is not None) for p in cfg.peers}
-        todo = [p for p in cfg.peers if skips[p] is None]
+        skips = {p: skip_reason(p, models.device, models.draft is not None) for p in hf_peers}
+        todo = [p for p in hf_peers if skips[p] is None]
         if progress:
             progress(f"peers: warm-up of {', '.join(todo) or 'none'} on the first {min(warmup_tokens, len(ids))} "
                      f"prompt tokens (not timed)")
         for peer in todo:
             _attempt(runner.generate, peer, ids[:warmup_tokens], 4)
         records = []
-        for peer in cfg.peers:
+        for peer in hf_peers:
             if skips[peer] is None and progress:
                 progress(f"{peer} (transformers {transformers_version()}): {len(ids)} prompt tokens, "
                          f"{cfg.gen_len} new tokens")

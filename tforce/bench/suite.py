@@ -16,6 +16,7 @@ import re
 
 import torch
 
+from .. import cpu_features
 from ..engine import placement
 from .run import DETERMINISTIC, WARMUP_TOKENS, BenchConfig, Models, device_name, run_one, split_method, warm_up
 from .ceilings import Ceilings
@@ -123,6 +124,7 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
     warmup_s = warm_up(models, ids, cfg)
     head = {
         "device": device_name(device) + (f" x {models.world} ranks" if models.world > 1 else ""),
+        "cpu": cpu_features.describe() if device.type == "cpu" else None,
         "h2d_peak_gbps": ceil.h2d_gbps,
         "device_gbps": ceil.device_gbps,
         "matmul_tflops": ceil.tflops,
@@ -150,8 +152,19 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
     if cfg.peers:
         from . import peers
 
-        others = peers.run(models, ids, cfg, outputs.get("ar"), WARMUP_TOKENS, progress)
+        others = peers.run(models, ids, cfg, outputs.get("ar"), WARMUP_TOKENS, progress,
+                           gguf=None if synthetic else _gguf(model_name))
     return _report(head, runs, others, complete=True)  # cpu_threads: the CLI adds threads.choice()
+
+
+def _gguf(model_name: str):
+    """The GGUF file the model was read from, or None."""
+    from ..model.gguf import gguf_file
+
+    try:
+        return gguf_file(model_name)
+    except TforceError:
+        return None
 
 
 def _report(head: dict, runs: list[dict], others: list[dict], complete: bool) -> dict:

@@ -66,7 +66,9 @@ def bench(
     peers: Optional[str] = typer.Option(None, "--peers",
                                         help="hf: also time transformers' own generate on the same weights and "
                                              "prompt: plain, assisted by the draft, prompt lookup, offloaded "
-                                             "cache (CUDA); greedy tokens checked against ar's."),
+                                             "cache (CUDA); greedy tokens checked against ar's. llama.cpp: "
+                                             "llama-bench on the same GGUF at the same depth (CPU; "
+                                             "$LLAMA_CPP_DIR or PATH). Both: 'hf,llama.cpp'."),
     batch: Optional[int] = typer.Option(None, "--batch", help="N prompts of --prompt-len tokens as one batch "
                                                                "against the same N one at a time."),
     project_at: str = typer.Option("0.92", "--project", metavar="ACCEPTANCE",
@@ -121,7 +123,7 @@ def bench(
             raise UsageError("--gpus/--tp > 1 needs --model (a checkpoint folder the ranks load); "
                              "--synthetic models are built in one process")
         if world > 1 and peer_names:
-            raise UsageError("--peers runs transformers in one process: drop --gpus/--tp")
+            raise UsageError("--peers runs in one process: drop --gpus/--tp")
         if batch is not None and (world > 1 or peer_names):
             raise UsageError("--batch runs in one process, without --peers, so far")
         target, small = model, draft

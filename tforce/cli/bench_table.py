@@ -95,9 +95,14 @@ def _peer_notes(r: dict) -> list[str]:
     peers = r.get("peers", [])
     if not peers:
         return []
-    lines = [f"peers: {peers[0]['peer']} generate on the same weights and token ids ({peers[0]['attention']} "
-             f"attention, EOS ignored); ms/token = (gen_len-token run - 1-token run) / (gen_len - 1)"]
+    hf = [p for p in peers if p["method"] != "llama.cpp"]
+    lines = [f"peers: {hf[0]['peer']} generate on the same weights and token ids ({hf[0]['attention']} "
+             f"attention, EOS ignored); ms/token from its first new token to its last"] if hf else ["peers:"]
     for p in peers:
+        if p["method"] == "llama.cpp" and not p["skipped"]:
+            lines.append(f"  llama.cpp: {p['peer']}, llama-bench on the same GGUF ({p['weights']} weights, "
+                         f"as in the file), {p['threads']} threads, decode after a cache of the prompt's length "
+                         f"filled with its own tokens (not compared)")
         if p["skipped"]:
             lines.append(f"  {p['method']}: not run: {p['skipped']}")
         elif p["vs_ar"] is not None:

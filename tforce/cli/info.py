@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from .. import cpu_features
 from ..config import Speculation
 from ..errors import UsageError
 from .app import app
@@ -136,6 +137,7 @@ def info(
         mem = psutil.virtual_memory()
         record = {"tforce": __version__, "python": platform.python_version(), "torch": torch.__version__,
                   "transformers": transformers.__version__, "cpu_cores": os.cpu_count(), "cpu_threads": _threads_now(),
+                  "cpu": cpu_features.describe(),
                   "cuda_devices": gpus,
                   "host_memory_bytes": mem.total, "host_memory_available_bytes": mem.available}
         draft_config = None  # the paper's 68M draft, unless run's default draft is a local folder
@@ -193,6 +195,9 @@ def _print_info(r: dict) -> None:
     t.add_row("tforce", r["tforce"])
     t.add_row("python / torch / transformers", f"{r['python']} / {r['torch']} / {r['transformers']}")
     t.add_row("cpu cores", str(r["cpu_cores"]))
+    bf16 = {True: "native (AVX512-BF16, AMX or Arm BF16)", False: "emulated (no bfloat16 instructions)",
+            None: "unknown"}[r["cpu"]["bf16_native"]]
+    t.add_row("cpu kernels", f"{r['cpu']['capability']}; bfloat16 {bf16}")
     gpus = ", ".join(f"{g['name']} ({_gib(g['memory_bytes'])})" for g in r["cuda_devices"]) or "none"
     c = r["cpu_threads"]
     seen = "" if c["others_busy_cores"] is None else f" (other processes keep {c['others_busy_cores']:.1f} busy now)"

@@ -2,10 +2,11 @@
 step) and seven (a verification of gamma2 = 6), without a prefill (the cache holds random keys and values:
 the time does not depend on them).
 
-    python scripts/cpu_forward_bench.py 1000,4000,7500 [float32|bfloat16] [model] [prof]
+    python scripts/cpu_forward_bench.py 1000,4000,7500 [float32|bfloat16] [model] [prof|-] [int8|int4]
 
 model: a name or folder `tforce.load_model` takes (default smollm2-135m-instruct); prof: also a
-torch.profiler table of five forwards of each size at each length. To compare two trees, run it under each
+torch.profiler table of five forwards of each size at each length; int8|int4: the layers' projections
+quantized (tforce/model/quant.py). To compare two trees, run it under each
 (PYTHONPATH=<tree>), alternating.
 """
 from __future__ import annotations
@@ -20,11 +21,12 @@ from tforce.cache.full import FullCache
 from tforce.cache.rope import Rotary
 
 
-def main(lengths: list[int], dtype: torch.dtype, name: str, prof: bool) -> None:
+def main(lengths: list[int], dtype: torch.dtype, name: str, prof: bool, weights: str | None) -> None:
     torch.set_num_threads(2)
-    model = tforce.load_model(name, device="cpu", dtype=dtype).model
+    model = tforce.load_model(name, device="cpu", dtype=dtype, weights=weights).model
     layers, heads, dim = model.config.num_hidden_layers, model.n_kv_heads, model.head_dim
-    print(f"{tforce.__file__}: {name}, {dtype}, torch {torch.__version__}, 2 threads")
+    print(f"{tforce.__file__}: {name}, {dtype}, weights {weights or 'as loaded'}, torch {torch.__version__}, "
+          "2 threads")
     for n in lengths:
         cache = FullCache(layers, heads, dim, n + 16, Rotary(model.config, n + 16, device="cpu"), dtype=dtype)
         g = torch.Generator().manual_seed(0)
@@ -58,4 +60,5 @@ def main(lengths: list[int], dtype: torch.dtype, name: str, prof: bool) -> None:
 if __name__ == "__main__":
     args = sys.argv[1:]
     main([int(x) for x in args[0].split(",")], getattr(torch, args[1] if len(args) > 1 else "float32"),
-         args[2] if len(args) > 2 else "smollm2-135m-instruct", len(args) > 3 and args[3] == "prof")
+         args[2] if len(args) > 2 else "smollm2-135m-instruct", len(args) > 3 and args[3] == "prof",
+         args[4] if len(args) > 4 else None)

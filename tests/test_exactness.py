@@ -147,6 +147,27 @@ def check(samples, joint):
 PROMPT = [1, 4, 2, 0, 5, 3, 3, 1, 0, 2, 4, 4, 5, 1, 2, 0, 3, 5, 2, 1, 0, 4, 3]  # 23 tokens > budget 16
 
 
+@pytest.fixture(scope="module")
+def small_vocab_int4(tmp_path_factory):
+    """The same kind of pair, the target's projections int4 (tforce/model/quant.py; shapes it takes)."""
+    root = tmp_path_factory.mktemp("v6q")
+    make_checkpoint(root / "t", seed=11, vocab_size=V, tokenizer=False, num_key_value_heads=2, intermediate_size=128)
+    make_checkpoint(root / "d", seed=12, vocab_size=V, tokenizer=False, hidden_size=32, intermediate_size=64,
+                    num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
+    return tforce.load_model(str(root / "t"), weights="int4").model, tforce.load_model(str(root / "d")).model
+
+
+@pytest.mark.parametrize("method", ["triforce", "naive"])
+def test_sampling_on_int4_weights_matches_the_quantized_target(small_vocab_int4, method):
+    """Exactness relative to the model as loaded: the distribution is the int4 target's own."""
+    target, draft = small_vocab_int4
+    joint = exact_joint(target, PROMPT, N_TOKENS)
+    samples, acc = draw(target, draft, PROMPT, method, SAMPLES, seed=3)
+    pvals = check(samples, joint)
+    assert min(pvals) > 1e-3, pvals
+    assert 0.1 < acc < 0.95, acc
+
+
 @pytest.mark.parametrize("method", ["ar"] + SPECULATIVE)
 def test_sampling_matches_target_distribution(small_vocab, method):
     target, draft = small_vocab

@@ -38,13 +38,15 @@ def step_weight_bytes(config, dtype_bytes: int, world: int = 1) -> int:
 
 
 def step_floors_ms(config, draft_config, dtype_bytes: int, spec: Speculation, context: float,
-                   bandwidth_gbps: float | None, rows: dict[str, float] | None = None) -> dict[str, float] | None:
+                   bandwidth_gbps: float | None, rows: dict[str, float] | None = None,
+                   target_weights: int | None = None) -> dict[str, float] | None:
     """Per node of the method, the ms one decode step must take to read its weights and attended KV at
     the measured device rate; context: the full node's mean attended tokens per row; rows: per node, the
-    rows a forward feeds (a batch's mean; default one). None without a rate."""
+    rows a forward feeds (a batch's mean; default one); target_weights: the target's weight bytes per
+    step where they are not dtype_bytes per parameter (quantized projections). None without a rate."""
     if not bandwidth_gbps:
         return None
-    target = step_weight_bytes(config, dtype_bytes)
+    target = step_weight_bytes(config, dtype_bytes) if target_weights is None else target_weights
     per_token = _kv_token_bytes(config, dtype_bytes)
     floors = {"full": (target, per_token * context)}  # (weights, one row's KV)
     if spec.method in ("triforce", "retrieval"):

@@ -97,7 +97,9 @@ def offload_available() -> bool:
     return "offloaded" in ALL_CACHE_IMPLEMENTATIONS
 
 
-def skip_reason(peer: str, device: torch.device, has_draft: bool) -> str | None:
+def skip_reason(peer: str, device: torch.device, has_draft: bool, quantized: bool = False) -> str | None:
+    if quantized:
+        return "quantized weights (--weights): transformers' class takes the float ones"
     if peer == "hf-assisted" and not has_draft:
         return "no draft model (pass --draft)"
     if peer == "hf-offload" and device.type != "cuda":
@@ -215,9 +217,10 @@ def _hf_records(models, ids: list[int], cfg, ar_tokens, warmup_tokens: int, prog
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its deprecation notices about its own internal calls are not ours
     try:
-        runner = Runner(models.target, models.draft, cfg.temperature, cfg.top_p, cfg.seed)
-        skips = {p: skip_reason(p, models.device, models.draft is not None) for p in hf_peers}
+        quantized = getattr(models.target, "weights", "auto") != "auto"
+        skips = {p: skip_reason(p, models.device, models.draft is not None, quantized) for p in hf_peers}
         todo = [p for p in hf_peers if skips[p] is None]
+        runner = Runner(models.target, models.draft, cfg.temperature, cfg.top_p, cfg.seed) if todo else None
         if progress:
             progress(f"peers: warm-up of {', '.join(todo) or 'none'} on the first {min(warmup_tokens, len(ids))} "
                      f"prompt tokens (not timed)")

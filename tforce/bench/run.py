@@ -24,6 +24,7 @@ from ..engine import placement
 from .ceilings import Ceilings
 from ..config import Speculation
 from .floors import prefill_flops, step_floors_ms
+from ..model.quant import weight_bytes
 from ..engine.projection import project
 
 GiB = placement.GiB
@@ -45,6 +46,7 @@ class BenchConfig:
     peers: tuple[str, ...] = ()  # peers.FAMILIES' members: transformers' generate, timed beside the methods
     # acceptance at which each run's stage times are projected (projection.py); "measured": the run's own
     project: float | str = 0.92
+    weights: str = "auto"  # the target's projections: as loaded, or quantized (model/quant.py)
 
 
 DETERMINISTIC = "+det"  # method suffix: the same method with row-wise verification (rowwise.py)
@@ -149,7 +151,9 @@ def _floors(models: Models, spec: Speculation, n_prompt: int, n_out: int, s: dic
     draft_config = models.draft.config if models.draft is not None else None
     elem = next(models.target.parameters()).element_size()
     rows = {name: s["row_forwards"][name] / n for name, n in s["forwards"].items() if n}
-    steps = step_floors_ms(config, draft_config, elem, spec, n_prompt + n_out / 2, ceil.device_gbps, rows)
+    read = weight_bytes(models.target) if getattr(models.target, "weights", "auto") != "auto" else None
+    steps = step_floors_ms(config, draft_config, elem, spec, n_prompt + n_out / 2, ceil.device_gbps, rows,
+                           target_weights=read)
     measured = {name: 1000 * s["stage_s"][name] / n for name, n in s["forwards"].items() if n}
     return {
         "step_ms": measured,

@@ -131,6 +131,7 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
         "synthetic": synthetic,
         "model": model_name,
         "dtype": str(models.dtype).removeprefix("torch."),
+        "weights": cfg.weights,
         "prompt_tokens": len(ids),
         "gen_len": cfg.gen_len,
         "temperature": cfg.temperature,

@@ -63,6 +63,9 @@ def bench(
                                                       "float16 | bfloat16"),
     offload: str = o.OFFLOAD,
     gpu_memory: Optional[str] = o.GPU_MEMORY,
+    weights: str = typer.Option("auto", "--weights",
+                                help="auto: the weights in --dtype | int8 (per channel) | int4 (groups of 32): "
+                                     "the layers' projections quantized at load (CPU, --model only)."),
     peers: Optional[str] = typer.Option(None, "--peers",
                                         help="hf: also time transformers' own generate on the same weights and "
                                              "prompt: plain, assisted by the draft, prompt lookup, offloaded "
@@ -114,14 +117,18 @@ def bench(
         engine["prefill_chunk"] = prefill_chunk
         Sampling(temperature=temperature, top_p=top_p, seed=seed).validate()
         project = _project_option(project_at)
+        if weights not in ("auto", "int8", "int4"):
+            raise UsageError(f"--weights must be auto, int8 or int4, got {weights!r}")
         cfg = b.BenchConfig(methods=names, prompt_len=length, gen_len=gen_len, temperature=temperature,
                             top_p=top_p, seed=seed, engine=engine, peers=peer_names, project=project,
-                            **_placement_options(offload, gpu_memory))
+                            weights=weights, **_placement_options(offload, gpu_memory))
         text = None if prompt_file is None else _read_prompt(prompt_file, None)
         world, dev = _parallel(tp, gpus, device)
         if world > 1 and synthetic is not None:
             raise UsageError("--gpus/--tp > 1 needs --model (a checkpoint folder the ranks load); "
                              "--synthetic models are built in one process")
+        if weights != "auto" and (world > 1 or dev != "cpu"):
+            raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far")
         if world > 1 and peer_names:
             raise UsageError("--peers runs in one process: drop --gpus/--tp")
         if batch is not None and (world > 1 or peer_names):
@@ -221,6 +228,10 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device, batch or 1)
         _say(f"tforce: bench: building a random-weight {synthetic} target and draft on {device} (SYNTHETIC)")
         models = b.Models.local(*b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed))
+        if cfg.weights != "auto":
+            from ..model.quant import quantize
+
+            quantize(models.target, cfg.weights)
         config, tokenizer, name = models.target.config, None, f"synthetic:{synthetic}"
     else:
         from ..model.weights import load_model, resolve
@@ -247,7 +258,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
                                 torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32), device,
                                 batch or 1)
             loaded = _as_role("target model", load_model, model, device=device, dtype=torch_dtype,
-                              tokenizer=False)  # target_tok, read above
+                              tokenizer=False, weights=cfg.weights)  # target_tok, read above
             small = _as_role("draft model", load_model, draft_name, device=device, dtype=torch_dtype,
                              tokenizer=False).model if uses_draft else None
             models, config, tokenizer = b.Models.local(loaded.model, small), loaded.config, target_tok

@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from ..errors import TforceError, UsageError
 from .families import FAMILIES, sliding_window
 from .network import Llama
+from .quant import SCHEMES, quantize
 from .weight_files import other_format, read_tensors, refuse_quantized, weight_files
 
 # Short names for the long-context models tforce targets, with the default draft: one that shares the
@@ -142,12 +143,18 @@ def _add_generation_eos(config, path: Path) -> None:
 
 
 def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str | None = None,
-               tokenizer: bool = True, rank: int = 0, world: int = 1) -> LoadedModel:
+               tokenizer: bool = True, rank: int = 0, world: int = 1, weights: str | None = None) -> LoadedModel:
     """Load a checkpoint of one of the FAMILIES. dtype defaults to float32 on CPU and bfloat16 on CUDA.
+    weights: "int8" or "int4" quantizes the layers' projections after loading (quant.py; CPU only, one
+    rank), None or "auto" keeps them in dtype.
 
     world > 1: the model of tensor-parallel rank `rank` (sharding.apply_tp's layout), reading from the
     files only that rank's slice of each sharded weight, the rest whole (weight_files.read_tensors: what
     that costs in host memory for each format)."""
+    if weights not in (None, "auto") + SCHEMES:
+        raise UsageError(f"--weights must be auto, {' or '.join(SCHEMES)}, got {weights!r}")
+    if weights in SCHEMES and (not str(device).startswith("cpu") or world > 1):
+        raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far")
     path = resolve(name_or_path)
     config = read_config(path)
     if isinstance(dtype, str):
@@ -176,6 +183,8 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device).eval()
+    if weights in SCHEMES:
+        quantize(model, weights)
     tok = _load_tokenizer(path) if tokenizer else None
     return LoadedModel(model, tok, path, name_or_path)
 

@@ -1,0 +1,139 @@
+"""Weight-only int8 / int4 projections (tforce/model/quant.py): the products against a float reference,
+every method against plain decoding of the quantized model, loading and bench's --weights.
+(Sampling against the exact distribution of a quantized target: tests/test_exactness.py.)"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from typer.testing import CliRunner
+
+import tforce
+from tforce.cli import app
+from tforce.errors import UsageError
+from tforce.model.quant import GROUP, PROJECTIONS, QuantLinear, quantize, weight_bytes
+from tforce.model.synthetic import make_checkpoint
+
+SPECULATIVE = ["triforce", "retrieval", "streaming", "naive"]
+SMALL = dict(budget=16, chunk_size=4, draft_budget=12, sinks=2, gamma1=2, gamma2=4)
+SHAPES = dict(hidden_size=64, intermediate_size=128)  # int4: inputs in groups of 32, outputs by 16
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    make_checkpoint(root / "target", seed=3, num_key_value_heads=2, **SHAPES)
+    make_checkpoint(root / "draft", seed=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                    num_key_value_heads=1, num_hidden_layers=1)
+    return root
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_equal_the_dequantized_weight(scheme, bias):
+    """The kernel multiplies by exactly the weight dequantized() reports, in bfloat16 activations."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 64, bias=bias)
+    q = QuantLinear(lin, scheme)
+    x = torch.randn(2, 5, 96)
+    ref = F.linear(x.to(torch.bfloat16).float(), q.dequantized(), lin.bias)
+    got = q(x)
+    assert got.shape == (2, 5, 64) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)  # the kernel's output is bfloat16
+
+
+def test_quantization_error_is_within_half_a_step():
+    torch.manual_seed(1)
+    w = torch.randn(48, 128) * 0.05
+    lin = nn.Linear(128, 48, bias=False)
+    lin.weight.data = w.clone()
+    step8 = w.abs().amax(1, keepdim=True) / 127
+    assert ((QuantLinear(lin, "int8").dequantized() - w).abs() <= step8 / 2 * 1.01 + 1e-7).all()  # bf16 scale
+    groups = w.view(48, -1, GROUP)
+    step4 = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(GROUP, 1)
+    err4 = (QuantLinear(lin, "int4").dequantized() - w).abs()
+    assert (err4 <= step4 * 0.5 * 1.05 + 1e-6).all(), (err4 / step4).max()  # bfloat16 scale and zero: 5%
+    assert err4.max() > step8.max()  # int4 is coarser: the test tells the two apart
+
+
+def test_int4_refuses_shapes_its_kernel_cannot_take():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        QuantLinear(nn.Linear(40, 64), "int4")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        QuantLinear(nn.Linear(64, 40), "int4")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_load_model_quantizes_every_projection(pair, scheme):
+    plain = tforce.load_model(str(pair / "target")).model
+    quant = tforce.load_model(str(pair / "target"), weights=scheme).model
+    found = [m for m in quant.modules() if isinstance(m, QuantLinear)]
+    assert len(found) == len(PROJECTIONS) * len(quant.model.layers) and {m.scheme for m in found} == {scheme}
+    assert quant.weights == scheme
+    per_param = {"int8": 1, "int4": 0.5}[scheme]
+    projections = sum(p.numel() for layer in plain.model.layers for p in
+                      list(layer.self_attn.parameters()) + list(layer.mlp.parameters()))
+    saved = weight_bytes(plain) - weight_bytes(quant)
+    assert saved > projections * (4 - per_param) * 0.9  # scales and zeros are the rest
+
+
+def test_load_model_refusals(tmp_path, pair):
+    with pytest.raises(UsageError, match="--weights must be"):
+        tforce.load_model(str(pair / "target"), weights="int3")
+    with pytest.raises(UsageError, match="CPU in one process"):
+        tforce.load_model(str(pair / "target"), device="cuda", weights="int8")
+    make_checkpoint(tmp_path / "odd", seed=0)  # intermediate size 172: not in groups of 32
+    with pytest.raises(UsageError, match="gate_proj: int4 needs output features in multiples of 16, got 172"):
+        tforce.load_model(str(tmp_path / "odd"), weights="int4")
+    assert tforce.load_model(str(tmp_path / "odd"), weights="int8").model.weights == "int8"
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("prompt_len", [1, 29])
+def test_greedy_equals_plain_decoding_of_the_quantized_model(pair, scheme, prompt_len):
+    """Exactness is relative to the model as loaded: every level runs the same quantized projections."""
+    target = tforce.load_model(str(pair / "target"), weights=scheme)
+    draft = tforce.load_model(str(pair / "draft"))
+    prompt = torch.randint(3, 259, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    kw = dict(max_new_tokens=40, temperature=0, ignore_eos=True)
+    ar = tforce.generate(target, prompt, method="ar", **kw).tokens
+    plain = tforce.generate(tforce.load_model(str(pair / "target")), prompt, method="ar", **kw).tokens
+    for method in SPECULATIVE:
+        out = tforce.generate(target, prompt, draft=draft, method=method, rebuild_every=8, **SMALL, **kw)
+        assert out.tokens == ar, method
+    assert len(ar) == 40 and ar != plain or scheme == "int8"  # int4 changes this model's greedy output
+
+
+def test_bench_weights(pair):
+    runner = CliRunner()
+    args = ["bench", "--device", "cpu", "-m", str(pair / "target"), "--draft", str(pair / "draft"),
+            "--prompt-len", "40", "--gen-len", "6", "-t", "0", "--threads", "1", "--methods", "ar,triforce",
+            "--json"]
+    plain = json.loads(runner.invoke(app, args).stdout)
+    result = runner.invoke(app, args + ["--weights", "int4", "--peers", "hf"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    r = json.loads(result.stdout)
+    assert r["weights"] == "int4" and plain["weights"] == "auto"
+    assert all(p["skipped"].startswith("quantized weights") for p in r["peers"])
+    # the floor counts the bytes a step reads: fewer with int4 projections
+    assert r["runs"][0]["floors"]["step_floor_ms"]["full"] < plain["runs"][0]["floors"]["step_floor_ms"]["full"] \
+        or r["device_gbps"] is None
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--weights", "int2"], "--weights must be auto, int8 or int4, got 'int2'"),
+    (["--weights", "int8", "--tp", "2"], "--weights int8 runs on the CPU in one process only"),
+])
+def test_bench_weights_refusals(pair, args, needle):
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "-m", str(pair / "target"), "--methods", "ar",
+                                      "--prompt-len", "20", "--gen-len", "4"] + args)
+    assert result.exit_code == 2 and needle in result.stderr, result.output
+
+
+def test_quantize_refuses_a_model_on_another_device():
+    meta = tforce.model.network.Llama(__import__("tforce.model.synthetic", fromlist=["x"]).make_config())
+    with pytest.raises(UsageError, match="CPU only"):
+        quantize(meta.to("meta"), "int8")

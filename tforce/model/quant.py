@@ -1,0 +1,145 @@
+"""Weight-only quantized projections: int8 per output channel, int4 in groups of 32, on the CPU.
+
+Why: a decode step reads every weight once, and on a CPU most of a short-context step is those reads
+(SmolLM2-135M in float32: 513 MiB of weights against 44 MiB of KV cache at 1,000 tokens). The kernels are
+PyTorch's own packed operators (`_weight_int8pack_mm`; `_weight_int4pack_mm_for_cpu` with its packing
+`_convert_weight_to_int4pack_for_cpu`), chosen by measurement on a 2-core AVX2 CPU (BENCHMARKS.md,
+"Weight-only int8 and int4 products"): both are fast only with bfloat16 activations (with float32 ones
+they take a reference path, 4-24x slower than float32 weights), and then about 3x faster than float32
+for SmolLM2's output-head shape. So a quantized projection rounds its input to bfloat16, multiplies,
+and returns its output in the input's dtype.
+
+What is quantized: the seven projections of every layer (q, k, v, o, gate, up, down). The embedding
+table and the output head keep the model's dtype: the head's logits must stay float32 (network.
+float32_logits), which these kernels cannot give without the slow path.
+
+Formats (docs/architecture.md, "Weights"):
+- int8: q = round(w / s) in [-127, 127], s = max |w| of the output channel / 127 (rounded up to bfloat16);
+  w ~ q * s.
+- int4: per group of 32 inputs of an output channel, lo/hi its range, scale = (hi - lo) / 15,
+  q = round((w - lo) / scale) in [0, 15]; PyTorch's convention stores zero = lo + 8 * scale and computes
+  w ~ (q - 8) * scale + zero. Scales and zeros are bfloat16, as the kernel takes them.
+
+Exactness is relative to the model as quantized: every level of the hierarchy runs these same
+projections, so speculative decoding reproduces plain decoding of the quantized model (tests/test_quant.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import UsageError
+
+SCHEMES = ("int8", "int4")
+GROUP = 32  # int4 group: Q4_0/Q4_1's block, the smallest the kernel takes
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_COMPUTE = torch.bfloat16  # the activations' dtype the kernels are fast in
+
+
+def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) -> (q int8 (N, K), scales bfloat16 (N,)). The kernel's scales are bfloat16: each is rounded
+    up to one (so max |w| / scale stays within 127) and the weight quantized against it."""
+    w = w.float()
+    exact = w.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    scale = exact.to(_COMPUTE)
+    scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    return torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def int4_weights(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) -> (q int32 (N, K) in 0..15, scales_and_zeros bfloat16 (K / group, N, 2))."""
+    w = w.float()
+    N, K = w.shape
+    g = w.view(N, K // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    # the kernel's scale and zero are bfloat16: quantize against the rounded values it will use
+    scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16).float()
+    zero = (lo + 8 * scale).to(torch.bfloat16).float()
+    q = torch.round((g - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)
+    sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return q.view(N, K).to(torch.int32), sz
+
+
+def int4_problem(in_features: int, out_features: int) -> str | None:
+    """Why the int4 kernel cannot take a weight of this shape, or None."""
+    if in_features % GROUP:
+        return f"int4 needs input features in multiples of {GROUP}, got {in_features}"
+    if out_features % 16:  # the packing's rule (_convert_weight_to_int4pack_for_cpu)
+        return f"int4 needs output features in multiples of 16, got {out_features}"
+    return None
+
+
+class QuantLinear(nn.Module):
+    """A projection y = x W^T (+ b) with W held as int8 or int4 (module docstring)."""
+
+    def __init__(self, linear: nn.Linear, scheme: str):
+        super().__init__()
+        if scheme not in SCHEMES:
+            raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        w = linear.weight.detach()
+        if w.device.type != "cpu":
+            raise ValueError("quantized weights run on the CPU only")
+        self.scheme, self.in_features, self.out_features = scheme, linear.in_features, linear.out_features
+        if scheme == "int8":
+            q, scale = int8_weights(w)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scale)
+        else:
+            problem = int4_problem(self.in_features, self.out_features)
+            if problem:
+                raise ValueError(problem)
+            q, sz = int4_weights(w)
+            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
+            self.register_buffer("scales", sz)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(_COMPUTE)
+        if self.scheme == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, GROUP, self.scales)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight (N, K) this module multiplies by: the reference of its products."""
+        if self.scheme == "int8":
+            return self.qweight.float() * self.scales.float()[:, None]
+        eye = torch.eye(self.in_features, dtype=_COMPUTE)  # W^T = I W^T: the kernel's own unpacking
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP, self.scales).float().t()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+
+def quantize(model: nn.Module, scheme: str) -> nn.Module:
+    """Replace every layer's projections of `model` (network.Llama) by QuantLinear, in place; returns it.
+    A shape the scheme cannot take is refused (UsageError) before anything is replaced."""
+    if next(model.parameters()).device.type != "cpu":
+        raise UsageError(f"--weights {scheme} runs on the CPU only, so far")
+    if scheme == "int4":
+        layer = model.model.layers[0]
+        for parent in (layer.self_attn, layer.mlp):
+            for name in PROJECTIONS:
+                p = getattr(parent, name, None)
+                problem = p is not None and int4_problem(p.in_features, p.out_features)
+                if problem:
+                    raise UsageError(f"--weights int4: {name}: {problem} (--weights int8 takes any shape)")
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in PROJECTIONS:
+                if hasattr(parent, name):
+                    setattr(parent, name, QuantLinear(getattr(parent, name), scheme))
+    model.weights = scheme
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes a decode step reads of the model's weights: its parameters and buffers, but an untied input
+    embedding table (a step reads one row of it)."""
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
+                if t.device.type != "meta")
+    table = model.model.embed_tokens.weight
+    return total - (0 if tied else table.numel() * table.element_size())

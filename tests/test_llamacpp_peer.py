@@ -50,10 +50,10 @@ def cache(gguf, monkeypatch):
 
 
 def test_parse_reads_the_decode_rate():
-    got = llamacpp.parse("some line of its own\n" + json.dumps(SAMPLE))
+    got = llamacpp.parse("some line of its own [with brackets]\n" + json.dumps(SAMPLE, indent=2) + "\ntrailing\n")
     assert got["ms_per_token"] == pytest.approx(25.0) and got["threads"] == 2 and got["depth"] == 300
     assert got["version"] == "llama.cpp build 9993 (1d0c4a9)" and got["weights"] == "llama ?B Q4_1"
-    for bad in ("", "[]", "not json", json.dumps([{"avg_ts": 0}])):
+    for bad in ("", "[]", "not json", "[1]", "[{}]", json.dumps([{"avg_ts": 0}]), json.dumps([{"avg_ts": "x"}])):
         with pytest.raises(ValueError):
             llamacpp.parse(bad)
 

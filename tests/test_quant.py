@@ -104,6 +104,8 @@ def test_greedy_equals_plain_decoding_of_the_quantized_model(pair, scheme, promp
     for method in SPECULATIVE:
         out = tforce.generate(target, prompt, draft=draft, method=method, rebuild_every=8, **SMALL, **kw)
         assert out.tokens == ar, method
+        det = tforce.generate(target, prompt, draft=draft, method=method, deterministic=True, **SMALL, **kw)
+        assert det.tokens == ar, (method, "deterministic")
     assert len(ar) == 40 and ar != plain or scheme == "int8"  # int4 changes this model's greedy output
 
 
@@ -118,9 +120,13 @@ def test_bench_weights(pair):
     r = json.loads(result.stdout)
     assert r["weights"] == "int4" and plain["weights"] == "auto"
     assert all(p["skipped"].startswith("quantized weights") for p in r["peers"])
-    # the floor counts the bytes a step reads: fewer with int4 projections
-    assert r["runs"][0]["floors"]["step_floor_ms"]["full"] < plain["runs"][0]["floors"]["step_floor_ms"]["full"] \
-        or r["device_gbps"] is None
+
+    def floor_bytes(report):  # the floor is the bytes a step reads over the bandwidth measured beside it
+        return report["runs"][0]["floors"]["step_floor_ms"]["full"] * report["device_gbps"]
+
+    assert floor_bytes(r) < 0.5 * floor_bytes(plain)  # int4 projections: an eighth of their float32 bytes
+    table = runner.invoke(app, args[:-1] + ["--weights", "int4"])
+    assert "float32, int4 projections, temperature 0.0" in " ".join(table.stdout.split()), table.stdout
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -137,3 +143,35 @@ def test_quantize_refuses_a_model_on_another_device():
     meta = tforce.model.network.Llama(__import__("tforce.model.synthetic", fromlist=["x"]).make_config())
     with pytest.raises(UsageError, match="CPU only"):
         quantize(meta.to("meta"), "int8")
+
+
+def _run_json(pair, *args):
+    result = CliRunner().invoke(app, ["run", "-m", str(pair / "target"), "--draft", str(pair / "draft"),
+                                      "--prompt", "the cat sat on the mat", "-n", "24", "-t", "0", "--ignore-eos",
+                                      "--device", "cpu", "--json", *args])
+    assert result.exit_code == 0, (result.output, result.exception)
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_run_with_quantized_weights_is_exact_for_every_method(pair, scheme):
+    ar = _run_json(pair, "--method", "ar", "--weights", scheme)["tokens"]
+    for method in ("triforce", "naive"):
+        assert _run_json(pair, "--method", method, "--weights", scheme, "--budget", "16", "--chunk-size", "4",
+                         "--draft-budget", "12", "--sinks", "2")["tokens"] == ar, method
+    assert ar != _run_json(pair, "--method", "ar")["tokens"] or scheme == "int8"
+    note = CliRunner().invoke(app, ["run", "-m", str(pair / "target"), "--draft", str(pair / "draft"), "--prompt",
+                                    "x", "-n", "2", "-t", "0", "--device", "cpu", "--weights", scheme,
+                                    "--method", "naive"])
+    assert f"tforce: note: greedy in {scheme} weights (bfloat16 products)" in note.stderr, note.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--weights", "fp8"], "tforce: error: --weights must be auto, int8 or int4, got 'fp8'"),
+    (["--weights", "int4", "--tp", "2"], "tforce: error: --weights int4 runs on the CPU in one process only, so far (--device cpu)"),
+])
+def test_run_weights_refusals_are_one_line(pair, args, needle):
+    result = CliRunner().invoke(app, ["run", "-m", str(pair / "target"), "--prompt", "x", "-n", "2",
+                                      "--device", "cpu", *args])
+    assert result.exit_code == 2 and result.stderr.strip() == needle, result.output
+    assert "Traceback" not in result.output

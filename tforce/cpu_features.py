@@ -16,7 +16,8 @@ BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 "flags"; Arm's "Features
 
 
 def flags(text: str | None = None) -> set[str] | None:
-    """The first processor's flags (x86 `flags`, Arm `Features`), or None where /proc/cpuinfo is not there."""
+    """The first processor's flags (x86 `flags`, Arm `Features`), or None where /proc/cpuinfo or that line is
+    not there."""
     if text is None:
         try:
             text = CPUINFO.read_text(errors="replace")
@@ -26,7 +27,7 @@ def flags(text: str | None = None) -> set[str] | None:
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             return set(value.split())
-    return set()
+    return None  # a processor that lists no flags there (some VMs, other architectures): unknown
 
 
 def native_bf16(text: str | None = None) -> bool | None:

@@ -130,7 +130,7 @@ def bench_batch(models: Models, prompts: list[list[int]], cfg: BenchConfig, synt
     warmup_s = time.perf_counter() - t0
     ceil = Ceilings.measure(models.device, models.dtype)
     head = {"device": device_name(models.device), "synthetic": synthetic, "model": model_name,
-            "dtype": str(models.dtype).removeprefix("torch."), "batch": len(prompts),
+            "dtype": str(models.dtype).removeprefix("torch."), "weights": cfg.weights, "batch": len(prompts),
             "prompt_tokens": len(prompts[0]), "gen_len": cfg.gen_len, "temperature": cfg.temperature,
             "offload": cfg.offload, "warmup_s": warmup_s, "methods": list(cfg.methods),
             "device_gbps": ceil.device_gbps, "matmul_tflops": ceil.tflops, "h2d_peak_gbps": ceil.h2d_gbps}

@@ -55,13 +55,19 @@ def command(binary: Path, gguf: Path, prompt_len: int, gen_len: int, threads: in
 
 def parse(stdout: str) -> dict:
     """llama-bench's JSON (a list with one test) -> {ms_per_token, version, threads, depth}."""
-    start = stdout.find("[")  # some builds print a line of their own before the JSON
-    tests = json.loads(stdout[start:]) if start >= 0 else []
-    if not tests or not tests[0].get("avg_ts"):
+    # some builds print lines of their own before the JSON: it starts at the first line that opens a list
+    lines = stdout.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), None)
+    tests = json.JSONDecoder().raw_decode("".join(lines[start:]).lstrip())[0] if start is not None else []
+    if not isinstance(tests, list) or not tests or not isinstance(tests[0], dict) or not tests[0].get("avg_ts"):
         raise ValueError("llama-bench printed no test result")
     t = tests[0]
     version = f"llama.cpp build {t.get('build_number', '?')} ({t.get('build_commit', '?')})"
-    return {"ms_per_token": 1000.0 / float(t["avg_ts"]), "version": version, "threads": t.get("n_threads"),
+    try:
+        rate = float(t["avg_ts"])
+    except (TypeError, ValueError):
+        raise ValueError(f"llama-bench's avg_ts is not a number: {t['avg_ts']!r}") from None
+    return {"ms_per_token": 1000.0 / rate, "version": version, "threads": t.get("n_threads"),
             "depth": t.get("n_depth"), "weights": t.get("model_type")}
 
 

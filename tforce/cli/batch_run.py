@@ -139,7 +139,8 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         _say(f"tforce: the batch of {len(prompts)} does not fit: running it as {len(groups)} batches of at most "
              f"{max(map(len, groups))}")
     if world == 1:
-        target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
+        target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False,
+                          weights=setup.weights)
         small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) \
             if draft else None
     keys = ("temperature", "top_p", "top_k", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",

@@ -65,7 +65,7 @@ def bench(
     gpu_memory: Optional[str] = o.GPU_MEMORY,
     weights: str = typer.Option("auto", "--weights",
                                 help="auto: the weights in --dtype | int8 (per channel) | int4 (groups of 32): "
-                                     "the layers' projections quantized at load (CPU, --model only)."),
+                                     "the target's projections quantized at load (CPU, one process)."),
     peers: Optional[str] = typer.Option(None, "--peers",
                                         help="hf: also time transformers' own generate on the same weights and "
                                              "prompt: plain, assisted by the draft, prompt lookup, offloaded "
@@ -128,7 +128,7 @@ def bench(
             raise UsageError("--gpus/--tp > 1 needs --model (a checkpoint folder the ranks load); "
                              "--synthetic models are built in one process")
         if weights != "auto" and (world > 1 or dev != "cpu"):
-            raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far")
+            raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far (--device cpu)")
         if world > 1 and peer_names:
             raise UsageError("--peers runs in one process: drop --gpus/--tp")
         if batch is not None and (world > 1 or peer_names):

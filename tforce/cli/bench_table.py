@@ -143,7 +143,8 @@ def _print_bench(r: dict, console=None) -> None:
               for i, c in enumerate(columns)]
     groups = _column_groups(widths, console.width)
     title = (f"tforce bench: {r['model']} on {r['device']}, {r['prompt_tokens']} prompt + {r['gen_len']} tokens, "
-             f"{r['dtype']}, temperature {r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"]
+             f"{r['dtype']}" + (f", {r['weights']} projections" if r.get("weights", "auto") != "auto" else "") +
+             f", temperature {r['temperature']}" + ("  SYNTHETIC (random weights)" if r["synthetic"]
                                                                 else ""))
     caption = (f"pinned H2D peak: {_fmt(r['h2d_peak_gbps'], '.1f', ' GB/s')}; floor = offloaded KV bytes per "
                f"verification / peak; warm-up {_fmt(r['warmup_s'], '.1f', ' s')} (not in the runs); "

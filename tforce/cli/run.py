@@ -37,6 +37,9 @@ def run(
                                         "one batch (as several in turn when it does not fit); one JSON line out "
                                         "per prompt (--json: one object holding them; every --method; --tp; "
                                         "--load-kv, not --save-kv)."),
+    weights: str = typer.Option("auto", "--weights",
+                                help="auto: the weights in --dtype | int8 (per channel) | int4 (groups of 32): "
+                                     "the target's projections quantized at load (CPU, one process)."),
     opts: Optional[dict] = None,
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""
@@ -97,7 +100,8 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool,
                           options["offload"], options["gpu_memory"], options["budget"], method)
 
         unfit = _unfit(check, draft_config is not None) if auto else check(options["method"])
-        target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False)
+        target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False,
+                          weights=setup.weights)
     small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) \
         if draft and world == 1 else None
     choice = None

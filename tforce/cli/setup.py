@@ -93,6 +93,7 @@ class Setup:
     stops: tuple = ()  # --stop strings (stops.StopStrings)
     gammas_given: dict = field(default_factory=dict)  # --gamma1/--gamma2 as given: --method auto keeps them
     auto_note: Optional[str] = None  # what --method auto became without a calibration (notices)
+    weights: str = "auto"  # the target's projections: as loaded, or int8/int4 (model/quant.py; `run` only)
 
     def prompt_format(self, tok, path, snapshot_ids: Optional[list] = None):
         """How this command's text becomes tokens (the target's tokenizer `tok`, from folder `path`); with
@@ -148,6 +149,11 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     placement_options = _placement_options(p["offload"], p["gpu_memory"])
     _threads(p["threads"])
     world, dev = _parallel(p["tp"], p["gpus"], p["device"])
+    weights = p.get("weights", "auto")
+    if weights not in ("auto", "int8", "int4"):
+        raise UsageError(f"--weights must be auto, int8 or int4, got {weights!r}")
+    if weights != "auto" and (world > 1 or dev != "cpu"):
+        raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far (--device cpu)")
     dtype = _dtype_name(None if p["dtype"] == "auto" else p["dtype"], dev)
     _check_snapshots(p["save_kv"], p["load_kv"], world, dtype)
     model, draft, demo_draft = p["model"], p["draft"], None
@@ -173,7 +179,8 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     uses_draft = options["method"] == AUTO or Speculation(method=options["method"]).uses_draft
     named = (draft or demo_draft) if model is None else None  # the draft the demo notice names
     return Setup(target_name, draft_name if uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
-                 world, {**options, **placement_options}, named, p["template"], system, stops, given, auto_note)
+                 world, {**options, **placement_options}, named, p["template"], system, stops, given, auto_note,
+                 weights)
 
 
 def _unescape(text: str) -> str:
@@ -209,12 +216,14 @@ def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int,
 
 
 def _exactness_note(setup: Setup) -> None:
-    """Greedy speculation in a 16-bit dtype, said where it is run: a verification's logits round differently
-    from one-token decoding's (README, Exactness), so a near-tie can flip a token."""
+    """Greedy speculation in a 16-bit dtype or with quantized weights, said where it is run: a verification's
+    logits round differently from one-token decoding's (README, Exactness), so a near-tie can flip a token."""
     o = setup.options
     dtype = _dtype_name(setup.dtype, setup.device)
-    if o["temperature"] == 0 and o["method"] != "ar" and not o["deterministic"] and dtype != "float32":
-        _say(f"tforce: note: greedy in {dtype}: the tokens are plain decoding's (--method ar) except where its "
+    # quantized projections compute in bfloat16 (model/quant.py), whatever the dtype
+    rounding = dtype if setup.weights == "auto" else f"{setup.weights} weights (bfloat16 products)"
+    if o["temperature"] == 0 and o["method"] != "ar" and not o["deterministic"] and rounding != "float32":
+        _say(f"tforce: note: greedy in {rounding}: the tokens are plain decoding's (--method ar) except where its "
              "two best logits nearly tie; --deterministic makes them plain decoding's bit for bit")
 
 

@@ -67,14 +67,14 @@ def context_bucket(n_prompt: int) -> int:
 
 
 def fingerprint(model) -> str:
-    """A digest of a network's config and a sample of its weights: the same checkpoint, whatever path or
-    object it was loaded through, has the same one."""
+    """A digest of a network's config, a sample of its weights and how its projections are held (quant.py):
+    the same checkpoint, whatever path or object it was loaded through, has the same one."""
     model = _network(model)
     first = next(model.parameters())
     sample = first.detach().flatten()[:256].float().cpu()
     config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
     text = json.dumps(config, sort_keys=True, default=str) + repr(sample.tolist()) + str(sum(
-        p.numel() for p in model.parameters()))
+        p.numel() for p in model.parameters())) + getattr(model, "weights", "auto")  # quantized: other costs
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

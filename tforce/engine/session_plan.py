@@ -10,9 +10,9 @@ from . import placement
 
 def model_shape(model) -> placement.Shape:
     """placement.Shape of a built model as it is (a tensor-parallel rank's shard included), its weights
-    counted from its parameters."""
+    counted from its parameters and buffers (quantized projections hold theirs as buffers)."""
     layer = model.model.layers[0]
-    params = {p.data_ptr(): p.nbytes for p in model.parameters()}  # tied embeddings once
+    params = {p.data_ptr(): p.nbytes for p in [*model.parameters(), *model.buffers()]}  # tied embeddings once
     p = next(model.parameters())
     return placement.Shape(len(model.model.layers), model.config.hidden_size, layer.mlp.gate_proj.out_features,
                            layer.self_attn.n_heads, model.n_kv_heads, model.head_dim, model.config.vocab_size,

@@ -40,7 +40,8 @@ def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) -> (q int8 (N, K), scales bfloat16 (N,)). The kernel's scales are bfloat16: each is rounded
     up to one (so max |w| / scale stays within 127) and the weight quantized against it."""
     w = w.float()
-    exact = w.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    amax = w.abs().amax(1)
+    exact = torch.where(amax > 0, amax / 127, torch.ones_like(amax))  # an all-zero row: any scale, q = 0
     scale = exact.to(_COMPUTE)
     scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     return torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8), scale
@@ -52,8 +53,9 @@ def int4_weights(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, tor
     N, K = w.shape
     g = w.view(N, K // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
-    # the kernel's scale and zero are bfloat16: quantize against the rounded values it will use
-    scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16).float()
+    # the kernel's scale and zero are bfloat16: quantize against the rounded values it will use; a constant
+    # group (hi == lo) gets scale 1, its value carried by the zero
+    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi)).to(torch.bfloat16).float()
     zero = (lo + 8 * scale).to(torch.bfloat16).float()
     q = torch.round((g - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)
     sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
@@ -118,6 +120,11 @@ def quantize(model: nn.Module, scheme: str) -> nn.Module:
     A shape the scheme cannot take is refused (UsageError) before anything is replaced."""
     if next(model.parameters()).device.type != "cpu":
         raise UsageError(f"--weights {scheme} runs on the CPU only, so far")
+    if getattr(model, "weights", "auto") != "auto":
+        raise UsageError(f"the model's projections are {model.weights} already")
+    kernel = "_weight_int8pack_mm" if scheme == "int8" else "_weight_int4pack_mm_for_cpu"
+    if not hasattr(torch.ops.aten, kernel):
+        raise UsageError(f"--weights {scheme} needs torch >= 2.6 (its {kernel}); this is torch {torch.__version__}")
     if scheme == "int4":
         layer = model.model.layers[0]
         for parent in (layer.self_attn, layer.mlp):

@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct over N tokens of Middlemarch (its registry draft where the
 default engine knobs, greedy; two rounds of warm-up, then torch.profiler over three rounds (the table
 sorted by self CPU time).
 
-    python scripts/cpu_round_profile.py [int8|int4|-] [N] [METHOD]     # default: as loaded, 7500, retrieval
+    python scripts/cpu_round_profile.py [int8|int4|-] [N] [METHOD] [BUDGET]
+    # default: as loaded, 7500, retrieval, the default middle budget
 """
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ MODEL = "smollm2-135m-instruct"
 BOOK = Path(__file__).resolve().parents[2] / "shared/data/books/middlemarch.txt"
 
 
-def main(weights: str | None, n: int, method: str) -> None:
+def main(weights: str | None, n: int, method: str, budget: int | None) -> None:
     torch.set_num_threads(2)
     target = tforce.load_model(MODEL, weights=weights)
     text = BOOK.read_text(encoding="utf-8")
     ids = target.tokenizer.encode(text[len(text) // 3:len(text) // 3 + 40 * n], add_special_tokens=False)[:n]
-    spec = Speculation(method=method)
+    spec = Speculation(method=method, **({} if budget is None else {"budget": budget}))
     draft = tforce.load_model(REGISTRY[MODEL][1], tokenizer=False).model if spec.uses_draft else None
     print(spec, f"weights {weights or 'as loaded'}, {len(ids)} tokens")
     session = Session(target.model, draft, len(ids), 64, spec, Sampling(temperature=0))
@@ -49,4 +50,5 @@ def main(weights: str | None, n: int, method: str) -> None:
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0] if a and a[0] != "-" else None, int(a[1]) if len(a) > 1 else 7500, a[2] if len(a) > 2 else "retrieval")
+    main(a[0] if a and a[0] != "-" else None, int(a[1]) if len(a) > 1 else 7500, a[2] if len(a) > 2 else "retrieval",
+         int(a[3]) if len(a) > 3 else None)

@@ -276,3 +276,17 @@ def test_a_pipe_already_closed_without_a_question_is_refused_before_the_prefill(
                               stdin=stdin, capture_output=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.decode() == f"tforce: error: {chat_input.NO_QUESTIONS}\n"  # no "prefilled" line before it
+
+
+def test_quantized_weights_answer_as_the_quantized_model(models, monkeypatch):
+    """--weights reaches chat's load: the target's projections are int8 and the answers are its own."""
+    import tforce.model.weights as weights
+
+    schemes = []
+    quantize = weights.quantize
+    monkeypatch.setattr(weights, "quantize", lambda model, scheme: schemes.append(scheme) or quantize(model, scheme))
+    r = _chat(models, str(models / "doc.txt"), "--json", "--weights", "int8", input=QUESTIONS[0] + "\n\n")
+    (x,) = _records(r)
+    assert schemes == ["int8"]  # the target only: the draft stays in its dtype
+    quant = tforce.load_model(str(models / "tiny-target"), weights="int8")
+    assert x["tokens"] == _answer(quant, quant.tokenizer.encode(DOC) + _question(quant, x["question"]))

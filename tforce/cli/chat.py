@@ -155,7 +155,7 @@ def _conversation(setup, path, config, tok, doc: list[int], ranks: ExitStack, ro
                   setup.options["offload"], setup.options["gpu_memory"], setup.options["budget"],
                   setup.options["method"])
     target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
-                      tokenizer=False)
+                      tokenizer=False, weights=setup.weights)
     small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,
                      tokenizer=False) if setup.draft else None
     return Conversation(target, doc, draft=small, room=room, **kwargs)

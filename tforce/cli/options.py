@@ -46,6 +46,9 @@ DETERMINISTIC = flag("--deterministic", "Verify row by row, each logit bit for b
 DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda")
 THREADS = typer.Option(0, "--threads", help=THREADS_HELP)
 DTYPE = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16")
+WEIGHTS = typer.Option("auto", "--weights", help="auto: the weights in --dtype | int8 (per channel) | int4 (groups "
+                                                 "of 32): the target's projections quantized at load (CPU, one "
+                                                 "process).")
 OFFLOAD = typer.Option("auto", "--offload", help=OFFLOAD_HELP)
 GPU_MEMORY = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP)
 SAVE_KV = typer.Option(None, "--save-kv", metavar="DIR",
@@ -75,7 +78,7 @@ SHARED = {
     "draft_budget": (int, DRAFT_BUDGET), "prefill_chunk": (int, PREFILL_CHUNK), "sinks": (int, SINKS),
     "rebuild_every": (int, REBUILD_EVERY), "rebuild_below": (float, REBUILD_BELOW), "policy": (str, POLICY),
     "deterministic": (bool, DETERMINISTIC), "device": (str, DEVICE), "threads": (int, THREADS),
-    "dtype": (str, DTYPE), "offload": (str, OFFLOAD), "gpu_memory": (Optional[str], GPU_MEMORY),
+    "dtype": (str, DTYPE), "weights": (str, WEIGHTS), "offload": (str, OFFLOAD), "gpu_memory": (Optional[str], GPU_MEMORY),
     "save_kv": (Optional[str], SAVE_KV), "load_kv": (Optional[str], LOAD_KV), "template": (str, TEMPLATE),
     "system": (Optional[str], SYSTEM), "stop": (Optional[List[str]], STOP), "tp": (int, TP),
     "gpus": (Optional[int], GPUS),

@@ -37,9 +37,6 @@ def run(
                                         "one batch (as several in turn when it does not fit); one JSON line out "
                                         "per prompt (--json: one object holding them; every --method; --tp; "
                                         "--load-kv, not --save-kv)."),
-    weights: str = typer.Option("auto", "--weights",
-                                help="auto: the weights in --dtype | int8 (per channel) | int4 (groups of 32): "
-                                     "the target's projections quantized at load (CPU, one process)."),
     opts: Optional[dict] = None,
 ) -> None:
     """Generate text after a (long) prompt, streaming it to stdout."""

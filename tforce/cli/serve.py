@@ -95,7 +95,7 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
     _check_memory(config, draft_config, context, _dtype_bytes(setup.dtype, setup.device), setup.device,
                   opts["offload"], opts["gpu_memory"], opts["budget"], opts["method"])
     target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
-                      tokenizer=False)
+                      tokenizer=False, weights=setup.weights)
     small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,
                      tokenizer=False) if setup.draft else None
     try:

@@ -93,7 +93,7 @@ class Setup:
     stops: tuple = ()  # --stop strings (stops.StopStrings)
     gammas_given: dict = field(default_factory=dict)  # --gamma1/--gamma2 as given: --method auto keeps them
     auto_note: Optional[str] = None  # what --method auto became without a calibration (notices)
-    weights: str = "auto"  # the target's projections: as loaded, or int8/int4 (model/quant.py; `run` only)
+    weights: str = "auto"  # the target's projections: as loaded, or int8/int4 (model/quant.py)
 
     def prompt_format(self, tok, path, snapshot_ids: Optional[list] = None):
         """How this command's text becomes tokens (the target's tokenizer `tok`, from folder `path`); with

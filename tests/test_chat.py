@@ -285,8 +285,11 @@ def test_quantized_weights_answer_as_the_quantized_model(models, monkeypatch):
     schemes = []
     quantize = weights.quantize
     monkeypatch.setattr(weights, "quantize", lambda model, scheme: schemes.append(scheme) or quantize(model, scheme))
-    r = _chat(models, str(models / "doc.txt"), "--json", "--weights", "int8", input=QUESTIONS[0] + "\n\n")
+    target = make_checkpoint(models / "tiny-target-128", seed=0, **dict(TARGET, intermediate_size=128))
+    r = CliRunner().invoke(app, ["chat", "-m", str(target), "--draft", str(models / "tiny-draft"), *FAST,
+                                 "--method", "triforce", str(models / "doc.txt"), "--json", "--weights", "int8"],
+                           input=QUESTIONS[0] + "\n\n")
     (x,) = _records(r)
     assert schemes == ["int8"]  # the target only: the draft stays in its dtype
-    quant = tforce.load_model(str(models / "tiny-target"), weights="int8")
+    quant = tforce.load_model(str(target), weights="int8")
     assert x["tokens"] == _answer(quant, quant.tokenizer.encode(DOC) + _question(quant, x["question"]))

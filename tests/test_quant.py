@@ -59,7 +59,9 @@ def test_quantization_error_is_within_half_a_step():
     assert err4.max() > step8.max()  # int4 is coarser: the test tells the two apart
 
 
-def test_int4_refuses_shapes_its_kernel_cannot_take():
+def test_shapes_the_kernels_cannot_take_are_refused():
+    with pytest.raises(ValueError, match="int8 needs input features in multiples of 8, got 172"):
+        QuantLinear(nn.Linear(172, 64), "int8")  # the kernel crashed the process on it
     with pytest.raises(ValueError, match="multiples of 32"):
         QuantLinear(nn.Linear(40, 64), "int4")
     with pytest.raises(ValueError, match="multiples of 16"):
@@ -85,10 +87,11 @@ def test_load_model_refusals(tmp_path, pair):
         tforce.load_model(str(pair / "target"), weights="int3")
     with pytest.raises(UsageError, match="CPU in one process"):
         tforce.load_model(str(pair / "target"), device="cuda", weights="int8")
-    make_checkpoint(tmp_path / "odd", seed=0)  # intermediate size 172: not in groups of 32
+    make_checkpoint(tmp_path / "odd", seed=0)  # intermediate size 172: not in groups of 32, nor of 8
     with pytest.raises(UsageError, match="gate_proj: int4 needs output features in multiples of 16, got 172"):
         tforce.load_model(str(tmp_path / "odd"), weights="int4")
-    assert tforce.load_model(str(tmp_path / "odd"), weights="int8").model.weights == "int8"
+    with pytest.raises(UsageError, match="down_proj: int8 needs input features in multiples of 8, got 172"):
+        tforce.load_model(str(tmp_path / "odd"), weights="int8")
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -20,10 +21,33 @@ from typer.testing import CliRunner
 import tforce
 from tforce.cli import app, chat
 
-from test_chat import DOC, QUESTIONS, ROOT, _question, models, target  # noqa: F401  (fixtures)
+from test_chat import DOC, QUESTIONS, ROOT, _question
+from test_cli import DRAFT, TARGET
+from tforce.model.synthetic import make_checkpoint
 
-N = 200  # --ignore-eos: every answer runs to N tokens (seconds on the tiny model), so Ctrl-C comes mid-answer
+# --ignore-eos: every answer runs to N tokens, seconds on the tiny model, so Ctrl-C comes mid-answer even on
+# a loaded machine (200 tokens took 0.55 s there, and a whole answer once ended before the Ctrl-C came)
+N = 1000
 ARGS = ["--method", "ar", "--threads", "1", "--temperature", "0", "--ignore-eos", "-n", str(N)]
+
+
+def long_pair(root: Path) -> Path:
+    """test_chat's tiny pair and document in `root`, with the room for N tokens after the document and a
+    question."""
+    make_checkpoint(root / "tiny-target", seed=0, **dict(TARGET, max_position_embeddings=2048))
+    make_checkpoint(root / "tiny-draft", seed=1, **dict(DRAFT, max_position_embeddings=2048))
+    (root / "doc.txt").write_text(DOC)
+    return root
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return long_pair(tmp_path_factory.mktemp("interrupt"))
+
+
+@pytest.fixture(scope="module")
+def target(models):
+    return tforce.load_model(str(models / "tiny-target"))
 
 
 def _controlling_terminal():  # in the child, after setsid: the pty on stdin becomes its controlling terminal

@@ -228,11 +228,14 @@ def test_ctrl_c_stops_an_answer_and_the_ranks_go_on(models, target):
             conv.ask(_question(target, QUESTIONS[1]), 12)
 
 
-def test_ctrl_c_at_a_terminal_stops_an_answer_as_in_one_process(models, target, monkeypatch):
+def test_ctrl_c_at_a_terminal_stops_an_answer_as_in_one_process(tmp_path, monkeypatch):
     """test_chat_interrupt's terminal session (a pty as the chat's controlling terminal: Ctrl-C reaches
     the ranks too), with --tp 2: Ctrl-C stops the first answer, drops a half-typed line, and the second
-    answer is the clean one."""
+    answer is the clean one. Its models: that module's, with room for answers that last seconds."""
     import test_chat_interrupt as ti
+
+    models = ti.long_pair(tmp_path)
+    target = tforce.load_model(str(models / "tiny-target"))
 
     monkeypatch.setattr(ti, "ARGS", ti.ARGS + ["--tp", "2", "--device", "cpu"])
     first, second = (ti._clean_text(models, target, q) for q in QUESTIONS)

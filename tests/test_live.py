@@ -182,7 +182,7 @@ def test_ctrl_c_keeps_the_text_and_gives_the_screen_back(prompt_file, expected):
             return True
         return False
 
-    proc, master = _spawn([str(prompt_file), "--method", "ar", "-n", "150", *ARGS])
+    proc, master = _spawn([str(prompt_file), "--method", "ar", "-n", "600", *ARGS])  # seconds: Ctrl-C comes mid-run
     screen, _, _ = _watch(proc, master, interrupt=interrupt)
     final = screen.display
     assert at_interrupt and proc.returncode == 130, "\n".join(final)

@@ -50,10 +50,18 @@ def target(models):
     return tforce.load_model(str(models / "tiny-target"))
 
 
+def _default_sigint():
+    """In the child before exec: SIGINT's default action, as a shell gives a command. An ignored SIGINT
+    survives exec and Python then installs no KeyboardInterrupt, so a test process that inherited one (a
+    test runner's worker) would make Ctrl-C do nothing here."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _controlling_terminal():  # in the child, after setsid: the pty on stdin becomes its controlling terminal
     import fcntl
     import termios
 
+    _default_sigint()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
@@ -198,7 +206,8 @@ def test_questions_from_a_pipe_still_end_on_ctrl_c(models):
     env.pop("TFORCE_DEBUG", None)
     proc = subprocess.Popen([sys.executable, "-m", "tforce", "chat", str(models / "doc.txt"), "-m",
                              str(models / "tiny-target"), *ARGS], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_default_sigint)
     proc.stdin.write((QUESTIONS[0] + "\n" + QUESTIONS[1] + "\n").encode())
     proc.stdin.flush()
     assert select.select([proc.stdout], [], [], 120)[0] and proc.stdout.read(1)  # the first answer is arriving

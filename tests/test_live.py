@@ -59,8 +59,11 @@ def _spawn(args, stdout_tty: bool = True, size: tuple[int, int] = (COLS, ROWS)):
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
     env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(cols), LINES=str(rows), PYTHONPATH=str(ROOT))
     env.pop("TFORCE_DEBUG", None)
+    # SIGINT's default action in the child (an ignored one, inherited from a test runner's worker, would
+    # survive exec and make Ctrl-C do nothing)
     proc = subprocess.Popen([sys.executable, "-m", "tforce", "run", *args], cwd=ROOT, env=env, stdin=slave,
-                            stdout=slave if stdout_tty else subprocess.PIPE, stderr=slave, start_new_session=True)
+                            stdout=slave if stdout_tty else subprocess.PIPE, stderr=slave, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(slave)
     return proc, master
 

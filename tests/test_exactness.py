@@ -81,12 +81,13 @@ SAMPLES = 1000
 SAMPLING = Sampling(temperature=0.9, top_p=0.95, top_k=5)
 
 
-def vocab_pair(root, draft_vocab: int = V):
-    """(target, draft) networks over V ids; the draft's table holds the first draft_vocab of them."""
-    make_checkpoint(root / "t", seed=11, vocab_size=V, tokenizer=False, num_key_value_heads=2)
+def vocab_pair(root, draft_vocab: int = V, weights=None, **target):
+    """(target, draft) networks over V ids; the draft's table holds the first draft_vocab of them; weights:
+    the target's projections quantized (quant.py), target: its config overrides."""
+    make_checkpoint(root / "t", seed=11, vocab_size=V, tokenizer=False, num_key_value_heads=2, **target)
     make_checkpoint(root / "d", seed=12, vocab_size=draft_vocab, tokenizer=False, hidden_size=32,
                     intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
-    return tforce.load_model(str(root / "t")).model, tforce.load_model(str(root / "d")).model
+    return tforce.load_model(str(root / "t"), weights=weights).model, tforce.load_model(str(root / "d")).model
 
 
 @pytest.fixture(scope="module")
@@ -150,33 +151,29 @@ PROMPT = [1, 4, 2, 0, 5, 3, 3, 1, 0, 2, 4, 4, 5, 1, 2, 0, 3, 5, 2, 1, 0, 4, 3]  
 @pytest.fixture(scope="module")
 def small_vocab_int4(tmp_path_factory):
     """The same kind of pair, the target's projections int4 (tforce/model/quant.py; shapes it takes)."""
-    root = tmp_path_factory.mktemp("v6q")
-    make_checkpoint(root / "t", seed=11, vocab_size=V, tokenizer=False, num_key_value_heads=2, intermediate_size=128)
-    make_checkpoint(root / "d", seed=12, vocab_size=V, tokenizer=False, hidden_size=32, intermediate_size=64,
-                    num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
-    return tforce.load_model(str(root / "t"), weights="int4").model, tforce.load_model(str(root / "d")).model
+    return vocab_pair(tmp_path_factory.mktemp("v6q"), weights="int4", intermediate_size=128)
+
+
+def assert_samples_follow(target, draft, method, seed):
+    """Samples of `method` against the target's exact joint distribution; and, for a speculative method,
+    drafts both accepted and rejected (else the test would mean nothing)."""
+    joint = exact_joint(target, PROMPT, N_TOKENS)
+    samples, acc = draw(target, draft, PROMPT, method, SAMPLES, seed=seed)
+    pvals = check(samples, joint)
+    assert min(pvals) > 1e-3, pvals
+    if method != "ar":
+        assert 0.1 < acc < 0.95, acc
 
 
 @pytest.mark.parametrize("method", ["triforce", "naive"])
 def test_sampling_on_int4_weights_matches_the_quantized_target(small_vocab_int4, method):
     """Exactness relative to the model as loaded: the distribution is the int4 target's own."""
-    target, draft = small_vocab_int4
-    joint = exact_joint(target, PROMPT, N_TOKENS)
-    samples, acc = draw(target, draft, PROMPT, method, SAMPLES, seed=3)
-    pvals = check(samples, joint)
-    assert min(pvals) > 1e-3, pvals
-    assert 0.1 < acc < 0.95, acc
+    assert_samples_follow(*small_vocab_int4, method, seed=3)
 
 
 @pytest.mark.parametrize("method", ["ar"] + SPECULATIVE)
 def test_sampling_matches_target_distribution(small_vocab, method):
-    target, draft = small_vocab
-    joint = exact_joint(target, PROMPT, N_TOKENS)
-    samples, acc = draw(target, draft, PROMPT, method, SAMPLES, seed=1)
-    pvals = check(samples, joint)
-    assert min(pvals) > 1e-3, pvals
-    if method != "ar":  # the test only means something if drafts are both accepted and rejected
-        assert 0.1 < acc < 0.95, acc
+    assert_samples_follow(*small_vocab, method, seed=1)
 
 
 @pytest.mark.parametrize("policy", ["shared", "topk"])

@@ -25,13 +25,17 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 FLASH = torch.ops.aten._flash_attention_forward
+_CU: dict = {}  # (queries, keys, device) -> the cumulative lengths, made once
 
 
 def seqused(q, k, v, used: torch.Tensor, causal: bool) -> torch.Tensor:
     """q (1, T, H, D), k/v (1, C, H_kv, D) of which the first used[0] keys count -> (1, T, H, D)."""
     T, C = q.shape[1], k.shape[1]
-    cu_q = torch.tensor([0, T], dtype=torch.int32, device=q.device)
-    cu_k = torch.tensor([0, C], dtype=torch.int32, device=q.device)
+    key = (T, C, q.device)
+    if key not in _CU:  # made before any capture: a graph cannot copy from pageable host memory
+        _CU[key] = (torch.tensor([0, T], dtype=torch.int32, device=q.device),
+                    torch.tensor([0, C], dtype=torch.int32, device=q.device))
+    cu_q, cu_k = _CU[key]
     out = FLASH(q[0], k[0], v[0], cu_q, cu_k, T, C, 0.0, causal, False, seqused_k=used)[0]
     return out.unsqueeze(0)
 

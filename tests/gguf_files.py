@@ -27,24 +27,27 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama(path: Path, seed: int = 0, dtype=np.float32) -> Path:
-    """A random tiny Llama (tforce.model.synthetic's weights, seed `seed`) as the GGUF file `path`."""
+def write_llama(path: Path, seed: int = 0, dtype=np.float32, qtype=None, embedding=None, **shape) -> Path:
+    """A random tiny Llama (tforce.model.synthetic's weights, seed `seed`, TINY's shape with `shape`'s
+    changes) as the GGUF file `path`; qtype (a gguf.GGMLQuantizationType) quantizes the layers'
+    projections as llama.cpp's quantize does, embedding the token table, by gguf's own quantizer."""
     import gguf
 
-    source = make_checkpoint(path.with_suffix(".src"), seed=seed, tokenizer=False, vocab_size=len(TOKENS), **TINY)
+    TINY_ = {**TINY, **shape}
+    source = make_checkpoint(path.with_suffix(".src"), seed=seed, tokenizer=False, vocab_size=len(TOKENS), **TINY_)
     state = load_file(str(source / "model.safetensors"))
-    heads, kv = TINY["num_attention_heads"], TINY["num_key_value_heads"]
+    heads, kv = TINY_["num_attention_heads"], TINY_["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny llama")
-    w.add_context_length(TINY["max_position_embeddings"])
-    w.add_embedding_length(TINY["hidden_size"])
-    w.add_block_count(TINY["num_hidden_layers"])
-    w.add_feed_forward_length(TINY["intermediate_size"])
+    w.add_context_length(TINY_["max_position_embeddings"])
+    w.add_embedding_length(TINY_["hidden_size"])
+    w.add_block_count(TINY_["num_hidden_layers"])
+    w.add_feed_forward_length(TINY_["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_dimension_count(TINY["hidden_size"] // heads)
+    w.add_rope_dimension_count(TINY_["hidden_size"] // heads)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(TOKENS)
     w.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 4) + [3])  # 3: control (special), 1: normal
@@ -55,7 +58,7 @@ def write_llama(path: Path, seed: int = 0, dtype=np.float32) -> Path:
     w.add_chat_template(CHAT_TEMPLATE)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
-    for i in range(TINY["num_hidden_layers"]):
+    for i in range(TINY_["num_hidden_layers"]):
         names.update({f"model.layers.{i}.{hf}.weight": f"blk.{i}.{g}.weight" for hf, g in LAYER.items()})
     for hf, name in names.items():
         t = state[hf]
@@ -63,7 +66,11 @@ def write_llama(path: Path, seed: int = 0, dtype=np.float32) -> Path:
             t = _permute(t, heads)
         elif name.endswith("attn_k.weight"):
             t = _permute(t, kv)
-        w.add_tensor(name, np.ascontiguousarray(t, dtype=dtype if t.ndim == 2 else np.float32))
+        kind = embedding if name == "token_embd.weight" else qtype if t.ndim == 2 and name.startswith("blk.") else None
+        if kind is not None:
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t, dtype=np.float32), kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(t, dtype=dtype if t.ndim == 2 else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -64,8 +64,9 @@ def bench(
     offload: str = o.OFFLOAD,
     gpu_memory: Optional[str] = o.GPU_MEMORY,
     weights: str = typer.Option("auto", "--weights",
-                                help="auto: the weights in --dtype | int8 (per channel) | int4 (groups of 32): "
-                                     "the target's projections quantized at load (CPU, one process)."),
+                                help="auto: as the checkpoint has them (in --dtype; a GGUF's projections kept quantized on the CPU) | "
+                                     "float: in --dtype | int8 (per channel) | int4 (groups of 32): the target's projections "
+                                     "quantized at load (CPU, one process)."),
     peers: Optional[str] = typer.Option(None, "--peers",
                                         help="hf: also time transformers' own generate on the same weights and "
                                              "prompt: plain, assisted by the draft, prompt lookup, offloaded "
@@ -117,8 +118,10 @@ def bench(
         engine["prefill_chunk"] = prefill_chunk
         Sampling(temperature=temperature, top_p=top_p, seed=seed).validate()
         project = _project_option(project_at)
-        if weights not in ("auto", "int8", "int4"):
-            raise UsageError(f"--weights must be auto, int8 or int4, got {weights!r}")
+        from ..model.quant import CHOICES
+
+        if weights not in CHOICES:
+            raise UsageError(f"--weights must be {', '.join(CHOICES)}, got {weights!r}")
         cfg = b.BenchConfig(methods=names, prompt_len=length, gen_len=gen_len, temperature=temperature,
                             top_p=top_p, seed=seed, engine=engine, peers=peer_names, project=project,
                             weights=weights, **_placement_options(offload, gpu_memory))
@@ -228,7 +231,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device, batch or 1)
         _say(f"tforce: bench: building a random-weight {synthetic} target and draft on {device} (SYNTHETIC)")
         models = b.Models.local(*b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed))
-        if cfg.weights != "auto":
+        if cfg.weights not in ("auto", "float"):
             from ..model.quant import quantize
 
             quantize(models.target, cfg.weights)

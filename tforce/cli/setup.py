@@ -149,10 +149,12 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     placement_options = _placement_options(p["offload"], p["gpu_memory"])
     _threads(p["threads"])
     world, dev = _parallel(p["tp"], p["gpus"], p["device"])
+    from ..model.quant import CHOICES, SCHEMES
+
     weights = p.get("weights", "auto")
-    if weights not in ("auto", "int8", "int4"):
-        raise UsageError(f"--weights must be auto, int8 or int4, got {weights!r}")
-    if weights != "auto" and (world > 1 or dev != "cpu"):
+    if weights not in CHOICES:
+        raise UsageError(f"--weights must be {', '.join(CHOICES)}, got {weights!r}")
+    if weights in SCHEMES and (world > 1 or dev != "cpu"):
         raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far (--device cpu)")
     dtype = _dtype_name(None if p["dtype"] == "auto" else p["dtype"], dev)
     _check_snapshots(p["save_kv"], p["load_kv"], world, dtype)
@@ -221,7 +223,13 @@ def _exactness_note(setup: Setup) -> None:
     o = setup.options
     dtype = _dtype_name(setup.dtype, setup.device)
     # quantized projections compute in bfloat16 (model/quant.py), whatever the dtype
-    rounding = dtype if setup.weights == "auto" else f"{setup.weights} weights (bfloat16 products)"
+    weights = setup.weights
+    if weights == "auto" and setup.device == "cpu":
+        from ..model.quant_stored import read_quantized
+        from ..model.weights import resolve
+
+        weights = "the GGUF's quantized" if read_quantized(resolve(setup.target, weights=False)) else weights
+    rounding = dtype if weights in ("auto", "float") else f"{weights} weights (bfloat16 products)"
     if o["temperature"] == 0 and o["method"] != "ar" and not o["deterministic"] and rounding != "float32":
         _say(f"tforce: note: greedy in {rounding}: the tokens are plain decoding's (--method ar) except where its "
              "two best logits nearly tie; --deterministic makes them plain decoding's bit for bit")

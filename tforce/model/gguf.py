@@ -18,6 +18,9 @@ from ..errors import TforceError, UsageError
 PACKAGED = "pip:"
 # Written last into a converted folder: the source's sha256 and every file's size, checked before each use.
 MARKER = "tforce-gguf.json"
+# The folder's layout version: 2 keeps the projections quantized (gguf_tensors.py); an entry of another
+# version (1: every weight in float32) is converted again and replaced.
+FORMAT = 2
 _DIGESTS: dict = {}  # (path, size, mtime_ns) -> sha256: one command resolves the same model several times
 
 
@@ -103,7 +106,7 @@ def converted(file: Path) -> Path:
     try:  # built aside and renamed into place: a conversion that fails or is stopped leaves no entry
         entry.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}-", dir=entry.parent))
-        sys.stderr.write(f"tforce: converting {file.name} (dequantizing to float32) into {entry}: once\n")
+        sys.stderr.write(f"tforce: converting {file.name} into {entry}: once\n")
         sys.stderr.flush()
         convert(file, work, eos)
         _write_marker(work, digest, file.name)
@@ -118,16 +121,18 @@ def converted(file: Path) -> Path:
 
 def _write_marker(folder: Path, digest: str, source: str) -> None:
     sizes = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-    (folder / MARKER).write_text(json.dumps({"sha256": digest, "source": source, "files": sizes}, indent=1))
+    (folder / MARKER).write_text(json.dumps({"sha256": digest, "source": source, "format": FORMAT, "files": sizes},
+                                            indent=1))
 
 
 def complete(entry: Path, digest: str) -> bool:
-    """Whether `entry` is a finished conversion of the file with this sha256: its marker there and naming it,
+    """Whether `entry` is a finished conversion of the file with this sha256 in this FORMAT: its marker there
+    and naming it,
     every file it lists present at its size (a truncated file is not), every JSON file readable."""
     try:
         marker = json.loads((entry / MARKER).read_text())
         files = marker["files"]
-        if marker["sha256"] != digest or not files:
+        if marker["sha256"] != digest or marker.get("format") != FORMAT or not files:
             return False
         for name, size in files.items():
             if (entry / name).stat().st_size != size:

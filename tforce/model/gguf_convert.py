@@ -1,13 +1,15 @@
-"""One GGUF file -> a Hugging Face checkpoint folder (config.json, model.safetensors in float32, the tokenizer
-with its chat template, generation_config.json with the end-of-sequence ids), all read by transformers' GGUF
-support: its loader dequantizes the weights and undoes llama.cpp's Q/K row order."""
+"""One GGUF file -> a checkpoint folder: config.json, the tokenizer with its chat template and
+generation_config.json with the end-of-sequence ids (all read by transformers' GGUF support), and
+model.safetensors with the layers' projections kept quantized (gguf_tensors.py), listed in
+quant_stored.QUANTIZED."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 from ..errors import TforceError, UsageError
-from .families import FAMILIES
+from .families import FAMILIES, kv_heads
+from .quant_stored import QUANTIZED
 
 # The metadata keys of the ids generation ends at: llama.cpp stops at each (end of text, turn, message).
 EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -43,7 +45,7 @@ def check_file(file: Path) -> list[int]:
 def convert(file: Path, out: Path, eos: list[int]) -> None:
     """Writes the checkpoint of GGUF `file` into the empty folder `out` (eos: check_file's)."""
     try:
-        config, state, tokenizer = _load(file)
+        config, tokenizer = _load(file)
     except Exception as e:  # transformers' messages run to several lines
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise TforceError(f"cannot convert {file} with transformers ({type(e).__name__}: {reason})") from e
@@ -51,7 +53,14 @@ def convert(file: Path, out: Path, eos: list[int]) -> None:
         raise UsageError(f"{file}: model type {config.model_type!r} is not a Llama-family model tforce runs")
     from safetensors.torch import save_file
 
+    from .gguf_tensors import read_state
+
+    try:
+        state, quantized = read_state(file, config.model_type, config.num_attention_heads, kv_heads(config))
+    except (ValueError, NotImplementedError) as e:  # a tensor type or shape the reader cannot take
+        raise TforceError(f"cannot read the tensors of {file}: {e}") from e
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / QUANTIZED).write_text(json.dumps(quantized, indent=1) + "\n")
     config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
@@ -61,19 +70,12 @@ def convert(file: Path, out: Path, eos: list[int]) -> None:
 
 
 def _load(file: Path):
-    """(config, float32 state dict, tokenizer or None) as transformers reads them from the file."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """(config, tokenizer or None) as transformers reads them from the file's metadata."""
+    from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
-    config.dtype = torch.float32
-    with torch.device("meta"):  # names the tensors for the loader; holds no memory
-        skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=skeleton)["tensors"]
-    state = {name: t.to(torch.float32).contiguous() for name, t in tensors.items()}
     try:
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except Exception:  # a file without tokenizer metadata: the model runs on token ids
         tokenizer = None
-    return config, state, tokenizer
+    return config, tokenizer

@@ -31,6 +31,9 @@ from torch import nn
 from ..errors import UsageError
 
 SCHEMES = ("int8", "int4")
+# --weights: auto (as the checkpoint has them: in --dtype, or a GGUF's kept quantized), float (in --dtype, a
+# GGUF's dequantized), or a scheme
+CHOICES = ("auto", "float") + SCHEMES
 GROUP = 32  # int4 group: Q4_0/Q4_1's block, the smallest the kernel takes
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _COMPUTE = torch.bfloat16  # the activations' dtype the kernels are fast in
@@ -75,29 +78,69 @@ def shape_problem(scheme: str, in_features: int, out_features: int) -> str | Non
     return None
 
 
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes (N, K) in 0..15 -> uint8 (N, K / 2), column 2j in the low nibble, 2j + 1 in the high: the
+    form stored on disk (the kernel's own packing is the CPU build's business, made at load)."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4's inverse -> int32 (N, K), the kernel packer's input."""
+    return torch.stack([packed & 0x0F, packed >> 4], -1).flatten(1).to(torch.int32)
+
+
 class QuantLinear(nn.Module):
     """A projection y = x W^T (+ b) with W held as int8 or int4 (module docstring)."""
 
     def __init__(self, linear: nn.Linear, scheme: str):
-        super().__init__()
-        if scheme not in SCHEMES:
-            raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
         w = linear.weight.detach()
         if w.device.type != "cpu":
             raise ValueError("quantized weights run on the CPU only")
-        problem = shape_problem(scheme, linear.in_features, linear.out_features)
+        problem = scheme in SCHEMES and shape_problem(scheme, linear.in_features, linear.out_features)
         if problem:
             raise ValueError(problem)
-        self.scheme, self.in_features, self.out_features = scheme, linear.in_features, linear.out_features
         if scheme == "int8":
-            q, scale = int8_weights(w)
-            self.register_buffer("qweight", q)
-            self.register_buffer("scales", scale)
+            q, scales = int8_weights(w)
+        elif scheme == "int4":
+            q, scales = int4_weights(w)
+            q = pack_int4(q)
         else:
-            q, sz = int4_weights(w)
-            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
-            self.register_buffer("scales", sz)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+            raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        self._build(scheme, q, scales, linear.bias)
+
+    @classmethod
+    def stored(cls, scheme: str, qweight: torch.Tensor, scales: torch.Tensor,
+               bias: torch.Tensor | None = None) -> "QuantLinear":
+        """From the stored form: qweight int8 (N, K) for int8, uint8 (N, K / 2) (pack_int4) for int4."""
+        self = cls.__new__(cls)
+        self._build(scheme, qweight, scales, bias)
+        return self
+
+    def _build(self, scheme, q, scales, bias) -> None:
+        super().__init__()
+        N, K = q.shape[0], q.shape[1] * (2 if scheme == "int4" else 1)
+        self.scheme, self.in_features, self.out_features = scheme, K, N
+        self.register_buffer("scales", scales.to(_COMPUTE))
+        if scheme == "int8":
+            self.register_buffer("qweight", q.to(torch.int8))
+        else:
+            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q), 2))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def stored_form(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qweight, scales) as `stored` takes them back."""
+        if self.scheme == "int8":
+            return self.qweight, self.scales
+        return pack_int4(self.codes()), self.scales
+
+    def codes(self) -> torch.Tensor:
+        """The int4 codes (N, K) in 0..15, read back through the kernel: W^T = I W^T with unit scales and zero
+        -8 gives q - 8 exactly (small integers are exact in bfloat16)."""
+        eye = torch.eye(self.in_features, dtype=_COMPUTE)
+        ones = torch.stack([torch.ones_like(self.scales[..., 0]), torch.zeros_like(self.scales[..., 0])], -1)
+        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP, ones).float().t()
+        return (w + 8).round().to(torch.int32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(_COMPUTE)
@@ -112,19 +155,21 @@ class QuantLinear(nn.Module):
         """The float32 weight (N, K) this module multiplies by: the reference of its products."""
         if self.scheme == "int8":
             return self.qweight.float() * self.scales.float()[:, None]
-        eye = torch.eye(self.in_features, dtype=_COMPUTE)  # W^T = I W^T: the kernel's own unpacking
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP, self.scales).float().t()
+        # (q - 8) scale + zero in float32 (read through the kernel with scale 1, the product rounds to bfloat16)
+        scale, zero = (self.scales[..., i].float().t().repeat_interleave(GROUP, 1) for i in (0, 1))
+        return (self.codes().float() - 8) * scale + zero
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
 
 
-def quantize(model: nn.Module, scheme: str) -> nn.Module:
+def quantize(model: nn.Module, scheme: str, skip_quantized: bool = False) -> nn.Module:
     """Replace every layer's projections of `model` (network.Llama) by QuantLinear, in place; returns it.
-    A shape the scheme cannot take is refused (UsageError) before anything is replaced."""
+    A shape the scheme cannot take is refused (UsageError) before anything is replaced. skip_quantized:
+    projections that are QuantLinear already are left as they are (a GGUF's, quant_stored.install)."""
     if next(model.parameters()).device.type != "cpu":
         raise UsageError(f"--weights {scheme} runs on the CPU only, so far")
-    if getattr(model, "weights", "auto") != "auto":
+    if getattr(model, "weights", "auto") != "auto" and not skip_quantized:
         raise UsageError(f"the model's projections are {model.weights} already")
     kernel = "_weight_int8pack_mm" if scheme == "int8" else "_weight_int4pack_mm_for_cpu"
     if not hasattr(torch.ops.aten, kernel):
@@ -139,8 +184,9 @@ def quantize(model: nn.Module, scheme: str) -> nn.Module:
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name in PROJECTIONS:
-                if hasattr(parent, name):
-                    setattr(parent, name, QuantLinear(getattr(parent, name), scheme))
+                p = getattr(parent, name, None)
+                if p is not None and not isinstance(p, QuantLinear):
+                    setattr(parent, name, QuantLinear(p, scheme))
     model.weights = scheme
     return model
 

@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import TforceError, UsageError
+from .quant_stored import STORED
 
 SAFETENSORS = ("model.safetensors.index.json", "*.safetensors")
 PYTORCH = ("pytorch_model.bin.index.json", "pytorch_model*.bin")
@@ -92,7 +93,7 @@ def read_tensors(f: Path, slices: dict, dtype: torch.dtype):
     for key, tensor in state.items():
         if key in slices and slices[key] is None:
             continue
-        yield key, _cut(tensor, slices.get(key)).to(dtype, copy=True)
+        yield key, _cast(key, _cut(tensor, slices.get(key)), dtype, copy=True)
 
 
 def _read_safetensors(f: Path, slices: dict, dtype: torch.dtype):
@@ -102,9 +103,16 @@ def _read_safetensors(f: Path, slices: dict, dtype: torch.dtype):
                 if key in slices and slices[key] is None:
                     continue
                 cut = slices.get(key)
-                yield key, (sf.get_tensor(key) if cut is None else _cut(sf.get_slice(key), cut)).to(dtype)
+                yield key, _cast(key, sf.get_tensor(key) if cut is None else _cut(sf.get_slice(key), cut), dtype)
     except (SafetensorError, OSError) as e:  # safetensors names neither the file nor what is wrong with it
         raise _unreadable(f, e) from e
+
+
+def _cast(key: str, t: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
+    """t in dtype; a quantized module's codes and scales (quant_stored.STORED) as stored."""
+    if key.endswith(STORED) or not t.is_floating_point():
+        return t.clone() if copy else t
+    return t.to(dtype, copy=copy)
 
 
 def _unreadable(f: Path, e: Exception) -> TforceError:

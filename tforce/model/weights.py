@@ -15,7 +15,8 @@ from transformers import AutoConfig
 from ..errors import TforceError, UsageError
 from .families import FAMILIES, sliding_window
 from .network import Llama
-from .quant import SCHEMES, quantize
+from .quant import CHOICES, SCHEMES, quantize
+from .quant_stored import STORED, expand_q8, install, read_quantized
 from .weight_files import other_format, read_tensors, refuse_quantized, weight_files
 
 # Short names for the long-context models tforce targets, with the default draft: one that shares the
@@ -145,18 +146,22 @@ def _add_generation_eos(config, path: Path) -> None:
 def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str | None = None,
                tokenizer: bool = True, rank: int = 0, world: int = 1, weights: str | None = None) -> LoadedModel:
     """Load a checkpoint of one of the FAMILIES. dtype defaults to float32 on CPU and bfloat16 on CUDA.
-    weights: "int8" or "int4" quantizes the layers' projections after loading (quant.py; CPU only, one
-    rank), None or "auto" keeps them in dtype.
+    weights (quant.CHOICES): "int8" or "int4" quantizes the layers' projections after loading (quant.py; CPU
+    only, one rank); None or "auto" keeps them as the folder has them: in dtype, or as stored quantized by a
+    GGUF conversion (quant_stored.py; on the CPU; dequantized to dtype elsewhere); "float": in dtype.
 
     world > 1: the model of tensor-parallel rank `rank` (sharding.apply_tp's layout), reading from the
     files only that rank's slice of each sharded weight, the rest whole (weight_files.read_tensors: what
     that costs in host memory for each format)."""
-    if weights not in (None, "auto") + SCHEMES:
-        raise UsageError(f"--weights must be auto, {' or '.join(SCHEMES)}, got {weights!r}")
+    if weights not in (None,) + CHOICES:
+        raise UsageError(f"--weights must be {', '.join(CHOICES)}, got {weights!r}")
     if weights in SCHEMES and (not str(device).startswith("cpu") or world > 1):
         raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far")
     path = resolve(name_or_path)
     config = read_config(path)
+    quantized = read_quantized(path)
+    if quantized and world > 1:
+        raise UsageError(f"{name_or_path}: a model with quantized weights (a GGUF file) runs on one device, so far")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
@@ -174,8 +179,14 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
         state.update(read_tensors(f, slices, dtype))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    kept = "auto"
+    if quantized:
+        expand_q8(state)
+        state = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith(STORED) else v) for k, v in state.items()}
+        kept = install(model, state, quantized, weights, dtype, str(device).startswith("cpu"))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")
+               and m.rpartition(".")[0] not in quantized]
     unexpected = [u for u in unexpected if "rotary_emb" not in u]
     if missing or unexpected:
         raise TforceError(f"{path}: weights do not match a {config.model_type} model "
@@ -183,8 +194,9 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device).eval()
+    model.weights = kept
     if weights in SCHEMES:
-        quantize(model, weights)
+        quantize(model, weights, skip_quantized=True)
     tok = _load_tokenizer(path) if tokenizer else None
     return LoadedModel(model, tok, path, name_or_path)
 

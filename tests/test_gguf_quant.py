@@ -1,0 +1,122 @@
+"""A GGUF's projections kept quantized: Q4_0/Q4_1 blocks mapped to int4 groups code for code, other types
+re-quantized, Q8_0 tables stored as their bytes and dequantized exactly; the model as loaded matches
+transformers' float32 dequantization of the same file within the kernels' bfloat16 rounding, every
+method's greedy tokens equal `ar`'s on it, and a cache entry of the old float32 layout is replaced."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import tforce
+import tforce.model.gguf as tg
+from gguf_files import write_llama
+from tforce.model.gguf_tensors import q4_blocks, q8_blocks
+from tforce.model.quant import QuantLinear
+from tforce.model.quant_stored import expand_q8
+from tforce.model.weights import resolve
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+SHAPE = dict(intermediate_size=128)  # every projection's inputs a multiple of 32: blocks of both formats
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_q4_blocks_keep_every_code_and_round_only_the_scales(qtype):
+    w = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype))  # the file's values, float32
+    codes, sz = q4_blocks(raw, qtype, 48, 96)
+    layer = QuantLinear.stored("int4", codes[:, 0::2] | (codes[:, 1::2] << 4), sz)
+    assert torch.equal(layer.codes(), codes.to(torch.int32))  # the kernel holds the file's codes
+    scale = sz[..., 0].float().t().repeat_interleave(32, 1)  # (N, K): each column's block scale, bfloat16
+    zero = sz[..., 1].float().t().repeat_interleave(32, 1)
+    assert torch.equal(layer.dequantized(), (codes.float() - 8) * scale + zero)
+    # bfloat16 scales (8 significant bits) against the file's float16: within 2^-8 of each block's range
+    bound = (ref.view(48, 3, 32).abs().amax(-1) * 2.0 ** -7).repeat_interleave(32, 1)
+    assert ((layer.dequantized() - ref).abs() <= bound).all()
+
+
+def test_q8_blocks_dequantize_exactly():
+    w = np.random.default_rng(1).standard_normal((10, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, Q.Q8_0)
+    state = q8_blocks(raw, "t", 10, 64)
+    assert state["t.q8"].dtype == torch.int8 and state["t.q8_scales"].dtype == torch.float16
+    expand_q8(state)
+    assert torch.equal(state["t"], torch.from_numpy(gguf.quants.dequantize(raw, Q.Q8_0)))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_quant")
+    out = {}
+    for name, qtype in (("q4_1", Q.Q4_1), ("q4_0", Q.Q4_0), ("q8_0", Q.Q8_0), ("q5_0", Q.Q5_0)):
+        (root / name).mkdir()
+        out[name] = write_llama(root / name / "tiny.gguf", seed=2, qtype=qtype, embedding=Q.Q8_0, **SHAPE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TFORCE_CACHE", str(root / "cache"))
+        yield out
+
+
+def _transformers_logits(file, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    return model(torch.tensor([ids])).logits[0]
+
+
+def _logits(loaded, ids):
+    from tforce.cache import FullCache
+    from tforce.cache.rope import Rotary
+
+    m = loaded.model
+    cache = FullCache(m.config.num_hidden_layers, m.n_kv_heads, m.head_dim, 64, Rotary(m.config, 64))
+    cache.begin(len(ids))
+    return m(torch.tensor([ids]), cache)[0]
+
+
+@pytest.mark.parametrize("name,scheme,how", [("q4_1", "int4", "mapped"), ("q4_0", "int4", "mapped"),
+                                             ("q8_0", "int8", "re-quantized"), ("q5_0", "int8", "re-quantized")])
+def test_projections_stay_quantized_and_match_transformers(files, name, scheme, how):
+    loaded = tforce.load_model(str(files[name]))
+    assert loaded.model.weights == scheme
+    layer = loaded.model.model.layers[1]
+    for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.down_proj):
+        assert isinstance(p, QuantLinear) and p.scheme == scheme
+    listed = json.loads((resolve(str(files[name])) / "quantization.json").read_text())
+    assert len(listed) == 2 * 7 and {v["how"] for v in listed.values()} == {how}
+    ids = list(range(5, 45))
+    got, ref = _logits(loaded, ids), _transformers_logits(files[name], ids)
+    # the same model up to bfloat16 activations (and int8's re-quantization); a Q/K row order left as
+    # llama.cpp's, or a misplaced block, moves logits by their own size
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("method", ["triforce", "retrieval", "naive", "streaming"])
+def test_greedy_equals_ar_on_the_quantized_gguf(files, method):
+    loaded = tforce.load_model(str(files["q4_1"]))
+    prompt = list(range(5, 85))
+    kw = dict(max_new_tokens=24, temperature=0.0, ignore_eos=True, budget=32, chunk_size=4)
+    draft = loaded if method != "retrieval" else None  # the model as its own draft
+    ar = tforce.generate(loaded, prompt, method="ar", **kw).tokens
+    assert tforce.generate(loaded, prompt, method=method, draft=draft, **kw).tokens == ar
+
+
+def test_weights_option_requantizes_or_dequantizes(files):
+    assert tforce.load_model(str(files["q4_1"]), weights="int8").model.weights == "int8"
+    p = tforce.load_model(str(files["q4_1"]), weights="int8").model.model.layers[0].mlp.up_proj
+    assert isinstance(p, QuantLinear) and p.scheme == "int8"
+    assert tforce.load_model(str(files["q8_0"]), weights="int4").model.weights == "int4"
+
+
+def test_an_old_float32_entry_is_converted_again(files):
+    folder = resolve(str(files["q4_1"]))
+    marker = json.loads((folder / tg.MARKER).read_text())
+    marker.pop("format")  # the first layout's marker had no format
+    (folder / tg.MARKER).write_text(json.dumps(marker))
+    assert not tg.complete(folder, marker["sha256"])
+    assert resolve(str(files["q4_1"])) == folder
+    assert json.loads((folder / tg.MARKER).read_text())["format"] == tg.FORMAT

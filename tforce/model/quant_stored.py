@@ -1,0 +1,70 @@
+"""Loading a folder whose projections are stored quantized (a converted GGUF: gguf_tensors.py; its list in
+gguf_convert.QUANTIZED) into the model being loaded (weights.load_model)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import TforceError
+from .linear import Linear
+from .quant import SCHEMES, QuantLinear
+
+QUANTIZED = "quantization.json"  # {module: {"scheme", "source", "how"}}, written by gguf_convert
+# A quantized module's tensors, and a Q8_0 tensor's (gguf_tensors.q8_blocks): kept in their stored dtypes when read.
+STORED = (".qweight", ".scales", ".q8", ".q8_scales")
+
+
+def expand_q8(state: dict) -> None:
+    """Each name.q8 / name.q8_scales pair of `state` -> name, float32 (N, K): every value d q exactly."""
+    for key in [k for k in state if k.endswith(".q8")]:
+        name = key[:-len(".q8")]
+        q, d = state.pop(key), state.pop(f"{name}.q8_scales")
+        N, K = q.shape
+        state[name] = (q.float().view(N, -1, 32) * d.float()[..., None]).view(N, K)
+
+
+def read_quantized(path: Path) -> dict:
+    """The folder's quantized projections, {} for a folder that has none."""
+    try:
+        return json.loads((path / QUANTIZED).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise TforceError(f"cannot read {path / QUANTIZED}: {e}") from e
+
+
+def install(model: nn.Module, state: dict, quantized: dict, weights: str | None, dtype: torch.dtype,
+            cpu: bool) -> str:
+    """Replace each quantized module of `model` (on the meta device) by its stored form, taking its tensors
+    out of `state`. Kept quantized on the CPU unless `weights` names the other scheme (re-quantized from the
+    stored values); off the CPU (the kernels are CPU-only) a plain projection in `dtype` of the dequantized
+    values. Returns what the model's projections are: a scheme, "mixed", or "auto" (none quantized)."""
+    schemes = set()
+    for module, info in quantized.items():
+        try:
+            stored = QuantLinear.stored(info["scheme"], state.pop(f"{module}.qweight"),
+                                        state.pop(f"{module}.scales"), state.pop(f"{module}.bias", None))
+        except (KeyError, TypeError) as e:
+            raise TforceError(f"the quantized weights of {module} are incomplete ({e})") from e
+        want = None if not cpu or weights == "float" else weights if weights in SCHEMES else info["scheme"]
+        new = stored if want == stored.scheme else _plain(stored, dtype)
+        if want is not None and new is not stored:
+            new = QuantLinear(new, want)
+        parent, _, name = module.rpartition(".")
+        setattr(model.get_submodule(parent), name, new)
+        schemes.add(want)
+    if not schemes or schemes == {None}:
+        return "auto"
+    return schemes.pop() if len(schemes) == 1 else "mixed"
+
+
+def _plain(q: QuantLinear, dtype: torch.dtype) -> Linear:
+    """The projection q multiplies by, as a floating-point Linear in dtype."""
+    lin = Linear(q.in_features, q.out_features, bias=q.bias is not None, device="meta")
+    lin.weight = nn.Parameter(q.dequantized().to(dtype), requires_grad=False)
+    if q.bias is not None:
+        lin.bias = nn.Parameter(q.bias.detach().to(dtype), requires_grad=False)
+    return lin

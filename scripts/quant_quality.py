@@ -1,5 +1,6 @@
-"""What int8 and int4 projections cost in quality: perplexity of one text under the model as loaded in
-float32 and quantized (tforce/model/quant.py), and how often greedy next-token choices agree.
+"""What int8 and int4 projections cost in quality: perplexity of one text under the model with float32
+projections (a GGUF's dequantized: --weights float) and quantized (tforce/model/quant.py; for a GGUF also as
+it loads by default, `auto`: Q4_0/Q4_1 kept code for code), and how often greedy next-token choices agree.
 
 One forward over the whole text per variant (a prefill through tforce's own model and full cache), then
 the log-likelihood of each token given the ones before it. Agreement: the fraction of positions where
@@ -31,7 +32,7 @@ def logits_of(model, ids: list[int]) -> torch.Tensor:
 
 def main(name: str, text_file: str, n: int) -> None:
     torch.set_num_threads(2)
-    loaded = tforce.load_model(name)
+    loaded = tforce.load_model(name, weights="float")
     text = Path(text_file).read_text(encoding="utf-8")
     start = len(text) // 3  # away from the book's front matter
     ids = loaded.tokenizer.encode(text[start:start + 20 * n], add_special_tokens=False)[:n]
@@ -39,15 +40,16 @@ def main(name: str, text_file: str, n: int) -> None:
     print(f"{name}, {len(ids)} tokens of {Path(text_file).name} from character {start}, float32 activations")
     print("| weights | perplexity | greedy agreement with float32 |")
     print("|---|---|---|")
-    for weights in ("auto", "int8", "int4"):
-        model = loaded.model if weights == "auto" else tforce.load_model(name, weights=weights).model
+    for weights in ("float", "auto", "int8", "int4"):
+        model = loaded.model if weights == "float" else tforce.load_model(name, weights=weights).model
         logits = logits_of(model, ids)
         nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
         top = logits[:-1].argmax(-1)
         if reference is None:
             reference = top
         agree = (top == reference).float().mean().item()
-        print(f"| {'float32' if weights == 'auto' else weights} | {math.exp(nll.item()):.3f} | {agree:.3f} |",
+        label = {"float": "float32", "auto": f"auto ({model.weights})"}.get(weights, weights)
+        print(f"| {label} | {math.exp(nll.item()):.3f} | {agree:.3f} |",
               flush=True)
 
 

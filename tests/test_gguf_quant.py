@@ -120,3 +120,15 @@ def test_an_old_float32_entry_is_converted_again(files):
     assert not tg.complete(folder, marker["sha256"])
     assert resolve(str(files["q4_1"])) == folder
     assert json.loads((folder / tg.MARKER).read_text())["format"] == tg.FORMAT
+
+
+def test_info_says_what_the_projections_are_stored_as(files):
+    from typer.testing import CliRunner
+
+    from tforce.cli import app
+
+    r = CliRunner().invoke(app, ["info", "-m", str(files["q4_1"]), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["model"]["quantized"] == {"int4 (Q4_1, mapped)": 14}
+    r = CliRunner().invoke(app, ["info", "-m", str(files["q5_0"])])
+    assert r.exit_code == 0 and "14 int8 (Q5_0, re-quantized)" in r.stdout, r.output

@@ -151,7 +151,8 @@ def info(
             if draft is not None and Path(draft).is_dir():
                 draft_config = read_config(Path(draft))
             record["model"] = {"name": model, "path": str(path), "planned_from": "config.json",
-                               **_arch(config, context or config.max_position_embeddings, dtype), **_prompt(path, config)}
+                               **_arch(config, context or config.max_position_embeddings, dtype), **_prompt(path, config),
+                               "quantized": _quantized(path)}
         if synthetic is not None:
             from ..model.synthetic import ARCHITECTURES, make_config
 
@@ -172,6 +173,18 @@ def info(
         _print_info(record)
 
     _guarded(body)
+
+
+def _quantized(path) -> dict:
+    """A converted GGUF's stored projections, counted by what they became and from what: {"int4 (Q4_1,
+    mapped)": 210, ...}; {} for a folder that stores none."""
+    from ..model.quant_stored import read_quantized
+
+    counts: dict = {}
+    for info in read_quantized(path).values():
+        key = f"{info['scheme']} ({info['source']}, {info['how']})"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _prompt(path, config) -> dict:
@@ -211,6 +224,9 @@ def _print_info(r: dict) -> None:
         t.add_row("model", f"{m['name']}{where}" + ("  [RANDOM WEIGHTS]" if m["synthetic"] else ""))
         if m.get("planned_from"):
             t.add_row("planned from", "the model's config.json, not its weights (neither downloaded nor read)")
+        if m.get("quantized"):
+            t.add_row("stored projections", ", ".join(f"{n} {k}" for k, n in m["quantized"].items())
+                      + "; kept so on the CPU, dequantized into the dtype elsewhere")
         t.add_row("architecture", f"{m['model_type']}: {m['layers']} layers, hidden {m['hidden_size']}, "
                                   f"{m['heads']} heads, {m['kv_heads']} kv heads, head dim {m['head_dim']}")
         t.add_row("context / rope", f"{m['context']} tokens, rope {m['rope_type']} (theta {m['rope_theta']})")

@@ -284,7 +284,8 @@ def test_quantized_weights_answer_as_the_quantized_model(models, monkeypatch):
 
     schemes = []
     quantize = weights.quantize
-    monkeypatch.setattr(weights, "quantize", lambda model, scheme: schemes.append(scheme) or quantize(model, scheme))
+    monkeypatch.setattr(weights, "quantize",
+                        lambda model, scheme, **kw: schemes.append(scheme) or quantize(model, scheme, **kw))
     target = make_checkpoint(models / "tiny-target-128", seed=0, **dict(TARGET, intermediate_size=128))
     r = CliRunner().invoke(app, ["chat", "-m", str(target), "--draft", str(models / "tiny-draft"), *FAST,
                                  "--method", "triforce", str(models / "doc.txt"), "--json", "--weights", "int8"],

@@ -14,7 +14,7 @@ import tforce
 import tforce.model.gguf as tg
 from gguf_files import write_llama
 from tforce.model.gguf_tensors import q4_blocks, q8_blocks
-from tforce.model.quant import QuantLinear
+from tforce.model.quant import QuantLinear, dequantize_stored
 from tforce.model.quant_stored import expand_q8
 from tforce.model.weights import resolve
 
@@ -29,10 +29,14 @@ def test_q4_blocks_keep_every_code_and_round_only_the_scales(qtype):
     raw = gguf.quants.quantize(w, qtype)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype))  # the file's values, float32
     codes, sz = q4_blocks(raw, qtype, 48, 96)
-    layer = QuantLinear.stored("int4", codes[:, 0::2] | (codes[:, 1::2] << 4), sz)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    # stored: the file's values (float32 scales), as --weights float and a GPU dequantize them
+    assert torch.allclose(dequantize_stored("int4", packed, sz), ref, rtol=0, atol=1e-6)
+    layer = QuantLinear.stored("int4", packed, sz)
     assert torch.equal(layer.codes(), codes.to(torch.int32))  # the kernel holds the file's codes
-    scale = sz[..., 0].float().t().repeat_interleave(32, 1)  # (N, K): each column's block scale, bfloat16
-    zero = sz[..., 1].float().t().repeat_interleave(32, 1)
+    bf = sz.to(torch.bfloat16).float()
+    scale = bf[..., 0].t().repeat_interleave(32, 1)  # (N, K): each column's block scale, bfloat16
+    zero = bf[..., 1].t().repeat_interleave(32, 1)
     assert torch.equal(layer.dequantized(), (codes.float() - 8) * scale + zero)
     # bfloat16 scales (8 significant bits) against the file's float16: within 2^-8 of each block's range
     bound = (ref.view(48, 3, 32).abs().amax(-1) * 2.0 ** -7).repeat_interleave(32, 1)
@@ -105,11 +109,26 @@ def test_greedy_equals_ar_on_the_quantized_gguf(files, method):
     assert tforce.generate(loaded, prompt, method=method, draft=draft, **kw).tokens == ar
 
 
-def test_weights_option_requantizes_or_dequantizes(files):
-    assert tforce.load_model(str(files["q4_1"]), weights="int8").model.weights == "int8"
-    p = tforce.load_model(str(files["q4_1"]), weights="int8").model.model.layers[0].mlp.up_proj
-    assert isinstance(p, QuantLinear) and p.scheme == "int8"
-    assert tforce.load_model(str(files["q8_0"]), weights="int4").model.weights == "int4"
+@pytest.mark.parametrize("name,weights", [("q4_1", "int8"), ("q8_0", "int4"), ("q4_1", "float")])
+def test_weights_option_requantizes_or_dequantizes(files, name, weights):
+    """--weights re-quantizes the stored values (or dequantizes them: float), and the model runs close to the
+    file's own (transformers' dequantization)."""
+    loaded = tforce.load_model(str(files[name]), weights=weights)
+    p = loaded.model.model.layers[0].mlp.up_proj
+    if weights == "float":
+        assert loaded.model.weights == "auto" and not isinstance(p, QuantLinear) and p.weight.dtype == torch.float32
+    else:
+        assert loaded.model.weights == weights and isinstance(p, QuantLinear) and p.scheme == weights
+    ids = list(range(5, 45))
+    got, ref = _logits(loaded, ids), _transformers_logits(files[name], ids)
+    if weights == "float":
+        assert (got - ref).abs().max() < 1e-4 * ref.abs().max()  # the file's values, float32 rounding apart
+    else:  # the same as quantizing the float32 model: re-quantized from the file's values
+        from tforce.model.quant import quantize
+
+        plain = tforce.load_model(str(files[name]), weights="float")
+        quantize(plain.model, weights)
+        assert torch.equal(got, _logits(plain, ids))
 
 
 def test_an_old_float32_entry_is_converted_again(files):

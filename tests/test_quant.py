@@ -133,7 +133,7 @@ def test_bench_weights(pair):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--weights", "int2"], "--weights must be auto, int8 or int4, got 'int2'"),
+    (["--weights", "int2"], "--weights must be auto, float, int8, int4, got 'int2'"),
     (["--weights", "int8", "--tp", "2"], "--weights int8 runs on the CPU in one process only"),
 ])
 def test_bench_weights_refusals(pair, args, needle):
@@ -170,7 +170,7 @@ def test_run_with_quantized_weights_is_exact_for_every_method(pair, scheme):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--weights", "fp8"], "tforce: error: --weights must be auto, int8 or int4, got 'fp8'"),
+    (["--weights", "fp8"], "tforce: error: --weights must be auto, float, int8, int4, got 'fp8'"),
     (["--weights", "int4", "--tp", "2"], "tforce: error: --weights int4 runs on the CPU in one process only, so far (--device cpu)"),
 ])
 def test_run_weights_refusals_are_one_line(pair, args, needle):

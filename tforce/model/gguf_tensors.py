@@ -3,8 +3,9 @@
 
 Per projection (q, k, v, o, gate, up, down), by the file's type:
 - Q4_0, Q4_1: int4 groups of 32 mapped block for block: the 4-bit codes as the file has them, the block's
-  scale d and minimum m become the kernel's scale d and zero m + 8 d (Q4_0: zero 0), rounded to bfloat16,
-  the kernel's dtype: the only change to the file's values.
+  scale d and minimum m become the kernel's scale d and zero m + 8 d (Q4_0: zero 0), stored in float32
+  and rounded to bfloat16 (the kernel's dtype) at load: the only change to the file's values; dequantized
+  (--weights float, or off the CPU) they are the file's values.
 - other types of 4 bits or fewer (Q4_K, Q3_K, Q2_K, IQ*): dequantized by the gguf package, re-quantized to
   int4 (groups of 32, quant.int4_weights).
 - Q5_*, Q6_K, Q8_*: dequantized, re-quantized to int8 per output channel (the kernel has no 5-8-bit group
@@ -58,8 +59,8 @@ def scheme_for(qtype) -> tuple[str | None, str]:
 
 
 def q4_blocks(raw: np.ndarray, qtype, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 bytes (N, K / 32 * block) -> (codes uint8 (N, K) in 0..15, scales_and_zeros bfloat16
-    (K / 32, N, 2)). A block: d (float16), for Q4_1 m (float16), then 16 bytes whose low nibbles are the
+    """Q4_0 / Q4_1 bytes (N, K / 32 * block) -> (codes uint8 (N, K) in 0..15, scales_and_zeros float32
+    (K / 32, N, 2): the file's values; QuantLinear rounds them to bfloat16 for the kernel). A block: d (float16), for Q4_1 m (float16), then 16 bytes whose low nibbles are the
     block's first 16 codes and high nibbles its last 16; its values are d (q - 8) (Q4_0), d q + m (Q4_1)."""
     from gguf import GGMLQuantizationType as Q
 
@@ -72,7 +73,7 @@ def q4_blocks(raw: np.ndarray, qtype, N: int, K: int) -> tuple[torch.Tensor, tor
         zero = np.zeros_like(d)
     else:
         zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
-    sz = torch.from_numpy(np.stack([d, zero], -1)).transpose(0, 1).contiguous().to(torch.bfloat16)
+    sz = torch.from_numpy(np.stack([d, zero], -1)).transpose(0, 1).contiguous()
     return torch.from_numpy(codes.astype(np.uint8)), sz
 
 

@@ -42,7 +42,7 @@ _COMPUTE = torch.bfloat16  # the activations' dtype the kernels are fast in
 def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) -> (q int8 (N, K), scales bfloat16 (N,)). The kernel's scales are bfloat16: each is rounded
     up to one (so max |w| / scale stays within 127) and the weight quantized against it."""
-    w = w.float()
+    w = w.float().contiguous()  # the kernel takes contiguous codes only (a transposed weight would give strided ones)
     amax = w.abs().amax(1)
     exact = torch.where(amax > 0, amax / 127, torch.ones_like(amax))  # an all-zero row: any scale, q = 0
     scale = exact.to(_COMPUTE)
@@ -88,6 +88,15 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """pack_int4's inverse -> int32 (N, K), the kernel packer's input."""
     return torch.stack([packed & 0x0F, packed >> 4], -1).flatten(1).to(torch.int32)
+
+
+def dequantize_stored(scheme: str, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight (N, K) of a stored form (QuantLinear.stored's arguments), in the scales' own
+    precision (a GGUF's mapped blocks keep theirs in float32: gguf_tensors.py)."""
+    if scheme == "int8":
+        return qweight.float() * scales.float()[:, None]
+    scale, zero = (scales[..., i].float().t().repeat_interleave(GROUP, 1) for i in (0, 1))
+    return (unpack_int4(qweight).float() - 8) * scale + zero
 
 
 class QuantLinear(nn.Module):
@@ -140,7 +149,7 @@ class QuantLinear(nn.Module):
         eye = torch.eye(self.in_features, dtype=_COMPUTE)
         ones = torch.stack([torch.ones_like(self.scales[..., 0]), torch.zeros_like(self.scales[..., 0])], -1)
         w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP, ones).float().t()
-        return (w + 8).round().to(torch.int32)
+        return (w + 8).round().to(torch.int32).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(_COMPUTE)
@@ -153,11 +162,8 @@ class QuantLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight (N, K) this module multiplies by: the reference of its products."""
-        if self.scheme == "int8":
-            return self.qweight.float() * self.scales.float()[:, None]
-        # (q - 8) scale + zero in float32 (read through the kernel with scale 1, the product rounds to bfloat16)
-        scale, zero = (self.scales[..., i].float().t().repeat_interleave(GROUP, 1) for i in (0, 1))
-        return (self.codes().float() - 8) * scale + zero
+        # int4: (q - 8) scale + zero in float32 (read through the kernel with scale 1, a product rounds to bfloat16)
+        return dequantize_stored(self.scheme, *self.stored_form())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"

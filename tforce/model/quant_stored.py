@@ -10,7 +10,7 @@ from torch import nn
 
 from ..errors import TforceError
 from .linear import Linear
-from .quant import SCHEMES, QuantLinear
+from .quant import SCHEMES, QuantLinear, dequantize_stored
 
 QUANTIZED = "quantization.json"  # {module: {"scheme", "source", "how"}}, written by gguf_convert
 # A quantized module's tensors, and a Q8_0 tensor's (gguf_tensors.q8_blocks): kept in their stored dtypes when read.
@@ -45,14 +45,16 @@ def install(model: nn.Module, state: dict, quantized: dict, weights: str | None,
     schemes = set()
     for module, info in quantized.items():
         try:
-            stored = QuantLinear.stored(info["scheme"], state.pop(f"{module}.qweight"),
-                                        state.pop(f"{module}.scales"), state.pop(f"{module}.bias", None))
+            scheme, q, scales = info["scheme"], state.pop(f"{module}.qweight"), state.pop(f"{module}.scales")
         except (KeyError, TypeError) as e:
             raise TforceError(f"the quantized weights of {module} are incomplete ({e})") from e
-        want = None if not cpu or weights == "float" else weights if weights in SCHEMES else info["scheme"]
-        new = stored if want == stored.scheme else _plain(stored, dtype)
-        if want is not None and new is not stored:
-            new = QuantLinear(new, want)
+        bias = state.pop(f"{module}.bias", None)
+        want = None if not cpu or weights == "float" else weights if weights in SCHEMES else scheme
+        if want == scheme:
+            new = QuantLinear.stored(scheme, q, scales, bias)
+        else:  # from the stored values in their own precision (a mapped GGUF block's: the file's, float32)
+            new = _plain(dequantize_stored(scheme, q, scales), bias, dtype if want is None else torch.float32)
+            new = new if want is None else QuantLinear(new, want)
         parent, _, name = module.rpartition(".")
         setattr(model.get_submodule(parent), name, new)
         schemes.add(want)
@@ -61,10 +63,10 @@ def install(model: nn.Module, state: dict, quantized: dict, weights: str | None,
     return schemes.pop() if len(schemes) == 1 else "mixed"
 
 
-def _plain(q: QuantLinear, dtype: torch.dtype) -> Linear:
-    """The projection q multiplies by, as a floating-point Linear in dtype."""
-    lin = Linear(q.in_features, q.out_features, bias=q.bias is not None, device="meta")
-    lin.weight = nn.Parameter(q.dequantized().to(dtype), requires_grad=False)
-    if q.bias is not None:
-        lin.bias = nn.Parameter(q.bias.detach().to(dtype), requires_grad=False)
+def _plain(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+    """A floating-point Linear in dtype of weight w (N, K)."""
+    lin = Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
     return lin

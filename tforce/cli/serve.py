@@ -37,8 +37,9 @@ def serve(
     max_body: int = typer.Option(16 * 2**20, "--max-body", help="Largest request body in bytes (413 above)."),
     ctx_size: Optional[int] = typer.Option(None, "--ctx-size", help="Tokens the server's KV cache holds, prompt "
                                            "and answer (default: the model's context)."),
-    name: Optional[str] = typer.Option(None, "--name", help="The model's id in the API (default: --model as given, "
-                                       "or the demo target's folder name)."),
+    name: Optional[str] = typer.Option(None, "--served-model-name", "--name",
+                                       help="The model's id in the API (default: --model's short name or hub id as "
+                                            "given, a file's or folder's name, or the demo target's folder name)."),
     kv_dir: Optional[str] = typer.Option(None, "--kv-dir", metavar="DIR", help="Keep long prompts' KV caches there "
                                          "as snapshots, reused across restarts."),
     kv_dir_size: str = typer.Option("16GiB", "--kv-dir-size", help="Most bytes --kv-dir holds (least recently "
@@ -68,9 +69,17 @@ def serve(
         store = None if kv_dir is None else (kv_dir, parse_size(kv_dir_size, "--kv-dir-size"), kv_dir_min)
         if kv_dir_min < 1:
             raise UsageError(f"--kv-dir-min must be >= 1, got {kv_dir_min}")
-        _serve(setup, host, port, api_key, max_body, ctx_size, name or opts["model"] or Path(setup.target).name, store)
+        _serve(setup, host, port, api_key, max_body, ctx_size, name or _served_name(opts["model"], setup.target), store)
 
     _guarded(body)
+
+
+def _served_name(model: Optional[str], target: str) -> str:
+    """The id clients name the model by: a short name or hub id as given, a local file's or folder's own
+    name (not the path typed, which a client cannot know), else the target folder's name."""
+    if model is None:
+        return Path(target).name
+    return Path(model).expanduser().name if Path(model).expanduser().exists() else model
 
 
 def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, ctx_size: Optional[int],

@@ -38,10 +38,18 @@ class Settings:
 
 
 def build(settings: Settings) -> Starlette:
+    card = {"id": settings.name, "object": "model", "created": 0, "owned_by": "tforce"}
+
     async def models(request: Request):
         _authorize(request, settings)
-        return JSONResponse({"object": "list", "data": [{"id": settings.name, "object": "model", "created": 0,
-                                                         "owned_by": "tforce"}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request: Request):  # openai's models.retrieve
+        _authorize(request, settings)
+        if request.path_params["model"] != settings.name:
+            raise ApiError(404, f"the model {request.path_params['model']!r} is not served here (GET /v1/models "
+                                f"lists {settings.name!r})", code="model_not_found", param="model")
+        return JSONResponse(card)
 
     async def health(request: Request):
         return JSONResponse({"status": "ok"})
@@ -53,7 +61,9 @@ def build(settings: Settings) -> Starlette:
         return await _generate(request, settings, chat=True)
 
     routes = [Route("/v1/models", _guard(models, settings), methods=["GET"]),
+              Route("/v1/models/{model:path}", _guard(model, settings), methods=["GET"]),
               Route("/health", health, methods=["GET"]),
+              Route("/v1/health", health, methods=["GET"]),
               Route("/v1/completions", _guard(completions, settings), methods=["POST"]),
               Route("/v1/chat/completions", _guard(chat, settings), methods=["POST"])]
 

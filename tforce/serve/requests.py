@@ -1,8 +1,11 @@
 """OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) checked into an `Ask`, and the one
 error type every refusal takes, rendered in OpenAI's shape `{"error": {"message", "type", "code", "param"}}`.
 
-What tforce cannot honour is refused with a 400 naming the parameter (n > 1, echo, logprobs, tools),
-never silently ignored; parameters that do not change the tokens (user, metadata) are accepted.
+What tforce cannot honour is refused with a 400 naming the parameter (n > 1, echo, logprobs, tools,
+penalties, min_p), never silently ignored; those set to their no-op values (`logit_bias: {}`,
+`response_format: {"type": "text"}`, `tool_choice: "none"`, `presence_penalty: 0`...) and parameters that
+do not change the tokens (user, metadata) are accepted. top_k is applied, as every level of the hierarchy
+applies the same sampling transform (config.Sampling).
 """
 from __future__ import annotations
 
@@ -26,11 +29,11 @@ class ApiError(Exception):
 
 
 # Parameters that would change what is returned in ways tforce does not implement: refused when set to
-# anything but their no-op value.
-_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
-                "tools": None, "functions": None, "tool_choice": None, "function_call": None, "logit_bias": None,
-                "response_format": None}
-MAX_STOPS = 4  # as OpenAI's API
+# anything but one of their no-op values (None, absent, or these, as clients send them by default).
+_NO_OP = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "suffix": ("",),
+          "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+          "logit_bias": ({},), "response_format": ({"type": "text"},), "presence_penalty": (0,),
+          "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,)}
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,12 @@ class Ask:
     chat: bool
     model: Optional[str]
     prompt: Optional[str] = None
+    prompt_ids: Optional[tuple] = None  # a prompt sent as token ids (completions)
     messages: Optional[tuple] = None  # ({"role", "content"} with content as text, ...)
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
+    top_k: Optional[int] = None  # 0: off
     stop: tuple = ()
     seed: Optional[int] = None
     stream: bool = False
@@ -59,9 +64,9 @@ def parse(raw: bytes, chat: bool) -> Ask:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for key, neutral in _UNSUPPORTED.items():
-        value = body.get(key, neutral)
-        if value is not None and value != neutral and not (key == "logprobs" and value is False):
+    for key, neutral in _NO_OP.items():
+        value = body.get(key)
+        if value is not None and not any(_same(value, v) for v in neutral):
             raise ApiError(400, f"{key}={json.dumps(value)[:40]} is not supported by tforce serve", param=key)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -71,11 +76,30 @@ def parse(raw: bytes, chat: bool) -> Ask:
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     common = dict(model=model, max_tokens=_max_tokens(body, chat),
                   temperature=_number(body, "temperature", 0, 2), top_p=_number(body, "top_p", 0, 1, low_open=True),
+                  top_k=_top_k(body),
                   stop=_stops(body.get("stop")), seed=_integer(body, "seed", -2**63, 2**64 - 1),
                   stream=_flag(body, "stream"), include_usage=_flag(stream_options, "include_usage"))
     if chat:
         return Ask(chat=True, messages=_messages(body.get("messages")), **common)
-    return Ask(chat=False, prompt=_prompt(body.get("prompt")), **common)
+    prompt = _prompt(body.get("prompt"))
+    if isinstance(prompt, tuple):
+        return Ask(chat=False, prompt_ids=prompt, **common)
+    return Ask(chat=False, prompt=prompt, **common)
+
+
+def _same(a, b) -> bool:
+    """a == b as JSON means it: 0 and 0.0 alike, but not false and 0."""
+    number = (int, float)
+    if isinstance(a, number) and isinstance(b, number) and not isinstance(a, bool) and not isinstance(b, bool):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def _top_k(body: dict) -> Optional[int]:
+    """top_k as vLLM and llama-server take it: -1 (and 0) mean off."""
+    if body.get("top_k") == -1 and not isinstance(body.get("top_k"), bool):
+        return 0
+    return _integer(body, "top_k", 0, None)
 
 
 def _max_tokens(body: dict, chat: bool) -> Optional[int]:
@@ -121,19 +145,20 @@ def _stops(value) -> tuple:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise ApiError(400, "stop must be a string or a list of strings", param="stop")
-    if len(stops) > MAX_STOPS:
-        raise ApiError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
     if "" in stops:
         raise ApiError(400, "stop strings must not be empty", param="stop")
     return tuple(stops)
 
 
-def _prompt(value) -> str:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+def _prompt(value) -> "str | tuple":
+    """The text, or a tuple of token ids (a list of integers, as lm-evaluation-harness sends them)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # a batch of one prompt
+    if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return tuple(value)
     if isinstance(value, list):
-        raise ApiError(400, "prompt must be one string (a list of prompts or of token ids is not supported)",
-                       param="prompt")
+        raise ApiError(400, "prompt must be one string or one list of token ids (several prompts in one request "
+                            "are not supported)", param="prompt")
     if not isinstance(value, str):
         raise ApiError(400, "prompt must be a string", param="prompt")
     if not value:
@@ -148,7 +173,8 @@ def _messages(value) -> tuple:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a role and a content", param="messages")
-        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        # an assistant turn that called tools has content null
+        out.append({"role": m["role"], "content": "" if m.get("content") is None else _content(m["content"], i)})
     return tuple(out)
 
 

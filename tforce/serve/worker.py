@@ -120,13 +120,15 @@ class Worker:
         _usage(check_ids, self.target, ids)
         d = self.defaults
         sampling = Sampling(d.temperature if ask.temperature is None else ask.temperature,
-                            d.top_p if ask.top_p is None else ask.top_p, d.top_k,
+                            d.top_p if ask.top_p is None else ask.top_p, d.top_k if ask.top_k is None else ask.top_k,
                             d.seed if ask.seed is None else ask.seed)
         _usage(sampling.validate)
         wanted = self.max_new if ask.max_tokens is None else ask.max_tokens
         return Job(ids, min(wanted, self.context - len(ids)), sampling, ask.stop or self.stops, ask.chat)
 
     def _encode(self, ask: Ask) -> list:
+        if ask.prompt_ids is not None:
+            return list(ask.prompt_ids)  # checked against the vocabulary by check_ids
         if not ask.chat:
             return list(self.encoder.encode(ask.prompt))
         fmt = _usage(PromptFormat, self.encoder, self.template, self.system, self.name)

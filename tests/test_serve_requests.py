@@ -1,0 +1,95 @@
+"""Requests as real clients send them: no-op values accepted, what would change the answer and is not
+implemented refused naming its field (never ignored), stop lists of any length, a prompt as token ids (the
+same answer as its text), top_k applied, content null, GET /v1/models/{id}, /v1/health, and the model's
+id the folder's name, not the path typed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serve_helpers import FAST, Server, tiny_pair
+from tforce.serve.requests import ApiError, parse
+
+NO_OPS = {"response_format": {"type": "text"}, "logit_bias": {}, "top_logprobs": 0, "tool_choice": "none",
+          "functions": [], "tools": [], "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
+          "min_p": 0, "n": 1, "best_of": 1, "logprobs": False, "echo": False, "suffix": ""}
+REFUSED = [("presence_penalty", 1.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("min_p", 0.05),
+           ("logprobs", 0), ("top_logprobs", 2), ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}),
+           ("tool_choice", "auto"), ("echo", True)]
+
+
+def _parse(body: dict, chat: bool = False):
+    return parse(json.dumps(body).encode(), chat)
+
+
+def test_no_op_values_are_accepted():
+    ask = _parse({"prompt": "hi", **NO_OPS})
+    assert ask.prompt == "hi" and ask.top_k is None
+
+
+@pytest.mark.parametrize("key,value", REFUSED, ids=[k for k, _ in REFUSED])
+def test_what_would_change_the_answer_is_refused_naming_it(key, value):
+    with pytest.raises(ApiError) as e:
+        _parse({"prompt": "hi", key: value})
+    assert e.value.status == 400 and e.value.param == key and key in e.value.message
+
+
+def test_prompt_forms_stops_top_k_and_null_content():
+    assert _parse({"prompt": [5, 6, 7]}).prompt_ids == (5, 6, 7)
+    assert _parse({"prompt": [[5, 6, 7]]}).prompt_ids == (5, 6, 7)  # lm-evaluation-harness's form
+    assert _parse({"prompt": ["text"]}).prompt == "text"
+    for several in ([[1], [2]], ["a", "b"], [1, "a"], [True, 2]):
+        with pytest.raises(ApiError, match="one list of token ids"):
+            _parse({"prompt": several})
+    assert len(_parse({"prompt": "x", "stop": [f"s{i}" for i in range(7)]}).stop) == 7  # continue.dev sends 7
+    assert _parse({"prompt": "x", "top_k": -1}).top_k == 0 and _parse({"prompt": "x", "top_k": 40}).top_k == 40
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": []},
+            {"role": "user", "content": "again"}]
+    assert _parse({"messages": msgs}, chat=True).messages[1] == {"role": "assistant", "content": ""}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    target, draft = tiny_pair(tmp_path_factory.mktemp("serve-requests"))
+    s = Server("-m", str(target), "--draft", str(draft), *FAST, "-n", "12", "--ctx-size", "256")
+    yield s, target
+    assert s.stop() == 0
+
+
+def test_token_ids_answer_as_their_text(served):
+    from tforce.model.synthetic import byte_tokenizer
+
+    server, _ = served
+    text = "It was the best of times"
+    ids = byte_tokenizer()(text, add_special_tokens=False).input_ids
+    by_text = server.post("/completions", {"prompt": text, "max_tokens": 12, "temperature": 0})
+    by_ids = server.post("/completions", {"prompt": [ids], "max_tokens": 12, "temperature": 0})
+    assert by_text.status_code == by_ids.status_code == 200, (by_text.text, by_ids.text)
+    assert by_ids.json()["choices"][0]["text"] == by_text.json()["choices"][0]["text"]
+    assert by_ids.json()["usage"]["prompt_tokens"] == by_text.json()["usage"]["prompt_tokens"] == len(ids)
+    r = server.post("/completions", {"prompt": [ids + [10**6]], "max_tokens": 2})
+    assert r.status_code == 400 and "Traceback" not in r.text, r.text
+
+
+def test_top_k_one_samples_the_greedy_answer(served):
+    server, _ = served
+    def answer(**kw):
+        r = server.post("/completions", {"prompt": "Hello there", "max_tokens": 12, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    greedy = answer(temperature=0)
+    assert {answer(temperature=1.5, top_k=1, seed=s) for s in (1, 2)} == {greedy}  # top_k 1 is greedy
+    assert {answer(temperature=1.5, top_k=0, seed=s) for s in (1, 2)} != {greedy}  # without it: samples
+
+
+def test_model_routes_and_its_name(served):
+    server, target = served
+    name = server.model()
+    assert name == target.name  # the folder's name, not the path given to -m
+    r = server.http.get(f"/models/{name}")
+    assert r.status_code == 200 and r.json()["id"] == name
+    r = server.http.get("/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert server.http.get(server.url.removesuffix("/v1") + "/v1/health").json() == {"status": "ok"}

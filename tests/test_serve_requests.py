@@ -93,3 +93,26 @@ def test_model_routes_and_its_name(served):
     r = server.http.get("/models/gpt-4")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert server.http.get(server.url.removesuffix("/v1") + "/v1/health").json() == {"status": "ok"}
+
+
+def test_tokenize_detokenize_and_tokenizer_info(served):
+    from tforce.model.synthetic import byte_tokenizer
+
+    server, _ = served
+    root = server.url.removesuffix("/v1")
+    text = "It was the best of times"
+    want = byte_tokenizer()(text).input_ids
+    for body in ({"prompt": text}, {"content": text}):  # vLLM's field, llama-server's
+        r = server.http.post(root + "/tokenize", json=body)
+        assert r.status_code == 200 and r.json()["tokens"] == want and r.json()["count"] == len(want), r.text
+    bare = server.http.post(root + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert bare == byte_tokenizer()(text, add_special_tokens=False).input_ids
+    assert server.http.post(root + "/tokenize", json={"prompt": text}).json()["max_model_len"] == 256
+    r = server.http.post(root + "/detokenize", json={"tokens": bare})
+    assert r.status_code == 200 and r.json()["prompt"] == r.json()["content"] == text
+    for bad in ({"tokens": [10**6]}, {"tokens": "abc"}):
+        r = server.http.post(root + "/detokenize", json=bad)
+        assert r.status_code == 400 and "Traceback" not in r.text, r.text
+    assert server.http.post(root + "/tokenize", json={"prompt": 5}).status_code == 400
+    info = server.http.get(root + "/tokenizer_info").json()
+    assert info["eos_token"] == byte_tokenizer().eos_token and info["model_max_length"] == 256

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from . import tokens
 from .requests import ApiError, parse
 from .responses import DONE, Done, Shape, event
 from .worker import Job, Worker
@@ -54,6 +55,20 @@ def build(settings: Settings) -> Starlette:
     async def health(request: Request):
         return JSONResponse({"status": "ok"})
 
+    async def tokenize(request: Request):
+        _authorize(request, settings)
+        raw = await _body(request, settings.max_body)
+        return JSONResponse(await run_in_threadpool(tokens.tokenize, settings.worker, raw))
+
+    async def detokenize(request: Request):
+        _authorize(request, settings)
+        raw = await _body(request, settings.max_body)
+        return JSONResponse(await run_in_threadpool(tokens.detokenize, settings.worker, raw))
+
+    async def tokenizer_info(request: Request):
+        _authorize(request, settings)
+        return JSONResponse(tokens.tokenizer_info(settings.worker))
+
     async def completions(request: Request):
         return await _generate(request, settings, chat=False)
 
@@ -64,6 +79,9 @@ def build(settings: Settings) -> Starlette:
               Route("/v1/models/{model:path}", _guard(model, settings), methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/v1/health", health, methods=["GET"]),
+              Route("/tokenize", _guard(tokenize, settings), methods=["POST"]),
+              Route("/detokenize", _guard(detokenize, settings), methods=["POST"]),
+              Route("/tokenizer_info", _guard(tokenizer_info, settings), methods=["GET"]),
               Route("/v1/completions", _guard(completions, settings), methods=["POST"]),
               Route("/v1/chat/completions", _guard(chat, settings), methods=["POST"])]
 

@@ -137,6 +137,22 @@ class Worker:
                                 "send the text to /v1/completions", code="no_chat_template", param="messages")
         return _usage(fmt.messages_ids, list(ask.messages))
 
+    def text_ids(self, text: str, special: bool = True) -> list:
+        """/tokenize: the text's ids, the tokenizer's special tokens first unless special is False."""
+        with self.encoding:
+            return list(self.encoder(text, add_special_tokens=special).input_ids)
+
+    def chat_ids(self, messages: tuple) -> list:
+        """/tokenize with messages: the ids /v1/chat/completions would prefill."""
+        with self.encoding:
+            return self._encode(Ask(chat=True, model=None, messages=messages))
+
+    def text_of(self, ids: list) -> str:
+        """/detokenize; an id outside the vocabulary is a 400."""
+        _usage(check_ids, self.target, ids)
+        with self.encoding:
+            return self.encoder.decode(ids)
+
     def submit(self, job: Job) -> None:
         if self.stopping:
             raise ApiError(503, "the server is stopping", code="shutting_down")

@@ -56,14 +56,20 @@ class Ask:
     include_usage: bool = False  # stream_options.include_usage: a last chunk carrying usage
 
 
-def parse(raw: bytes, chat: bool) -> Ask:
-    """The request body of /v1/chat/completions (chat) or /v1/completions, checked; ApiError (400) else."""
+def json_object(raw: bytes) -> dict:
+    """A request body that must be one JSON object; ApiError (400) else."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def parse(raw: bytes, chat: bool) -> Ask:
+    """The request body of /v1/chat/completions (chat) or /v1/completions, checked; ApiError (400) else."""
+    body = json_object(raw)
     for key, neutral in _NO_OP.items():
         value = body.get(key)
         if value is not None and not any(_same(value, v) for v in neutral):

@@ -3,25 +3,13 @@ llama-server's field names (`content`, `add_special`), so that clients that coun
 (lm-evaluation-harness's local-completions) work against tforce serve."""
 from __future__ import annotations
 
-import json
-
-from .requests import ApiError, _messages
-
-
-def _body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
+from .requests import ApiError, _messages, json_object
 
 
 def tokenize(worker, raw: bytes) -> dict:
     """{prompt | content: text, add_special_tokens | add_special: bool} or {messages: [...]} (laid out in the
     chat template, as /v1/chat/completions does) -> {tokens, count, max_model_len}."""
-    body = _body(raw)
+    body = json_object(raw)
     if "messages" in body:
         ids = worker.chat_ids(_messages(body["messages"]))
     else:
@@ -37,7 +25,7 @@ def tokenize(worker, raw: bytes) -> dict:
 
 def detokenize(worker, raw: bytes) -> dict:
     """{tokens: [ids]} -> {prompt: text} (vLLM's key) and {content: text} (llama-server's)."""
-    ids = _body(raw).get("tokens")
+    ids = json_object(raw).get("tokens")
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ApiError(400, "detokenize takes tokens as a list of token ids", param="tokens")
     text = worker.text_of(ids)

@@ -86,7 +86,7 @@ def parse(raw: bytes, chat: bool) -> Ask:
                   stop=_stops(body.get("stop")), seed=_integer(body, "seed", -2**63, 2**64 - 1),
                   stream=_flag(body, "stream"), include_usage=_flag(stream_options, "include_usage"))
     if chat:
-        return Ask(chat=True, messages=_messages(body.get("messages")), **common)
+        return Ask(chat=True, messages=parse_messages(body.get("messages")), **common)
     prompt = _prompt(body.get("prompt"))
     if isinstance(prompt, tuple):
         return Ask(chat=False, prompt_ids=prompt, **common)
@@ -172,7 +172,7 @@ def _prompt(value) -> "str | tuple":
     return value
 
 
-def _messages(value) -> tuple:
+def parse_messages(value) -> tuple:
     if not isinstance(value, list) or not value:
         raise ApiError(400, "messages must be a non-empty list of {\"role\", \"content\"} objects", param="messages")
     out = []

@@ -3,7 +3,7 @@ llama-server's field names (`content`, `add_special`), so that clients that coun
 (lm-evaluation-harness's local-completions) work against tforce serve."""
 from __future__ import annotations
 
-from .requests import ApiError, _messages, json_object
+from .requests import ApiError, json_object, parse_messages
 
 
 def tokenize(worker, raw: bytes) -> dict:
@@ -11,7 +11,7 @@ def tokenize(worker, raw: bytes) -> dict:
     chat template, as /v1/chat/completions does) -> {tokens, count, max_model_len}."""
     body = json_object(raw)
     if "messages" in body:
-        ids = worker.chat_ids(_messages(body["messages"]))
+        ids = worker.chat_ids(parse_messages(body["messages"]))
     else:
         text = body.get("prompt", body.get("content"))
         if not isinstance(text, str):

@@ -116,3 +116,81 @@ def test_tokenize_detokenize_and_tokenizer_info(served):
     assert server.http.post(root + "/tokenize", json={"prompt": 5}).status_code == 400
     info = server.http.get(root + "/tokenizer_info").json()
     assert info["eos_token"] == byte_tokenizer().eos_token and info["model_max_length"] == 256
+
+
+def test_metrics_count_what_was_served(served):
+    server, _ = served
+    root = server.url.removesuffix("/v1")
+    before = server.http.get(root + "/metrics").text
+    r = server.post("/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    server.post("/completions", {"prompt": "Hello", "max_tokens": -1})  # a 400
+    text = server.http.get(root + "/metrics").text
+
+    def value(page: str, name: str) -> float:
+        line = next((x for x in page.splitlines() if x.startswith(name + " ")), f"{name} 0")
+        return float(line.split()[-1])
+
+    usage = r.json()["usage"]
+    assert value(text, "tforce_generation_tokens_total") - value(before, "tforce_generation_tokens_total") \
+        == usage["completion_tokens"]
+    assert value(text, "tforce_prompt_tokens_total") - value(before, "tforce_prompt_tokens_total") \
+        == usage["prompt_tokens"]
+    assert value(text, 'tforce_requests_total{status="400"}') == value(before, 'tforce_requests_total{status="400"}') + 1
+    assert value(text, "tforce_time_to_first_token_seconds_count") >= 1
+    assert "# TYPE tforce_acceptance_rate summary" in text
+
+
+def test_metrics_text_format():
+    from tforce.serve.metrics import Metrics
+
+    m = Metrics()
+    m.done(10, 4, {"prefix_reused": 6, "prefilled_tokens": 4, "prefill_s": 0.5, "decode_s": 1.25, "ttft_s": 0.75,
+                   "acceptance": {"draft": 0.5, "retrieval": None}})
+    m.done(3, 2, {"acceptance": {"draft": 0.25}})
+    m.status(404)
+    lines = set(m.text().splitlines())
+    for want in ('tforce_requests_total{status="200"} 2', 'tforce_requests_total{status="404"} 1',
+                 "tforce_prompt_tokens_total 13", "tforce_generation_tokens_total 6",
+                 "tforce_prefix_reused_tokens_total 6", "tforce_decode_seconds_total 1.25",
+                 "tforce_time_to_first_token_seconds_sum 0.75", "tforce_time_to_first_token_seconds_count 1",
+                 'tforce_acceptance_rate_sum{level="draft"} 0.75', 'tforce_acceptance_rate_count{level="draft"} 2'):
+        assert want in lines, (want, sorted(lines))
+    assert not any("retrieval" in x for x in lines)  # a level that drafted nothing counts nothing
+
+
+def test_chat_template_file_and_cors(tmp_path_factory):
+    target, draft = tiny_pair(tmp_path_factory.mktemp("serve-template"))  # a base model: no chat template
+    template = target.parent / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    s = Server("-m", str(target), "--draft", str(draft), *FAST, "-n", "4", "--ctx-size", "256",
+               "--chat-template", str(template), "--allowed-origins", "http://localhost:3000")
+    try:
+        chat = s.post("/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0})
+        assert chat.status_code == 200, chat.text
+        laid_out = s.http.post(s.url.removesuffix("/v1") + "/tokenize",
+                               json={"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
+        from tforce.model.synthetic import byte_tokenizer
+
+        assert laid_out == byte_tokenizer()("[user] Hi\n[assistant] ").input_ids
+        pre = s.http.options("/chat/completions", headers={"Origin": "http://localhost:3000",
+                                                           "Access-Control-Request-Method": "POST"})
+        assert pre.headers.get("access-control-allow-origin") == "http://localhost:3000"
+        other = s.http.get("/models", headers={"Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        assert s.stop() == 0
+
+
+def test_bad_chat_template_is_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from tforce.cli import app
+
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m['content'] }")
+    r = CliRunner().invoke(app, ["serve", "--chat-template", str(bad), "--port", "0"])
+    assert r.exit_code == 2 and "--chat-template" in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(app, ["serve", "--chat-template", str(tmp_path / "missing.jinja"), "--port", "0"])
+    assert r.exit_code == 2 and "cannot read --chat-template" in r.output, r.output

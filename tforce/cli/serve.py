@@ -46,6 +46,12 @@ def serve(
                                     "used snapshots removed first)."),
     kv_dir_min: int = typer.Option(1024, "--kv-dir-min", help="Prompt tokens a request must prefill to be kept "
                                    "in --kv-dir."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", metavar="FILE",
+                                                help="A Jinja chat template for chat requests: a base model's, or "
+                                                     "one to use instead of the model's own."),
+    allowed_origins: Optional[str] = typer.Option(None, "--allowed-origins",
+                                                  help="Origins whose browser pages may call the API (CORS), "
+                                                       "comma-separated, or '*'."),
     opts: Optional[dict] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
@@ -61,6 +67,8 @@ def serve(
             raise UsageError(f"--max-body must be >= 1, got {max_body}")
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key must not be empty")
+        web = {"chat_template": _read_template(chat_template, opts["template"]),
+               "origins": tuple(x.strip() for x in (allowed_origins or "").split(",") if x.strip())}
         setup = _configure(params, calibrate=False)
         if setup.world > 1:
             raise UsageError("tforce serve runs in one process: --tp and --gpus are not supported yet")
@@ -69,9 +77,29 @@ def serve(
         store = None if kv_dir is None else (kv_dir, parse_size(kv_dir_size, "--kv-dir-size"), kv_dir_min)
         if kv_dir_min < 1:
             raise UsageError(f"--kv-dir-min must be >= 1, got {kv_dir_min}")
-        _serve(setup, host, port, api_key, max_body, ctx_size, name or _served_name(opts["model"], setup.target), store)
+        _serve(setup, host, port, api_key, max_body, ctx_size, name or _served_name(opts["model"], setup.target), store,
+               web)
 
     _guarded(body)
+
+
+def _read_template(file: Optional[str], template: str) -> Optional[str]:
+    """--chat-template's text, checked as Jinja before anything is loaded; None without the option."""
+    if file is None:
+        return None
+    if template == "none":
+        raise UsageError("--chat-template and --template none contradict each other")
+    try:
+        text = Path(file).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read --chat-template {file}: {getattr(e, 'strerror', None) or e}") from e
+    from jinja2 import Environment, TemplateSyntaxError
+
+    try:
+        Environment().parse(text)
+    except TemplateSyntaxError as e:
+        raise UsageError(f"--chat-template {file}: line {e.lineno}: {e.message}") from e
+    return text
 
 
 def _served_name(model: Optional[str], target: str) -> str:
@@ -83,8 +111,9 @@ def _served_name(model: Optional[str], target: str) -> str:
 
 
 def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, ctx_size: Optional[int],
-           name: str, store: Optional[tuple]) -> None:
-    """store: (--kv-dir, its size limit in bytes, --kv-dir-min) or None."""
+           name: str, store: Optional[tuple], web: dict) -> None:
+    """store: (--kv-dir, its size limit in bytes, --kv-dir-min) or None; web: the chat template's text (or
+    None) and the CORS origins."""
     from ..serve.app import Settings, build
     from ..serve.server import listen, run
     from ..serve.worker import Worker
@@ -93,6 +122,8 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
     path, config, tok = _tp_target(setup.target, 1)
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
+    if web["chat_template"] is not None:
+        tok.chat_template = web["chat_template"]
     context = config.max_position_embeddings
     if ctx_size is not None and not 2 <= ctx_size <= context:
         raise UsageError(f"--ctx-size must be in [2, {context}] (the model's context), got {ctx_size}")
@@ -125,7 +156,7 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
     _say(f"tforce: serving {name} ({opts['method']}, {context}-token context) on http://{shown}:{bound}/v1"
          + (" (API key required)" if api_key else ""))
     try:
-        run(build(Settings(worker, name, api_key, max_body, _say, _debug())), sock, worker.stop)
+        run(build(Settings(worker, name, api_key, max_body, _say, _debug(), origins=web["origins"])), sock, worker.stop)
     finally:
         worker.stop()
         worker.join(5)

@@ -10,17 +10,18 @@ import asyncio
 import hmac
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from . import tokens
+from .metrics import Metrics
 from .requests import ApiError, parse
 from .responses import DONE, Done, Shape, event
 from .worker import Job, Worker
@@ -36,6 +37,8 @@ class Settings:
     max_body: int  # bytes
     log: Callable[[str], None]
     debug: bool = False  # a failure's traceback on stderr (TFORCE_DEBUG=1)
+    origins: tuple = ()  # --allowed-origins: browser pages allowed to call the API (CORS)
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 def build(settings: Settings) -> Starlette:
@@ -69,6 +72,10 @@ def build(settings: Settings) -> Starlette:
         _authorize(request, settings)
         return JSONResponse(tokens.tokenizer_info(settings.worker))
 
+    async def metrics(request: Request):
+        _authorize(request, settings)
+        return PlainTextResponse(settings.metrics.text(), media_type="text/plain; version=0.0.4")
+
     async def completions(request: Request):
         return await _generate(request, settings, chat=False)
 
@@ -79,6 +86,7 @@ def build(settings: Settings) -> Starlette:
               Route("/v1/models/{model:path}", _guard(model, settings), methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/v1/health", health, methods=["GET"]),
+              Route("/metrics", _guard(metrics, settings), methods=["GET"]),
               Route("/tokenize", _guard(tokenize, settings), methods=["POST"]),
               Route("/detokenize", _guard(detokenize, settings), methods=["POST"]),
               Route("/tokenizer_info", _guard(tokenizer_info, settings), methods=["GET"]),
@@ -89,7 +97,14 @@ def build(settings: Settings) -> Starlette:
         return _refuse(request, settings, ApiError(exc.status_code, exc.detail or "not found",
                                                    code="not_found" if exc.status_code == 404 else None))
 
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    middleware = []
+    if settings.origins:  # a browser page of another origin (Open WebUI, a notebook) may call the API
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.origins), allow_methods=["*"],
+                                     allow_headers=["*"]))
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
 
 
 def _guard(endpoint, settings: Settings):
@@ -109,6 +124,7 @@ def _guard(endpoint, settings: Settings):
 
 
 def _refuse(request: Request, settings: Settings, e: ApiError) -> JSONResponse:
+    settings.metrics.status(e.status)
     settings.log(f"tforce: serve: {request.method} {request.url.path}: {e.status} {e.message}")
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -229,12 +245,14 @@ class _Line:
     def __init__(self, request: Request, settings: Settings, job: Job):
         self.what = f"{request.method} {request.url.path}"
         self.log, self.t0, self.prompt = settings.log, time.perf_counter(), len(job.ids)
+        self.metrics = settings.metrics
 
     def say(self, how: str) -> None:
         self.log(f"tforce: serve: {self.what}: {how} ({self.prompt} prompt tokens, {time.perf_counter() - self.t0:.2f} s)")
 
     def done(self, done: Done) -> None:
         s = done.stats
+        self.metrics.done(done.prompt_tokens, done.completion_tokens, s)
         acc = ", ".join(f"{k} {v:.1%}" for k, v in s["acceptance"].items() if v is not None)
         per_token = "n/a" if s["ms_per_token"] is None else f"{s['ms_per_token'] / 1000:.4f}"
         self.log(f"tforce: serve: {self.what}: {done.completion_tokens} tokens after {done.prompt_tokens} prompt "

@@ -15,7 +15,7 @@ NO_OPS = {"response_format": {"type": "text"}, "logit_bias": {}, "top_logprobs":
           "functions": [], "tools": [], "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
           "min_p": 0, "n": 1, "best_of": 1, "logprobs": False, "echo": False, "suffix": ""}
 REFUSED = [("presence_penalty", 1.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("min_p", 0.05),
-           ("logprobs", 0), ("top_logprobs", 2), ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}),
+           ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}),
            ("tool_choice", "auto"), ("echo", True)]
 
 
@@ -194,3 +194,65 @@ def test_bad_chat_template_is_one_line(tmp_path):
     assert r.exit_code == 2 and "--chat-template" in r.output and "Traceback" not in r.output, r.output
     r = CliRunner().invoke(app, ["serve", "--chat-template", str(tmp_path / "missing.jinja"), "--port", "0"])
     assert r.exit_code == 2 and "cannot read --chat-template" in r.output, r.output
+
+
+def _target_logprobs(target, ids: list, new: list):
+    """The target alone: log-softmax of its logits at each new token's position (one plain forward)."""
+    import torch
+
+    import tforce
+    from tforce.cache import FullCache
+    from tforce.cache.rope import Rotary
+
+    m = tforce.load_model(str(target), tokenizer=False).model
+    seq = ids + new
+    cache = FullCache(m.config.num_hidden_layers, m.n_kv_heads, m.head_dim, len(seq), Rotary(m.config, len(seq)))
+    cache.begin(len(seq))
+    return torch.log_softmax(m(torch.tensor([seq]), cache)[0].float(), -1)[len(ids) - 1:len(seq) - 1]
+
+
+@pytest.mark.parametrize("method,temperature", [("triforce", 0.0), ("triforce", 0.9), ("ar", 0.9)])
+def test_logprobs_are_the_targets_own(tmp_path_factory, method, temperature):
+    """Each generated token's log-probability (and its alternatives) is the target's log-softmax at its
+    position, from the forward that decided it, whichever level proposed it and whatever the temperature."""
+    from tforce.model.synthetic import byte_tokenizer
+
+    target, draft = tiny_pair(tmp_path_factory.mktemp("serve-logprobs"), template=True)
+    s = Server("-m", str(target), "--draft", str(draft), "--method", method, "--budget", "64", "--draft-budget",
+               "32", "--sinks", "4", "--ctx-size", "256", "--ignore-eos")
+    try:
+        tok = byte_tokenizer()
+        text = "It was the best of times, it was the worst of times"
+        r = s.post("/completions", {"prompt": text, "max_tokens": 16, "temperature": temperature, "seed": 5,
+                                    "logprobs": 3})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        ids = tok(text).input_ids
+        import tforce  # the same draw in-process (a seeded request is tforce run --seed's draw)
+
+        new = tforce.generate(tforce.load_model(str(target)), ids, draft=tforce.load_model(str(draft)), method=method,
+                              max_new_tokens=16, temperature=temperature, seed=5, ignore_eos=True, budget=64,
+                              draft_budget=32, sinks=4).tokens
+        assert tok.decode(new) == r.json()["choices"][0]["text"]
+        assert len(new) == len(lp["token_logprobs"]) == r.json()["usage"]["completion_tokens"] == 16
+        ref = _target_logprobs(target, ids, new)
+        for k, (t, got) in enumerate(zip(new, lp["token_logprobs"])):
+            assert abs(got - float(ref[k, t])) < 1e-4, (k, got, float(ref[k, t]))
+            best = ref[k].topk(3).values.tolist()  # completions' alternatives are a dict by text: two ids may share one
+            alts = list(lp["top_logprobs"][k].values())
+            assert max(alts) == pytest.approx(best[0], abs=1e-4)
+            assert all(any(abs(v - b) < 1e-4 for b in best) for v in alts)
+        # each token's own text: bytes of one character split over tokens decode apart to U+FFFD
+        assert lp["tokens"] == [tok.decode([t]) for t in new]
+        assert lp["text_offset"] == [sum(len(x) for x in lp["tokens"][:k]) for k in range(len(new))]
+        if temperature == 0:  # greedy: each token is its position's most likely
+            assert all(max(d.values()) == pytest.approx(v, abs=1e-6) for d, v in zip(lp["top_logprobs"],
+                                                                                     lp["token_logprobs"]))
+        chat = s.post("/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                            "temperature": 0, "logprobs": True, "top_logprobs": 2})
+        content = chat.json()["choices"][0]["logprobs"]["content"]
+        assert len(content) == 4 and all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
+        plain = s.post("/completions", {"prompt": text, "max_tokens": 2})
+        assert plain.json()["choices"][0]["logprobs"] is None  # off unless asked for
+    finally:
+        assert s.stop() == 0

@@ -55,6 +55,9 @@ class Node:
         self.forwards = 0
         self.row_forwards = 0  # rows fed, over the forwards (a forward of R rows counts R): bench's floors
         self.timer = ForwardTimer(self.device)  # seconds in forwards, read after decoding (stage times)
+        # raw: keep `logprobs`, the log-softmax of the last distributions' logits before any sampling transform
+        # (what a server reports as a token's log-probability), float32 (R, k, V)
+        self.raw, self.logprobs = False, None
 
     def held(self, b: int) -> int:
         return self.cache.lengths[b]
@@ -153,6 +156,8 @@ class Node:
         """Logits (B, k, V) in the model's ids -> the distributions (B, k, V) every level samples from."""
         if self.vocab is not None:
             logits = self.vocab.logits(logits)
+        if self.raw:
+            self.logprobs = torch.log_softmax(logits.float(), -1)
         B, k = logits.shape[:2]
         return to_probs(logits.reshape(-1, logits.shape[-1]), self.sampling).view(B, k, -1)
 
@@ -279,6 +284,7 @@ class Level:
 class Drafter(Level):
     def __init__(self, node: Node):
         self.node = node
+        self.logprobs = None  # with node.raw: per listed row of the last round, its tokens' raw log-probs (1, V)
 
     def round(self, seq, n, gen, rows=None):
         rows = list(range(len(n))) if rows is None else rows
@@ -288,6 +294,7 @@ class Drafter(Level):
         tokens = host(sample(p, gen, self.node.sampling.greedy))
         for b, t in zip(rows, tokens):
             seq[b, n[b]] = t
+        self.logprobs = list(self.node.logprobs[:, :1]) if self.node.raw else None
         return [[t] for t in tokens], list(p[:, None])
 
 
@@ -297,11 +304,13 @@ class SpecLevel(Level):
         self.proposer, self.node, self.gamma, self.window = proposer, node, gamma, window
         self.ids = [0] if ids is None else ids  # live row i is prompt ids[i] (the caller's list, updated in place)
         self.stats = LevelStats(n_prompts, window)
+        self.logprobs = None  # with node.raw: per listed row of the last round, its tokens' raw log-probs (k, V)
 
     def round(self, seq, n, gen, rows=None):
         rows = list(range(len(n))) if rows is None else rows
         drafts, q = self.proposer.propose(seq, n, self.gamma, gen, rows)  # writes seq[b, n:n + gamma]
         p = self.node.probs(seq, [nb + self.gamma for nb in n], last=self.gamma + 1, rows=rows)  # (R, gamma + 1, V)
+        raw = self.node.logprobs if self.node.raw else None
         n_acc, nxt = verify(to_device(drafts, p.device), q.to(p.device), p, gen, greedy=self.node.sampling.greedy)
         tokens, probs = [], []
         for i, (b, a) in enumerate(zip(rows, n_acc)):
@@ -309,4 +318,5 @@ class SpecLevel(Level):
             tokens.append(drafts[i, :a].tolist() + [nxt[i]])
             probs.append(p[i, :a + 1])
             self.stats.count(self.ids[b], self.gamma, a)
+        self.logprobs = None if raw is None else [raw[i, :a + 1] for i in range(len(rows))]
         return tokens, probs

@@ -16,6 +16,7 @@ from ..cache import FullCache, RetrievalCache, StreamingCache
 from ..cache.offload import OffloadedCache
 from ..cache.policies import make_select
 from ..config import Sampling, Speculation
+from ..errors import TforceError
 from ..sync import host
 from .graphs import GraphRunner
 from .levels import Drafter, LevelStats, Node, SpecLevel
@@ -52,6 +53,7 @@ class Session:
         self.seq = self.buffer[0]  # the first row's, a view (conversations and snapshots are one row's)
         self.ids = list(range(rows))  # live row i is prompt ids[i] (Session.keep compacts them)
         self.verified = [0] * rows  # per prompt: rounds of the top level that decided its tokens
+        self.logprobs = None  # record_logprobs: the last round's raw log-probabilities, per live row
         self.next: torch.Tensor | None = None  # (live rows, V): the first tokens' distributions (Session.round)
         self.rebuilds = [0] * rows  # per prompt: retrieval rebuilds while decoding
         p = next(target.parameters())
@@ -302,10 +304,20 @@ class Session:
             for i in stale:
                 self.rebuilds[self.ids[i]] += 1
 
+    def record_logprobs(self, on: bool) -> None:
+        """From the next prefill on, `logprobs` holds after each round the raw log-probabilities (the target's
+        log-softmax, before temperature and top-p/top-k) of each live row's new tokens' positions: one row (k,
+        V) per token, from the forwards that decided them (no extra pass). One row only: a prefill over several
+        rows takes their last logits from different chunks."""
+        if on and len(self.buffer) != 1:
+            raise TforceError("log-probabilities are recorded for a session of one row")
+        self.full.raw, self.logprobs = on, None
+
     def _first(self, n: list[int], gen: torch.Generator) -> list[list[int]]:
         """Every live row's first new token, drawn from the prefill's distribution of it (`next`) and
         written at buffer[i, n[i]]: exactly the target's, as every round's tokens are."""
         tokens = host(sample(self.next, gen, self.sampling.greedy))
+        self.logprobs = list(self.full.logprobs[:, -1:]) if self.full.raw else None  # the prefill's last forward
         self.next = None
         for i, t in enumerate(tokens):
             self.buffer[i, n[i]] = t
@@ -318,6 +330,7 @@ class Session:
             return self._first(n, gen)
         self._maybe_rebuild(n)
         tokens, _ = self.top.round(self.buffer, n, gen)
+        self.logprobs = self.top.logprobs if self.full.raw else None
         for r in self.ids:
             self.verified[r] += 1
         return tokens

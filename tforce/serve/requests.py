@@ -30,7 +30,7 @@ class ApiError(Exception):
 
 # Parameters that would change what is returned in ways tforce does not implement: refused when set to
 # anything but one of their no-op values (None, absent, or these, as clients send them by default).
-_NO_OP = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "suffix": ("",),
+_NO_OP = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
           "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
           "logit_bias": ({},), "response_format": ({"type": "text"},), "presence_penalty": (0,),
           "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,)}
@@ -54,6 +54,7 @@ class Ask:
     seed: Optional[int] = None
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk carrying usage
+    logprobs: Optional[int] = None  # report each generated token's log-probability and this many alternatives
 
 
 def json_object(raw: bytes) -> dict:
@@ -84,13 +85,37 @@ def parse(raw: bytes, chat: bool) -> Ask:
                   temperature=_number(body, "temperature", 0, 2), top_p=_number(body, "top_p", 0, 1, low_open=True),
                   top_k=_top_k(body),
                   stop=_stops(body.get("stop")), seed=_integer(body, "seed", -2**63, 2**64 - 1),
-                  stream=_flag(body, "stream"), include_usage=_flag(stream_options, "include_usage"))
+                  stream=_flag(body, "stream"), include_usage=_flag(stream_options, "include_usage"),
+                  logprobs=_logprobs(body, chat))
     if chat:
         return Ask(chat=True, messages=parse_messages(body.get("messages")), **common)
     prompt = _prompt(body.get("prompt"))
     if isinstance(prompt, tuple):
         return Ask(chat=False, prompt_ids=prompt, **common)
     return Ask(chat=False, prompt=prompt, **common)
+
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API
+
+
+def _logprobs(body: dict, chat: bool) -> Optional[int]:
+    """None (no log-probabilities), or how many alternatives each token lists: completions' `logprobs: N`;
+    chat's `logprobs: true` with `top_logprobs: N` (default 0)."""
+    if chat:
+        on = _flag(body, "logprobs")
+        top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if top and not on:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        n = (top or 0) if on else None
+    else:
+        if body.get("logprobs") is False:
+            return None
+        n = _integer(body, "logprobs", 0, MAX_LOGPROBS)
+        if body.get("top_logprobs"):
+            raise ApiError(400, "completions take logprobs: N (top_logprobs is chat's)", param="top_logprobs")
+    if n is not None and _flag(body, "stream"):
+        raise ApiError(400, "logprobs with stream: true are not supported yet (ask without stream)", param="logprobs")
+    return n
 
 
 def _same(a, b) -> bool:

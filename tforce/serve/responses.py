@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Optional
 from dataclasses import dataclass
 
 
@@ -18,6 +19,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     stats: dict
+    logprobs: Optional[dict] = None  # the choice's "logprobs" object (token_logprobs), when asked for
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -38,10 +40,10 @@ class Shape:
 
     def whole(self, text: str, done: Done) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": done.logprobs,
                       "finish_reason": done.finish_reason}
             return self._object("chat.completion", [choice], usage=done.usage(), tforce=done.stats)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": done.logprobs, "finish_reason": done.finish_reason}
         return self._object("text_completion", [choice], usage=done.usage(), tforce=done.stats)
 
     def chunk(self, text: str, first: bool = False) -> str:
@@ -65,6 +67,41 @@ class Shape:
     def _event(self, choice, **extra) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return event(self._object(kind, [] if choice is None else [choice], **extra))
+
+
+def token_logprobs(tok, picked: list, top: int, chat: bool) -> dict:
+    """The choice's "logprobs" for (token id, raw log-probs (V,)) of each generated token, with `top`
+    alternatives each: chat's {"content": [{token, logprob, bytes, top_logprobs}]}, completions' {tokens,
+    token_logprobs, top_logprobs, text_offset}. A token's text is its own decoding (a piece of a multi-byte
+    character decodes to U+FFFD; `bytes` has its UTF-8 bytes as decoded)."""
+    entries = []
+    for t, row in picked:
+        alts = []
+        if top:
+            values, ids = row.topk(top)
+            alts = list(zip(ids.tolist(), values.tolist()))
+        entries.append((int(t), float(row[t]), alts))
+
+    def text(i: int) -> str:
+        return tok.decode([i])
+
+    if chat:
+        def item(i, lp):
+            return {"token": text(i), "logprob": lp, "bytes": list(text(i).encode("utf-8"))}
+        return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in alts]} for t, lp, alts in entries]}
+    offsets, at = [], 0
+    for t, _, _ in entries:
+        offsets.append(at)
+        at += len(text(t))
+
+    def by_text(alts: list) -> dict:  # completions' alternatives are keyed by text: two ids may share one
+        out: dict = {}
+        for i, v in alts:  # most likely first: a shared text keeps its likelier id's value
+            out.setdefault(text(i), v)
+        return out
+
+    return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [by_text(alts) for _, _, alts in entries] if top else None, "text_offset": offsets}
 
 
 def event(obj: dict) -> str:

@@ -39,7 +39,7 @@ from ..engine.session import _sync_device
 from ..engine.stops import StopStrings
 from .kv_store import KVStore, shared_prefix
 from .requests import ApiError, Ask
-from .responses import Done
+from .responses import Done, token_logprobs
 
 
 class Cancelled(Exception):
@@ -56,6 +56,7 @@ class Job:
     sampling: Sampling
     stops: tuple
     chat: bool
+    logprobs: Optional[int] = None  # Ask.logprobs: alternatives per token, None for no log-probabilities
     post: Callable = lambda item: None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -124,7 +125,8 @@ class Worker:
                             d.seed if ask.seed is None else ask.seed)
         _usage(sampling.validate)
         wanted = self.max_new if ask.max_tokens is None else ask.max_tokens
-        return Job(ids, min(wanted, self.context - len(ids)), sampling, ask.stop or self.stops, ask.chat)
+        return Job(ids, min(wanted, self.context - len(ids)), sampling, ask.stop or self.stops, ask.chat,
+                   ask.logprobs)
 
     def _encode(self, ask: Ask) -> list:
         if ask.prompt_ids is not None:
@@ -201,9 +203,7 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         s = self.session
-        device = next(self.target.parameters()).device
         t0 = time.perf_counter()
-        prompt = torch.tensor(job.ids)
 
         def check(*_):  # prefill progress: a prompt not yet answered is dropped when the server stops
             job.check()
@@ -211,6 +211,17 @@ class Worker:
                 raise Cancelled()
 
         s.resample(job.sampling)
+        s.record_logprobs(job.logprobs is not None)
+        try:
+            self._generate(job, check, t0)
+        finally:
+            s.record_logprobs(False)
+
+    def _generate(self, job: Job, check: Callable, t0: float) -> None:
+        """_run's work once the session draws from the job's sampling (and records log-probabilities if asked)."""
+        s = self.session
+        device = next(self.target.parameters()).device
+        prompt = torch.tensor(job.ids)
         loaded = self.store.restore(s, prompt, self._held(prompt)) if self.store is not None else None
         if loaded is not None:
             self.marked = None  # the streaming caches hold the snapshot's states now
@@ -224,11 +235,14 @@ class Worker:
         stops = StopStrings(self.tok, job.stops)
         stream = TextStream(self.tok, _Events(job.post), stops=stops or None)
         first: list = []
+        picked: list = []  # (token, its raw log-probs (V,)) per generated token, with job.logprobs
 
         def on_token(tokens):
             job.check()
             if not first:
                 first.append(time.perf_counter())
+            if job.logprobs is not None:  # the rows of the forwards that decided these tokens (Session.logprobs)
+                picked.extend(zip(tokens, s.logprobs[0][:len(tokens)]))
             stream.add(tokens)
 
         def until(tokens):  # a stop string, or the server stopping: the answer so far ends cleanly
@@ -248,7 +262,8 @@ class Worker:
                      "ms_per_token": stats["ms_per_token"], "acceptance": stats["acceptance"],
                      "tokens_per_verification": stats["tokens_per_verification"],
                      "method": s.spec.method, **({"server_stopped": True} if self.stopping else {})}
-        job.post(("done", text, Done("stop" if stopped else "length", len(job.ids), len(out), extension)))
+        logprobs = None if job.logprobs is None else token_logprobs(self.tok, picked, job.logprobs, job.chat)
+        job.post(("done", text, Done("stop" if stopped else "length", len(job.ids), len(out), extension, logprobs)))
 
     def _held(self, prompt: torch.Tensor) -> int:
         """How many of the prompt's tokens, but its last (the prefill feeds it again for the first token), the

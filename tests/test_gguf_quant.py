@@ -148,6 +148,8 @@ def test_info_says_what_the_projections_are_stored_as(files):
 
     r = CliRunner().invoke(app, ["info", "-m", str(files["q4_1"]), "--json"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["model"]["quantized"] == {"int4 (Q4_1, mapped)": 14}
+    model = json.loads(r.stdout)["model"]
+    assert model["quantized"] == {"int4 (Q4_1, mapped)": 14}
+    assert model["weights_file_bytes"] == (resolve(str(files["q4_1"])) / "model.safetensors").stat().st_size
     r = CliRunner().invoke(app, ["info", "-m", str(files["q5_0"])])
     assert r.exit_code == 0 and "14 int8 (Q5_0, re-quantized)" in r.stdout, r.output

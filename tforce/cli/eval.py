@@ -13,6 +13,7 @@ import typer
 
 from ..config import POLICIES, Sampling, Speculation
 from ..errors import UsageError
+from . import options as o
 from .app import app
 from .common import DTYPES, THREADS_HELP, _device, _guarded, _say, _threads, flag
 from .setup import _default_draft
@@ -66,6 +67,7 @@ def eval_(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16"),
+    weights: str = o.WEIGHTS,
     as_json: bool = flag("--json", "Print the results as one JSON object."),
 ) -> None:
     """Acceptance of Top-K, StreamingLLM, H2O and retrieval caches at the same budget (Table 1, Fig. 5/6)."""
@@ -114,11 +116,15 @@ def eval_(
         cfg.books = [Path(f).stem for f in files]
         texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
         _threads(threads)
+        from ..model.quant import CHOICES
+
+        if weights not in CHOICES:
+            raise UsageError(f"--weights must be {', '.join(CHOICES)}, got {weights!r}")
         dev = _device(device)
         from ..model.weights import load_model
 
         torch_dtype = None if dtype == "auto" else dtype
-        loaded = load_model(model, device=dev, dtype=torch_dtype)
+        loaded = load_model(model, device=dev, dtype=torch_dtype, weights=weights)
         context_max = loaded.config.max_position_embeddings
         longest = max(cfg.contexts) + max(cfg.gen_len, cfg.needle_gen_len)
         if longest > context_max:  # generation would stop early at the context's end, unlike the rest

@@ -153,6 +153,8 @@ def info(
             record["model"] = {"name": model, "path": str(path), "planned_from": "config.json",
                                **_arch(config, context or config.max_position_embeddings, dtype), **_prompt(path, config),
                                "quantized": _quantized(path)}
+            if record["model"]["quantized"]:  # a converted GGUF: what its weights take on disk, as loaded
+                record["model"]["weights_file_bytes"] = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         if synthetic is not None:
             from ..model.synthetic import ARCHITECTURES, make_config
 
@@ -226,7 +228,8 @@ def _print_info(r: dict) -> None:
             t.add_row("planned from", "the model's config.json, not its weights (neither downloaded nor read)")
         if m.get("quantized"):
             t.add_row("stored projections", ", ".join(f"{n} {k}" for k, n in m["quantized"].items())
-                      + "; kept so on the CPU, dequantized into the dtype elsewhere")
+                      + f"; kept so on the CPU, dequantized into the dtype elsewhere; weights "
+                        f"{_gib(m['weights_file_bytes'])} on disk")
         t.add_row("architecture", f"{m['model_type']}: {m['layers']} layers, hidden {m['hidden_size']}, "
                                   f"{m['heads']} heads, {m['kv_heads']} kv heads, head dim {m['head_dim']}")
         t.add_row("context / rope", f"{m['context']} tokens, rope {m['rope_type']} (theta {m['rope_theta']})")

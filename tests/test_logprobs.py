@@ -49,3 +49,24 @@ def test_off_by_default_and_one_row_only(tiny):
     two = Session(target, None, 32, 8, Speculation(method="ar"), Sampling(temperature=0.0), rows=2)
     with pytest.raises(TforceError, match="one row"):
         two.record_logprobs(True)
+
+
+@pytest.mark.parametrize("method", ["ar", "triforce"])
+def test_recorded_logprobs_equal_transformers(tiny_dir, tiny, method):
+    """The same values as transformers' own model on the same weights computes (float32, CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    target, draft = tiny["gqa"].model, tiny["draft"].model
+    prompt = list(range(5, 65))
+    s = open_session(target, draft, 100, 1, method=method, budget=32, draft_budget=16, sinks=4, chunk_size=4,
+                     temperature=0.7, top_p=0.9, seed=3)
+    s.record_logprobs(True)
+    s.prefill([torch.tensor(prompt)])
+    rows = []
+    out = decode_one(s, len(prompt), 16, generator(target, 3), set(),
+                     lambda tokens: rows.extend(s.logprobs[0][:len(tokens)]))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir / "gqa", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+    assert (torch.stack(rows) - ref).abs().max() < 1e-4

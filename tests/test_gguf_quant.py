@@ -48,7 +48,7 @@ def test_q8_blocks_dequantize_exactly():
     raw = gguf.quants.quantize(w, Q.Q8_0)
     state = q8_blocks(raw, "t", 10, 64)
     assert state["t.q8"].dtype == torch.int8 and state["t.q8_scales"].dtype == torch.float16
-    expand_q8(state)
+    expand_q8(state, torch.float32)
     assert torch.equal(state["t"], torch.from_numpy(gguf.quants.dequantize(raw, Q.Q8_0)))
 
 

@@ -63,10 +63,7 @@ def bench(
                                                       "float16 | bfloat16"),
     offload: str = o.OFFLOAD,
     gpu_memory: Optional[str] = o.GPU_MEMORY,
-    weights: str = typer.Option("auto", "--weights",
-                                help="auto: as the checkpoint has them (in --dtype; a GGUF's projections kept quantized on the CPU) | "
-                                     "float: in --dtype | int8 (per channel) | int4 (groups of 32): the target's projections "
-                                     "quantized at load (CPU, one process)."),
+    weights: str = o.WEIGHTS,
     peers: Optional[str] = typer.Option(None, "--peers",
                                         help="hf: also time transformers' own generate on the same weights and "
                                              "prompt: plain, assisted by the draft, prompt lookup, offloaded "
@@ -118,10 +115,9 @@ def bench(
         engine["prefill_chunk"] = prefill_chunk
         Sampling(temperature=temperature, top_p=top_p, seed=seed).validate()
         project = _project_option(project_at)
-        from ..model.quant import CHOICES
+        from ..model.quant import check_weights
 
-        if weights not in CHOICES:
-            raise UsageError(f"--weights must be {', '.join(CHOICES)}, got {weights!r}")
+        check_weights(weights)
         cfg = b.BenchConfig(methods=names, prompt_len=length, gen_len=gen_len, temperature=temperature,
                             top_p=top_p, seed=seed, engine=engine, peers=peer_names, project=project,
                             weights=weights, **_placement_options(offload, gpu_memory))

@@ -116,10 +116,9 @@ def eval_(
         cfg.books = [Path(f).stem for f in files]
         texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
         _threads(threads)
-        from ..model.quant import CHOICES
+        from ..model.quant import check_weights
 
-        if weights not in CHOICES:
-            raise UsageError(f"--weights must be {', '.join(CHOICES)}, got {weights!r}")
+        check_weights(weights)
         dev = _device(device)
         from ..model.weights import load_model
 

@@ -149,11 +149,10 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     placement_options = _placement_options(p["offload"], p["gpu_memory"])
     _threads(p["threads"])
     world, dev = _parallel(p["tp"], p["gpus"], p["device"])
-    from ..model.quant import CHOICES, SCHEMES
+    from ..model.quant import SCHEMES, check_weights
 
     weights = p.get("weights", "auto")
-    if weights not in CHOICES:
-        raise UsageError(f"--weights must be {', '.join(CHOICES)}, got {weights!r}")
+    check_weights(weights)
     if weights in SCHEMES and (world > 1 or dev != "cpu"):
         raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far (--device cpu)")
     dtype = _dtype_name(None if p["dtype"] == "auto" else p["dtype"], dev)

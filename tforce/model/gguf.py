@@ -127,8 +127,8 @@ def _write_marker(folder: Path, digest: str, source: str) -> None:
 
 def complete(entry: Path, digest: str) -> bool:
     """Whether `entry` is a finished conversion of the file with this sha256 in this FORMAT: its marker there
-    and naming it,
-    every file it lists present at its size (a truncated file is not), every JSON file readable."""
+    and naming it, every file it lists present at its size (a truncated file is not), every JSON file
+    readable."""
     try:
         marker = json.loads((entry / MARKER).read_text())
         files = marker["files"]

@@ -60,19 +60,20 @@ def scheme_for(qtype) -> tuple[str | None, str]:
 
 def q4_blocks(raw: np.ndarray, qtype, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_0 / Q4_1 bytes (N, K / 32 * block) -> (codes uint8 (N, K) in 0..15, scales_and_zeros float32
-    (K / 32, N, 2): the file's values; QuantLinear rounds them to bfloat16 for the kernel). A block: d (float16), for Q4_1 m (float16), then 16 bytes whose low nibbles are the
-    block's first 16 codes and high nibbles its last 16; its values are d (q - 8) (Q4_0), d q + m (Q4_1)."""
+    (K / 32, N, 2): the file's values; QuantLinear rounds them to bfloat16 for the kernel). A block: d
+    (float16), for Q4_1 m (float16), then 16 bytes whose low nibbles are the block's first 16 codes and high
+    nibbles its last 16; its values are d (q - 8) (Q4_0), d q + m (Q4_1)."""
     from gguf import GGMLQuantizationType as Q
 
     head = 2 if qtype == Q.Q4_0 else 4
     blocks = np.ascontiguousarray(raw).reshape(N, K // GROUP, head + 16)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(blocks, 0).astype(np.float32)
     qs = blocks[..., head:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(N, K)
     if qtype == Q.Q4_0:
         zero = np.zeros_like(d)
     else:
-        zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
+        zero = _f16(blocks, 2).astype(np.float32) + 8 * d
     sz = torch.from_numpy(np.stack([d, zero], -1)).transpose(0, 1).contiguous()
     return torch.from_numpy(codes.astype(np.uint8)), sz
 
@@ -81,9 +82,14 @@ def q8_blocks(raw: np.ndarray, name: str, N: int, K: int) -> dict:
     """Q8_0 bytes (N, K / 32 * 34) -> {name.q8: int8 (N, K), name.q8_scales: float16 (N, K / 32)}: blocks of
     32 values d q, d (float16) first; dequantized exactly at load (quant_stored.expand_q8)."""
     blocks = np.ascontiguousarray(raw).reshape(N, K // GROUP, 34)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0]
+    d = _f16(blocks, 0)
     q = blocks[..., 2:].copy().view(np.int8).reshape(N, K)
     return {f"{name}.q8": torch.from_numpy(q), f"{name}.q8_scales": torch.from_numpy(d)}
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 each block (the last axis, bytes) holds at byte `at`."""
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0]
 
 
 def _rows(N: int, heads: int) -> np.ndarray:
@@ -95,7 +101,8 @@ def _rows(N: int, heads: int) -> np.ndarray:
 def read_state(file, arch: str, heads: int, kv_heads: int) -> tuple[dict, dict]:
     """(state dict, {module: {"scheme", "source", "how"}} of the quantized projections) of GGUF `file`.
     A quantized projection `m` is stored as m.qweight (int8 (N, K), or int4 codes two to a byte, uint8
-    (N, K / 2): quant.pack_int4) and m.scales (bfloat16, the kernel's layout)."""
+    (N, K / 2): quant.pack_int4) and m.scales (the kernel's layout: float32 for mapped Q4 blocks, the file's
+    values; bfloat16 where re-quantized)."""
     from gguf import GGUFReader, quants
     from gguf import GGMLQuantizationType as Q
 
@@ -118,14 +125,14 @@ def read_state(file, arch: str, heads: int, kv_heads: int) -> tuple[dict, dict]:
             if perm is not None:
                 codes, sz = codes[perm], sz[:, perm]
             state[f"{module}.qweight"], state[f"{module}.scales"] = pack_int4(codes), sz
+        elif not projection and t.tensor_type == Q.Q8_0 and perm is None:
+            state.update(q8_blocks(t.data, name, *shape))  # the cache keeps its bytes (quant_stored)
+            continue
         else:
             if t.tensor_type in (Q.F32, Q.F16):
                 w = np.asarray(t.data, dtype=np.float32)
             else:
                 w = quants.dequantize(t.data, t.tensor_type)
-            if not projection and t.tensor_type == Q.Q8_0 and perm is None:
-                state.update(q8_blocks(t.data, name, *shape))  # the cache keeps its bytes (quant_stored)
-                continue
             w = torch.from_numpy(np.array(w, dtype=np.float32)).reshape(shape)  # a copy: the file is read-only
             if perm is not None:
                 w = w[perm]

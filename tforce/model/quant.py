@@ -169,13 +169,19 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
 
 
-def quantize(model: nn.Module, scheme: str, skip_quantized: bool = False) -> nn.Module:
-    """Replace every layer's projections of `model` (network.Llama) by QuantLinear, in place; returns it.
-    A shape the scheme cannot take is refused (UsageError) before anything is replaced. skip_quantized:
-    projections that are QuantLinear already are left as they are (a GGUF's, quant_stored.install)."""
+def check_weights(weights: str) -> None:
+    """--weights, checked (UsageError, one line)."""
+    if weights not in CHOICES:
+        raise UsageError(f"--weights must be {', '.join(CHOICES)}, got {weights!r}")
+
+
+def quantize(model: nn.Module, scheme: str) -> nn.Module:
+    """Replace every layer's floating-point projections of `model` (network.Llama) by QuantLinear, in place
+    (those already QuantLinear, a GGUF's as quant_stored.install left them in this scheme, stay); returns it.
+    A shape the scheme cannot take is refused (UsageError) before anything is replaced."""
     if next(model.parameters()).device.type != "cpu":
         raise UsageError(f"--weights {scheme} runs on the CPU only, so far")
-    if getattr(model, "weights", "auto") != "auto" and not skip_quantized:
+    if getattr(model, "weights", "auto") != "auto":
         raise UsageError(f"the model's projections are {model.weights} already")
     kernel = "_weight_int8pack_mm" if scheme == "int8" else "_weight_int4pack_mm_for_cpu"
     if not hasattr(torch.ops.aten, kernel):

@@ -17,13 +17,14 @@ QUANTIZED = "quantization.json"  # {module: {"scheme", "source", "how"}}, writte
 STORED = (".qweight", ".scales", ".q8", ".q8_scales")
 
 
-def expand_q8(state: dict) -> None:
-    """Each name.q8 / name.q8_scales pair of `state` -> name, float32 (N, K): every value d q exactly."""
+def expand_q8(state: dict, dtype: torch.dtype) -> None:
+    """Each name.q8 / name.q8_scales pair of `state` -> name (N, K) in dtype: every value d q, exact in
+    float32."""
     for key in [k for k in state if k.endswith(".q8")]:
         name = key[:-len(".q8")]
         q, d = state.pop(key), state.pop(f"{name}.q8_scales")
         N, K = q.shape
-        state[name] = (q.float().view(N, -1, 32) * d.float()[..., None]).view(N, K)
+        state[name] = (q.float().view(N, -1, 32) * d.float()[..., None]).view(N, K).to(dtype)
 
 
 def read_quantized(path: Path) -> dict:

@@ -15,8 +15,8 @@ from transformers import AutoConfig
 from ..errors import TforceError, UsageError
 from .families import FAMILIES, sliding_window
 from .network import Llama
-from .quant import CHOICES, SCHEMES, quantize
-from .quant_stored import STORED, expand_q8, install, read_quantized
+from .quant import SCHEMES, check_weights, quantize
+from .quant_stored import expand_q8, install, read_quantized
 from .weight_files import other_format, read_tensors, refuse_quantized, weight_files
 
 # Short names for the long-context models tforce targets, with the default draft: one that shares the
@@ -153,8 +153,8 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
     world > 1: the model of tensor-parallel rank `rank` (sharding.apply_tp's layout), reading from the
     files only that rank's slice of each sharded weight, the rest whole (weight_files.read_tensors: what
     that costs in host memory for each format)."""
-    if weights not in (None,) + CHOICES:
-        raise UsageError(f"--weights must be {', '.join(CHOICES)}, got {weights!r}")
+    if weights is not None:
+        check_weights(weights)
     if weights in SCHEMES and (not str(device).startswith("cpu") or world > 1):
         raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far")
     path = resolve(name_or_path)
@@ -181,8 +181,7 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
         state.pop("lm_head.weight", None)
     kept = "auto"
     if quantized:
-        expand_q8(state)
-        state = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith(STORED) else v) for k, v in state.items()}
+        expand_q8(state, dtype)  # read_tensors gave every other float tensor in dtype already
         kept = install(model, state, quantized, weights, dtype, str(device).startswith("cpu"))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")
@@ -194,9 +193,10 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device).eval()
-    model.weights = kept
-    if weights in SCHEMES:
-        quantize(model, weights, skip_quantized=True)
+    if weights in SCHEMES:  # a float model's projections, or those a GGUF kept in floating point
+        quantize(model, weights)
+    else:
+        model.weights = kept
     tok = _load_tokenizer(path) if tokenizer else None
     return LoadedModel(model, tok, path, name_or_path)
 

@@ -58,8 +58,10 @@ demo-smollm2:
 	$(BIN)/tforce run --method ar -n 48 --temperature 0 </dev/null; echo
 	@echo "--- tforce run --method triforce ---" >&2
 	$(BIN)/tforce run --method triforce -n 48 --temperature 0 $(MIDDLE) </dev/null; echo
-	@echo "--- tforce bench: auto, ar and triforce beside transformers (1,000 tokens of the excerpt) ---" >&2
-	$(BIN)/tforce bench --prompt-len 1000 --gen-len 32 --methods auto,ar,triforce --peers hf --temperature 0 $(MIDDLE)
+	@echo "--- tforce bench: auto, ar and triforce beside transformers (1,000 tokens of the excerpt; the" >&2
+	@echo "    file's values in float32 on both sides: --weights float) ---" >&2
+	$(BIN)/tforce bench --prompt-len 1000 --gen-len 32 --methods auto,ar,triforce --peers hf --temperature 0 \
+		--weights float $(MIDDLE)
 
 # `tforce run` with no model and no prompt uses the demo pair on the excerpt + question (tforce/text/demo.py).
 demo-trained:

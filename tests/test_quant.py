@@ -122,7 +122,7 @@ def test_bench_weights(pair):
     assert result.exit_code == 0, (result.output, result.exception)
     r = json.loads(result.stdout)
     assert r["weights"] == "int4" and plain["weights"] == "auto"
-    assert all(p["skipped"].startswith("quantized weights") for p in r["peers"])
+    assert all(p["skipped"].startswith("quantized projections") for p in r["peers"])
 
     def floor_bytes(report):  # the floor is the bytes a step reads over the bandwidth measured beside it
         return report["runs"][0]["floors"]["step_floor_ms"]["full"] * report["device_gbps"]

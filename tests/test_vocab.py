@@ -63,12 +63,21 @@ class _Tok:
 
 def test_tokenizers_are_compared_on_the_rows_both_tables_hold():
     base = {"a": 0, "b": 1, "c": 2}
-    check_tokenizers(_Tok(base), _Tok({**base, "<pad>": 3}), "d", rows=3)  # an added token past the table
+    check_tokenizers(_Tok(base), _Tok({**base, "<pad>": 3}), "d", 3, 3)  # an added token past the table
     with pytest.raises(tforce.UsageError, match="1 tokens differ, e.g. '<pad>'"):
-        check_tokenizers(_Tok(base), _Tok({**base, "<pad>": 3}), "d", rows=4)
+        check_tokenizers(_Tok(base), _Tok({**base, "<pad>": 3}), "d", 4, 4)
     with pytest.raises(tforce.UsageError, match="2 tokens differ"):
-        check_tokenizers(_Tok(base), _Tok({"a": 0, "b": 2, "c": 1}), "d", rows=3)
-    check_tokenizers(None, _Tok(base), "d", rows=3)  # nothing to compare
+        check_tokenizers(_Tok(base), _Tok({"a": 0, "b": 2, "c": 1}), "d", 3, 3)
+
+
+def test_a_tokenizer_missing_takes_only_the_targets_table_size():
+    """Nothing to compare: the same table size is taken, another (a 16-row draft for a 512-row target ran
+    at 0% acceptance when it was taken) is refused, naming the missing side."""
+    check_tokenizers(None, _Tok({"a": 0}), "d", 3, 3)
+    with pytest.raises(tforce.UsageError, match="the target's tokenizer is missing"):
+        check_tokenizers(None, _Tok({"a": 0}), "d", 512, 16)
+    with pytest.raises(tforce.UsageError, match="16 embedding rows, the target 512, and the draft's tokenizer"):
+        check_tokenizers(_Tok({"a": 0}), None, "d", 512, 16)
 
 
 def _prompt(seed: int, n: int = 29) -> list[int]:
@@ -129,9 +138,11 @@ def _refusal(result, needle: str) -> None:
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory, wide):
-    """A draft whose table is larger than the target's, and one with another tokenizer (two ids swapped)."""
+    """A draft whose table is larger than the target's, one with another tokenizer (two ids swapped), and
+    one with a 16-row table and no tokenizer files (nothing to compare it by)."""
     root = tmp_path_factory.mktemp("pairs")
     make_checkpoint(root / "larger", seed=5, vocab_size=WIDE + 1, **TINY["draft"])
+    make_checkpoint(root / "no-tokenizer", seed=7, vocab_size=16, tokenizer=False, **TINY["draft"])
     other = make_checkpoint(root / "other-tokenizer", seed=6, **TINY["draft"])
     data = json.loads((other / "tokenizer.json").read_text())
     vocab = data["model"]["vocab"]
@@ -146,7 +157,8 @@ def test_cli_refuses_a_larger_table_and_another_tokenizer(wide, pairs, command):
     path, _ = wide
     args = ["-p", "hi"] if command == "run" else ["--prompt-len", "16", "--gen-len", "2", "--methods", "triforce"]
     runner = CliRunner()
-    for draft, needle in (("larger", "is larger than the target's (300)"), ("other-tokenizer", "another tokenizer")):
+    for draft, needle in (("larger", "is larger than the target's (300)"), ("other-tokenizer", "another tokenizer"),
+                          ("no-tokenizer", "16 embedding rows, the target 300, and the draft's tokenizer is missing")):
         _refusal(runner.invoke(app, [command, "-m", str(path), "--draft", str(pairs / draft), *args]), needle)
 
 

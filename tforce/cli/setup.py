@@ -273,7 +273,7 @@ def _draft_config(draft: str, target_config, target_tok):
 
     path, config = _read_config(draft, "draft model")
     check_sizes(target_config.vocab_size, config.vocab_size)
-    check_tokenizers(target_tok, _load_tokenizer(path), str(path), min(target_config.vocab_size, config.vocab_size))
+    check_tokenizers(target_tok, _load_tokenizer(path), str(path), target_config.vocab_size, config.vocab_size)
     return config
 
 

@@ -29,12 +29,16 @@ def _module(m):
 
 
 def _modules(target, draft):
-    """(target, draft) as networks; given as LoadedModels with tokenizers, a draft with another tokenizer
-    than the target's is refused here, where the tokenizers are still at hand (vocab.py)."""
+    """(target, draft) as networks; given as LoadedModels with their tokenizers, a draft with another
+    tokenizer than the target's is refused here, where the tokenizers are still at hand (vocab.py). Bare
+    networks, or a model loaded without its tokenizer (the CLI checks the folders before loading), carry
+    nothing to compare: the caller vouches for the pair."""
     if draft is None:
         return _module(target), None
-    check_tokenizers(getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None),
-                     str(getattr(draft, "path", "model")), min(target.config.vocab_size, draft.config.vocab_size))
+    target_tok, draft_tok = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
+    if target_tok is not None and draft_tok is not None:
+        check_tokenizers(target_tok, draft_tok, str(getattr(draft, "path", "model")),
+                         target.config.vocab_size, draft.config.vocab_size)
     return _module(target), _module(draft)
 
 

@@ -46,12 +46,19 @@ def check_sizes(target_vocab: int, draft_vocab: int) -> None:
                          f"({target_vocab}): the draft must share the target's tokenizer")
 
 
-def check_tokenizers(target_tok, draft_tok, draft_name: str, rows: int | None = None) -> None:
+def check_tokenizers(target_tok, draft_tok, draft_name: str, target_vocab: int, draft_vocab: int) -> None:
     """Refuses a draft whose tokenizer gives other ids than the target's: their token -> id maps must agree
-    on the ids below `rows` (the shorter embedding table; tokens a tokenizer adds past it, such as a
-    padding token, are not compared). Either tokenizer missing: nothing to compare."""
+    on the ids below the shorter embedding table (tokens a tokenizer adds past it, such as a padding token,
+    are not compared). Where either tokenizer is missing nothing can be compared, and only a draft with the
+    target's own table size is taken (a table of another size is a tokenizer of another size)."""
     if target_tok is None or draft_tok is None:
+        if target_vocab != draft_vocab:
+            missing = "the target's" if target_tok is None else "the draft's"
+            raise UsageError(f"the draft {draft_name} has {draft_vocab} embedding rows, the target {target_vocab}, and "
+                             f"{missing} tokenizer is missing, so the two cannot be compared: a draft must share "
+                             "the target's tokenizer (give both folders their tokenizer files)")
         return
+    rows = min(target_vocab, draft_vocab)
     ours, theirs = _below(target_tok.get_vocab(), rows), _below(draft_tok.get_vocab(), rows)
     if ours == theirs:
         return
@@ -60,5 +67,5 @@ def check_tokenizers(target_tok, draft_tok, draft_name: str, rows: int | None = 
                      f"e.g. {differ[0]!r}): a draft must share the target's tokenizer")
 
 
-def _below(vocab: dict, rows: int | None) -> dict:
-    return vocab if rows is None else {t: i for t, i in vocab.items() if i < rows}
+def _below(vocab: dict, rows: int) -> dict:
+    return {t: i for t, i in vocab.items() if i < rows}

@@ -3,7 +3,9 @@ projections (a GGUF's dequantized: --weights float) and quantized (tforce/model/
 it loads by default, `auto`: Q4_0/Q4_1 kept code for code), and how often greedy next-token choices agree.
 
 One forward over the whole text per variant (a prefill through tforce's own model and full cache), then
-the log-likelihood of each token given the ones before it. Agreement: the fraction of positions where
+the log-likelihood of each token given the ones before it. The quantized products go through the packed
+kernels for every row, as a decode step's do (a prefill chunk's would dequantize: quant.DEQUANTIZE_ROWS).
+Agreement: the fraction of positions where
 the quantized model's argmax equals float32's.
 
     python scripts/quant_quality.py [MODEL] [TEXT_FILE] [TOKENS]
@@ -19,6 +21,7 @@ import torch
 
 import tforce
 from tforce.cache.full import FullCache
+from tforce.model import quant
 from tforce.cache.rope import Rotary
 
 
@@ -32,6 +35,7 @@ def logits_of(model, ids: list[int]) -> torch.Tensor:
 
 def main(name: str, text_file: str, n: int) -> None:
     torch.set_num_threads(2)
+    quant.DEQUANTIZE_ROWS = 1 << 62  # the kernels, as in decoding
     loaded = tforce.load_model(name, weights="float")
     text = Path(text_file).read_text(encoding="utf-8")
     start = len(text) // 3  # away from the book's front matter

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 import tforce
 from tforce.cli import app
 from tforce.errors import UsageError
-from tforce.model.quant import GROUP, PROJECTIONS, QuantLinear, quantize, weight_bytes
+from tforce.model import quant
+from tforce.model.quant import GROUP, PROJECTIONS, QuantLinear, kernel_block, quantize, weight_bytes
 from tforce.model.synthetic import make_checkpoint
 
 SPECULATIVE = ["triforce", "retrieval", "streaming", "naive"]
@@ -43,6 +44,29 @@ def test_products_equal_the_dequantized_weight(scheme, bias):
     got = q(x)
     assert got.shape == (2, 5, 64) and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)  # the kernel's output is bfloat16
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_many_rows_multiply_by_the_dequantized_weight(scheme):
+    """A prefill chunk's rows (DEQUANTIZE_ROWS or more) multiply the dequantized weight in the input's dtype,
+    without rounding the input to bfloat16; fewer rows take the kernel. The codes read from the kernel's
+    packed layout equal the ones read through the kernel itself (SmolLM2's shapes, this CPU build)."""
+    torch.manual_seed(2)
+    lin = nn.Linear(576, 192, bias=True)
+    q = QuantLinear(lin, scheme)
+    x = torch.randn(1, quant.DEQUANTIZE_ROWS, 576)
+    assert torch.equal(q(x), F.linear(x, q.dequantized(), lin.bias))
+    few = q(x[:, :7])
+    assert not torch.equal(few, F.linear(x[:, :7], q.dequantized(), lin.bias))  # the kernel: bfloat16 inputs
+    torch.testing.assert_close(few, q(x)[:, :7], rtol=2e-2, atol=2e-2)
+    if scheme == "int4":
+        for N, K in ((576, 576), (192, 576), (1536, 576), (576, 1536)):
+            layer = QuantLinear(nn.Linear(K, N, bias=False), "int4")
+            assert kernel_block(N, K) in (32, 64)  # the packing this build's int4 kernel uses, found
+            eye = torch.eye(K, dtype=torch.bfloat16)
+            unit = torch.stack([torch.ones(K // GROUP, N), torch.zeros(K // GROUP, N)], -1).to(torch.bfloat16)
+            through = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.qweight, GROUP, unit).float().t() + 8
+            assert torch.equal(layer.codes(), through.round().to(torch.int32))
 
 
 def test_quantization_error_is_within_half_a_step():

@@ -25,7 +25,10 @@ projections, so speculative decoding reproduces plain decoding of the quantized 
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
@@ -37,6 +40,10 @@ CHOICES = ("auto", "float") + SCHEMES
 GROUP = 32  # int4 group: Q4_0/Q4_1's block, the smallest the kernel takes
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _COMPUTE = torch.bfloat16  # the activations' dtype the kernels are fast in
+# From this many rows (a prefill chunk) a projection dequantizes its weight and multiplies in the input's
+# dtype: the packed kernels are fast for a few rows and slow for many; dequantizing measured faster from 256
+# rows for every SmolLM2 shape and both schemes (BENCHMARKS.md, "A GGUF kept quantized")
+DEQUANTIZE_ROWS = 256
 
 
 def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +95,30 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """pack_int4's inverse -> int32 (N, K), the kernel packer's input."""
     return torch.stack([packed & 0x0F, packed >> 4], -1).flatten(1).to(torch.int32)
+
+
+@lru_cache(maxsize=None)
+def kernel_block(N: int, K: int) -> int | None:
+    """How the CPU build's int4 packing lays out a (N, K) weight: it interleaves blocks of output channels
+    (for each input k, byte j of a block holds channel j in its low nibble and j + block/2 in its high one;
+    the block is 32 on AVX2 builds and 64 on AVX-512 ones, by PyTorch's int4mm_kernel.cpp). The layout is
+    that build's private business, so it is found by packing probe codes of this shape and reading them
+    back: the block that reads them exactly, or None (then codes are read through the kernel itself)."""
+    probe = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 2)
+    for block in (32, 64, 16):
+        if N % block == 0 and packed.numel() == N * K // 2 and torch.equal(_read_packed(packed, N, K, block), probe):
+            return block
+    return None
+
+
+def _read_packed(packed: torch.Tensor, N: int, K: int, block: int, dtype=torch.int32) -> torch.Tensor:
+    """The kernel's packed int4 weight -> codes (N, K) in `dtype`, in the layout kernel_block found."""
+    u = packed.reshape(N // block, K, block // 2)
+    codes = torch.empty(N // block, block, K, dtype=dtype)
+    codes[:, :block // 2] = (u & 0x0F).transpose(1, 2)
+    codes[:, block // 2:] = (u >> 4).transpose(1, 2)
+    return codes.view(N, K)
 
 
 def dequantize_stored(scheme: str, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -144,14 +175,20 @@ class QuantLinear(nn.Module):
         return pack_int4(self.codes()), self.scales
 
     def codes(self) -> torch.Tensor:
-        """The int4 codes (N, K) in 0..15, read back through the kernel: W^T = I W^T with unit scales and zero
-        -8 gives q - 8 exactly (small integers are exact in bfloat16)."""
+        """The int4 codes (N, K) in 0..15: read from the packed layout where kernel_block knows it, else
+        through the kernel: W^T = I W^T with unit scales and zero -8 gives q - 8 exactly (small integers are
+        exact in bfloat16)."""
+        block = kernel_block(self.out_features, self.in_features)
+        if block is not None:
+            return _read_packed(self.qweight, self.out_features, self.in_features, block)
         eye = torch.eye(self.in_features, dtype=_COMPUTE)
         ones = torch.stack([torch.ones_like(self.scales[..., 0]), torch.zeros_like(self.scales[..., 0])], -1)
         w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP, ones).float().t()
         return (w + 8).round().to(torch.int32).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() >= DEQUANTIZE_ROWS * self.in_features and self._readable():
+            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
         rows = x.reshape(-1, self.in_features).to(_COMPUTE)
         if self.scheme == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
@@ -160,10 +197,21 @@ class QuantLinear(nn.Module):
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def _readable(self) -> bool:
+        """Whether the weight can be read back without the kernel (int8 always; int4 where kernel_block
+        knows the packing)."""
+        return self.scheme == "int8" or kernel_block(self.out_features, self.in_features) is not None
+
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight (N, K) this module multiplies by: the reference of its products."""
-        # int4: (q - 8) scale + zero in float32 (read through the kernel with scale 1, a product rounds to bfloat16)
-        return dequantize_stored(self.scheme, *self.stored_form())
+        """The float32 weight (N, K) this module multiplies by: the reference of its products, and the weight
+        of a prefill chunk's product (DEQUANTIZE_ROWS)."""
+        if self.scheme == "int8":
+            return self.qweight.float() * self.scales.float()[:, None]
+        N, K = self.out_features, self.in_features
+        block = kernel_block(N, K)
+        codes = self.codes().float() if block is None else _read_packed(self.qweight, N, K, block, torch.float32)
+        scale, zero = (self.scales[..., i].float().t()[:, :, None] for i in (0, 1))  # (N, K / GROUP, 1)
+        return codes.view(N, K // GROUP, GROUP).sub_(8).mul_(scale).add_(zero).view(N, K)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"

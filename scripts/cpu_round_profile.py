@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 import tforce
 from tforce.config import Sampling, Speculation
 from tforce.engine.generate import Session
-from tforce.model.weights import REGISTRY
+from tforce.model.registry import REGISTRY
 
 MODEL = "smollm2-135m-instruct"
 BOOK = Path(__file__).resolve().parents[2] / "shared/data/books/middlemarch.txt"

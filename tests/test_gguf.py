@@ -15,10 +15,11 @@ from typer.testing import CliRunner
 
 import tforce
 import tforce.model.gguf as tg
+from tforce.model import registry
 from gguf_files import CHAT_TEMPLATE, EOT, write_llama, write_other
 from test_cli import _one_error_line
 from tforce.cli import app
-from tforce.model.weights import resolve
+from tforce.model.registry import resolve
 
 DOC = "It was the best of times, it was the worst of times, it was the age of wisdom, the age of foolishness. " * 2
 MIDDLE = ["--budget", "64", "--draft-budget", "32", "--sinks", "4"]
@@ -197,7 +198,7 @@ def test_smollm2_knows_paris(root):
 @smollm2
 def test_smollm2_greedy_equals_transformers(root):
     text = (Path(tforce.__file__).parent / "data" / "demo_excerpt.txt").read_text()[:900]
-    ids, tokens = _transformers_greedy(tg.gguf_file("smollm2-135m-instruct"), text, 16)
+    ids, tokens = _transformers_greedy(registry.gguf_file("smollm2-135m-instruct"), text, 16)
     assert 150 <= len(ids) <= 250
     for method, draft in (("ar", None), ("triforce", "smollm2-135m-instruct")):
         obj = _run_json("smollm2-135m-instruct", text, 16, method, draft)

@@ -16,7 +16,7 @@ from gguf_files import write_llama
 from tforce.model.gguf_tensors import q4_blocks, q8_blocks
 from tforce.model.quant import QuantLinear, dequantize_stored
 from tforce.model.quant_stored import expand_q8
-from tforce.model.weights import resolve
+from tforce.model.registry import resolve
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

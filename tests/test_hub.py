@@ -14,7 +14,7 @@ from huggingface_hub import errors as hub_errors
 from typer.testing import CliRunner
 
 import tforce
-from tforce.model import weights
+from tforce.model import registry
 from tforce.cli import app
 from tforce.model.hub import fetch
 from tforce.model.synthetic import make_checkpoint
@@ -82,7 +82,7 @@ def test_bin_is_fetched_only_without_safetensors(monkeypatch, model):
 
 def test_a_cached_snapshot_with_its_weights_is_used_offline(monkeypatch, model):
     hub = FakeHub(monkeypatch, model, cached=model, error=hub_errors.LocalEntryNotFoundError("offline"))
-    assert weights.resolve(REPO) == model and hub.downloads() == []
+    assert registry.resolve(REPO) == model and hub.downloads() == []
 
 
 def test_a_cached_snapshot_without_weights_is_completed(monkeypatch, model, tmp_path):
@@ -106,7 +106,7 @@ def test_a_cached_snapshot_without_weights_is_completed(monkeypatch, model, tmp_
 def test_hub_failures_are_one_line(monkeypatch, model, error, code, needle):
     FakeHub(monkeypatch, model, error=error.__new__(error, "the hub's own message"))
     with pytest.raises(tforce.TforceError) as info:
-        weights.resolve(REPO)
+        registry.resolve(REPO)
     assert needle in str(info.value) and info.value.exit_code == code
     _one_error_line(CliRunner().invoke(app, ["run", "-m", REPO, "-p", "hi", "--method", "ar"]), code, needle)
 

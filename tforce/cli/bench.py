@@ -233,7 +233,8 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
             quantize(models.target, cfg.weights)
         config, tokenizer, name = models.target.config, None, f"synthetic:{synthetic}"
     else:
-        from ..model.weights import load_model, resolve
+        from ..model.registry import resolve
+        from ..model.weights import load_model
 
         _check_local(model, "target model")  # the target first: a missing target folder is not a missing draft
         draft_name = draft if draft is not None else _default_draft(model)

@@ -144,7 +144,8 @@ def _conversation(setup, path, config, tok, doc: list[int], ranks: ExitStack, ro
     kwargs: Conversation's."""
     from ..engine.conversation import Conversation
     from ..parallel.conversation import ParallelConversation
-    from ..model.weights import load_model, resolve
+    from ..model.registry import resolve
+    from ..model.weights import load_model
 
     draft_config = _draft_config(setup.draft, config, tok) if setup.draft else None
     if setup.world > 1:  # the ranks load their parts of the models

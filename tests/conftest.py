@@ -35,7 +35,7 @@ os.environ.setdefault("TFORCE_DEMO_MODELS", str(MODELS))
 # load, which the other test worker changes): results and timings do not depend on the neighbour.
 os.environ.setdefault("TFORCE_THREADS", "1")
 
-# --method auto's calibrations (tforce/engine/calibration.py) and GGUF conversions go to a folder of this session
+# --method auto's calibrations (tforce/auto/calibration.py) and GGUF conversions go to a folder of this session
 # (command-line runs in subprocesses included), not the user's cache: a calibration left by an earlier
 # session would decide what a test's run measures.
 if "TFORCE_CACHE" not in os.environ:

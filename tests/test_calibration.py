@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tforce.engine import calibration
-from tforce.engine.planner import choose
+from tforce.auto import calibration
+from tforce.auto.planner import choose
 
 OPTIONS = dict(method="auto", temperature=0.0, max_new_tokens=16, budget=64, chunk_size=4, draft_budget=32, sinks=4)
 METHODS = ["ar", "naive", "retrieval", "streaming", "triforce"]
@@ -81,22 +81,21 @@ def test_a_calibration_is_measured_once_then_read(tiny, tmp_path, monkeypatch):
 
 def test_the_methods_and_the_run_share_one_prefill_and_stay_exact(tiny, tmp_path, monkeypatch):
     """With kv_dir, the first timed method saves the prompt's prefill and the others load it, as does the run
-    (generate_auto): each method accepts what it accepts after its own prefill, and the run is ar's tokens."""
-    from tforce.engine import generate as engine, planner
+    (planner.generate): each method accepts what it accepts after its own prefill, and the run is ar's tokens."""
+    from tforce.auto import planner
+    from tforce.engine.generate import generate
 
     ids = [3 + (7 * i) % 250 for i in range(300)]
     alone = choose(tiny["gqa"], tiny["draft"], ids, OPTIONS, folder=tmp_path / "alone")
     loads = []
-    generate = engine.generate
-    monkeypatch.setattr(engine, "generate", lambda *a, **kw: loads.append(kw.get("load_kv")) or generate(*a, **kw))
+    monkeypatch.setattr(planner, "run_one", lambda *a, **kw: loads.append(kw.get("load_kv")) or generate(*a, **kw))
     shared = choose(tiny["gqa"], tiny["draft"], ids, OPTIONS, folder=tmp_path / "shared", kv_dir=tmp_path / "kv")
     timed = [kv for kv in loads if kv is not None]
     assert len(timed) == len(METHODS) - 1 and shared.snapshot is not None and shared.run_kv() == {"load_kv": timed[0]}
     for method in METHODS:
         assert shared.entry["methods"][method]["acceptance"] == alone.entry["methods"][method]["acceptance"]
     monkeypatch.setattr(calibration, "shares_prefill", lambda target, n: True)
-    result = planner.generate_auto(dict(target=tiny["gqa"], prompt_ids=ids, draft=tiny["draft"],
-                                        **{**OPTIONS, "max_new_tokens": 24}))
+    result = planner.generate(tiny["gqa"], ids, draft=tiny["draft"], **{**OPTIONS, "max_new_tokens": 24})
     ar = generate(tiny["gqa"], ids, method="ar", temperature=0.0, max_new_tokens=24)
     assert result.tokens == ar.tokens and result.stats["kv_reused"] == len(ids) - 1
 

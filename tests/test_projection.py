@@ -15,7 +15,7 @@ from tforce.engine.decode import decode_one
 from tforce.engine.generate import Session, open_session
 from tforce.cache.rows import Rows
 from tforce.engine.levels import Drafter, Node, SpecLevel
-from tforce.engine.projection import (forwards_per_token, hierarchy, low_acceptance_rule, per_token, project,
+from tforce.auto.projection import (forwards_per_token, hierarchy, low_acceptance_rule, per_token, project,
                                       rebuild_interval)
 
 # Fixed next-token distributions over 4 tokens: sum(min(DRAFT, MIDDLE)) = sum(MIDDLE, FULL) = alpha,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from ..engine.batch import generate_batch
-from ..engine.projection import project
+from ..auto.projection import project
 from ..engine.rates import decoded, rate
 from .ceilings import Ceilings
 from .suite import prompt_ids

@@ -25,7 +25,7 @@ from .ceilings import Ceilings
 from ..config import Speculation
 from .floors import prefill_flops, step_floors_ms
 from ..model.quant import weight_bytes
-from ..engine.projection import project
+from ..auto.projection import project
 
 GiB = placement.GiB
 
@@ -99,14 +99,14 @@ class Models:
         options["deterministic"] = deterministic
         uses_draft = method == "auto" or Speculation(method=method).uses_draft
         if self.world == 1:
-            from ..engine.generate import generate
+            from ..auto.planner import generate  # the engine's, with "auto" resolved first
 
             return generate(self.target, ids, draft=self.draft if uses_draft else None, method=method, **options)
         from ..parallel.tp import generate_tp
 
         record = None
         if method == "auto":  # each rank would time its own share: no calibration (planner.uncalibrated)
-            from ..engine.planner import uncalibrated
+            from ..auto.planner import uncalibrated
 
             method = uncalibrated(self.device.type, self.draft_path is not None)
             uses_draft, record = Speculation(method=method).uses_draft, {"method": method, "calibrated_now": False}

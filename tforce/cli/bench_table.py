@@ -149,7 +149,7 @@ def _print_bench(r: dict, console=None) -> None:
     caption = (f"pinned H2D peak: {_fmt(r['h2d_peak_gbps'], '.1f', ' GB/s')}; floor = offloaded KV bytes per "
                f"verification / peak; warm-up {_fmt(r['warmup_s'], '.1f', ' s')} (not in the runs); "
                f"'-' = not applicable or not measured"
-               + (f"; projected = NOT measured: this run's stage times at {_at(r)} (tforce/engine/projection.py)"
+               + (f"; projected = NOT measured: this run's stage times at {_at(r)} (tforce/auto/projection.py)"
                   if _projected(r) else ""))
     for n, group in enumerate(groups):
         t = Table(title=title if n == 0 else None, caption=caption if n == len(groups) - 1 else None)

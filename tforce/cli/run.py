@@ -104,7 +104,7 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool,
         if draft and world == 1 else None
     choice = None
     if auto:
-        from ..engine.planner import choose
+        from ..auto.planner import choose
 
         kv_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tforce-auto-"))
         choice = choose(target, small, ids, options, fixed=setup.gammas_given, exclude=unfit, kv_dir=kv_dir)

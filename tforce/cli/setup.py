@@ -171,7 +171,7 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     options = {k: p[k] for k in ENGINE}
     auto_note = None
     if spec.method == AUTO and (not calibrate or world > 1):
-        from ..engine.planner import uncalibrated
+        from ..auto.planner import uncalibrated
 
         options["method"] = uncalibrated(dev, draft_name is not None)
         why = "--tp/--gpus ranks" if world > 1 else "this command"

@@ -56,10 +56,10 @@ def tune(
 
 
 def _tune(text: str, setup) -> dict:
-    from ..engine.calibration import remember
+    from ..auto.calibration import remember
+    from ..auto.planner import choose
     from ..config import Speculation
     from ..engine.generate import generate
-    from ..engine.planner import choose
     from ..model.weights import load_model
     from .run import _unfit
 

@@ -62,7 +62,8 @@ def configuration(target, draft, *, method: str, temperature: float, top_p: floa
                   rebuild_every: int, rebuild_below: float, policy: str) -> tuple[Speculation, Sampling]:
     """The options as (Speculation, Sampling), each checked, and the draft checked against the target."""
     if method == "auto":
-        raise UsageError("a session runs one method: 'auto' is chosen by generate (planner.py) before one opens")
+        raise UsageError("a session runs one method: 'auto' is chosen above the engine (tforce.generate, "
+                         "auto/planner.py) before one opens")
     spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                        draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
                        rebuild_below=rebuild_below, policy=policy)
@@ -154,14 +155,7 @@ def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_ne
     into the same model, tokenizer and dtype. group: the tensor-parallel ranks (parallel.Group) when target
     is one rank's shard: their memory plans must agree before any cache is allocated, and each rank's
     snapshot part holds its own KV heads.
-    method "auto": planner.py chooses the method and gammas (stats["auto"] says which and why)."""
-    if method == "auto":
-        if group is not None:  # each rank would time its own share and might choose differently
-            raise UsageError("method 'auto' is not planned across tensor-parallel ranks: pass a method")
-        args = dict(locals())  # generate's arguments, before the import below adds a name
-        from .planner import generate_auto
-
-        return generate_auto(args)
+    One method per run: "auto" is resolved above the engine (tforce.generate, auto/planner.py)."""
     from ..snapshot import format as snapshot, identity as snapshot_identity
     from .generation import run
 

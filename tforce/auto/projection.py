@@ -36,7 +36,7 @@ and how a forward's cost depends on its rows (the measured mean cost per forward
 from __future__ import annotations
 
 from ..config import Speculation
-from .levels import REBUILD_WINDOW
+from ..engine.levels import REBUILD_WINDOW
 
 
 def hierarchy(spec: Speculation) -> tuple:

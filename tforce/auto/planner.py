@@ -12,6 +12,7 @@ context, Speculation.fitted), not searched: its effect on acceptance is not mode
 """
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from . import calibration
 from ..config import METHODS, Speculation
+from ..engine.generate import generate as run_one
 from ..errors import UsageError
 from .projection import predict, rate_at
 
@@ -188,8 +190,6 @@ def choose(target, draft, ids, options: dict, fixed: dict | None = None, exclude
     methods it times (and then the run, through Choice.snapshot) prefill the prompt once between them, not
     once each; it is used where the snapshot is small (calibration.shares_prefill) and neither
     load_kv nor save_kv is among the options. None: every timed run prefills."""
-    from .generate import generate
-
     fixed = fixed or {}
     methods = candidates(options, draft is not None, exclude)
     if not methods:
@@ -210,7 +210,7 @@ def choose(target, draft, ids, options: dict, fixed: dict | None = None, exclude
         kv = {}
         if snapshot is not None and not n:  # the whole prompt: prefilled by the first method, loaded by the rest
             kv = {"load_kv": snapshot} if snapshot.is_dir() else {"save_kv": snapshot}
-        return generate(target, ids[:n] if n else ids, draft=draft if uses_draft else None,
+        return run_one(target, ids[:n] if n else ids, draft=draft if uses_draft else None,
                         **{**run_options, "method": method, "max_new_tokens": new, "ignore_eos": True, "seed": 0},
                         **kv)
 
@@ -242,18 +242,25 @@ def pick(best_of: dict) -> dict:
     return ar if ar is not None and ar["ms_per_token"] <= best["ms_per_token"] * (1 + AR_MARGIN) else best
 
 
-def generate_auto(args: dict):
-    """engine.generate with method "auto" (args: its arguments): chooses, generates, folds the run's
-    acceptance into the cache; stats["auto"] holds the choice (Choice.record)."""
-    from .generate import generate
-
-    options = {k: v for k, v in args.items() if k not in ("target", "prompt_ids", "draft")}
-    ids = list(args["prompt_ids"])
+@functools.wraps(run_one)
+def generate(target, prompt_ids, *, draft=None, method: str = "triforce", **options):
+    if method != "auto":
+        return run_one(target, prompt_ids, draft=draft, method=method, **options)
+    if options.get("group") is not None:  # each rank would time its own share and might choose differently
+        raise UsageError("method 'auto' is not planned across tensor-parallel ranks: pass a method")
+    ids = list(prompt_ids)
     with tempfile.TemporaryDirectory(prefix="tforce-auto-") as kv_dir:
-        choice = choose(args["target"], args["draft"], ids, options, kv_dir=kv_dir)
+        choice = choose(target, draft, ids, options, kv_dir=kv_dir)
         uses_draft = Speculation(method=choice.best["method"]).uses_draft
-        result = generate(args["target"], ids, draft=args["draft"] if uses_draft else None,
-                          **{**options, **choice.options, **choice.run_kv()})
+        result = run_one(target, ids, draft=draft if uses_draft else None,
+                         **{**options, **choice.options, **choice.run_kv()})
     choice.remember(result.stats, len(result.tokens))
     result.stats["auto"] = choice.record()
     return result
+
+
+generate.__doc__ = (run_one.__doc__ or "") + """
+
+This is the engine's generate (engine/generate.py) with `--method auto` resolved first, above the engine:
+choose() picks the method and gammas, the run's acceptance is folded into the calibration cache, and
+stats["auto"] holds the choice (Choice.record). tforce.generate is this function."""

@@ -45,7 +45,7 @@ def shares_prefill(target, n_prompt: int) -> bool:
     """Whether a calibration's runs share one prefill of the prompt through a KV snapshot (planner.choose):
     on the CPU, where a prefill costs seconds per thousand tokens and the target's KV cache of the prompt
     is at most SHARED_PREFILL_MAX_BYTES (written once, read by each other method and by the run)."""
-    from .placement import Shape
+    from ..engine.placement import Shape
 
     net = _network(target)
     p = next(net.parameters())

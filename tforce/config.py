@@ -11,6 +11,12 @@ from dataclasses import dataclass, replace
 from .errors import UsageError
 
 METHODS = ("triforce", "ar", "retrieval", "streaming", "naive")
+# The levels each method stacks under the full-cache verifier (docs/exactness.md): whether a small draft
+# model proposes, and the middle level's cache ("retrieval", "streaming", or None without a middle level).
+# Every rule that depends on the method reads it here, never from the method's name.
+LEVELS = {"ar": (False, None), "naive": (True, None), "retrieval": (False, "retrieval"),
+          "streaming": (True, "streaming"), "triforce": (True, "retrieval")}
+assert sorted(LEVELS) == sorted(METHODS)
 AUTO = "auto"  # not a method: planner.py chooses one of METHODS (and its gammas) for the run
 POLICIES = ("retrieval", "shared", "topk", "streaming", "h2o")  # the middle cache's selection rule (cache/policies.py)
 
@@ -54,7 +60,23 @@ class Speculation:
 
     @property
     def uses_draft(self) -> bool:
-        return self.method in ("triforce", "streaming", "naive")
+        """A small draft model proposes (the bottom level). "auto" and unknown names (refused by validate): no."""
+        return LEVELS.get(self.method, (False, None))[0]
+
+    @property
+    def middle(self) -> str | None:
+        """The middle level's cache kind: "retrieval" (triforce, retrieval), "streaming", or None."""
+        return LEVELS.get(self.method, (False, None))[1]
+
+    @property
+    def retrieves(self) -> bool:
+        """The middle level is a retrieval cache (what --policy, the budget's fitting and rebuilds act on)."""
+        return self.middle == "retrieval"
+
+    @property
+    def two_verifiers(self) -> bool:
+        """The small draft is verified by a middle level (gamma1), which the full cache verifies (gamma2)."""
+        return self.uses_draft and self.middle is not None
 
     def validate(self) -> None:
         if self.method == AUTO:  # the planner chooses among METHODS: every option is checked as triforce's
@@ -70,11 +92,11 @@ class Speculation:
             raise UsageError(f"--chunk-size ({self.chunk_size}) is larger than --budget ({self.budget})")
         if self.sinks >= self.draft_budget:
             raise UsageError(f"--sinks ({self.sinks}) must be smaller than --draft-budget ({self.draft_budget})")
-        if self.method == "streaming" and self.sinks >= self.budget:
+        if self.middle == "streaming" and self.sinks >= self.budget:
             raise UsageError(f"--sinks ({self.sinks}) must be smaller than --budget ({self.budget})")
         if self.policy not in POLICIES:
             raise UsageError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.policy != "retrieval" and self.method not in ("triforce", "retrieval"):  # it would change nothing
+        if self.policy != "retrieval" and not self.retrieves:  # it would change nothing
             raise UsageError(f"--policy {self.policy} chooses what the middle level's cache holds; --method "
                              f"{self.method} has none (triforce and retrieval have)")
         if not 0 <= self.rebuild_below <= 1:
@@ -86,7 +108,7 @@ class Speculation:
         a lookahead of padding (batches) and a chunk. Why: the middle level attends over its whole buffer
         (masked), so a 4096-slot buffer for a 1,000-token context reads four times the keys the full
         cache does (benchmarks/cpu/2026-11-23_cpu_kv_bench.md). The same tokens are held either way."""
-        if self.method not in ("triforce", "retrieval"):
+        if not self.retrieves:
             return self
         c = self.chunk_size
         enough = -(-(capacity + self.max_lookahead + c) // c) * c

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import Speculation
 from ..model.gguf import cache_root
 from .projection import stage_costs
 
@@ -183,4 +184,4 @@ def remember(entry: dict, method: str, acceptance: dict, tokens: int, gammas: di
 def level_gamma(method: str, level: str, gammas: dict) -> int:
     """The gamma of the level the statistics call `level` ("draft": verifying the small draft; "retrieval":
     verifying the middle level) in `method`: gamma1 where the draft feeds a middle level, else gamma2."""
-    return gammas["gamma1"] if level == "draft" and method in ("triforce", "streaming") else gammas["gamma2"]
+    return gammas["gamma1"] if level == "draft" and Speculation(method=method).two_verifiers else gammas["gamma2"]

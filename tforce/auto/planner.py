@@ -68,7 +68,7 @@ def _grid(method: str, fixed: dict) -> list[dict]:
     if method == "ar":
         return [{}]
     g2 = [fixed["gamma2"]] if "gamma2" in fixed else GAMMA2
-    if method in ("naive", "retrieval"):
+    if not Speculation(method=method).two_verifiers:  # one drafting level: gamma2 only
         return [{"gamma2": b} for b in g2]
     g1 = [fixed["gamma1"]] if "gamma1" in fixed else GAMMA1
     return [{"gamma1": a, "gamma2": b} for a in g1 for b in g2]

@@ -41,15 +41,13 @@ from ..engine.levels import REBUILD_WINDOW
 
 def hierarchy(spec: Speculation) -> tuple:
     """The method's levels as nested tuples: ("drafter", node) or ("spec", proposer, node, gamma)."""
-    m = spec.method
-    if m == "ar":
+    if not spec.uses_draft and spec.middle is None:  # ar
         return ("drafter", "full")
-    if m == "naive":
+    if spec.middle is None:  # naive
         return ("spec", ("drafter", "draft"), "full", spec.gamma2)
-    if m == "retrieval":
-        return ("spec", ("drafter", "retrieval"), "full", spec.gamma2)
-    middle = "retrieval" if m == "triforce" else "streaming"
-    return ("spec", ("spec", ("drafter", "draft"), middle, spec.gamma1), "full", spec.gamma2)
+    if not spec.uses_draft:  # retrieval
+        return ("spec", ("drafter", spec.middle), "full", spec.gamma2)
+    return ("spec", ("spec", ("drafter", "draft"), spec.middle, spec.gamma1), "full", spec.gamma2)
 
 
 def _rate(level: tuple, rate) -> float:

@@ -49,10 +49,8 @@ def step_floors_ms(config, draft_config, dtype_bytes: int, spec: Speculation, co
     target = step_weight_bytes(config, dtype_bytes) if target_weights is None else target_weights
     per_token = _kv_token_bytes(config, dtype_bytes)
     floors = {"full": (target, per_token * context)}  # (weights, one row's KV)
-    if spec.method in ("triforce", "retrieval"):
-        floors["retrieval"] = (target, per_token * min(spec.budget, context))
-    if spec.method == "streaming":
-        floors["streaming"] = (target, per_token * min(spec.budget, context))
+    if spec.middle is not None:  # "retrieval" or "streaming": the target's weights over the middle cache
+        floors[spec.middle] = (target, per_token * min(spec.budget, context))
     if spec.uses_draft and draft_config is not None:
         floors["draft"] = (step_weight_bytes(draft_config, dtype_bytes),
                            _kv_token_bytes(draft_config, dtype_bytes) * min(spec.draft_budget, context))

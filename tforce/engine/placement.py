@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model import families
-from ..config import Speculation
+from ..config import LEVELS, Speculation
 from ..errors import DoesNotFit, UsageError
 
 GiB = 1024 ** 3
@@ -128,8 +128,12 @@ class Work:
         return self.gamma2 + self.gamma1 + 2
 
     @property
-    def uses_draft(self) -> bool:
-        return self.method in ("triforce", "streaming", "naive")
+    def uses_draft(self) -> bool:  # config.Speculation.uses_draft
+        return LEVELS[self.method][0]
+
+    @property
+    def middle(self) -> str | None:  # config.Speculation.middle
+        return LEVELS[self.method][1]
 
 
 @dataclass(frozen=True)
@@ -207,7 +211,7 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
         out.append(Item("draft weights", draft.weights, "both"))
     out += [Item("full KV, resident layers", resident * layer, "both"),
             Item("staging buffers (2 layers)", 2 * layer if offloaded else 0, "both")]
-    if w.method in ("triforce", "retrieval"):
+    if w.middle == "retrieval":
         chunks = n_chunks(w.capacity, w.chunk_size)
         out += [Item("retrieval cache and key positions",
                      b * n * (kv_layer_bytes(kv, d, w.budget + 1, e) + kv * (w.budget + 1) * 8), "both"),
@@ -220,7 +224,7 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
                 # every layer (chunk_positions scores all layers before it selects).
                 Item("rebuild scratch", kv_layer_bytes(kv, d, w.budget, e) + 2 * kv * w.budget * 8
                      + n * kv * chunks * 4, "decode")]
-    elif w.method == "streaming":
+    elif w.middle == "streaming":
         cap = streaming_capacity(w.budget, w.sinks, w.lookahead, w.prefill_chunk + w.lookahead)
         out.append(Item("middle StreamingLLM cache", b * n * kv_layer_bytes(kv, d, cap, e), "both"))
     if w.uses_draft and draft is not None:
@@ -279,7 +283,7 @@ def plan(shape: Shape, work: Work, offload: str, budget: int | None, host_free: 
         choices = [0]
     else:
         choices = range(n, -1, -1)
-    retrieval = work.method in ("triforce", "retrieval")
+    retrieval = work.middle == "retrieval"
     for r in choices:
         p = layout(shape, work, r, draft, context, budget)
         if budget is None or p.peak <= budget:

@@ -81,8 +81,7 @@ class Session:
         self.full = Node("full", target, full, sampling, capacity, prefill_chunk,
                          RowwiseRunner(target, full) if deterministic else None)
         self.middle = self.small = self.retrieval = None
-        method = spec.method
-        if method in ("triforce", "retrieval"):
+        if spec.middle == "retrieval":
             self.retrieval = RetrievalCache(*dims, budget=spec.budget, chunk_size=spec.chunk_size,
                                             rotary=rotary, dtype=p.dtype, device=p.device,
                                             select=make_select(spec.policy, spec.sinks),
@@ -90,7 +89,7 @@ class Session:
                                             recompute_stats=self.plan.recompute_stats, rows=rows)
             self.middle = Node("retrieval", target, self.retrieval, sampling, capacity, prefill_chunk,
                                _runner(target, self.retrieval, graphs, pool))
-        elif method == "streaming":
+        elif spec.middle == "streaming":
             cache = StreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
                                    max_rollback=spec.max_lookahead, max_new=prefill_chunk + spec.max_lookahead,
                                    dtype=p.dtype, device=p.device, rows=rows)
@@ -112,12 +111,12 @@ class Session:
         """Returns (top level, small_verifier: the level verifying the small draft, middle_verifier: the level
         verifying the middle level); None where the method has no such level."""
         s, ids, P = self.spec, self.ids, len(self.verified)
-        if s.method == "ar":
+        if not s.uses_draft and s.middle is None:  # ar
             return Drafter(self.full), None, None
-        if s.method == "naive":
+        if s.middle is None:  # naive: the draft verified by the full cache
             top = SpecLevel(Drafter(self.small), self.full, s.gamma2, ids, P)
             return top, top, None
-        if s.method == "retrieval":
+        if not s.uses_draft:  # retrieval: the middle level drafts for the full cache
             top = SpecLevel(Drafter(self.middle), self.full, s.gamma2, ids, P)
             return top, None, top
         mid = SpecLevel(Drafter(self.small), self.middle, s.gamma1, ids, P)
@@ -180,7 +179,7 @@ class Session:
         shapes = {}
         if self.small is not None:
             shapes[self.small] = [(1, 1), (2, 1)]
-        if self.spec.method == "triforce":
+        if self.spec.two_verifiers and self.retrieval is not None:  # triforce: the middle verifies gamma1 tokens
             shapes[self.middle] = [(self.spec.gamma1 + 1, self.spec.gamma1 + 1)]
         elif self.middle is not None:
             shapes[self.middle] = [(1, 1)] if self.retrieval is not None else [(1, 1), (2, 1)]

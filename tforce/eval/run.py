@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..config import Speculation
 from ..engine.generate import generate
 from .report import markdown, plots
 from ..text.needle import needle_prompt, random_key
@@ -119,7 +120,7 @@ class Evaluator:
                   temperature=c.temperature)
         kw.update(over)
         kw["chunk_size"] = min(kw["chunk_size"], kw["budget"])
-        draft = self.draft if method in ("triforce", "naive", "streaming") else None
+        draft = self.draft if Speculation(method=method).uses_draft else None
         kv = self._snapshot(ids)
         r = generate(self.target, ids, draft=draft,
                      method=method, policy=policy, max_new_tokens=gen_len or c.gen_len, top_p=c.top_p, seed=c.seed,

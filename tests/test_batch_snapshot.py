@@ -16,10 +16,10 @@ from tforce.config import Sampling, Speculation
 from tforce.engine.session import Session
 from tforce.snapshot import identity as snapshot_identity, store as snapshot_io
 
-from test_batch import BATCH_SAMPLING, ROWS, draw_rows, pvalues
-from test_chat import models  # noqa: F401
-from test_exactness import PROMPT, small_vocab  # noqa: F401
-from test_snapshot import GREEDY, METHODS, ids
+from chat_helpers import models  # noqa: F401 (fixture)
+from exactness_helpers import BATCH_SAMPLING, PROMPT, ROWS, draw_rows, pvalues
+from model_helpers import ids
+from snapshot_helpers import GREEDY, METHODS
 
 DOC = ids(40)
 # rows: two questions after the document, the document alone (its last token is fed again for the first
@@ -72,7 +72,7 @@ def _loaded(tiny, path, method, prompts):
 
 def _held(session, name, b):
     """What the streaming node `name` holds in row b: its count, offset and K/V slots."""
-    node = next(n for n in session._streaming_nodes() if n.name == name)
+    node = next(n for n in session.streaming_nodes() if n.name == name)
     used = node.cache._used(b)
     return node.held(b), node.cache.offset[b], node.cache.k[:, b, :used], node.cache.v[:, b, :used]
 
@@ -91,7 +91,7 @@ def test_streaming_caches_go_to_the_rows_that_can_roll_back_to_what_they_share(t
     assert [session.full.held(b) for b in range(len(prompts))] == REUSED + [38]
     fed = _session(tiny, method, [DOC])
     fed.prefill([DOC])
-    for node in session._streaming_nodes():
+    for node in session.streaming_nodes():
         held = [node.held(b) for b in range(len(prompts))]
         assert held[:3] == [40, 40, 40] and held[4] == 0 and held[5] == 40, (node.name, held)
         assert all(torch.equal(node.tokens[b, :40], torch.tensor(DOC)) for b in (0, 1, 2, 5))

@@ -194,7 +194,8 @@ class Session:
     marks: dict = {}  # node name -> (StreamingCache.state(), the tokens it holds)
     loaded_queries: tuple | None = None  # (length, per layer (H_q, D)): the last prefix token's, from a snapshot
 
-    def _streaming_nodes(self) -> list[Node]:
+    def streaming_nodes(self) -> list[Node]:
+        """The levels whose caches are StreamingLLM windows (the small draft, a streaming middle level)."""
         return [node for node in (self.middle, self.small) if node is not None and node.cache is not self.retrieval]
 
     def mark(self, prefix: torch.Tensor | None = None) -> None:
@@ -204,7 +205,7 @@ class Session:
         marks = dict(self.marks)
         if prefix is not None:
             self.seq[:len(prefix)] = prefix
-        for node in self._streaming_nodes():
+        for node in self.streaming_nodes():
             keep = node.cache.length if prefix is None else node.matching(self.buffer, [len(prefix) + 1])[0]
             if node.cache.reachable(keep):  # else the earlier mark stays
                 node.cache.truncate(keep)
@@ -217,7 +218,7 @@ class Session:
         prefix tokens below n), the streaming caches take their marked states (marked within the prefix);
         the next prefill rebuilds the retrieval cache from the full cache."""
         self.full.cache.truncate(min(self.full.cache.length, n))
-        for node in self._streaming_nodes():
+        for node in self.streaming_nodes():
             state, tokens = self.marks.get(node.name, (None, self.seq[:0]))
             node.cache.restore(state)
             node.adopt(tokens[None], [len(tokens)])

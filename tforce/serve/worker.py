@@ -279,7 +279,7 @@ class Worker:
         held, shared = s.full.cache.length, self._held(prompt)
         marked = self.marked
         usable = marked is not None and len(marked) <= len(prompt) and torch.equal(marked, prompt[:len(marked)])
-        if shared < held and shared > 0 and s._streaming_nodes() and not (usable and len(marked) >= shared):
+        if shared < held and shared > 0 and s.streaming_nodes() and not (usable and len(marked) >= shared):
             s.prefill([prompt], check, upto=[shared])
             s.mark()
             self.marked = prompt[:shared].clone()

@@ -41,10 +41,6 @@ def _write(folder: Path, name: str, tensors: dict) -> str:
     return _sha(data)
 
 
-def _streaming_nodes(session):
-    return [n for n in (session.middle, session.small) if n is not None and n.cache is not session.retrieval]
-
-
 def save(path, session, ident: dict, group=None) -> None:
     """Write the caches' prefix (what the full cache holds) to `path`, atomically. group: the
     tensor-parallel ranks (parallel.Group), every one of which calls save with its own session."""
@@ -100,7 +96,7 @@ def _write_part(folder: Path, session, ident: dict) -> tuple[dict, dict]:
         name = f"full-{layer:03d}.safetensors"
         files[name] = _write(folder, name, t)
     streaming = {}
-    for node in _streaming_nodes(session):
+    for node in session.streaming_nodes():
         state, c = node.cache.state(), node.cache
         name = f"{node.name}.safetensors"
         files[name] = _write(folder, name, {"k": state["k"], "v": state["v"]})
@@ -253,7 +249,7 @@ def _load_streaming(session, manifest: dict, ident: dict, heads: _Heads, world: 
     cache's reach: the tokens that left its window do not come back); the others are left for
     session.prefill to feed from the start."""
     ids = torch.tensor(manifest["tokens"], dtype=torch.long)
-    for node in _streaming_nodes(session):
+    for node in session.streaming_nodes():
         info = manifest["streaming"].get(node.name)
         model = ident["draft"] if node.name == "draft" else ident["target"]
         # the draft is whole on every rank: its tensors' fingerprint does not depend on the split, and its

@@ -79,3 +79,11 @@ def tiny_dir(tmp_path_factory):
 def tiny(tiny_dir):
     """name -> tforce.LoadedModel (float32, CPU)."""
     return {name: tforce.load_model(str(tiny_dir / name)) for name in TINY}
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """(target, draft) over the exact-distribution tests' tiny vocabulary (exactness_helpers.vocab_pair)."""
+    from exactness_helpers import vocab_pair
+
+    return vocab_pair(tmp_path_factory.mktemp("v6"))

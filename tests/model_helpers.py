@@ -1,5 +1,5 @@
-"""Helpers shared by the tests: run our model through a cache, and HF's; set a model's EOS for a while;
-record the device -> host transfers of a run."""
+"""Helpers shared by the tests: random prompts; run our model through a cache, and HF's; set a model's EOS
+for a while; record the device -> host transfers of a run."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -16,6 +16,15 @@ VOCAB = 259  # the tiny checkpoints' byte vocabulary
 def random_ids(n: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
     """(1, n) token ids from a fixed seed."""
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def ids(n, seed=0):
+    return torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 259, (n,), generator=g).tolist() for n in lengths]
 
 
 def rotary_for(model, max_len: int | None = None) -> Rotary:
@@ -35,6 +44,16 @@ def forward(model, cache, ids: torch.Tensor, keep: int | None = None) -> torch.T
     logits = model(ids, cache)
     cache.commit(T if keep is None else keep)
     return logits
+
+
+def run_steps(model, cache, ids):
+    """Prefill 17 tokens, decode 1, verify 4 and keep 2, decode 1 more: every logit along the way."""
+    out = []
+    for a, b, keep in [(0, 17, 17), (17, 18, 1), (18, 22, 2), (20, 21, 1)]:
+        cache.begin(b - a)
+        out.append(model(ids[:, a:b], cache))
+        cache.commit(keep)
+    return out
 
 
 def feed(model, cache, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:

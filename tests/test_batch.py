@@ -3,9 +3,7 @@ token, with rows of different lengths and rows that finish early), and sampled r
 target distribution (chi-square, as tests/test_exactness.py does for one prompt)."""
 import functools
 
-import numpy as np
 import pytest
-import torch
 
 import tforce
 import tforce.engine.levels
@@ -17,17 +15,11 @@ from tforce.engine.session_plan import _plan, model_shape
 from tforce.engine.speculative import verify
 from tforce.model.synthetic import make_checkpoint
 
-from model_helpers import eos_token, record_host
-from stats_util import chi2_pvalue
-from test_exactness import PROMPT, SAMPLING, SAMPLES, N_TOKENS, V, check, exact_joint, small_vocab  # noqa: F401
+from exactness_helpers import draw_rows, pvalues
+from model_helpers import eos_token, prompts_of, record_host
 
 LENGTHS = (1, 13, 37, 5)  # a one-token prompt, lengths not a multiple of the prefill chunk
 SMALL = dict(draft_budget=12, sinks=2, gamma2=4, prefill_chunk=8)  # the draft's window really drops tokens
-
-
-def prompts_of(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 259, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("target", ["gqa", "llama3"])
@@ -154,45 +146,6 @@ def test_a_batch_that_does_not_fit_is_refused_before_allocating(tiny):
 
 
 # ---- sampling: each row's tokens follow its own exact distribution ---------------------------------
-
-ROWS = [PROMPT, PROMPT[:9], PROMPT[:2]]
-BUDGETS = [N_TOKENS, 1, N_TOKENS]  # the middle row leaves the batch after its first token
-
-
-BATCH_SAMPLING = dict(temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, top_k=SAMPLING.top_k, draft_budget=16,
-                      sinks=2, gamma2=3, budget=16, chunk_size=4, gamma1=2, ignore_eos=True)
-
-
-def draw_rows(target, draft, method, seed, **extra):
-    """SAMPLES batches (rows of BUDGETS tokens each) -> per row, the list of sampled tuples; extra: more
-    generate_batch options."""
-    kw = dict(BATCH_SAMPLING, max_new_tokens=BUDGETS, **extra)
-    level = {"naive": "draft", "triforce": "retrieval"}.get(method)  # the acceptance of the full cache's drafts
-    samples, drafted, accepted = [[] for _ in ROWS], 0, 0
-    for i in range(SAMPLES):
-        for r, res in enumerate(generate_batch(target, ROWS, draft=draft, method=method, seed=seed * SAMPLES + i,
-                                               **kw)):
-            samples[r].append(tuple(res.tokens))
-            if level and res.stats["verifications"]:  # a one-token row has only the prefill's token
-                drafted += res.stats["verifications"]
-                accepted += res.stats["acceptance"][level] * res.stats["verifications"]
-    return samples, (accepted / drafted if drafted else None)
-
-
-def pvalues(target, samples) -> list[float]:
-    """Per row: check()'s p-values, or for a one-token row that token's against its exact distribution."""
-    out = []
-    for prompt, got, n in zip(ROWS, samples, BUDGETS):
-        assert {len(s) for s in got} == {n}
-        joint = exact_joint(target, prompt, N_TOKENS)
-        if n == N_TOKENS:
-            out += check(got, joint)
-        else:
-            first = np.zeros(V)
-            for seq, p in joint.items():
-                first[seq[0]] += p
-            out.append(chi2_pvalue(np.bincount([s[0] for s in got], minlength=V), first))
-    return out
 
 
 @pytest.mark.parametrize("method, policy", [("ar", "retrieval"), ("naive", "retrieval"), ("triforce", "retrieval"),

@@ -8,8 +8,7 @@ import tforce
 from tforce.engine.batch import generate_batch
 from tforce.engine.levels import Node
 
-from model_helpers import eos_token, record_host
-from test_batch import prompts_of
+from model_helpers import eos_token, prompts_of, record_host
 
 LENGTHS = (1, 13, 70, 45)  # a one-token prompt; two rows longer than the middle budget
 BUDGETS = [30, 25, 30, 14]  # rows finish at different rounds, each after a rebuild (rebuild_every)

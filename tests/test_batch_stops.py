@@ -14,10 +14,11 @@ from tforce.engine.batch import generate_batch
 from tforce.engine.stops import StopStrings
 from tforce.model.synthetic import byte_tokenizer
 
+from cli_helpers import DOC, FAST, run_pair
+from cli_helpers import models  # noqa: F401 (fixture)
+from exactness_helpers import PROMPT, SAMPLING, SAMPLES, N_TOKENS, exact_joint
 from model_helpers import record_host
 from stats_util import chi2_pvalue
-from test_cli import DOC, FAST, _run, models  # noqa: F401 (fixture)
-from test_exactness import PROMPT, SAMPLING, SAMPLES, N_TOKENS, exact_joint, small_vocab  # noqa: F401
 
 TOK = byte_tokenizer()
 TEXTS = ["It was the best of times, it was the worst of times", "Who?", "It is a truth universally acknowledged"]
@@ -115,7 +116,7 @@ def test_run_batch_stop_lines_and_json_are_single_runs(runner, models, tmp_path)
     texts = ["It was", DOC, "Who?"]
 
     def alone(*args):
-        out = [_run(runner, models, "-p", t, *FAST, "--json", *args) for t in texts]
+        out = [run_pair(runner, models, "-p", t, *FAST, "--json", *args) for t in texts]
         assert all(r.exit_code == 0 for r in out), out[0].output
         return [json.loads(r.stdout) for r in out]
 
@@ -126,8 +127,8 @@ def test_run_batch_stop_lines_and_json_are_single_runs(runner, models, tmp_path)
     assert single[2]["stopped_by"] is None and len(single[2]["tokens"]) == 12
     path = tmp_path / "batch.jsonl"
     path.write_text("".join(json.dumps({"prompt": t, "id": i}) + "\n" for i, t in enumerate(texts)))
-    lines = _run(runner, models, "--batch", str(path), *FAST, *args)
-    one = _run(runner, models, "--batch", str(path), *FAST, "--json", *args)
+    lines = run_pair(runner, models, "--batch", str(path), *FAST, *args)
+    one = run_pair(runner, models, "--batch", str(path), *FAST, "--json", *args)
     assert lines.exit_code == one.exit_code == 0, (lines.output, one.output)
     for records in ([json.loads(line) for line in lines.stdout.splitlines()], json.loads(one.stdout)["results"]):
         assert [r["id"] for r in records] == [0, 1, 2]

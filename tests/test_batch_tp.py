@@ -13,7 +13,8 @@ from tforce.cli import app
 from tforce.parallel.tp import generate_batch_tp
 
 from model_helpers import random_ids
-from test_parallel import GEN, paths, single  # noqa: F401
+from tp_helpers import GEN
+from tp_helpers import paths, single  # noqa: F401 (fixtures)
 
 PROMPTS = [random_ids(n, seed=n)[0].tolist() for n in (48, 9, 30)]  # ragged rows
 BATCH = dict(GEN, max_new_tokens=[16, 6, 12])

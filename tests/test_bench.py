@@ -12,7 +12,8 @@ from tforce.cli import app
 from tforce.errors import UsageError
 from tforce.model.synthetic import make_checkpoint
 
-BENCH = ["bench", "--synthetic", "tiny", "--device", "cpu", "--prompt-len", "200", "--gen-len", "16"]
+from cli_helpers import BENCH
+
 RUN_FIELDS = {"method", "ms_per_token", "speedup_vs_ar", "acceptance", "tokens_per_verification", "prefill_s",
               "h2d_gbps", "gpu_mem_gib", "pinned_gib", "floor_ms_per_verification", "placement", "rebuild_s",
               "rebuilds", "prefill_rebuild_s", "forwards", "stage_s", "projection", "gpu_reserved_gib",

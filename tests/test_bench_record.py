@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 import tforce.bench.suite
 import tforce.bench.run
 from tforce.cli import app
-from test_bench import BENCH
+
+from cli_helpers import BENCH
 
 SUMMARY = Path(__file__).resolve().parents[1] / "scripts" / "bench_summary.py"
 

@@ -9,7 +9,6 @@ import select
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -18,24 +17,9 @@ import tforce
 from tforce.cli import app, chat_input
 from tforce.model.synthetic import make_checkpoint
 
-from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
-
-ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = ["Who wrote this?", "What age was it?"]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat")
-    make_checkpoint(root / "tiny-target", seed=0, **TARGET)
-    make_checkpoint(root / "tiny-draft", seed=1, **DRAFT)
-    (root / "doc.txt").write_text(DOC)
-    return root
-
-
-@pytest.fixture(scope="module")
-def target(models):
-    return tforce.load_model(str(models / "tiny-target"))
+from chat_helpers import QUESTIONS, ROOT, question_ids
+from chat_helpers import models, target  # noqa: F401 (fixtures)
+from cli_helpers import DOC, FAST, TARGET, one_error_line
 
 
 def _chat(models, *args, input=None):
@@ -46,10 +30,6 @@ def _chat(models, *args, input=None):
 
 def _answer(target, ids: list[int]) -> list[int]:
     return tforce.generate(target.model, ids, method="ar", max_new_tokens=12, temperature=0).tokens
-
-
-def _question(target, q: str) -> list[int]:
-    return target.tokenizer.encode("\n\n" + q, add_special_tokens=False)
 
 
 def _records(result) -> list[dict]:
@@ -63,8 +43,8 @@ def test_each_answer_follows_the_document_alone(models, target):
     doc = target.tokenizer.encode(DOC)
     assert [x["question"] for x in records] == QUESTIONS
     for x in records:
-        assert x["tokens"] == _answer(target, doc + _question(target, x["question"]))
-        assert x["stats"]["prefilled_tokens"] < len(_question(target, x["question"]))
+        assert x["tokens"] == _answer(target, doc + question_ids(target, x["question"]))
+        assert x["stats"]["prefilled_tokens"] < len(question_ids(target, x["question"]))
     assert r.stderr.count("time to first token") == 0  # --json: the statistics are in the records
 
 
@@ -73,7 +53,7 @@ def test_keep_history_follows_the_conversation(models, target):
                              input="\n".join(QUESTIONS) + "\n"))
     history = target.tokenizer.encode(DOC)
     for x in records:
-        history += _question(target, x["question"])
+        history += question_ids(target, x["question"])
         assert x["tokens"] == _answer(target, history)
         history += x["tokens"]
 
@@ -82,7 +62,7 @@ def test_text_answers_and_time_to_first_token(models, target):
     r = _chat(models, str(models / "doc.txt"), input=QUESTIONS[0] + "\n")
     assert r.exit_code == 0, r.output
     doc = target.tokenizer.encode(DOC)
-    text = target.tokenizer.decode(_answer(target, doc + _question(target, QUESTIONS[0])), skip_special_tokens=True)
+    text = target.tokenizer.decode(_answer(target, doc + question_ids(target, QUESTIONS[0])), skip_special_tokens=True)
     assert r.stdout == text + ("" if text.endswith("\n") else "\n")
     assert "tforce: document: " in r.stderr and "time to first token" in r.stderr
 
@@ -92,12 +72,12 @@ def test_document_on_stdin_takes_questions_from_a_file_or_refuses(models, target
         raise OSError("no tty")
 
     monkeypatch.setattr(chat_input, "_open_terminal", no_terminal)
-    _one_error_line(_chat(models, input=DOC), 2, "--questions FILE")
-    _one_error_line(_chat(models, "-", "--questions", "-", input=DOC), 2, "--questions FILE")
+    one_error_line(_chat(models, input=DOC), 2, "--questions FILE")
+    one_error_line(_chat(models, "-", "--questions", "-", input=DOC), 2, "--questions FILE")
     (tmp_path / "q.txt").write_text(QUESTIONS[1] + "\n")
     records = _records(_chat(models, "--questions", str(tmp_path / "q.txt"), "--json", input=DOC))
     doc = target.tokenizer.encode(DOC)
-    assert records[0]["tokens"] == _answer(target, doc + _question(target, QUESTIONS[1]))
+    assert records[0]["tokens"] == _answer(target, doc + question_ids(target, QUESTIONS[1]))
 
 
 def test_chat_saves_and_loads_the_document(models, tmp_path):
@@ -129,12 +109,12 @@ def test_snapshot_refusals_are_one_line(models, tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "a.txt").write_text("x")
-    _one_error_line(_chat(models, str(models / "doc.txt"), "--save-kv", str(mine), input="q\n"), 2, "refusing")
-    _one_error_line(_chat(models, "--load-kv", str(tmp_path / "none"), input="q\n"), 2, "no such snapshot")
+    one_error_line(_chat(models, str(models / "doc.txt"), "--save-kv", str(mine), input="q\n"), 2, "refusing")
+    one_error_line(_chat(models, "--load-kv", str(tmp_path / "none"), input="q\n"), 2, "no such snapshot")
     base = ["run", "-m", str(models / "tiny-target"), "--method", "ar", str(models / "doc.txt")]
-    _one_error_line(CliRunner().invoke(app, base + ["--tp", "2", "--device", "cpu", "--save-kv", str(mine)]), 2,
-                    "refusing")  # before any rank starts
-    _one_error_line(_chat(models, str(models / "doc.txt"), "--room", "1", input="q\n"), 2, "--room")
+    one_error_line(CliRunner().invoke(app, base + ["--tp", "2", "--device", "cpu", "--save-kv", str(mine)]), 2,
+                   "refusing")  # before any rank starts
+    one_error_line(_chat(models, str(models / "doc.txt"), "--room", "1", input="q\n"), 2, "--room")
 
 
 def test_a_room_the_context_cannot_hold_is_said_the_default_is_not(models, target):
@@ -183,7 +163,7 @@ def test_questions_typed_at_a_terminal(models, target):
     assert proc.wait(timeout=60) == 0
     os.close(master)
     doc = target.tokenizer.encode(DOC)
-    text = target.tokenizer.decode(_answer(target, doc + _question(target, QUESTIONS[0])), skip_special_tokens=True)
+    text = target.tokenizer.decode(_answer(target, doc + question_ids(target, QUESTIONS[0])), skip_special_tokens=True)
     shown = seen.decode(errors="replace").replace("\r\n", "\n")
     assert text.split("\n")[0][:20] in shown
 
@@ -225,7 +205,7 @@ def test_a_program_may_ask_after_the_prefilled_line(models, target):
     finally:
         proc.kill()
     doc = target.tokenizer.encode(DOC)
-    assert record["tokens"] == _answer(target, doc + _question(target, QUESTIONS[0]))
+    assert record["tokens"] == _answer(target, doc + question_ids(target, QUESTIONS[0]))
 
 
 def test_a_pipe_closed_after_the_prefill_without_a_question_is_one_line(models):
@@ -260,7 +240,7 @@ def test_a_program_may_ask_after_the_prefilled_line_having_sent_no_whole_questio
     finally:
         proc.kill()
     doc = target.tokenizer.encode(DOC)
-    assert record["tokens"] == _answer(target, doc + _question(target, QUESTIONS[0]))
+    assert record["tokens"] == _answer(target, doc + question_ids(target, QUESTIONS[0]))
 
 
 @pytest.mark.parametrize("held", [b"", b"\n \n\n"])
@@ -293,4 +273,4 @@ def test_quantized_weights_answer_as_the_quantized_model(models, monkeypatch):
     (x,) = _records(r)
     assert schemes == ["int8"]  # the target only: the draft stays in its dtype
     quant = tforce.load_model(str(target), weights="int8")
-    assert x["tokens"] == _answer(quant, quant.tokenizer.encode(DOC) + _question(quant, x["question"]))
+    assert x["tokens"] == _answer(quant, quant.tokenizer.encode(DOC) + question_ids(quant, x["question"]))

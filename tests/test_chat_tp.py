@@ -36,8 +36,9 @@ from tforce.engine.generate import Session
 from tforce.errors import TforceError
 from tforce.parallel.ranks import Ranks
 
-from test_chat import QUESTIONS, ROOT, models, target  # noqa: F401  (fixtures)
-from test_cli import DOC, FAST, _one_error_line
+from chat_helpers import QUESTIONS, ROOT
+from chat_helpers import models, target  # noqa: F401 (fixtures)
+from cli_helpers import DOC, FAST, one_error_line
 
 SAMPLED = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "5"]
 
@@ -164,8 +165,8 @@ def test_an_older_snapshot_of_another_number_of_ranks_is_refused_in_one_line(mod
     del manifest["target"]["files_sha256"]
     manifest["manifest_sha256"] = tforce.snapshot.format._manifest_sha(manifest)
     (old / "manifest.json").write_text(json.dumps(manifest))
-    _one_error_line(_chat(models, "--load-kv", str(old), tp=False), 2,
-                    "made with --tp 2, this run has one process (no --tp): pass --tp 2")
+    one_error_line(_chat(models, "--load-kv", str(old), tp=False), 2,
+                   "made with --tp 2, this run has one process (no --tp): pass --tp 2")
 
 
 def test_sampled_answers_equal_the_single_process_ones(models):
@@ -191,7 +192,7 @@ def test_a_failing_rank_ends_the_chat_in_one_line(models, tp_snapshot, tmp_path)
     data = bytearray(f.read_bytes())
     data[-10] ^= 1
     f.write_bytes(bytes(data))
-    _one_error_line(_chat(models, "--load-kv", str(damaged)), 1, "rank-1/full-001.safetensors is damaged")
+    one_error_line(_chat(models, "--load-kv", str(damaged)), 1, "rank-1/full-001.safetensors is damaged")
 
 
 def test_ctrl_c_stops_an_answer_and_the_ranks_go_on(models, target):
@@ -232,14 +233,14 @@ def test_ctrl_c_at_a_terminal_stops_an_answer_as_in_one_process(tmp_path, monkey
     """test_chat_interrupt's terminal session (a pty as the chat's controlling terminal: Ctrl-C reaches
     the ranks too), with --tp 2: Ctrl-C stops the first answer, drops a half-typed line, and the second
     answer is the clean one. Its models: that module's, with room for answers that last seconds."""
-    import test_chat_interrupt as ti
+    import chat_helpers
 
-    models = ti.long_pair(tmp_path)
+    models = chat_helpers.long_pair(tmp_path)
     target = tforce.load_model(str(models / "tiny-target"))
 
-    monkeypatch.setattr(ti, "ARGS", ti.ARGS + ["--tp", "2", "--device", "cpu"])
-    first, second = (ti._clean_text(models, target, q) for q in QUESTIONS)
-    chat = ti.Chat(models, stdout_tty=False)
+    monkeypatch.setattr(chat_helpers, "ARGS", chat_helpers.ARGS + ["--tp", "2", "--device", "cpu"])
+    first, second = (chat_helpers.clean_text(models, target, q) for q in QUESTIONS)
+    chat = chat_helpers.Chat(models, stdout_tty=False)
     chat.expect(b"> ")
     chat.type((QUESTIONS[0] + "\n").encode())
     chat.expect(first[:3].encode(), where="out")

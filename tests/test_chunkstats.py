@@ -6,31 +6,13 @@ import pytest
 import torch
 
 import tforce
-from model_helpers import forward, random_ids, rotary_for
-from tforce.cache import FullCache, RetrievalCache
+from model_helpers import forward, random_ids
+from tforce.cache import RetrievalCache
 from tforce.cache.chunkstats import ChunkStats, chunk_stats_bytes, chunk_sums
 from tforce.cache.offload import OffloadedCache
 from tforce.engine.prefill import prefill_layer_major
 
-
-def make_full(model, capacity: int, offloaded: bool, resident: int = 0):
-    dims = (model.config.num_hidden_layers, model.n_kv_heads, model.head_dim)
-    rotary = rotary_for(model, capacity)
-    if offloaded:
-        return OffloadedCache(*dims, capacity=capacity, rotary=rotary, resident=resident)
-    return FullCache(*dims, capacity=capacity, rotary=rotary)
-
-
-def retrieval(model, full, budget: int, chunk: int, shared: bool = False) -> RetrievalCache:
-    return RetrievalCache(model.config.num_hidden_layers, model.n_kv_heads, model.head_dim, budget, chunk,
-                          full.rotary, shared=shared)
-
-
-def last_queries(full):
-    """Per layer, the rotated query (H_q, D) of the last forward's last token (after a rollback, one
-    that was rolled back: any query will do for the statistics)."""
-    start, count, queries = full.row_queries[0]
-    return [q[0, count - 1] for q in queries]
+from cache_helpers import PATTERNS, last_queries, make_full, retrieval
 
 
 def from_scratch(full, chunk: int) -> list[torch.Tensor]:
@@ -52,14 +34,6 @@ def test_chunk_sums_do_not_depend_on_how_many_chunks_are_summed_together():
     pieces = torch.cat([chunk_sums(rows[a * 8:b * 8], 8) for a, b in [(0, 1), (1, 4), (4, 9)]])
     assert torch.equal(whole, pieces)
     torch.testing.assert_close(whole, rows.view(9, 8, 3, 16).sum(1))
-
-
-# Commit patterns: (tokens fed, tokens kept) per forward, rebuilding after each; rollbacks truncate.
-PATTERNS = {
-    "one-by-one": [(45, 45)] + [(1, 1)] * 12,
-    "verify-and-reject": [(43, 43), (6, 2), (6, 6), (7, 1), (5, 0), (9, 9)],
-    "chunk-aligned": [(40, 40), (8, 8), (16, 16)],
-}
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))

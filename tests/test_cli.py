@@ -7,64 +7,17 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
 import tforce
 from tforce.cli import app
 from tforce.model.synthetic import byte_tokenizer, make_checkpoint
 
-TARGET = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512)
-DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1, max_position_embeddings=512)
-DOC = "It was the best of times, it was the worst of times, it was the age of wisdom."
-FAST = ["--budget", "64", "--draft-budget", "32", "--sinks", "4", "-n", "12", "--temperature", "0"]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    make_checkpoint(root / "tiny-target", seed=0, **TARGET)
-    make_checkpoint(root / "tiny-draft", seed=1, **DRAFT)
-    make_checkpoint(root / "other-vocab", seed=2, vocab_size=300, tokenizer=False, **DRAFT)
-    make_checkpoint(root / "no-tokenizer", seed=3, tokenizer=False, **TARGET)
-    broken = root / "broken"
-    broken.mkdir()
-    for f in (root / "tiny-target").iterdir():  # config and tokenizer, so that the weights are what fails
-        if f.suffix != ".safetensors":
-            (broken / f.name).write_bytes(f.read_bytes())
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    (root / "doc.txt").write_text(DOC)
-    return root
-
-
-@pytest.fixture(scope="module")
-def runner():
-    return CliRunner()
-
-
-def _run(runner, models, *args, input=None, env=None):
-    base = ["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), "--method", "triforce"]
-    return runner.invoke(app, base + list(args), input=input, env=env)  # a later --method wins
-
-
-def _expected(models, text: str, n: int = 12) -> list[int]:
-    target = tforce.load_model(str(models / "tiny-target"))
-    ids = target.tokenizer.encode(text)
-    return tforce.generate(target.model, ids, method="ar", max_new_tokens=n, temperature=0).tokens
-
-
-def _one_error_line(result, code: int, needle: str = "") -> None:
-    assert result.exit_code == code, (result.exit_code, result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tforce: error: "), result.stderr
-    assert needle in lines[0], lines[0]
-    assert "Traceback" not in result.output
-    assert result.stdout == ""
+from cli_helpers import DOC, DRAFT, FAST, TARGET, expected_tokens, one_error_line, run_pair
+from cli_helpers import models, runner  # noqa: F401 (fixtures)
 
 
 def test_greedy_json_matches_plain_decoding(runner, models):
-    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--method", "triforce")
+    r = run_pair(runner, models, str(models / "doc.txt"), *FAST, "--json", "--method", "triforce")
     assert r.exit_code == 0, r.output
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1
@@ -79,18 +32,18 @@ def test_greedy_json_matches_plain_decoding(runner, models):
     assert set(obj["stats"]["acceptance"]) == {"draft", "retrieval"}
     assert obj["method"] == "triforce" and len(obj["tokens"]) <= 12
     assert obj["prompt_tokens"] == len(byte_tokenizer().encode(DOC))
-    assert obj["tokens"] == _expected(models, DOC)
+    assert obj["tokens"] == expected_tokens(models, DOC)
     assert obj["text"] == byte_tokenizer().decode(obj["tokens"], skip_special_tokens=True)
     assert r.stderr == ""  # --json: no summary line either
 
 
 @pytest.mark.parametrize("policy", ["shared", "topk"])
 def test_policy_option_keeps_greedy_output(runner, models, policy):
-    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--policy", policy, "--budget", "16",
-             "--chunk-size", "4")
+    r = run_pair(runner, models, str(models / "doc.txt"), *FAST, "--json", "--policy", policy, "--budget", "16",
+                 "--chunk-size", "4")
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
-    assert obj["tokens"] == _expected(models, DOC) and obj["stats"]["acceptance"]["retrieval"] is not None
+    assert obj["tokens"] == expected_tokens(models, DOC) and obj["stats"]["acceptance"]["retrieval"] is not None
 
 
 def test_deterministic_flag_reaches_the_engine(runner, models, monkeypatch):
@@ -98,9 +51,9 @@ def test_deterministic_flag_reaches_the_engine(runner, models, monkeypatch):
     from model_helpers import count_rowwise_runners
 
     built = count_rowwise_runners(monkeypatch)
-    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--deterministic", "--method", "triforce")
+    r = run_pair(runner, models, str(models / "doc.txt"), *FAST, "--json", "--deterministic", "--method", "triforce")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["tokens"] == _expected(models, DOC) and built == [1]
+    assert json.loads(r.stdout)["tokens"] == expected_tokens(models, DOC) and built == [1]
 
 
 def test_text_line_is_ended_only_when_stderr_shares_stdout(models):
@@ -117,27 +70,27 @@ def test_text_line_is_ended_only_when_stderr_shares_stdout(models):
 
 
 def test_streamed_text_is_the_only_stdout(runner, models):
-    r = _run(runner, models, "-f", str(models / "doc.txt"), *FAST, "--method", "ar")
+    r = run_pair(runner, models, "-f", str(models / "doc.txt"), *FAST, "--method", "ar")
     assert r.exit_code == 0, r.output
-    tokens = _expected(models, DOC)
+    tokens = expected_tokens(models, DOC)
     assert r.stdout == byte_tokenizer().decode(tokens, skip_special_tokens=True)
     assert len(r.stderr.strip().splitlines()) == 1 and "tokens" in r.stderr  # the summary, on stderr
 
 
 @pytest.mark.parametrize("file_args", [[], ["-"]])
 def test_stdin_document_then_prompt(runner, models, file_args):
-    r = _run(runner, models, *file_args, "--prompt", "Who?", *FAST, "--method", "ar", "--json", input=DOC)
+    r = run_pair(runner, models, *file_args, "--prompt", "Who?", *FAST, "--method", "ar", "--json", input=DOC)
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
     text = DOC + "\n\nWho?"
     assert obj["prompt_tokens"] == len(byte_tokenizer().encode(text))
-    assert obj["tokens"] == _expected(models, text)
+    assert obj["tokens"] == expected_tokens(models, text)
 
 
 def test_prompt_text_alone(runner, models):
-    r = _run(runner, models, "-p", "Hello there", *FAST, "--method", "retrieval", "--json")
+    r = run_pair(runner, models, "-p", "Hello there", *FAST, "--method", "retrieval", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["tokens"] == _expected(models, "Hello there")
+    assert json.loads(r.stdout)["tokens"] == expected_tokens(models, "Hello there")
 
 
 def test_sibling_draft_default(runner, models):
@@ -169,13 +122,13 @@ def test_no_model_uses_the_demo_pair_and_excerpt(runner, tmp_path):
     assert r.exit_code == 0 and "demo's excerpt" not in r.stderr, r.output
     assert json.loads(r.stdout)["prompt_tokens"] == len(target.tokenizer.encode("Hello"))
     # an empty prompt or file that was given is an error, not a cue for the excerpt
-    _one_error_line(runner.invoke(app, ["run", "-p", "  ", *FAST], input="", env=env), 2, "empty")
+    one_error_line(runner.invoke(app, ["run", "-p", "  ", *FAST], input="", env=env), 2, "empty")
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    _one_error_line(runner.invoke(app, ["run", str(empty), *FAST], input="", env=env), 2, "empty")
+    one_error_line(runner.invoke(app, ["run", str(empty), *FAST], input="", env=env), 2, "empty")
     # no demo pair where it is looked for: one line, exit 2
     r = runner.invoke(app, ["run", "-p", "hi"], env={"TFORCE_DEMO_MODELS": str(tmp_path / "nowhere")})
-    _one_error_line(r, 2, "no --model given")
+    one_error_line(r, 2, "no --model given")
 
 
 @pytest.mark.parametrize("args,code,needle", [
@@ -201,20 +154,20 @@ def test_no_model_uses_the_demo_pair_and_excerpt(runner, tmp_path):
     (["-p", "hi", "--dtype", "int8"], 2, "--dtype"),
 ])
 def test_bad_input_is_one_line(runner, models, args, code, needle):
-    _one_error_line(_run(runner, models, *args), code, needle)
+    one_error_line(run_pair(runner, models, *args), code, needle)
 
 
 def test_bad_models(runner, models):
     def run(*args):
         return runner.invoke(app, ["run", "-p", "hi", "--temperature", "0", "-n", "2", *args])
 
-    _one_error_line(run("-m", "no-such-model", "--method", "ar"), 2, "no-such-model")
-    _one_error_line(run("-m", str(models / "missing-folder"), "--method", "ar"), 2, "missing-folder")
-    _one_error_line(run("-m", str(models / "no-tokenizer"), "--method", "ar"), 2, "tokenizer")
-    _one_error_line(run("-m", str(models / "tiny-target"), "--draft", str(models / "other-vocab")), 2,
-                    "larger than the target's")
-    _one_error_line(run("-m", str(models / "broken"), "--method", "ar"), 1, "target model: cannot read the weights")
-    _one_error_line(run("-m", str(models / "tiny-target"), "--draft", str(models / "no-such-draft")), 2)
+    one_error_line(run("-m", "no-such-model", "--method", "ar"), 2, "no-such-model")
+    one_error_line(run("-m", str(models / "missing-folder"), "--method", "ar"), 2, "missing-folder")
+    one_error_line(run("-m", str(models / "no-tokenizer"), "--method", "ar"), 2, "tokenizer")
+    one_error_line(run("-m", str(models / "tiny-target"), "--draft", str(models / "other-vocab")), 2,
+                   "larger than the target's")
+    one_error_line(run("-m", str(models / "broken"), "--method", "ar"), 1, "target model: cannot read the weights")
+    one_error_line(run("-m", str(models / "tiny-target"), "--draft", str(models / "no-such-draft")), 2)
 
 
 LATIN1 = "caf\xe9 cr\xe8me, na\xefve".encode("latin-1")
@@ -226,10 +179,10 @@ def test_non_utf8_prompt_is_replaced_with_one_warning(runner, models, tmp_path, 
     path = tmp_path / "latin1.txt"
     path.write_bytes(LATIN1)
     args = ["-"] if via == "stdin" else [str(path)]
-    r = _run(runner, models, *args, *FAST, "--method", "ar", "--json", input=LATIN1 if via == "stdin" else None)
+    r = run_pair(runner, models, *args, *FAST, "--method", "ar", "--json", input=LATIN1 if via == "stdin" else None)
     assert r.exit_code == 0, (r.output, r.exception)
     text = LATIN1.decode("utf-8", errors="replace")
-    assert json.loads(r.stdout)["tokens"] == _expected(models, text)
+    assert json.loads(r.stdout)["tokens"] == expected_tokens(models, text)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tforce: warning: ") and "not valid UTF-8" in lines[0], r.stderr
 
@@ -240,16 +193,16 @@ def test_binary_prompt_is_refused(runner, models, tmp_path, via):
     path = tmp_path / "prog"
     path.write_bytes(data)
     args = ["-"] if via == "stdin" else [str(path)]
-    _one_error_line(_run(runner, models, *args, "--method", "ar", input=data if via == "stdin" else None), 2,
-                    "is not text")
+    one_error_line(run_pair(runner, models, *args, "--method", "ar", input=data if via == "stdin" else None), 2,
+                   "is not text")
 
 
 def test_missing_target_is_named_before_the_draft(runner, models):
     """Without a draft for a missing target folder, the target is what is reported missing."""
     r = runner.invoke(app, ["run", "-p", "hi", "-m", str(models / "nowhere-target")])
-    _one_error_line(r, 2, "target model: no model folder")
+    one_error_line(r, 2, "target model: no model folder")
     r = runner.invoke(app, ["run", "-p", "hi", "-m", str(models / "tiny-target"), "--draft", str(models / "nowhere")])
-    _one_error_line(r, 2, "draft model: no model folder")
+    one_error_line(r, 2, "draft model: no model folder")
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])
@@ -262,7 +215,7 @@ def test_corrupt_weights_name_the_file_and_the_role(runner, models, tmp_path, ro
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
     pair = {"target": models / "tiny-target", "draft": models / "tiny-draft", role: bad}
     r = runner.invoke(app, ["run", "-p", "hi", "-n", "2", "-m", str(pair["target"]), "--draft", str(pair["draft"])])
-    _one_error_line(r, 1, f"{role} model: cannot read the weights in {weights}")
+    one_error_line(r, 1, f"{role} model: cannot read the weights in {weights}")
 
 
 def test_run_refuses_what_cannot_fit_before_loading(runner, models, monkeypatch):
@@ -271,8 +224,8 @@ def test_run_refuses_what_cannot_fit_before_loading(runner, models, monkeypatch)
 
     monkeypatch.setattr("tforce.cli.common._host_available", lambda: 2**20)
     monkeypatch.setattr("tforce.model.weights.load_model", no_loading)
-    r = _run(runner, models, "-p", "hi", "-n", "4")
-    _one_error_line(r, 1, "not enough memory")
+    r = run_pair(runner, models, "-p", "hi", "-n", "4")
+    one_error_line(r, 1, "not enough memory")
     assert "KV cache for 6 tokens" in r.stderr and "GiB needed" in r.stderr and "0.0 GiB available" in r.stderr
 
 
@@ -292,10 +245,10 @@ def test_memory_check_plans_the_method_asked_for(runner, models, monkeypatch):
 
     assert need("ar") < need("triforce")
     monkeypatch.setattr("tforce.cli.common._host_available", lambda: (need("ar") + need("triforce")) // 2)
-    r = _run(runner, models, "-p", "hi", "-n", "4", "--method", "ar", "--temperature", "0")
+    r = run_pair(runner, models, "-p", "hi", "-n", "4", "--method", "ar", "--temperature", "0")
     assert r.exit_code == 0, (r.output, r.exception)
-    _one_error_line(_run(runner, models, "-p", "hi", "-n", "4", "--method", "triforce"), 1, "not enough memory")
-    auto = _run(runner, models, "-p", "hi", "-n", "4", "--temperature", "0", "--json", "--method", "auto")
+    one_error_line(run_pair(runner, models, "-p", "hi", "-n", "4", "--method", "triforce"), 1, "not enough memory")
+    auto = run_pair(runner, models, "-p", "hi", "-n", "4", "--temperature", "0", "--json", "--method", "auto")
     assert auto.exit_code == 0, (auto.output, auto.exception)
     planned = {c["method"] for c in json.loads(auto.stdout)["auto"]["candidates"]}
     assert "ar" in planned and "triforce" not in planned
@@ -303,14 +256,14 @@ def test_memory_check_plans_the_method_asked_for(runner, models, monkeypatch):
 
 def test_context_full_is_said(runner, models):
     """-n beyond the context: generation stops where the context ends, and stderr says so."""
-    r = _run(runner, models, "-p", "x" * 500, *FAST, "-n", "30", "--method", "ar", "--json")
+    r = run_pair(runner, models, "-p", "x" * 500, *FAST, "-n", "30", "--method", "ar", "--json")
     assert r.exit_code == 0, (r.output, r.exception)
     assert len(json.loads(r.stdout)["tokens"]) == 12
     assert "leaves room for 12 new tokens after the 500-token prompt, not the 30 asked for" in r.stderr
 
 
 def test_gpu_memory_on_cpu_is_said(runner, models):
-    r = _run(runner, models, "-p", "hi", *FAST, "--method", "ar", "--device", "cpu", "--gpu-memory", "1GiB")
+    r = run_pair(runner, models, "-p", "hi", *FAST, "--method", "ar", "--device", "cpu", "--gpu-memory", "1GiB")
     assert r.exit_code == 0, (r.output, r.exception)
     assert "--gpu-memory has no effect on a cpu run" in r.stderr
 
@@ -337,12 +290,12 @@ def test_no_command_shows_the_help(monkeypatch, capsys):
 
 
 def test_unreadable_prompt_file_and_empty_stdin(runner, models):
-    _one_error_line(_run(runner, models, str(models)), 2, "cannot read prompt file")
-    _one_error_line(_run(runner, models, "-", input=""), 2, "empty")
+    one_error_line(run_pair(runner, models, str(models)), 2, "cannot read prompt file")
+    one_error_line(run_pair(runner, models, "-", input=""), 2, "empty")
 
 
 def test_debug_reraises(runner, models):
-    r = _run(runner, models, "-p", "hi", "--gamma1", "0", env={"TFORCE_DEBUG": "1"})
+    r = run_pair(runner, models, "-p", "hi", "--gamma1", "0", env={"TFORCE_DEBUG": "1"})
     assert r.exit_code != 0
     assert isinstance(r.exception, tforce.UsageError)
 
@@ -352,7 +305,7 @@ def test_keyboard_interrupt_exits_130(runner, models, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(tforce.engine.generate, "generate", interrupted)
-    r = _run(runner, models, "-p", "hi", "--method", "ar")
+    r = run_pair(runner, models, "-p", "hi", "--method", "ar")
     assert r.exit_code == 130
     assert "Traceback" not in r.output and r.stdout == ""
 
@@ -371,7 +324,7 @@ def test_info(runner, models):
     assert "host_memory_bytes" in obj and "torch" in obj
     r = runner.invoke(app, ["info", "-m", str(models / "tiny-target")])
     assert r.exit_code == 0 and "RANDOM WEIGHTS" in r.stdout
-    _one_error_line(runner.invoke(app, ["info", "-m", "no-such-model"]), 2, "no-such-model")
+    one_error_line(runner.invoke(app, ["info", "-m", "no-such-model"]), 2, "no-such-model")
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -410,7 +363,7 @@ def test_prefill_chunk_reaches_the_engine(runner, models, monkeypatch, command):
     result = runner.invoke(app, base + source + ["--prefill-chunk", "16"], input="Who?\n")
     assert result.exit_code == 0, (result.output, result.exception)
     assert seen == [16]
-    _one_error_line(runner.invoke(app, base + source + ["--prefill-chunk", "0"], input="Who?\n"), 2, "--prefill-chunk")
+    one_error_line(runner.invoke(app, base + source + ["--prefill-chunk", "0"], input="Who?\n"), 2, "--prefill-chunk")
 
 
 @pytest.mark.parametrize("args, noted", [
@@ -421,7 +374,7 @@ def test_prefill_chunk_reaches_the_engine(runner, models, monkeypatch, command):
     (["--dtype", "float32"], False),
 ])
 def test_greedy_in_16_bits_says_what_exact_means(runner, models, args, noted):
-    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "--device", "cpu", *args)
+    r = run_pair(runner, models, str(models / "doc.txt"), *FAST, "--json", "--device", "cpu", *args)
     assert r.exit_code == 0, (r.output, r.exception)
     assert ("except where its two best logits nearly tie" in r.stderr) == noted, r.stderr
 

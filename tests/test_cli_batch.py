@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from tforce.cli import app
 
-from test_cli import DOC, FAST, _expected, _one_error_line, _run, models  # noqa: F401
+from cli_helpers import DOC, FAST, expected_tokens, one_error_line, run_pair
+from cli_helpers import models  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +30,12 @@ def test_batch_lines_match_each_prompt_alone(runner, models, tmp_path, method, o
     batch = _write(tmp_path, json.dumps({"prompt": "It was", "id": "short"}), "",
                    json.dumps({"file": str(models / "doc.txt"), "prompt": "Who?"}),
                    json.dumps({"prompt": DOC, "id": 7, "max_new_tokens": 5}))
-    r = _run(runner, models, "--batch", batch, "--method", method, "--offload", offload, *FAST)
+    r = run_pair(runner, models, "--batch", batch, "--method", method, "--offload", offload, *FAST)
     assert r.exit_code == 0, r.output
     out = [json.loads(line) for line in r.stdout.strip().splitlines()]
     assert [o["id"] for o in out] == ["short", 3, 7]  # the line number when no id is given
     for o, text, n in zip(out, ["It was", DOC + "\n\nWho?", DOC], [12, 12, 5]):
-        assert o["tokens"] == _expected(models, text, n)
+        assert o["tokens"] == expected_tokens(models, text, n)
         assert o["method"] == method and o["stats"]["batch_size"] == 3
         assert o["stats"]["kv_offloaded_layers"] == (2 if offload == "on" else 0)
     assert "batch of 3 prompts" in r.stderr and "ms/token for the batch" in r.stderr
@@ -51,12 +52,12 @@ def test_batch_with_the_h2o_policy_matches_each_prompt_alone(runner, models, tmp
     batch = _write(tmp_path, *(json.dumps({"prompt": t}) for t in texts))
     opts = ["--method", "triforce", "--policy", "h2o", *FAST, "--budget", "16", "--chunk-size", "4",
             "--rebuild-every", "4"]
-    r = _run(runner, models, "--batch", batch, *opts)
+    r = run_pair(runner, models, "--batch", batch, *opts)
     assert r.exit_code == 0, r.output
     out = [json.loads(line) for line in r.stdout.strip().splitlines()]
     for o, text in zip(out, texts):
-        assert o["tokens"] == _expected(models, text)
-        one = _run(runner, models, "--prompt", text, "--json", *opts)
+        assert o["tokens"] == expected_tokens(models, text)
+        one = run_pair(runner, models, "--prompt", text, "--json", *opts)
         assert one.exit_code == 0, one.output
         alone = json.loads(one.stdout)["stats"]
         for key in ("acceptance", "rebuilds", "verifications"):
@@ -68,8 +69,8 @@ def test_json_is_one_object_holding_the_lines(runner, models, tmp_path):
     """--json with --batch was ignored (JSON lines came out): it prints one object, the per-prompt records
     exactly as the lines give them, in the file's order, and the batch's figures the summary line reports."""
     batch = _write(tmp_path, json.dumps({"prompt": "It was", "id": "short"}), json.dumps({"prompt": DOC, "id": 7}))
-    lines = _run(runner, models, "--batch", batch, "--method", "triforce", *FAST)
-    one = _run(runner, models, "--batch", batch, "--method", "triforce", "--json", *FAST)
+    lines = run_pair(runner, models, "--batch", batch, "--method", "triforce", *FAST)
+    one = run_pair(runner, models, "--batch", batch, "--method", "triforce", "--json", *FAST)
     assert lines.exit_code == one.exit_code == 0, one.output
     [obj] = [json.loads(line) for line in one.stdout.strip().splitlines()]
     records = [json.loads(line) for line in lines.stdout.strip().splitlines()]
@@ -105,23 +106,23 @@ def test_json_is_one_object_holding_the_lines(runner, models, tmp_path):
 ])
 def test_a_bad_line_is_one_error_naming_it(runner, models, tmp_path, line, needle):
     batch = _write(tmp_path, '{"prompt": "ok", "id": "a"}', line)
-    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", *FAST), 2, needle)
+    one_error_line(run_pair(runner, models, "--batch", batch, "--method", "ar", *FAST), 2, needle)
 
 
 def test_batch_refusals(runner, models, tmp_path):
     batch = _write(tmp_path, '{"prompt": "ok"}')
-    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "-p", "x", *FAST), 2,
-                    "no PROMPT_FILE or --prompt")
-    _one_error_line(_run(runner, models, "--batch", str(tmp_path / "none.jsonl"), "--method", "ar", *FAST), 2,
-                    "cannot read batch file")
-    _one_error_line(_run(runner, models, "--batch", batch, "--method", "ar", "--save-kv", str(tmp_path / "kv"),
-                         *FAST), 2, "--batch saves no KV snapshot")
+    one_error_line(run_pair(runner, models, "--batch", batch, "--method", "ar", "-p", "x", *FAST), 2,
+                   "no PROMPT_FILE or --prompt")
+    one_error_line(run_pair(runner, models, "--batch", str(tmp_path / "none.jsonl"), "--method", "ar", *FAST), 2,
+                   "cannot read batch file")
+    one_error_line(run_pair(runner, models, "--batch", batch, "--method", "ar", "--save-kv", str(tmp_path / "kv"),
+                            *FAST), 2, "--batch saves no KV snapshot")
     assert not (tmp_path / "kv").exists()
     empty = _write(tmp_path, "", "  ")
-    _one_error_line(_run(runner, models, "--batch", empty, "--method", "ar", *FAST), 2, "holds no prompts")
+    one_error_line(run_pair(runner, models, "--batch", empty, "--method", "ar", *FAST), 2, "holds no prompts")
     # the one method check of batches (engine.batch.check_batchable), as bench's below and generate_batch's
-    _one_error_line(_run(runner, models, "--batch", batch, "--method", "beam", *FAST), 2,
-                    "--batch runs --method ar|triforce|naive|retrieval|streaming, not 'beam'")
+    one_error_line(run_pair(runner, models, "--batch", batch, "--method", "beam", *FAST), 2,
+                   "--batch runs --method ar|triforce|naive|retrieval|streaming, not 'beam'")
 
 
 def test_bench_batch_against_one_at_a_time(runner):
@@ -189,15 +190,15 @@ def test_bench_batch_times_row_wise_verification(runner, monkeypatch):
 
 def test_bench_batch_refusals(runner):
     r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "2", "--methods", "ar,auto+det"])
-    _one_error_line(r, 2, "--batch runs --method ar|triforce|naive|retrieval|streaming (each may end in +det)")
-    _one_error_line(runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "0"]), 2, "--batch must be >= 1")
+    one_error_line(r, 2, "--batch runs --method ar|triforce|naive|retrieval|streaming (each may end in +det)")
+    one_error_line(runner.invoke(app, ["bench", "--synthetic", "tiny", "--batch", "0"]), 2, "--batch must be >= 1")
 
 
 def test_batch_from_stdin(runner, models):
-    r = _run(runner, models, "--batch", "-", "--method", "ar", *FAST, input='{"prompt": "It was", "id": "x"}\n')
+    r = run_pair(runner, models, "--batch", "-", "--method", "ar", *FAST, input='{"prompt": "It was", "id": "x"}\n')
     assert r.exit_code == 0, r.output
     [line] = r.stdout.strip().splitlines()
-    assert json.loads(line)["id"] == "x" and json.loads(line)["tokens"] == _expected(models, "It was")
+    assert json.loads(line)["id"] == "x" and json.loads(line)["tokens"] == expected_tokens(models, "It was")
 
 
 def test_lines_are_split_at_newlines_only(tmp_path):
@@ -238,7 +239,7 @@ def test_rows_finished_before_an_interrupt_or_error_are_written(runner, models, 
     batch = _write(tmp_path, json.dumps({"prompt": DOC, "id": "long"}),
                    json.dumps({"prompt": "It was", "id": "one", "max_new_tokens": 1}),
                    json.dumps({"prompt": "It is", "id": "none", "max_new_tokens": 0}))
-    r = _run(runner, models, "--batch", batch, "--method", "ar", *FAST, *(["--json"] if as_json else []))
+    r = run_pair(runner, models, "--batch", batch, "--method", "ar", *FAST, *(["--json"] if as_json else []))
     assert r.exit_code == code, r.output
     out = [json.loads(line) for line in r.stdout.strip().splitlines()]
     if as_json:  # one object: the same rows, and no batch figures
@@ -246,7 +247,7 @@ def test_rows_finished_before_an_interrupt_or_error_are_written(runner, models, 
         assert whole["complete"] is False and whole["stats"] is None
         out = whole["results"]
     assert [o["id"] for o in out] == ["one", "none"]
-    assert out[0]["tokens"] == _expected(models, "It was", 1) and out[1]["tokens"] == []
+    assert out[0]["tokens"] == expected_tokens(models, "It was", 1) and out[1]["tokens"] == []
     assert all(o["stats"] is None for o in out)
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
 
@@ -281,7 +282,7 @@ def test_a_row_the_context_cuts_short_is_noted(runner, models, tmp_path):
     cut such a row short silently. One note names the rows and what they get."""
     long = "x" * 505
     batch = _write(tmp_path, json.dumps({"prompt": long, "id": "long"}), json.dumps({"prompt": "It was", "id": "s"}))
-    r = _run(runner, models, "--batch", batch, "--method", "ar", *FAST)
+    r = run_pair(runner, models, "--batch", batch, "--method", "ar", *FAST)
     assert r.exit_code == 0, r.output
     out = [json.loads(line) for line in r.stdout.strip().splitlines()]
     room = 512 - out[0]["prompt_tokens"]
@@ -295,10 +296,10 @@ def test_batch_note_on_greedy_in_16_bits_offers_deterministic(runner, models, tm
     """A batch's exactness note offers --deterministic, which batches run now; with it there is no note."""
     batch = _write(tmp_path, json.dumps({"prompt": "Who?"}))
     args = ("--batch", batch, *FAST, "-n", "2", "--dtype", "bfloat16", "--device", "cpu", "--method", "triforce")
-    r = _run(runner, models, *args)
+    r = run_pair(runner, models, *args)
     assert r.exit_code == 0, (r.output, r.exception)
     assert "except where its two best logits nearly tie; --deterministic makes them" in r.stderr, r.stderr
-    r = _run(runner, models, *args, "--deterministic")
+    r = run_pair(runner, models, *args, "--deterministic")
     assert r.exit_code == 0 and "nearly tie" not in r.stderr, (r.output, r.exception)
 
 
@@ -315,8 +316,8 @@ def test_deterministic_batch_rows_are_ar_alone_in_bfloat16(runner, models, tmp_p
     built = count_rowwise_runners(monkeypatch)
     texts, budgets = ["It was", DOC + "\n\nWho?", DOC], [12, 12, 5]
     batch = _write(tmp_path, *(json.dumps({"prompt": t, "max_new_tokens": n}) for t, n in zip(texts, budgets)))
-    r = _run(runner, models, "--batch", batch, "--deterministic", "--dtype", "bfloat16", "--device", "cpu",
-             "--offload", offload, *FAST)
+    r = run_pair(runner, models, "--batch", batch, "--deterministic", "--dtype", "bfloat16", "--device", "cpu",
+                 "--offload", offload, *FAST)
     assert r.exit_code == 0, (r.output, r.exception)
     assert built == [1]
     out = [json.loads(line) for line in r.stdout.strip().splitlines()]

@@ -16,7 +16,8 @@ from tforce.bench.suite import info_plan
 from tforce.cli import app
 from tforce.errors import DoesNotFit
 
-from test_cli import DOC, FAST, _expected, _one_error_line, _run, models  # noqa: F401
+from cli_helpers import DOC, FAST, expected_tokens, one_error_line, run_pair
+from cli_helpers import models  # noqa: F401 (fixture)
 
 CONTEXT, BUDGET, N = 512, 64, 12  # the tiny target's context; FAST's --budget and -n
 PROMPTS = [("a", DOC, N), ("b", "It was", 3), ("c", "It is", N), ("d", "It was the", 0), ("e", "Who?", N)]
@@ -63,22 +64,22 @@ def test_a_batch_that_does_not_fit_runs_as_smaller_batches(runner, models, tmp_p
     before, made three: 2, 2, 1), one note on stderr, every row the tokens of the unsplit batch and of
     `tforce run` on its prompt alone, in the file's order."""
     batch = _file(tmp_path, PROMPTS)
-    whole = _run(runner, models, "--batch", batch, "--method", method, *FAST)
+    whole = run_pair(runner, models, "--batch", batch, "--method", method, *FAST)
     room = _room_for(models, monkeypatch, PROMPTS, 2, method)
     assert _need(models, _longest(models, PROMPTS[2:]), 3, method) <= room
-    split = _run(runner, models, "--batch", batch, "--method", method, *FAST)
+    split = run_pair(runner, models, "--batch", batch, "--method", method, *FAST)
     assert whole.exit_code == split.exit_code == 0, split.output
     lines = [json.loads(line) for line in split.stdout.strip().splitlines()]
     unsplit = [json.loads(line) for line in whole.stdout.strip().splitlines()]
     assert [o["id"] for o in lines] == [key for key, _, _ in PROMPTS]
     assert [o["tokens"] for o in lines] == [o["tokens"] for o in unsplit]
     for o, (_, text, n) in zip(lines, PROMPTS):
-        assert o["tokens"] == _expected(models, text, n)
+        assert o["tokens"] == expected_tokens(models, text, n)
     assert [o["stats"]["batch_size"] for o in lines] == [2, 2, 3, 3, 3]
     assert "tforce: the batch of 5 does not fit: running it as 2 batches of at most 3" in split.stderr.splitlines()
     assert "batch of 5 prompts in 2 batches of at most 3 (times summed)" in split.stderr
     assert "does not fit" not in whole.stderr and "batch of 5 prompts:" in whole.stderr
-    alone = _run(runner, models, "-p", PROMPTS[2][1], "--method", method, *FAST, "--json")
+    alone = run_pair(runner, models, "-p", PROMPTS[2][1], "--method", method, *FAST, "--json")
     assert alone.exit_code == 0 and json.loads(alone.stdout)["tokens"] == lines[2]["tokens"]
 
 
@@ -86,7 +87,7 @@ def test_the_split_batches_figures_are_summed(runner, models, tmp_path, monkeypa
     """--json: the stats say how many batches ran; times and tokens are the batches' sums, tokens/s and
     ms/token over all batches' decode time."""
     _room_for(models, monkeypatch, PROMPTS, 2)
-    r = _run(runner, models, "--batch", _file(tmp_path, PROMPTS), "--method", "triforce", "--json", *FAST)
+    r = run_pair(runner, models, "--batch", _file(tmp_path, PROMPTS), "--method", "triforce", "--json", *FAST)
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
     stats, rows = obj["stats"], [o["stats"] for o in obj["results"]]
@@ -120,8 +121,8 @@ def test_an_interrupt_in_the_second_batch_writes_the_rows_finished(runner, model
     prompts = [("a", "It was", 4), ("b", "It is", 2), ("c", DOC, N), ("d", "It was the", 1), ("e", "Who?", 3)]
     _room_for(models, monkeypatch, prompts, 2)
     monkeypatch.setattr(tforce.engine.session.Session, "round", failing)
-    r = _run(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST,
-             *(["--json"] if as_json else []))
+    r = run_pair(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST,
+                 *(["--json"] if as_json else []))
     assert r.exit_code == 130, r.output
     out = [json.loads(line) for line in r.stdout.strip().splitlines()]
     if as_json:
@@ -130,7 +131,7 @@ def test_an_interrupt_in_the_second_batch_writes_the_rows_finished(runner, model
         out = whole["results"]
     assert [o["id"] for o in out] == ["a", "b", "d"]
     for o, (_, text, n) in zip(out, [prompts[0], prompts[1], prompts[3]]):
-        assert o["tokens"] == _expected(models, text, n) and o["stats"] is None
+        assert o["tokens"] == expected_tokens(models, text, n) and o["stats"] is None
     note = "tforce: the batch of 5 does not fit: running it as 3 batches of at most 2"
     assert r.stderr.strip().splitlines() == [note, "tforce: interrupted"]
 
@@ -147,8 +148,8 @@ def test_a_prompt_that_does_not_fit_alone_is_refused(runner, models, tmp_path, m
     assert _need(models, _longest(models, short), 2, "ar") < _need(models, tokens, 1, "ar")
     monkeypatch.setattr("tforce.cli.common._host_available", lambda: _need(models, tokens, 1, "ar") - 1)
     monkeypatch.setattr("tforce.model.weights.load_model", no_loading)
-    r = _run(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST)
-    _one_error_line(r, 1, "not enough memory")
+    r = run_pair(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST)
+    one_error_line(r, 1, "not enough memory")
     assert f"KV cache for {tokens} tokens" in r.stderr
 
 
@@ -158,12 +159,12 @@ def test_split_batches_sample_with_their_own_seeds(runner, models, tmp_path, mon
     prompts = [("a", "It was", N), ("b", "It was", N)]
     _room_for(models, monkeypatch, prompts, 1)
     args = ["--batch", _file(tmp_path, prompts), "--method", "ar", *FAST, "--temperature", "1", "--seed", "7"]
-    first, again = _run(runner, models, *args), _run(runner, models, *args)
+    first, again = run_pair(runner, models, *args), run_pair(runner, models, *args)
     assert first.exit_code == again.exit_code == 0, first.output
     assert "running it as 2 batches of at most 1" in first.stderr
     rows, rerun = ([json.loads(line)["tokens"] for line in r.stdout.strip().splitlines()] for r in (first, again))
     assert rows[0] != rows[1] and rows == rerun
-    top = _run(runner, models, *args[:-1], str(2**64 - 1))  # the second batch's seed is past torch's range
+    top = run_pair(runner, models, *args[:-1], str(2**64 - 1))  # the second batch's seed is past torch's range
     assert top.exit_code == 0 and len(top.stdout.strip().splitlines()) == 2, top.output
 
 
@@ -183,7 +184,7 @@ def test_bench_batch_is_not_split(runner, monkeypatch):
     monkeypatch.setattr("tforce.bench.suite.synthetic_pair", no_building)
     r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--device", "cpu", "--batch", "3", "--prompt-len", "40",
                             "--gen-len", "8", "--budget", "32", "--chunk-size", "4", "--methods", "ar"])
-    _one_error_line(r, 1, "not enough memory")
+    one_error_line(r, 1, "not enough memory")
     assert "KV cache for 3 x 48 tokens" in r.stderr
 
 
@@ -212,13 +213,13 @@ def test_a_batch_the_engine_refuses_runs_split_smaller(runner, models, tmp_path,
     runs as 2 + 3, the 3 as 1 + 2 (a note each time); every row is still its prompt alone, in the file's
     order, and the summary counts the three batches that ran."""
     planned = _engine_refusing(monkeypatch, lambda work: work.rows > 2)
-    r = _run(runner, models, "--batch", _file(tmp_path, PROMPTS), "--method", method, *FAST)
+    r = run_pair(runner, models, "--batch", _file(tmp_path, PROMPTS), "--method", method, *FAST)
     assert r.exit_code == 0, r.output
     assert planned == [5, 2, 3, 1, 2]
     lines = [json.loads(line) for line in r.stdout.strip().splitlines()]
     assert [o["id"] for o in lines] == [key for key, _, _ in PROMPTS]
     for o, (_, text, n) in zip(lines, PROMPTS):
-        assert o["tokens"] == _expected(models, text, n)
+        assert o["tokens"] == expected_tokens(models, text, n)
     assert [o["stats"]["batch_size"] for o in lines] == [2, 2, 1, 2, 2]
     notes = [line for line in r.stderr.splitlines() if "after all" in line]
     assert notes == ["tforce: prompts 1-5 do not fit together after all (not enough GPU memory: stand-in): running "
@@ -236,8 +237,8 @@ def test_a_prompt_the_engine_refuses_alone_ends_the_run_keeping_finished_rows(ru
     prompts = [("s1", "It was", N), ("s2", "It is", N), ("long", DOC, N), ("s3", "Who?", N)]
     longest = len(tforce.load_model(str(models / "tiny-target")).tokenizer.encode(DOC)) - 1
     planned = _engine_refusing(monkeypatch, lambda work: work.prompt >= longest)
-    r = _run(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST,
-             *(["--json"] if as_json else []))
+    r = run_pair(runner, models, "--batch", _file(tmp_path, prompts), "--method", "ar", *FAST,
+                 *(["--json"] if as_json else []))
     assert r.exit_code == 1, r.output
     assert planned == [4, 2, 2, 1]
     out = [json.loads(line) for line in r.stdout.strip().splitlines()]
@@ -246,7 +247,7 @@ def test_a_prompt_the_engine_refuses_alone_ends_the_run_keeping_finished_rows(ru
         assert whole["complete"] is False
         out = whole["results"]
     assert [(o["id"], o["stats"]) for o in out] == [("s1", None), ("s2", None)]
-    assert out[0]["tokens"] == _expected(models, "It was", N)
+    assert out[0]["tokens"] == expected_tokens(models, "It was", N)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 3 and lines[-1] == "tforce: error: not enough GPU memory: stand-in", lines
     assert "Traceback" not in r.output

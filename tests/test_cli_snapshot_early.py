@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from tforce.cli import app
 
-from test_cli_user_errors import _one_error_line, _run, models  # noqa: F401
+from user_errors_helpers import one_error_line, run_hi
+from user_errors_helpers import models  # noqa: F401 (fixture)
 
 
 def test_load_kv_of_another_dtype_is_refused_before_loading(models, tmp_path, monkeypatch):
@@ -16,24 +17,24 @@ def test_load_kv_of_another_dtype_is_refused_before_loading(models, tmp_path, mo
 
     runner = CliRunner()
     snap = tmp_path / "snap"
-    assert _run(runner, models, "--save-kv", str(snap)).exit_code == 0
+    assert run_hi(runner, models, "--save-kv", str(snap)).exit_code == 0
 
     def no_loading(*a, **k):
         raise AssertionError("weights read before the snapshot was checked")
 
     monkeypatch.setattr(tforce.model.weights, "load_model", no_loading)
     needle = f"--load-kv {snap}: its cache is float32, this run's is bfloat16 (pass --dtype float32)"
-    _one_error_line(_run(runner, models, "--load-kv", str(snap), "--dtype", "bfloat16"), 2, needle)
+    one_error_line(run_hi(runner, models, "--load-kv", str(snap), "--dtype", "bfloat16"), 2, needle)
     doc = str(models / "doc.txt")
     r = runner.invoke(app, ["chat", doc, "-q", doc, "-m", str(models / "tiny-target"), "--load-kv", str(snap),
                             "--dtype", "bfloat16"])
-    _one_error_line(r, 2, needle)
+    one_error_line(r, 2, needle)
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])
 def test_load_kv_of_the_same_dtype_still_loads(models, tmp_path, dtype):
     runner = CliRunner()
     snap = tmp_path / "snap"
-    assert _run(runner, models, "--save-kv", str(snap)).exit_code == 0
-    r = _run(runner, models, "--load-kv", str(snap), "--dtype", dtype)
+    assert run_hi(runner, models, "--save-kv", str(snap)).exit_code == 0
+    r = run_hi(runner, models, "--load-kv", str(snap), "--dtype", dtype)
     assert r.exit_code == 0 and "KV snapshot" in r.stderr, r.output

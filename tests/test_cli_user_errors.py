@@ -10,36 +10,14 @@ from typer.testing import CliRunner
 from tforce.cli import app
 from tforce.model.synthetic import make_checkpoint
 
-TARGET = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512)
-DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1, max_position_embeddings=512)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("user")
-    make_checkpoint(root / "tiny-target", seed=0, **TARGET)
-    make_checkpoint(root / "tiny-draft", seed=1, **DRAFT)
-    gpt2 = root / "gpt2"  # a Hugging Face folder of another architecture
-    gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4}))
-    (root / "doc.txt").write_text("It was the best of times, it was the worst of times.")
-    return root
+from cli_helpers import DRAFT, TARGET
+from user_errors_helpers import one_error_line, run_hi
+from user_errors_helpers import models  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")
 def runner():
     return CliRunner()
-
-
-def _one_error_line(result, code: int, needle: str = "") -> None:
-    assert result.exit_code == code, (result.exit_code, result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tforce: error: "), result.stderr
-    assert needle in lines[0], lines[0]
-    assert "Traceback" not in result.output and "TFORCE_DEBUG" not in result.output
-    assert result.stdout == ""
 
 
 @pytest.mark.parametrize("args,role", [
@@ -53,12 +31,7 @@ def test_unsupported_architecture_is_a_usage_error(runner, models, args, role):
     was an AttributeError from the memory plan, exit 1)."""
     paths = {"gpt2": models / "gpt2", "target": models / "tiny-target", "doc": models / "doc.txt"}
     r = runner.invoke(app, [a.format(**paths) for a in args])
-    _one_error_line(r, 2, f"{role}: {paths['gpt2']}: model type 'gpt2' is not a Llama-family model".lstrip(": "))
-
-
-def _run(runner, models, *args):
-    return runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"),
-                               "-p", "hi", "-n", "2", "-t", "0", "--method", "triforce", *args])
+    one_error_line(r, 2, f"{role}: {paths['gpt2']}: model type 'gpt2' is not a Llama-family model".lstrip(": "))
 
 
 def test_save_kv_keeps_a_folder_whose_manifest_is_not_tforces(runner, models, tmp_path):
@@ -68,7 +41,7 @@ def test_save_kv_keeps_a_folder_whose_manifest_is_not_tforces(runner, models, tm
     app_folder.mkdir()
     (app_folder / "manifest.json").write_text('{"name": "my extension", "version": "1.0"}')
     (app_folder / "background.js").write_text("keep me")
-    _one_error_line(_run(runner, models, "--save-kv", str(app_folder)), 2, "not a tforce KV snapshot; refusing")
+    one_error_line(run_hi(runner, models, "--save-kv", str(app_folder)), 2, "not a tforce KV snapshot; refusing")
     assert sorted(p.name for p in app_folder.iterdir()) == ["background.js", "manifest.json"]
     assert (app_folder / "background.js").read_text() == "keep me"
 
@@ -77,8 +50,8 @@ def test_save_kv_where_no_folder_can_be_made_is_refused_before_the_run(runner, m
     """A path under a file cannot become a folder: one usage line before any weights are read (it was a
     FileExistsError after the prefill), and the file is untouched."""
     (tmp_path / "notes.txt").write_text("keep me")
-    r = _run(runner, models, "--save-kv", str(tmp_path / "notes.txt" / "snap"))
-    _one_error_line(r, 2, f"--save-kv {tmp_path / 'notes.txt' / 'snap'}: {tmp_path / 'notes.txt'} is not a folder")
+    r = run_hi(runner, models, "--save-kv", str(tmp_path / "notes.txt" / "snap"))
+    one_error_line(r, 2, f"--save-kv {tmp_path / 'notes.txt' / 'snap'}: {tmp_path / 'notes.txt'} is not a folder")
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
@@ -93,8 +66,8 @@ def test_a_disk_error_while_saving_is_one_line(runner, models, tmp_path, monkeyp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(snapshot_io, "_write", full)
-    r = _run(runner, models, "--save-kv", str(tmp_path / "snap"), "--method", "triforce")  # no line from auto
-    _one_error_line(r, 1, f"--save-kv {tmp_path / 'snap'}: cannot write the snapshot: No space left on device")
+    r = run_hi(runner, models, "--save-kv", str(tmp_path / "snap"), "--method", "triforce")  # no line from auto
+    one_error_line(r, 1, f"--save-kv {tmp_path / 'snap'}: cannot write the snapshot: No space left on device")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -128,7 +101,7 @@ def test_chat_with_no_questions_in_the_file_is_refused(runner, models, tmp_path,
     questions.write_text(content)
     pair = ["-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft")]
     r = runner.invoke(app, ["chat", str(models / "doc.txt"), "-q", str(questions), *pair])
-    _one_error_line(r, 2, f"questions file {questions} holds no questions")
+    one_error_line(r, 2, f"questions file {questions} holds no questions")
     r = runner.invoke(app, ["chat", str(models / "doc.txt"), "-q", str(questions), *pair,
                             "--save-kv", str(tmp_path / "snap")])
     assert r.exit_code == 0 and r.stdout == "", r.output
@@ -146,7 +119,7 @@ def test_chat_with_no_questions_on_stdin_is_refused(runner, models, tmp_path, mo
         m.setattr(tforce.model.weights, "load_model", _no_loading)
         for given in ([], ["-q", "-"]):
             r = runner.invoke(app, ["chat", str(models / "doc.txt"), *given, *pair], input=stdin)
-            _one_error_line(r, 2, "stdin holds no questions (one a line)")
+            one_error_line(r, 2, "stdin holds no questions (one a line)")
     r = runner.invoke(app, ["chat", str(models / "doc.txt"), *pair, "--save-kv", str(tmp_path / "snap")], input=stdin)
     assert r.exit_code == 0 and r.stdout == "", r.output
     assert (tmp_path / "snap" / "manifest.json").is_file()
@@ -159,7 +132,7 @@ def test_chat_with_an_empty_document_names_the_document(runner, models, tmp_path
     (tmp_path / "empty.txt").write_text("  \n")
     for args, stdin in (([str(tmp_path / "empty.txt"), "-q", str(tmp_path / "empty.txt")], None), ([], "")):
         r = runner.invoke(app, ["chat", *args, *pair], input=stdin)
-        _one_error_line(r, 2, "the document is empty: give BOOK")
+        one_error_line(r, 2, "the document is empty: give BOOK")
 
 
 def _no_loading(*a, **k):
@@ -188,7 +161,7 @@ def test_chat_names_the_demo_excerpt_as_run_does(monkeypatch, capsys):
 def test_info_planning_options_without_a_model_are_refused(runner, args):
     """`tforce info --batch 4` printed the versions alone, as if the plan asked for fitted: the planning
     options need a model to plan."""
-    _one_error_line(runner.invoke(app, ["info", *args]), 2, f"{args[0]} plans a model: give --model or --synthetic")
+    one_error_line(runner.invoke(app, ["info", *args]), 2, f"{args[0]} plans a model: give --model or --synthetic")
 
 
 def test_load_kv_of_what_is_not_a_snapshot_is_a_usage_error(runner, models, tmp_path):
@@ -196,22 +169,22 @@ def test_load_kv_of_what_is_not_a_snapshot_is_a_usage_error(runner, models, tmp_
     folder' though it exists: both are bad input, said plainly."""
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes.txt").write_text("x")
-    _one_error_line(_run(runner, models, "--load-kv", str(tmp_path / "notes")), 2,
-                    "not a readable tforce KV snapshot (no manifest.json)")
-    _one_error_line(_run(runner, models, "--load-kv", str(tmp_path / "notes.txt")), 2,
-                    f"--load-kv {tmp_path / 'notes.txt'}: a file, not a snapshot folder")
+    one_error_line(run_hi(runner, models, "--load-kv", str(tmp_path / "notes")), 2,
+                   "not a readable tforce KV snapshot (no manifest.json)")
+    one_error_line(run_hi(runner, models, "--load-kv", str(tmp_path / "notes.txt")), 2,
+                   f"--load-kv {tmp_path / 'notes.txt'}: a file, not a snapshot folder")
 
 
 @pytest.mark.parametrize("seed", [str(2**64), str(-2**63 - 1)])
 def test_a_seed_torch_cannot_take_is_a_usage_error(runner, models, seed):
     """--seed 99999999999999999999 loaded the models, then failed with 'ValueError: Overflow when unpacking
     long long' (exit 1)."""
-    _one_error_line(_run(runner, models, "--seed", seed), 2, f"--seed must be in [-2**63, 2**64), got {seed}")
+    one_error_line(run_hi(runner, models, "--seed", seed), 2, f"--seed must be in [-2**63, 2**64), got {seed}")
 
 
 def test_the_extreme_seeds_torch_takes_still_run(runner, models):
     for seed in (str(2**64 - 1), str(-2**63)):
-        assert _run(runner, models, "--seed", seed).exit_code == 0
+        assert run_hi(runner, models, "--seed", seed).exit_code == 0
 
 
 def test_batch_refuses_its_options_before_loading(runner, models, tmp_path, monkeypatch):
@@ -227,7 +200,7 @@ def test_batch_refuses_its_options_before_loading(runner, models, tmp_path, monk
     batch.write_text('{"prompt": "Hello"}\n')
     r = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "--batch", str(batch), "--save-kv",
                             str(tmp_path / "kv")])
-    _one_error_line(r, 2, "--batch saves no KV snapshot")
+    one_error_line(r, 2, "--batch saves no KV snapshot")
 
 
 def test_eval_out_that_is_a_file_is_refused_before_the_work(runner, models, tmp_path, monkeypatch):
@@ -242,7 +215,7 @@ def test_eval_out_that_is_a_file_is_refused_before_the_work(runner, models, tmp_
     (tmp_path / "notes.txt").write_text("keep me")
     r = runner.invoke(app, ["eval", "-m", str(models / "tiny-target"), "--books", str(models / "doc.txt"),
                             "--out", str(tmp_path / "notes.txt")])
-    _one_error_line(r, 2, f"--out {tmp_path / 'notes.txt'}: a file, not a folder")
+    one_error_line(r, 2, f"--out {tmp_path / 'notes.txt'}: a file, not a folder")
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
@@ -323,8 +296,8 @@ def test_a_config_transformers_refuses_says_why(runner, models, tmp_path):
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({**json.loads((models / "tiny-target" / "config.json").read_text()),
                                                  "num_attention_heads": 3}))
-    _one_error_line(runner.invoke(app, ["info", "-m", str(odd)]), 2,
-                    "is not a multiple of the number of attention heads (3)")
+    one_error_line(runner.invoke(app, ["info", "-m", str(odd)]), 2,
+                   "is not a multiple of the number of attention heads (3)")
 
 
 def test_version_prints_one_line():
@@ -366,13 +339,13 @@ def test_a_refused_prompt_is_the_only_line_after_the_notes(runner, models, tmp_p
     came after them: now they follow the prompt's checks, in run, --batch and chat."""
     pair = ["-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft")]
     noted = [*pair, "--dtype", "bfloat16", "-t", "0", "--gpu-memory", "1GB", "--system", "Be brief."]
-    _one_error_line(runner.invoke(app, ["run", str(models / "doc.txt"), *noted]), 2, "has no chat template")
-    _one_error_line(runner.invoke(app, ["chat", str(models / "doc.txt"), *noted], input="Who?\n"), 2,
-                    "has no chat template")
+    one_error_line(runner.invoke(app, ["run", str(models / "doc.txt"), *noted]), 2, "has no chat template")
+    one_error_line(runner.invoke(app, ["chat", str(models / "doc.txt"), *noted], input="Who?\n"), 2,
+                   "has no chat template")
     batch = tmp_path / "b.jsonl"
     batch.write_text(json.dumps({"prompt": "Who?"}) + "\n")
-    _one_error_line(runner.invoke(app, ["run", "--batch", str(batch), *noted]), 2, "has no chat template")
+    one_error_line(runner.invoke(app, ["run", "--batch", str(batch), *noted]), 2, "has no chat template")
     make_checkpoint(tmp_path / "demo-target", seed=0, **TARGET)
     make_checkpoint(tmp_path / "demo-draft", seed=1, **DRAFT)
     r = runner.invoke(app, ["run", "-p", "Hello", "--system", "Be brief."], env={"TFORCE_DEMO_MODELS": str(tmp_path)})
-    _one_error_line(r, 2, "has no chat template")
+    one_error_line(r, 2, "has no chat template")

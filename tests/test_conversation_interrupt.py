@@ -8,8 +8,8 @@ import pytest
 
 from tforce.engine.conversation import Conversation
 
-from test_exactness import SMALL
-from test_snapshot import ids
+from exactness_helpers import SMALL
+from model_helpers import ids
 
 DOC = ids(45)
 Q1 = ids(9, seed=1)

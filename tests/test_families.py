@@ -23,8 +23,8 @@ from tforce.cache.rope import Rotary
 from tforce.model.synthetic import make_family_checkpoint
 from tforce.model.weights import read_config
 
-from test_cli import _one_error_line
-from test_exactness import PROMPT as SMALL_PROMPT, N_TOKENS, SAMPLES, V, check, draw, exact_joint
+from cli_helpers import one_error_line
+from exactness_helpers import PROMPT as SMALL_PROMPT, N_TOKENS, SAMPLES, V, check, draw, exact_joint
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
 # Qwen (v1) shipped its own code through auto_map; tforce and transformers must read the plain family instead.
@@ -289,7 +289,7 @@ def test_sliding_window_refused_only_where_a_layer_slides(root, tmp_path):
     mistral = make_family_checkpoint(tmp_path / "mistral-v0.1", "mistral", sliding_window=4096,
                                      max_position_embeddings=32768)
     r = CliRunner().invoke(app, ["run", "-m", str(mistral), "-p", "hi", "--method", "ar"])
-    _one_error_line(r, 2, "sliding-window attention (4096 tokens, shorter than the 32768-token context)")
+    one_error_line(r, 2, "sliding-window attention (4096 tokens, shorter than the 32768-token context)")
     short = dict(sliding_window=1024, max_position_embeddings=4096)
     for name, keys, refused in [("off", dict(use_sliding_window=False), False),  # Qwen2.5's own flag
                                 ("on", dict(use_sliding_window=True, max_window_layers=0), True),

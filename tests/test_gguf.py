@@ -17,7 +17,7 @@ import tforce
 import tforce.model.gguf as tg
 from tforce.model import registry
 from gguf_files import CHAT_TEMPLATE, EOT, write_llama, write_other
-from test_cli import _one_error_line
+from cli_helpers import one_error_line
 from tforce.cli import app
 from tforce.model.registry import resolve
 
@@ -150,7 +150,7 @@ def test_failed_conversion_leaves_no_entry(root, fresh_cache, monkeypatch, failu
 
 
 def _refused(args: list[str], needle: str) -> None:
-    _one_error_line(CliRunner().invoke(app, ["run", *args, "-p", "hi", "-n", "2"]), 2, needle)
+    one_error_line(CliRunner().invoke(app, ["run", *args, "-p", "hi", "-n", "2"]), 2, needle)
 
 
 def test_refusals(root, tmp_path, monkeypatch):
@@ -174,8 +174,8 @@ def test_refusals(root, tmp_path, monkeypatch):
 def test_unwritable_cache(root, tmp_path, monkeypatch):
     (tmp_path / "file").write_text("a file, not a folder")
     monkeypatch.setenv("TFORCE_CACHE", str(tmp_path / "file" / "cache"))
-    _one_error_line(CliRunner().invoke(app, ["run", "-m", str(root / "tiny.gguf"), "-p", "hi", "--method", "ar"]),
-                    1, "cannot write the converted model into")
+    one_error_line(CliRunner().invoke(app, ["run", "-m", str(root / "tiny.gguf"), "-p", "hi", "--method", "ar"]),
+                   1, "cannot write the converted model into")
 
 
 def test_registry_name_without_its_package(monkeypatch):

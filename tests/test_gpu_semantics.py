@@ -27,7 +27,8 @@ import tforce.engine.session
 from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
 from tforce.cache.rope import Rotary
-from test_offload import run_steps
+
+from model_helpers import run_steps
 
 # ---- copy stream ---------------------------------------------------------------------------------
 

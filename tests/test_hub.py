@@ -19,7 +19,7 @@ from tforce.cli import app
 from tforce.model.hub import fetch
 from tforce.model.synthetic import make_checkpoint
 
-from test_cli import _one_error_line
+from cli_helpers import one_error_line
 
 REPO = "someone/llama-128k"
 SAFETENSORS_REPO = ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
@@ -108,7 +108,7 @@ def test_hub_failures_are_one_line(monkeypatch, model, error, code, needle):
     with pytest.raises(tforce.TforceError) as info:
         registry.resolve(REPO)
     assert needle in str(info.value) and info.value.exit_code == code
-    _one_error_line(CliRunner().invoke(app, ["run", "-m", REPO, "-p", "hi", "--method", "ar"]), code, needle)
+    one_error_line(CliRunner().invoke(app, ["run", "-m", REPO, "-p", "hi", "--method", "ar"]), code, needle)
 
 
 def test_info_fetches_no_weights_and_says_the_plan_is_from_the_config(monkeypatch, model, tmp_path):

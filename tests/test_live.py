@@ -4,14 +4,7 @@ acceptance while tokens are still arriving, not only at the end."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import select
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -20,10 +13,10 @@ from tforce.cli import app
 from tforce.model.defaults import demo_pair
 from tforce.text.demo import demo_prompt
 
+from live_helpers import COLS, spawn, squash, watch
+
 pyte = pytest.importorskip("pyte")
 
-ROOT = Path(__file__).resolve().parent.parent
-COLS, ROWS = 48, 60  # narrow, so the demo's ~64-character lines wrap; tall, so nothing scrolls away
 ARGS = ["-t", "0", "--threads", "1"]
 
 
@@ -46,68 +39,6 @@ def expected(prompt_file) -> str:
     return json.loads(r.stdout)["text"]
 
 
-def _spawn(args, stdout_tty: bool = True, size: tuple[int, int] = (COLS, ROWS)):
-    """`python -m tforce run ARGS` with stderr (and stdout, unless stdout_tty is False: then a pipe) on a
-    pty of size (columns, rows). Returns (process, pty master fd)."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    cols, rows = size
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-    env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(cols), LINES=str(rows), PYTHONPATH=str(ROOT))
-    env.pop("TFORCE_DEBUG", None)
-    # SIGINT's default action in the child (an ignored one, inherited from a test runner's worker, would
-    # survive exec and make Ctrl-C do nothing)
-    proc = subprocess.Popen([sys.executable, "-m", "tforce", "run", *args], cwd=ROOT, env=env, stdin=slave,
-                            stdout=slave if stdout_tty else subprocess.PIPE, stderr=slave, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    os.close(slave)
-    return proc, master
-
-
-def _watch(proc, master, interrupt=None, timeout: float = 120.0, size: tuple[int, int] = (COLS, ROWS)):
-    """Feed everything the child writes to its terminal into a pyte screen of size (columns, rows),
-    snapshotting the screen after each read, and collect its stdout if that is a pipe; interrupt(snapshot)
-    true sends Ctrl-C's SIGINT once. Returns (screen, snapshots, stdout bytes)."""
-    screen = pyte.Screen(*size)
-    stream = pyte.ByteStream(screen)
-    snapshots, out = [], []
-    fds = {master: "tty"}
-    if proc.stdout is not None:
-        fds[proc.stdout.fileno()] = "out"
-    deadline = time.monotonic() + timeout
-    while fds and time.monotonic() < deadline:
-        ready, _, _ = select.select(list(fds), [], [], 0.5)
-        if not ready and proc.poll() is not None:
-            break
-        for fd in ready:
-            try:
-                data = os.read(fd, 65536)
-            except OSError:  # EIO: the child closed its end of the pty
-                data = b""
-            if not data:
-                del fds[fd]
-            elif fds[fd] == "out":
-                out.append(data)
-            else:
-                stream.feed(data)
-                snapshots.append(list(screen.display))
-                if interrupt is not None and interrupt(snapshots[-1]):
-                    os.killpg(proc.pid, signal.SIGINT)
-                    interrupt = None
-    os.close(master)
-    proc.wait(timeout=30)
-    return screen, snapshots, b"".join(out)
-
-
-def _squash(s: str) -> str:
-    """Whitespace removed: the screen breaks long lines where the terminal wraps them."""
-    return re.sub(r"\s+", "", s)
-
-
 def _mid_run(snapshots, need: list[str]) -> list[str]:
     """The snapshots taken while tokens were still to come (the status says k/n tokens, k < n, and the final
     summary, which says how long prefill took, is not there yet) that show every string in need."""
@@ -124,11 +55,11 @@ def _mid_run(snapshots, need: list[str]) -> list[str]:
 @pytest.mark.parametrize("method", ["ar", "triforce"])
 def test_text_stays_on_screen_and_status_updates_mid_run(prompt_file, expected, method):
     assert len(expected) > COLS  # long enough to wrap
-    proc, master = _spawn([str(prompt_file), "--method", method, "-n", "40", *ARGS])
-    screen, snapshots, _ = _watch(proc, master)
+    proc, master = spawn([str(prompt_file), "--method", method, "-n", "40", *ARGS])
+    screen, snapshots, _ = watch(proc, master)
     final = "\n".join(screen.display)
     assert proc.returncode == 0, final
-    assert _squash(expected) in _squash(final), f"generated text not all on screen:\n{expected!r}\n---\n{final}"
+    assert squash(expected) in squash(final), f"generated text not all on screen:\n{expected!r}\n---\n{final}"
     need = ["s/token"] + (["accept"] if method == "triforce" else [])
     assert _mid_run(snapshots, need), f"no mid-run status with {need}; last snapshots:\n" + "\n".join(
         "\n".join(s) for s in snapshots[-3:])
@@ -136,8 +67,8 @@ def test_text_stays_on_screen_and_status_updates_mid_run(prompt_file, expected, 
 
 
 def test_piped_stdout_gets_only_the_text_while_the_terminal_shows_the_status(prompt_file, expected):
-    proc, master = _spawn([str(prompt_file), "--method", "triforce", "-n", "40", *ARGS], stdout_tty=False)
-    screen, snapshots, out = _watch(proc, master)
+    proc, master = spawn([str(prompt_file), "--method", "triforce", "-n", "40", *ARGS], stdout_tty=False)
+    screen, snapshots, out = watch(proc, master)
     assert proc.returncode == 0, "\n".join(screen.display)
     assert out.decode("utf-8") == expected
     assert _mid_run(snapshots, ["s/token", "accept"]), "\n".join(screen.display)
@@ -153,8 +84,8 @@ def _before_first_token(snapshots) -> list[str]:
 def test_placement_shows_during_prefill(prompt_file):
     """The KV cache's placement is on screen before the first token (the engine reports its plan before
     prefill, on_plan), not only in the final panel; it stays there to the end."""
-    proc, master = _spawn([str(prompt_file), "--method", "triforce", "-n", "8", *ARGS])
-    screen, snapshots, _ = _watch(proc, master)
+    proc, master = spawn([str(prompt_file), "--method", "triforce", "-n", "8", *ARGS])
+    screen, snapshots, _ = watch(proc, master)
     final = "\n".join(screen.display)
     assert proc.returncode == 0, final
     early = _before_first_token(snapshots)
@@ -174,7 +105,7 @@ def test_status_fields_carry_the_plan_from_the_start():
 
 def test_ctrl_c_keeps_the_text_and_gives_the_screen_back(prompt_file, expected):
     def shown(lines) -> int:  # how much of the text (its first 40 tokens) the screen holds
-        text, want = _squash("\n".join(lines)), _squash(expected)
+        text, want = squash("\n".join(lines)), squash(expected)
         return max((k for k in range(len(want) + 1) if want[:k] in text), default=0)
 
     at_interrupt = []
@@ -185,8 +116,8 @@ def test_ctrl_c_keeps_the_text_and_gives_the_screen_back(prompt_file, expected):
             return True
         return False
 
-    proc, master = _spawn([str(prompt_file), "--method", "ar", "-n", "600", *ARGS])  # seconds: Ctrl-C comes mid-run
-    screen, _, _ = _watch(proc, master, interrupt=interrupt)
+    proc, master = spawn([str(prompt_file), "--method", "ar", "-n", "600", *ARGS])  # seconds: Ctrl-C comes mid-run
+    screen, _, _ = watch(proc, master, interrupt=interrupt)
     final = screen.display
     assert at_interrupt and proc.returncode == 130, "\n".join(final)
     assert shown(final) >= at_interrupt[0]  # nothing written before Ctrl-C was erased

@@ -18,7 +18,7 @@ from tforce.cli import app
 from tforce.model.defaults import demo_pair
 from tforce.text.demo import demo_prompt
 
-from test_live import ROOT, _spawn, _squash, _watch
+from live_helpers import ROOT, spawn, squash, watch
 
 pyte = pytest.importorskip("pyte")
 
@@ -60,8 +60,8 @@ def _rows_done(text: str) -> list[int]:
 
 @pytest.mark.parametrize("stdout_tty", [False, True])
 def test_batch_status_shows_rows_done_and_tokens_per_s(batch, expected, stdout_tty):
-    proc, master = _spawn(batch, stdout_tty=stdout_tty, size=SIZE)
-    screen, snapshots, out = _watch(proc, master, size=SIZE)
+    proc, master = spawn(batch, stdout_tty=stdout_tty, size=SIZE)
+    screen, snapshots, out = watch(proc, master, size=SIZE)
     lines = [line.rstrip() for line in screen.display]
     final = "\n".join(lines)
     assert proc.returncode == 0, final
@@ -78,9 +78,9 @@ def test_batch_status_shows_rows_done_and_tokens_per_s(batch, expected, stdout_t
     status = max(i for i, line in enumerate(lines) if "rows 3/3 done" in line)
     first = min(i for i, line in enumerate(lines) if line.startswith('{"id":'))
     assert status < first  # the lines come after the status has ended, none of it between them
-    shown = _squash("\n".join(lines[first:]))
+    shown = squash("\n".join(lines[first:]))
     for record in expected:  # each line whole on screen, up to its stats (wrapped at the terminal's width)
-        assert _squash(json.dumps(record)[:-1]) in shown
+        assert squash(json.dumps(record)[:-1]) in shown
 
 
 def test_no_terminal_no_live_view(batch, expected):

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from tforce.cli import app
 from tforce.model.synthetic import make_checkpoint
 
-from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
-from test_weights_bin import to_bin
+from bin_files import to_bin
+from cli_helpers import DOC, DRAFT, FAST, TARGET, one_error_line
 
 LLAMA2 = Path(__file__).resolve().parent.parent / ".." / "shared" / "models" / "llama2-tokenizer"
 PROMPT = "Question: who wrote  this, and when?\n  Answer in one line."
@@ -98,8 +98,8 @@ def test_bin_folder_greedy_equals_transformers(folders, method):
 def test_without_sentencepiece_the_error_says_what_to_install(folders, monkeypatch):
     monkeypatch.setitem(sys.modules, "sentencepiece", None)
     r = CliRunner().invoke(app, ["run", "-m", str(folders / "sp"), "-p", "hi", "--method", "ar", "-n", "2"])
-    _one_error_line(r, 1, "needs the sentencepiece and protobuf packages (sentencepiece missing): "
-                          "pip install sentencepiece protobuf")
+    one_error_line(r, 1, "needs the sentencepiece and protobuf packages (sentencepiece missing): "
+                         "pip install sentencepiece protobuf")
 
 
 # Meta's Llama 2 repositories and the 128K checkpoints derived from them ship a tokenizer_config.json naming

@@ -8,15 +8,7 @@ from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
 from tforce.cache.rope import Rotary
 
-
-def run_steps(model, cache, ids):
-    """Prefill 17 tokens, decode 1, verify 4 and keep 2, decode 1 more: every logit along the way."""
-    out = []
-    for a, b, keep in [(0, 17, 17), (17, 18, 1), (18, 22, 2), (20, 21, 1)]:
-        cache.begin(b - a)
-        out.append(model(ids[:, a:b], cache))
-        cache.commit(keep)
-    return out
+from model_helpers import run_steps
 
 
 @pytest.mark.parametrize("resident", [0, 1, 2])

@@ -24,19 +24,11 @@ from tforce.parallel.ranks import launch
 from tforce.model.sharding import apply_tp, check_tp
 from tforce.model.synthetic import make_checkpoint
 
-TARGET = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1, max_position_embeddings=512)
-GEN = dict(max_new_tokens=16, budget=32, chunk_size=4, draft_budget=16, sinks=2, ignore_eos=True)
+from tp_helpers import GEN, TARGET
+from tp_helpers import paths, single  # noqa: F401 (fixtures)
+
 PROMPT = random_ids(48, seed=7)[0].tolist()
 SAMPLED = dict(temperature=0.9, top_p=0.95, seed=1234)
-
-
-@pytest.fixture(scope="module")
-def paths(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
-    return make_checkpoint(root / "tiny-target", seed=11, **TARGET), make_checkpoint(root / "tiny-draft", seed=12,
-                                                                                        **DRAFT)
 
 
 def _checks(rank, world, target_path, draft_path):
@@ -75,11 +67,6 @@ def _refuse(rank, world):
 @pytest.fixture(scope="module")
 def ranks(paths):
     return launch(_checks, 2, "gloo", str(paths[0]), str(paths[1]), all_ranks=True)
-
-
-@pytest.fixture(scope="module")
-def single(paths):
-    return tforce.load_model(str(paths[0])).model, tforce.load_model(str(paths[1])).model
 
 
 def test_sharded_forward_matches_unsharded(ranks, single):

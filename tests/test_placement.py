@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tforce.engine import placement
-from tforce.bench.suite import LLAMA_68M, synthetic_pair
+from tforce.bench.suite import synthetic_pair
 from tforce.config import Sampling, Speculation
 from tforce.engine.generate import Session
 from tforce.engine.session_plan import model_shape
@@ -17,19 +17,11 @@ from tforce.engine.placement import GiB
 from tforce.engine.prefill import prefill_layer_major
 from tforce.model.synthetic import make_config
 
+from placement_helpers import shapes, work
+
 # Llama2-7B-128K: 32 layers, 32 KV heads of 128, fp16, 131072 slots -> 2 GiB of K+V per layer.
 LAYER = placement.kv_layer_bytes(32, 128, 131072, 2)
 ARCHS = ("llama2-7b", "llama2-13b", "llama3.1-8b")
-
-
-def shapes(arch: str, world: int = 1):
-    draft = make_config(arch, rope_scaling=None, **LLAMA_68M)
-    return placement.Shape.of(make_config(arch), 2, world), placement.Shape.of(draft, 2)
-
-
-def work(prompt: int, gen: int = 256) -> placement.Work:
-    spec = Speculation()
-    return placement.Work.of(spec, prompt + gen + spec.max_lookahead + 1, prompt)
 
 
 def test_layer_bytes_match_the_paper():

@@ -16,7 +16,8 @@ from tforce.errors import UsageError
 from tforce.text.format import PromptFormat
 from tforce.model.synthetic import byte_tokenizer, make_checkpoint
 
-from test_cli import DOC, DRAFT, FAST, TARGET, _one_error_line
+from cli_helpers import DOC, FAST, TARGET, one_error_line
+from template_helpers import HEADERS, templated_pair, tokenizer_with
 
 LLAMA2_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "models" / "llama2-tokenizer"
 # Llama 2 chat's layout ([INST] turns, ' </s>' after an answer), as its tokenizer_config.json writes it
@@ -37,16 +38,6 @@ MISTRAL_V3 = (
     "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + "
     "'[/INST]' }}{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
     "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content']|trim + eos_token }}{%- endif %}{%- endfor %}")
-# Llama 3's layout (headers, a trimmed message, an end-of-turn token, the assistant's header last)
-HEADERS = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n\n{{ m['content'] | trim }}<|eot|>{% endfor %}"
-           "{% if add_generation_prompt %}<|assistant|>\n\n{% endif %}")
-
-
-def _byte(template: str | None):
-    tok = byte_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<|eot|>", "<|user|>", "<|assistant|>", "<|system|>"]})
-    tok.chat_template = template
-    return tok
 
 
 def _llama2(template: str | None = None):
@@ -63,12 +54,12 @@ def _render(tok, messages) -> list[int]:
 
 
 def test_raw_text_is_tokenized_as_before():
-    tok = _byte(None)
+    tok = tokenizer_with(None)
     fmt = PromptFormat(tok)
     assert not fmt.templated
     assert fmt.prompt_ids(DOC + "\n\nWho?") == tok.encode(DOC + "\n\nWho?")
     assert fmt.document_ids(DOC) == tok.encode(DOC + "\n\n")  # the blank line a first question follows
-    assert not PromptFormat(_byte(HEADERS), "none").templated
+    assert not PromptFormat(tokenizer_with(HEADERS), "none").templated
 
 
 @pytest.mark.parametrize("template", [None, LLAMA2_CHAT])
@@ -151,7 +142,7 @@ def test_chat_pieces_are_run_prompt_tokens_where_a_blank_line_at_the_end_is_one_
 
 @pytest.mark.parametrize("template", [HEADERS, LLAMA2_CHAT])
 def test_templated_prompt_is_the_rendered_conversation(template):
-    tok = _byte(template)
+    tok = tokenizer_with(template)
     fmt = PromptFormat(tok, system="Answer briefly.")
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": DOC + "\n\nWho?"}]
     assert fmt.prompt_ids(DOC + "\n\nWho?") == _render(tok, messages)
@@ -162,7 +153,7 @@ def test_templated_prompt_is_the_rendered_conversation(template):
 
 
 def test_a_later_question_follows_the_answer_without_a_second_turn_end():
-    tok = _byte(HEADERS)
+    tok = tokenizer_with(HEADERS)
     fmt = PromptFormat(tok)
     eot = tok.convert_tokens_to_ids("<|eot|>")
     answer = tok.encode("Dickens.", add_special_tokens=False)
@@ -175,7 +166,7 @@ def test_a_later_question_follows_the_answer_without_a_second_turn_end():
     # an answer cut by --max-new-tokens has not closed its turn: the template's end comes first
     assert tok.decode(fmt.question_ids("When?", answer)) == "<|eot|><|user|>\n\nWhen?<|eot|><|assistant|>\n\n"
     # Llama 2 writes ' </s>' after an answer: an answer ending in </s> is not given another
-    tok2 = _byte(LLAMA2_CHAT)
+    tok2 = tokenizer_with(LLAMA2_CHAT)
     fmt2 = PromptFormat(tok2)
     assert tok2.decode(fmt2.question_ids("When?", answer + [tok2.eos_token_id])) == "<s>[INST] When? [/INST]"
     assert tok2.decode(fmt2.question_ids("When?", answer)) == " </s><s>[INST] When? [/INST]"
@@ -185,7 +176,7 @@ def test_keep_history_refused_where_a_later_turn_rewrites_the_first():
     """Mistral v0.3 with a system message writes it in the first turn of a one-question conversation and in
     the second of a two-question one: appending the second turn after the prefilled first is not the
     template's layout. Without --system the conversation grows by appending, and keeping it is allowed."""
-    tok = _byte(MISTRAL_V3)
+    tok = tokenizer_with(MISTRAL_V3)
     answer = tok.encode(" Dickens.", add_special_tokens=False)  # the template writes a space before an answer
     plain = PromptFormat(tok)
     history = plain.document_ids(DOC) + plain.question_ids("Who?") + answer + plain.question_ids("When?", answer)
@@ -199,34 +190,24 @@ def test_keep_history_refused_where_a_later_turn_rewrites_the_first():
 
 def test_refusals_are_usage_errors():
     with pytest.raises(UsageError, match="--system needs a chat template"):
-        PromptFormat(_byte(None), system="x")
+        PromptFormat(tokenizer_with(None), system="x")
     with pytest.raises(UsageError, match="--system needs a chat template"):
-        PromptFormat(_byte(HEADERS), "none", system="x")
+        PromptFormat(tokenizer_with(HEADERS), "none", system="x")
     with pytest.raises(UsageError, match="--template must be one of"):
-        PromptFormat(_byte(HEADERS), "chatml")
+        PromptFormat(tokenizer_with(HEADERS), "chatml")
     refuses = "{{ raise_exception('System role not supported') if messages[0]['role'] == 'system' }}" + HEADERS
     with pytest.raises(UsageError, match="System role not supported"):
-        PromptFormat(_byte(refuses), system="x")
+        PromptFormat(tokenizer_with(refuses), system="x")
     shouting = HEADERS.replace("m['content'] | trim", "m['content'] | upper")
     with pytest.raises(UsageError, match="does not keep a message's text"):
-        PromptFormat(_byte(shouting))
-    fmt = PromptFormat(_byte(HEADERS))
+        PromptFormat(tokenizer_with(shouting))
+    fmt = PromptFormat(tokenizer_with(HEADERS))
     fmt.check_document(fmt.document_ids(DOC), "the snapshot")
     with pytest.raises(UsageError, match="does not begin with"):
-        fmt.check_document(_byte(None).encode(DOC), "the snapshot")
+        fmt.check_document(tokenizer_with(None).encode(DOC), "the snapshot")
 
 
 # ----------------------------------------------------------------------------------- the commands
-
-
-def templated_pair(root: Path, template: str, target: str = "chat-target", draft: str = "chat-draft") -> Path:
-    """A tiny pair of 263 ids (the byte tokenizer's 259 and the template's four special tokens) in `root`,
-    the target's tokenizer carrying `template`, and doc.txt."""
-    make_checkpoint(root / target, seed=0, tokenizer=False, **{**TARGET, "vocab_size": 263})
-    make_checkpoint(root / draft, seed=1, tokenizer=False, **{**DRAFT, "vocab_size": 263})
-    _byte(template).save_pretrained(root / target)
-    (root / "doc.txt").write_text(DOC)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -293,31 +274,31 @@ def test_batch_lines_are_laid_out_in_the_template(models, tmp_path):
     (["--template", "none", "--system", "x"], "--system needs a chat template"),
 ])
 def test_template_options_refused_in_one_line(models, args, needle):
-    _one_error_line(_cli(models, "run", str(models / "doc.txt"), *args), 2, needle)
+    one_error_line(_cli(models, "run", str(models / "doc.txt"), *args), 2, needle)
 
 
 def test_system_without_a_template_refused_in_one_line(tmp_path):
     make_checkpoint(tmp_path / "base", seed=0, **TARGET)
     r = CliRunner().invoke(app, ["run", "-m", str(tmp_path / "base"), "-p", "hi", "--method", "ar", "--system", "x"])
-    _one_error_line(r, 2, "has no chat template")
+    one_error_line(r, 2, "has no chat template")
 
 
 def test_chat_keep_history_refused_in_one_line_where_the_template_rewrites_turns(models, tmp_path):
     import shutil
 
     shutil.copytree(models / "chat-target", tmp_path / "mistral")
-    _byte(MISTRAL_V3).save_pretrained(tmp_path / "mistral")
+    tokenizer_with(MISTRAL_V3).save_pretrained(tmp_path / "mistral")
     r = CliRunner().invoke(app, ["chat", str(models / "doc.txt"), "-m", str(tmp_path / "mistral"), "--method", "ar",
                                  "--system", "Be brief.", "--keep-history"], input="Who?\nWhen?\n")
-    _one_error_line(r, 2, "--keep-history")
+    one_error_line(r, 2, "--keep-history")
 
 
 def test_templated_chat_refuses_a_raw_snapshot(models, tmp_path):
     raw = _cli(models, "run", str(models / "doc.txt"), "--template", "none", "--method", "ar", "-n", "1",
                "--save-kv", str(tmp_path / "kv"))
     assert raw.exit_code == 0, (raw.output, raw.exception)
-    _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), "--method", "ar", input="Who?\n"), 2,
-                    "does not begin with")
+    one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), "--method", "ar", input="Who?\n"), 2,
+                   "does not begin with")
     ok = _cli(models, "chat", "--load-kv", str(tmp_path / "kv"), "--method", "ar", "--template", "none",
               "--json", input="Who?\n")
     assert ok.exit_code == 0, (ok.output, ok.exception)
@@ -363,8 +344,8 @@ def test_templated_chat_refuses_a_whole_prompt_snapshot(models, tmp_path):
     its questions after it, inside the answer's turn. Refused in one line; chat's own snapshot loads."""
     run = _cli(models, "run", str(models / "doc.txt"), "--method", "ar", "-n", "1", "--save-kv", str(tmp_path / "run"))
     assert run.exit_code == 0, (run.output, run.exception)
-    _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "run"), "--method", "ar", input="Who?\n"), 2,
-                    "holds a whole prompt")
+    one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "run"), "--method", "ar", input="Who?\n"), 2,
+                   "holds a whole prompt")
     saved = _cli(models, "chat", str(models / "doc.txt"), "--method", "ar", "--save-kv", str(tmp_path / "doc"),
                  input="Who?\n")
     assert saved.exit_code == 0, (saved.output, saved.exception)
@@ -381,8 +362,8 @@ def test_raw_chat_refuses_a_templated_snapshot(models, tmp_path):
         saved = _cli(models, "chat", str(models / "doc.txt"), "--method", "ar", "--save-kv", str(tmp_path / "kv"),
                      *system, input="Who?\n")
         assert saved.exit_code == 0, (saved.output, saved.exception)
-        _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), "--method", "ar", "--template", "none",
-                             input="Who?\n"), 2, "begins with")
+        one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), "--method", "ar", "--template", "none",
+                            input="Who?\n"), 2, "begins with")
     raw = _cli(models, "chat", str(models / "doc.txt"), "--method", "ar", "--template", "none", "--save-kv",
                str(tmp_path / "raw"), input="Who?\n")
     assert raw.exit_code == 0, (raw.output, raw.exception)
@@ -390,6 +371,6 @@ def test_raw_chat_refuses_a_templated_snapshot(models, tmp_path):
                   input="Who?\n")
     assert loaded.exit_code == 0, (loaded.output, loaded.exception)
     # a template that drops system messages: the same opening with any
-    tok = _byte(HEADERS.replace("{% for m in messages %}", "{% for m in messages if m['role'] != 'system' %}"))
+    tok = tokenizer_with(HEADERS.replace("{% for m in messages %}", "{% for m in messages if m['role'] != 'system' %}"))
     with pytest.raises(UsageError, match="begins with"):
         PromptFormat(tok, "none").check_document(PromptFormat(tok).document_ids(DOC), "the snapshot")

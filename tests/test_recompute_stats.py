@@ -15,8 +15,9 @@ from tforce.engine import placement
 from tforce.cache.chunkstats import ChunkStats
 from tforce.errors import TforceError
 from tforce.engine.placement import GiB
-from test_chunkstats import PATTERNS, last_queries, make_full, retrieval
-from test_placement import shapes, work
+
+from cache_helpers import PATTERNS, last_queries, make_full, retrieval
+from placement_helpers import shapes, work
 
 
 @pytest.mark.parametrize("shared", [False, True])

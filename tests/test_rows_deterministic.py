@@ -21,7 +21,7 @@ from tforce.engine.batch import generate_batch
 from tforce.engine.session_plan import _plan, model_shape
 from tforce.model.synthetic import make_checkpoint
 
-from test_batch import prompts_of
+from model_helpers import prompts_of
 
 LENGTHS = (1, 13, 37, 5)  # a one-token prompt (nothing to prefill), lengths not a multiple of the chunk
 OPTS = dict(max_new_tokens=16, temperature=0, ignore_eos=True, draft_budget=12, sinks=2, gamma2=4, gamma1=2,

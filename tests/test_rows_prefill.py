@@ -7,15 +7,13 @@ import pytest
 import torch
 
 import tforce.engine.session
-from model_helpers import rotary_for
+from model_helpers import prompts_of, rotary_for
 from tforce.engine.batch import generate_batch
 from tforce.engine.levels import Node
 from tforce.cache import FullCache, RetrievalCache
 from tforce.cache.offload import OffloadedCache
 from tforce.config import Sampling
 from tforce.engine.prefill import prefill_layer_major
-
-from test_batch import prompts_of
 
 HEADS = (12, 0, 36, 4, 1)  # prompts but their last token: an empty one (a 1-token prompt), one of one token
 CHUNK = 8

@@ -10,7 +10,7 @@ from tforce.config import Sampling, Speculation
 from tforce.engine.decode import decode
 from tforce.engine.session import Session
 
-from test_batch import prompts_of
+from model_helpers import prompts_of
 
 SMALL = dict(budget=32, chunk_size=4, gamma1=2, gamma2=3, draft_budget=12, sinks=2, prefill_chunk=8,
              rebuild_every=10)

@@ -15,15 +15,11 @@ from tforce.engine.generate import Session
 from tforce.errors import TforceError, UsageError
 from tforce.model.synthetic import make_checkpoint
 
-from test_exactness import N_TOKENS, PROMPT, SAMPLES, SAMPLING, SMALL, check, exact_joint, small_vocab  # noqa: F401
+from exactness_helpers import N_TOKENS, PROMPT, SAMPLES, SAMPLING, SMALL, check, exact_joint
+from model_helpers import ids
+from snapshot_helpers import GREEDY, METHODS
 
-METHODS = ["ar", "triforce", "retrieval", "streaming", "naive"]
-GREEDY = dict(max_new_tokens=24, temperature=0, ignore_eos=True, rebuild_every=8, **SMALL)
 CONV = {k: v for k, v in GREEDY.items() if k != "max_new_tokens"}  # a Conversation's options
-
-
-def ids(n, seed=0):
-    return torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")

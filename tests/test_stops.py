@@ -14,7 +14,8 @@ from tforce.text.stream import TextStream
 from tforce.engine.stops import StopStrings
 from tforce.model.synthetic import byte_tokenizer
 
-from test_cli import DOC, FAST, _one_error_line, _run, models, runner  # noqa: F401 (fixtures)
+from cli_helpers import FAST, one_error_line, run_pair
+from cli_helpers import models, runner  # noqa: F401 (fixtures)
 
 TOK = byte_tokenizer()
 
@@ -59,18 +60,18 @@ def test_generate_ends_at_the_stop_with_an_exact_prefix(tiny, method, temperatur
 
 
 def test_run_text_ends_before_the_stop_streamed_and_as_json(runner, models):  # noqa: F811
-    free = json.loads(_run(runner, models, str(models / "doc.txt"), *FAST, "--json", "-n", "24").stdout)
+    free = json.loads(run_pair(runner, models, str(models / "doc.txt"), *FAST, "--json", "-n", "24").stdout)
     stop = free["text"][6:8]
     first = free["text"].index(stop)
-    r = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "-n", "24", "--stop", stop, "--stop", "\x01")
+    r = run_pair(runner, models, str(models / "doc.txt"), *FAST, "--json", "-n", "24", "--stop", stop, "--stop", "\x01")
     assert r.exit_code == 0, (r.output, r.exception)
     obj = json.loads(r.stdout)
     assert obj["text"] == free["text"][:first] and obj["stopped_by"] == stop
     assert obj["tokens"] == free["tokens"][:len(obj["tokens"])] and len(obj["tokens"]) < len(free["tokens"])
-    streamed = _run(runner, models, str(models / "doc.txt"), *FAST, "-n", "24", "--stop", stop)
+    streamed = run_pair(runner, models, str(models / "doc.txt"), *FAST, "-n", "24", "--stop", stop)
     assert streamed.exit_code == 0 and streamed.stdout == free["text"][:first]
-    ranks = _run(runner, models, str(models / "doc.txt"), *FAST, "--json", "-n", "24", "--stop", stop,
-                 "--tp", "2", "--device", "cpu")
+    ranks = run_pair(runner, models, str(models / "doc.txt"), *FAST, "--json", "-n", "24", "--stop", stop,
+                     "--tp", "2", "--device", "cpu")
     assert ranks.exit_code == 0, (ranks.output, ranks.exception)
     assert json.loads(ranks.stdout)["tokens"] == obj["tokens"]
 
@@ -91,7 +92,7 @@ def test_chat_answers_end_at_the_stop(runner, models):  # noqa: F811
 
 
 def test_an_empty_stop_is_refused_in_one_line(runner, models):  # noqa: F811
-    _one_error_line(_run(runner, models, "--stop", ""), 2, "--stop takes a non-empty string")
+    one_error_line(run_pair(runner, models, "--stop", ""), 2, "--stop takes a non-empty string")
 
 
 def test_stop_strings_take_the_escapes_a_shell_passes_as_typed():

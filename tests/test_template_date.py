@@ -16,8 +16,8 @@ from tforce.errors import UsageError
 from tforce.text.format import PromptFormat
 from tforce.text.dates import date_in
 
-from test_cli import DOC, FAST, _one_error_line
-from test_prompt_format import HEADERS, _byte, templated_pair
+from cli_helpers import DOC, FAST, one_error_line
+from template_helpers import HEADERS, templated_pair, tokenizer_with
 
 # Llama 3.2's way with the date (strftime_now when transformers gives it), in HEADERS' layout
 DATED = ("{{ bos_token }}{%- if not date_string is defined %}{%- if strftime_now is defined %}"
@@ -30,7 +30,7 @@ DAY1, DAY2 = datetime(2026, 1, 5, 9, 30), datetime(2026, 3, 19, 23, 59)
 
 @pytest.mark.parametrize("system", [None, "Be brief."])
 def test_a_snapshot_of_another_day_is_laid_out_on_its_date(system):
-    tok = _byte(DATED)
+    tok = tokenizer_with(DATED)
     day1, day2 = (PromptFormat(tok, system=system, now=d) for d in (DAY1, DAY2))
     doc = day1.document_ids(DOC)
     assert "Today Date: 05 Jan 2026" in tok.decode(doc) and day2.document_ids(DOC) != doc
@@ -46,22 +46,22 @@ def test_a_snapshot_of_another_day_is_laid_out_on_its_date(system):
 
 def test_a_format_keeps_one_date_for_its_life(monkeypatch):
     """A chat that starts before midnight lays its later questions out in the same date as its document."""
-    fmt = PromptFormat(_byte(DATED), now=DAY1)
+    fmt = PromptFormat(tokenizer_with(DATED), now=DAY1)
     before = fmt.prompt_ids("x")
     _on(monkeypatch, DAY2)
     assert fmt.prompt_ids("x") == before
-    assert PromptFormat(_byte(DATED)).prompt_ids("x") != before  # a new format takes the clock's date
+    assert PromptFormat(tokenizer_with(DATED)).prompt_ids("x") != before  # a new format takes the clock's date
 
 
 def test_no_date_read_where_the_template_writes_none_or_the_text_is_another():
-    tok = _byte(HEADERS)
+    tok = tokenizer_with(HEADERS)
     fmt = PromptFormat(tok)
     raw = tok.encode(DOC + "\n\n")
     assert fmt.as_made(raw) is fmt
     with pytest.raises(UsageError) as refused:
         fmt.check_document(raw, "the snapshot")
     assert "another day" not in str(refused.value)
-    dated = PromptFormat(_byte(DATED), now=DAY1)
+    dated = PromptFormat(tokenizer_with(DATED), now=DAY1)
     assert dated.as_made(raw) is dated  # a raw snapshot holds no date: the check refuses it as before
     assert date_in(dated._head_with, "<s>something else") is None
     assert date_in(dated._head_with, dated._head_with(DAY2.strftime) + DOC).date() == DAY2.date()
@@ -125,15 +125,15 @@ def test_chat_and_run_reuse_a_snapshot_made_on_another_day(models, tmp_path, mon
 def test_a_templated_chat_still_refuses_a_raw_snapshot_in_one_line(models, tmp_path):
     raw = _cli(models, "run", str(models / "doc.txt"), "--template", "none", "-n", "1", "--save-kv", str(tmp_path / "kv"))
     assert raw.exit_code == 0, (raw.output, raw.exception)
-    _one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), input="Who?\n"), 2,
-                    "or on another day (the template writes the date)")
+    one_error_line(_cli(models, "chat", "--load-kv", str(tmp_path / "kv"), input="Who?\n"), 2,
+                   "or on another day (the template writes the date)")
 
 
 @pytest.mark.parametrize("fmt, written", [("%Y-%m-%d", "2026-01-05"), ("%B %Y", "January 2026"), ("%H:%M", "09:30")])
 def test_the_snapshot_date_is_said_as_the_template_writes_it(fmt, written):
     """stderr's note names what the snapshot's tokens hold: it said "05 Jan 2026" whatever the format, and
     "01 Jan 2026" for "January 2026" or "01 Jan 1900" for a time, which no prompt held."""
-    tok = _byte(DATED.replace("%d %b %Y", fmt))
+    tok = tokenizer_with(DATED.replace("%d %b %Y", fmt))
     doc = PromptFormat(tok, now=DAY1).document_ids(DOC)
     made = PromptFormat(tok, now=DAY2).as_made(doc)
     assert made.snapshot_date == written
@@ -144,7 +144,7 @@ def test_the_snapshot_date_is_said_as_the_template_writes_it(fmt, written):
 def test_template_none_refuses_a_templated_snapshot_of_another_day(monkeypatch, system):
     """--template none refuses a snapshot laid out in the template (README); it compared the template's
     opening through today's date, so one made on another day passed as raw text."""
-    tok = _byte(DATED)
+    tok = tokenizer_with(DATED)
     doc = PromptFormat(tok, system=system, now=DAY1).document_ids(DOC)
     for day in (DAY1, DAY2):
         _on(monkeypatch, day)
@@ -156,7 +156,7 @@ def test_template_none_refuses_a_templated_snapshot_of_another_day(monkeypatch, 
 def test_a_date_written_without_padding_is_read_back():
     """strftime's "%-d" (glibc: the day without its zero, "5 January 2026"), which strptime does not take:
     the date was not found and the snapshot refused as made on another day."""
-    tok = _byte(DATED.replace("%d %b %Y", "%-d %B %Y"))
+    tok = tokenizer_with(DATED.replace("%d %b %Y", "%-d %B %Y"))
     doc = PromptFormat(tok, now=DAY1).document_ids(DOC)
     assert "Today Date: 5 January 2026" in tok.decode(doc)
     made = PromptFormat(tok, now=DAY2).as_made(doc)
@@ -174,7 +174,7 @@ def test_renders_on_two_threads_leave_transformers_clock_as_it_was():
     from transformers.utils import chat_template_utils
 
     real = chat_template_utils.datetime
-    tok = _byte(DATED)
+    tok = tokenizer_with(DATED)
     inside, second_inside, first_done = threading.Event(), threading.Event(), threading.Event()
 
     def first_clock(fmt):

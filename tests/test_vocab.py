@@ -16,8 +16,8 @@ from tforce.model.synthetic import byte_tokenizer, make_checkpoint
 from tforce.model.vocab import PLACEHOLDER, SharedVocabulary, check_tokenizers
 
 from conftest import TINY
+from exactness_helpers import SAMPLES, check, draw, exact_joint, vocab_pair
 from model_helpers import hf_model
-from test_exactness import SAMPLES, check, draw, exact_joint, vocab_pair
 
 DRAFT_USERS = ["triforce", "naive", "streaming"]
 SMALL = dict(budget=16, chunk_size=4, draft_budget=12, sinks=2, gamma1=2, gamma2=4, rebuild_every=8)

@@ -18,28 +18,8 @@ from tforce.model.sharding import apply_tp
 from tforce.snapshot.identity import _files_sha
 from tforce.model.synthetic import make_checkpoint
 
-from test_cli import _one_error_line
-
-
-def to_bin(src: Path, dst: Path, shards: int = 1, keep: tuple = ("config.json",)) -> Path:
-    """src's model.safetensors written as pytorch_model.bin, or as `shards` files named by
-    pytorch_model.bin.index.json (the layout of transformers' save_pretrained(safe_serialization=False),
-    which transformers 5 no longer writes); the `keep` files copied."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in keep:
-        shutil.copy(src / name, dst / name)
-    state = load_file(src / "model.safetensors")
-    if shards == 1:
-        torch.save(state, dst / "pytorch_model.bin")
-        return dst
-    names, weight_map = list(state), {}
-    for i in range(shards):
-        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
-        part = {k: state[k] for k in names[i::shards]}
-        torch.save(part, dst / file)
-        weight_map.update(dict.fromkeys(part, file))
-    (dst / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return dst
+from bin_files import to_bin
+from cli_helpers import one_error_line
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +88,7 @@ def test_the_cli_refuses_it_in_one_line(src, tmp_path):
     torch.save({"model.norm.weight": Evil(marker)}, path / "pytorch_model.bin")
     shutil.copy(make_checkpoint(tmp_path / "tok", seed=4) / "tokenizer.json", path)
     r = CliRunner().invoke(app, ["run", "-m", str(path), "-p", "hi", "--method", "ar", "-n", "2"])
-    _one_error_line(r, 2, f"refused {path / 'pytorch_model.bin'}: it needs more than tensors")
+    one_error_line(r, 2, f"refused {path / 'pytorch_model.bin'}: it needs more than tensors")
     assert not marker.exists()
 
 
@@ -160,7 +140,7 @@ def test_a_quantized_folder_is_refused_by_its_method(src, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     message = _refused(path, tforce.UsageError)
     assert "quantized (gptq" in message and "safetensors or PyTorch .bin" in message
-    _one_error_line(CliRunner().invoke(app, ["info", "-m", str(path)]), 2, "quantized (gptq")
+    one_error_line(CliRunner().invoke(app, ["info", "-m", str(path)]), 2, "quantized (gptq")
 
 
 def test_a_folder_without_weights_names_what_it_holds(src, tmp_path):

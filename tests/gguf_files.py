@@ -12,6 +12,7 @@ from tforce.model.synthetic import byte_tokenizer, make_checkpoint
 TINY = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
 MERGES = ["t h", "th e"]
+UNREADABLE = ("Q8_1",)  # GGUF types (names) gguf's Python package neither quantizes nor dequantizes
 # The byte vocabulary (<unk>, <s>, </s>, 256 bytes), the merges' tokens, then an end-of-turn token.
 _BYTES = byte_tokenizer().get_vocab()
 TOKENS = sorted(_BYTES, key=_BYTES.get) + ["th", "the", "<|eot|>"]
@@ -67,7 +68,10 @@ def write_llama(path: Path, seed: int = 0, dtype=np.float32, qtype=None, embeddi
         elif name.endswith("attn_k.weight"):
             t = _permute(t, kv)
         kind = embedding if name == "token_embd.weight" else qtype if t.ndim == 2 and name.startswith("blk.") else None
-        if kind is not None:
+        if kind is not None and kind.name in UNREADABLE:  # zero blocks of a type gguf cannot quantize (refusals only)
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            w.add_tensor(name, np.zeros((t.shape[0], t.shape[1] // block * size), np.uint8), raw_dtype=kind)
+        elif kind is not None:
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t, dtype=np.float32), kind), raw_dtype=kind)
         else:
             w.add_tensor(name, np.ascontiguousarray(t, dtype=dtype if t.ndim == 2 else np.float32))

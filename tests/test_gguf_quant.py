@@ -9,10 +9,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import tforce
 import tforce.model.gguf as tg
+from cli_helpers import one_error_line
 from gguf_files import write_llama
+from tforce.cli import app
 from tforce.model.gguf_tensors import q4_blocks, q8_blocks
 from tforce.model.quant import QuantLinear, dequantize_stored
 from tforce.model.quant_stored import expand_q8
@@ -153,3 +156,22 @@ def test_info_says_what_the_projections_are_stored_as(files):
     assert model["weights_file_bytes"] == (resolve(str(files["q4_1"])) / "model.safetensors").stat().st_size
     r = CliRunner().invoke(app, ["info", "-m", str(files["q5_0"])])
     assert r.exit_code == 0 and "14 int8 (Q5_0, re-quantized)" in r.stdout, r.output
+
+
+@pytest.mark.parametrize("damage", ["truncated", "unreadable type"])
+def test_a_file_tforce_cannot_read_is_one_line_and_leaves_no_entry(tmp_path, monkeypatch, damage):
+    """A GGUF cut short (its last tensor's bytes missing) and one whose projections are stored in a type the
+    gguf package cannot dequantize (Q8_1): `tforce run` says so in one line, exits 2, and the conversion
+    cache holds nothing, not even a half-written folder."""
+    monkeypatch.setenv("TFORCE_CACHE", str(tmp_path / "cache"))
+    if damage == "truncated":
+        whole = write_llama(tmp_path / "whole.gguf", seed=3, qtype=Q.Q4_1, **SHAPE).read_bytes()
+        (tmp_path / "bad.gguf").write_bytes(whole[:len(whole) - 3000])
+        needle = "not a GGUF file"
+    else:
+        write_llama(tmp_path / "bad.gguf", seed=3, qtype=Q.Q8_1, **SHAPE)
+        needle = "is stored as Q8_1, which the gguf package cannot dequantize"
+    result = CliRunner().invoke(app, ["run", "-m", str(tmp_path / "bad.gguf"), "-p", "hi", "-n", "2", "--method", "ar"])
+    one_error_line(result, 2, needle)
+    cache = tmp_path / "cache" / "gguf"
+    assert not cache.exists() or list(cache.iterdir()) == []

@@ -5,6 +5,7 @@ quant_stored.QUANTIZED."""
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 from ..errors import TforceError, UsageError
@@ -26,12 +27,14 @@ def require_gguf() -> None:
 
 
 def check_file(file: Path) -> list[int]:
-    """The end-of-sequence ids in the file's metadata, read without its tensors; a GGUF of a model tforce does
-    not run is refused here, before anything is converted."""
+    """The end-of-sequence ids in the file's metadata, read without converting its tensors; a GGUF of a model
+    tforce does not run, or with a tensor type the gguf package cannot dequantize, is refused here, before
+    anything is converted."""
     from gguf import GGUFReader
 
     try:
-        fields = GGUFReader(str(file)).fields
+        reader = GGUFReader(str(file))
+        fields = reader.fields
         arch = fields["general.architecture"].contents()
         eos = [int(fields[key].contents()) for key in EOS_KEYS if key in fields]
     except Exception as e:  # the reader's errors (bad magic, a short file) are one line with the file's name
@@ -39,7 +42,27 @@ def check_file(file: Path) -> list[int]:
         raise UsageError(f"cannot read {file}: not a GGUF file ({reason})") from e
     if arch not in FAMILIES:
         raise UsageError(f"{file}: GGUF architecture {arch!r} is not a Llama-family model tforce runs")
+    for t in reader.tensors:
+        if not _readable(t.tensor_type):
+            raise UsageError(f"{file}: tensor {t.name} is stored as {t.tensor_type.name}, which the gguf package "
+                             "cannot dequantize, so tforce cannot read it")
     return list(dict.fromkeys(eos))
+
+
+@lru_cache(maxsize=None)
+def _readable(qtype) -> bool:
+    """Whether the gguf package dequantizes this tensor type (it lacks some: Q8_1, Q8_K, the integer types),
+    tried on one zero block."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, quants
+
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    try:
+        quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def convert(file: Path, out: Path, eos: list[int]) -> None:

@@ -132,7 +132,7 @@ def read_state(file, arch: str, heads: int, kv_heads: int) -> tuple[dict, dict]:
             if t.tensor_type in (Q.F32, Q.F16):
                 w = np.asarray(t.data, dtype=np.float32)
             else:
-                w = quants.dequantize(t.data, t.tensor_type)
+                w = quants.dequantize(t.data, t.tensor_type)  # a type it cannot: refused by gguf_convert.check_file
             w = torch.from_numpy(np.array(w, dtype=np.float32)).reshape(shape)  # a copy: the file is read-only
             if perm is not None:
                 w = w[perm]

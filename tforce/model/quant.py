@@ -103,11 +103,14 @@ def kernel_block(N: int, K: int) -> int | None:
     (for each input k, byte j of a block holds channel j in its low nibble and j + block/2 in its high one;
     the block is 32 on AVX2 builds and 64 on AVX-512 ones, by PyTorch's int4mm_kernel.cpp). The layout is
     that build's private business, so it is found by packing probe codes of this shape and reading them
-    back: the block that reads them exactly, or None (then codes are read through the kernel itself)."""
-    probe = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    back: the block that reads them exactly, or None (then codes are read through the kernel itself). Blocks
+    are laid out one after another, so 128 rows (two blocks of either size) stand for any multiple of 128."""
+    rows = 128 if N % 128 == 0 else N  # a probe of a few hundred kilobytes, not a copy of a 7B projection
+    probe = torch.randint(0, 16, (rows, K), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 2)
     for block in (32, 64, 16):
-        if N % block == 0 and packed.numel() == N * K // 2 and torch.equal(_read_packed(packed, N, K, block), probe):
+        if rows % block == 0 and packed.numel() == rows * K // 2 \
+                and torch.equal(_read_packed(packed, rows, K, block), probe):
             return block
     return None
 

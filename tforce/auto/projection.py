@@ -6,7 +6,7 @@ guesses right. The projection keeps what was measured (seconds per forward of ea
 the decode loop per forward, seconds per retrieval rebuild) and replaces the acceptance by an assumed
 one, the same at every level (or one per level).
 
-Acceptance means what the statistics report (decode.acceptance): tokens accepted over tokens drafted,
+Acceptance means what the statistics report (statistics.acceptance): tokens accepted over tokens drafted,
 a round counting all gamma of its drafted tokens, so a level's rounds yield 1 + gamma * acceptance
 tokens on average, exactly. How those tokens spread over rounds follows the usual model of
 speculative decoding (Leviathan et al., 2023): each drafted token accepted independently with the
@@ -185,7 +185,7 @@ def rebuild_interval(spec: Speculation, rate, window: int = REBUILD_WINDOW) -> f
 
 def project(stats: dict, spec: Speculation, rate, rows: int = 1) -> dict | None:
     """The projected decode cost at acceptance `rate` (forwards_per_token's) from one run's statistics
-    (decode.row_stats; a batch of `rows` rows: the batch's), or None when the run timed too little to project
+    (statistics.row_stats; a batch of `rows` rows: the batch's), or None when the run timed too little to project
     from (a node that ran no forward while decoding)."""
     costs = stage_costs(stats)
     return None if costs is None else predict(costs, spec, rate, rows)

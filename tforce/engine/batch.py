@@ -63,7 +63,7 @@ def generate_batch(target, prompts, *, draft=None, method: str = "ar", max_new_t
     ends leaves the batch as a row at EOS does. Progress, for a live view: on_prefill(done, total) as the
     prefill goes (`generate`'s: tokens of all rows, or token-layers where it runs layer-major); on_round(
     tokens, counts) after each round, with each row's new tokens ({prompt index: tokens}, as cut) and each
-    level's (accepted, drafted) tokens so far over the batch's rows (decode.level_counts).
+    level's (accepted, drafted) tokens so far over the batch's rows (statistics.level_counts).
     load_kv: a KV snapshot folder (`generate`'s): read once, its prefix goes into every row whose prompt
     starts with it (as far as it matches; questions about one loaded document), and only the rest of each
     prompt is prefilled; each Result's stats give kv_reused (that row's), kv_snapshot_tokens and load_kv_s."""

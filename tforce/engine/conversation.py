@@ -20,7 +20,8 @@ import time
 import torch
 
 from ..snapshot import format as snapshot, identity as snapshot_identity, store as snapshot_io
-from .decode import decode_one, one_row_stats
+from .decode import decode_one
+from .statistics import one_row_stats
 from .generate import Result, _eos_ids, _modules, check_ids, check_prompt, generator, open_session
 from ..errors import UsageError
 from .session import Session, _sync_device

@@ -13,7 +13,7 @@ import torch
 
 from ..config import Sampling, Speculation
 from ..errors import UsageError
-from .decode import one_row
+from .statistics import one_row
 from .session import Session
 from ..model.vocab import check_sizes, check_tokenizers
 

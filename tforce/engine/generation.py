@@ -11,7 +11,8 @@ import torch
 
 from ..config import Sampling, Speculation
 from ..errors import UsageError
-from .decode import acceptance, decode, level_counts, placement_stats, row_stats
+from .decode import decode
+from .statistics import acceptance, level_counts, placement_stats, row_stats
 from .session import Session, _sync_device
 
 
@@ -25,7 +26,7 @@ def run(target, draft, prompts: list[list[int]], max_new: list[int], spec: Specu
     checked; max_new: each one's budget, fitted to the context). Options and callbacks as generate's and
     generate_batch's: on_plan(placement) before the prefill; on_prefill(done, total); on_tokens(r, tokens,
     acceptance) after each round for every row that took part (acceptance: the row's so far per level);
-    on_round({r: tokens}, counts) after each round (counts: decode.level_counts); on_row(r, tokens) once a
+    on_round({r: tokens}, counts) after each round (counts: statistics.level_counts); on_row(r, tokens) once a
     row is finished; until as decode's. load_kv: a snapshot read once into every row that starts with its
     prefix; save_kv (one prompt): the caches after the prefill; identity: the models' (snapshot/identity.py)."""
     B, longest = len(prompts), max(map(len, prompts))

@@ -31,7 +31,8 @@ import torch
 
 from ..text.stream import TextStream
 from ..config import Sampling
-from ..engine.decode import decode_one, one_row_stats
+from ..engine.decode import decode_one
+from ..engine.statistics import one_row_stats
 from ..engine.generate import _eos_ids, check_ids, generator, open_session
 from ..errors import TforceError, UsageError
 from ..text.format import PromptFormat

@@ -17,6 +17,11 @@ METHODS = ("triforce", "ar", "retrieval", "streaming", "naive")
 LEVELS = {"ar": (False, None), "naive": (True, None), "retrieval": (False, "retrieval"),
           "streaming": (True, "streaming"), "triforce": (True, "retrieval")}
 assert sorted(LEVELS) == sorted(METHODS)
+
+
+def levels(method: str) -> tuple[bool, str | None]:
+    """LEVELS' entry of a method; "auto" and unknown names (refused by Speculation.validate): none."""
+    return LEVELS.get(method, (False, None))
 AUTO = "auto"  # not a method: planner.py chooses one of METHODS (and its gammas) for the run
 POLICIES = ("retrieval", "shared", "topk", "streaming", "h2o")  # the middle cache's selection rule (cache/policies.py)
 
@@ -60,13 +65,13 @@ class Speculation:
 
     @property
     def uses_draft(self) -> bool:
-        """A small draft model proposes (the bottom level). "auto" and unknown names (refused by validate): no."""
-        return LEVELS.get(self.method, (False, None))[0]
+        """A small draft model proposes (the bottom level)."""
+        return levels(self.method)[0]
 
     @property
     def middle(self) -> str | None:
         """The middle level's cache kind: "retrieval" (triforce, retrieval), "streaming", or None."""
-        return LEVELS.get(self.method, (False, None))[1]
+        return levels(self.method)[1]
 
     @property
     def retrieves(self) -> bool:

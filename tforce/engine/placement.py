@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model import families
-from ..config import LEVELS, Speculation
+from ..config import Speculation, levels
 from ..errors import DoesNotFit, UsageError
 
 GiB = 1024 ** 3
@@ -129,11 +129,11 @@ class Work:
 
     @property
     def uses_draft(self) -> bool:  # config.Speculation.uses_draft
-        return LEVELS[self.method][0]
+        return levels(self.method)[0]
 
     @property
     def middle(self) -> str | None:  # config.Speculation.middle
-        return LEVELS[self.method][1]
+        return levels(self.method)[1]
 
 
 @dataclass(frozen=True)

@@ -177,17 +177,17 @@ class QuantLinear(nn.Module):
             return self.qweight, self.scales
         return pack_int4(self.codes()), self.scales
 
-    def codes(self) -> torch.Tensor:
-        """The int4 codes (N, K) in 0..15: read from the packed layout where kernel_block knows it, else
-        through the kernel: W^T = I W^T with unit scales and zero -8 gives q - 8 exactly (small integers are
-        exact in bfloat16)."""
+    def codes(self, dtype=torch.int32) -> torch.Tensor:
+        """The int4 codes (N, K) in 0..15, in `dtype`: read from the packed layout where kernel_block knows it,
+        else through the kernel: W^T = I W^T with unit scales and zero -8 gives q - 8 exactly (small integers
+        are exact in bfloat16)."""
         block = kernel_block(self.out_features, self.in_features)
         if block is not None:
-            return _read_packed(self.qweight, self.out_features, self.in_features, block)
+            return _read_packed(self.qweight, self.out_features, self.in_features, block, dtype)
         eye = torch.eye(self.in_features, dtype=_COMPUTE)
         ones = torch.stack([torch.ones_like(self.scales[..., 0]), torch.zeros_like(self.scales[..., 0])], -1)
         w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP, ones).float().t()
-        return (w + 8).round().to(torch.int32).contiguous()
+        return (w + 8).round().to(dtype).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() >= DEQUANTIZE_ROWS * self.in_features and self._readable():
@@ -209,10 +209,9 @@ class QuantLinear(nn.Module):
         """The float32 weight (N, K) this module multiplies by: the reference of its products, and the weight
         of a prefill chunk's product (DEQUANTIZE_ROWS)."""
         if self.scheme == "int8":
-            return self.qweight.float() * self.scales.float()[:, None]
+            return dequantize_stored("int8", self.qweight, self.scales)
         N, K = self.out_features, self.in_features
-        block = kernel_block(N, K)
-        codes = self.codes().float() if block is None else _read_packed(self.qweight, N, K, block, torch.float32)
+        codes = self.codes(torch.float32)
         scale, zero = (self.scales[..., i].float().t()[:, :, None] for i in (0, 1))  # (N, K / GROUP, 1)
         return codes.view(N, K // GROUP, GROUP).sub_(8).mul_(scale).add_(zero).view(N, K)
 

@@ -28,6 +28,27 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def quantize_q4k(w: np.ndarray) -> np.ndarray:
+    """w (N, K), K a multiple of 256 -> Q4_K bytes (N, K / 256 * 144) in llama.cpp's layout, by a plain
+    min/max quantizer (the gguf package has no Q4_K quantizer): per super-block d, dmin (float16), the
+    eight sub-blocks' 6-bit scales and minimums packed in 12 bytes, then the codes, sub-block 2j in the
+    low nibbles of bytes 32j..32j+31 and 2j+1 in their high nibbles."""
+    sub = w.astype(np.float32).reshape(-1, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    step, mins = (sub.max(-1) - low) / 15, -low
+    d, dmin = (step.max(-1) / 63).astype(np.float16), (mins.max(-1) / 63).astype(np.float16)
+    sc = np.clip(np.round(step / np.maximum(d.astype(np.float32), 1e-8)[:, None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(mins / np.maximum(dmin.astype(np.float32), 1e-8)[:, None]), 0, 63).astype(np.uint8)
+    scale = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * mn
+    q = np.clip(np.round((sub + offset[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    packed = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, mn[:, :4] | (mn[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 0x0F) | (mn[:, 4:] & 0x0F) << 4], axis=1)
+    qs = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)
+    head = np.stack([d, dmin], 1).view(np.uint8)
+    return np.concatenate([head, packed, qs], axis=1).reshape(w.shape[0], -1)
+
+
 def write_llama(path: Path, seed: int = 0, dtype=np.float32, qtype=None, embedding=None, **shape) -> Path:
     """A random tiny Llama (tforce.model.synthetic's weights, seed `seed`, TINY's shape with `shape`'s
     changes) as the GGUF file `path`; qtype (a gguf.GGMLQuantizationType) quantizes the layers'
@@ -71,6 +92,8 @@ def write_llama(path: Path, seed: int = 0, dtype=np.float32, qtype=None, embeddi
         if kind is not None and kind.name in UNREADABLE:  # zero blocks of a type gguf cannot quantize (refusals only)
             block, size = gguf.GGML_QUANT_SIZES[kind]
             w.add_tensor(name, np.zeros((t.shape[0], t.shape[1] // block * size), np.uint8), raw_dtype=kind)
+        elif kind is not None and kind.name == "Q4_K":
+            w.add_tensor(name, quantize_q4k(t), raw_dtype=kind)
         elif kind is not None:
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t, dtype=np.float32), kind), raw_dtype=kind)
         else:

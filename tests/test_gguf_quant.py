@@ -1,4 +1,4 @@
-"""A GGUF's projections kept quantized: Q4_0/Q4_1 blocks mapped to int4 groups code for code, other types
+"""A GGUF's projections kept quantized: Q4_0/Q4_1/Q4_K blocks mapped to int4 groups code for code, other types
 re-quantized, Q8_0 tables stored as their bytes and dequantized exactly; the model as loaded matches
 transformers' float32 dequantization of the same file within the kernels' bfloat16 rounding, every
 method's greedy tokens equal `ar`'s on it, and a cache entry of the old float32 layout is replaced."""
@@ -24,6 +24,7 @@ from tforce.model.registry import resolve
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 SHAPE = dict(intermediate_size=128)  # every projection's inputs a multiple of 32: blocks of both formats
+K_SHAPE = dict(hidden_size=256, intermediate_size=256)  # a multiple of Q4_K's super-block
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
@@ -46,6 +47,23 @@ def test_q4_blocks_keep_every_code_and_round_only_the_scales(qtype):
     assert ((layer.dequantized() - ref).abs() <= bound).all()
 
 
+def test_q4k_blocks_of_any_bits_keep_every_code():
+    """Q4_K super-blocks of random bytes (every 6-bit scale and minimum pattern, random float16 d and dmin):
+    the mapped codes are the file's, and the stored scales and zeros give gguf's own dequantization."""
+    rng = np.random.default_rng(4)
+    N, K = 16, 512  # the kernel's packing takes rows in multiples of 16
+    raw = rng.integers(0, 256, (N * K // 256, 144), dtype=np.uint8)
+    raw[:, :4] = rng.uniform(0.01, 0.1, (N * K // 256, 2)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(N, -1)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_K))
+    codes, sz = q4_blocks(raw, Q.Q4_K, N, K)
+    assert sz.shape == (K // 32, N, 2) and int(codes.max()) == 15 and int(codes.min()) == 0
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    # float32 scales and zeros: the zero 8 d sc - dmin m rounds once, a few units of the last place
+    assert torch.allclose(dequantize_stored("int4", packed, sz), ref, rtol=0, atol=2e-6 * float(ref.abs().max()))
+    assert torch.equal(QuantLinear.stored("int4", packed, sz).codes(), codes.to(torch.int32))
+
+
 def test_q8_blocks_dequantize_exactly():
     w = np.random.default_rng(1).standard_normal((10, 64)).astype(np.float32)
     raw = gguf.quants.quantize(w, Q.Q8_0)
@@ -59,9 +77,10 @@ def test_q8_blocks_dequantize_exactly():
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_quant")
     out = {}
-    for name, qtype in (("q4_1", Q.Q4_1), ("q4_0", Q.Q4_0), ("q8_0", Q.Q8_0), ("q5_0", Q.Q5_0)):
+    for name, qtype in (("q4_1", Q.Q4_1), ("q4_0", Q.Q4_0), ("q8_0", Q.Q8_0), ("q5_0", Q.Q5_0), ("q4_k", Q.Q4_K)):
         (root / name).mkdir()
-        out[name] = write_llama(root / name / "tiny.gguf", seed=2, qtype=qtype, embedding=Q.Q8_0, **SHAPE)
+        shape = K_SHAPE if name == "q4_k" else SHAPE
+        out[name] = write_llama(root / name / "tiny.gguf", seed=2, qtype=qtype, embedding=Q.Q8_0, **shape)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TFORCE_CACHE", str(root / "cache"))
         yield out
@@ -85,6 +104,7 @@ def _logits(loaded, ids):
 
 
 @pytest.mark.parametrize("name,scheme,how", [("q4_1", "int4", "mapped"), ("q4_0", "int4", "mapped"),
+                                             ("q4_k", "int4", "mapped"),
                                              ("q8_0", "int8", "re-quantized"), ("q5_0", "int8", "re-quantized")])
 def test_projections_stay_quantized_and_match_transformers(files, name, scheme, how):
     loaded = tforce.load_model(str(files[name]))

@@ -16,9 +16,10 @@ from ..errors import TforceError, UsageError
 
 # Written last into a converted folder: the source's sha256 and every file's size, checked before each use.
 MARKER = "tforce-gguf.json"
-# The folder's layout version: 2 keeps the projections quantized (gguf_tensors.py); an entry of another
-# version (1: every weight in float32) is converted again and replaced.
-FORMAT = 2
+# The folder's layout version: 2 keeps the projections quantized (gguf_tensors.py), 3 maps Q4_K blocks
+# code for code (2 re-quantized them); an entry of another version (1: every weight in float32) is
+# converted again and replaced.
+FORMAT = 3
 _DIGESTS: dict = {}  # (path, size, mtime_ns) -> sha256: one command resolves the same model several times
 
 

@@ -6,8 +6,11 @@ Per projection (q, k, v, o, gate, up, down), by the file's type:
   scale d and minimum m become the kernel's scale d and zero m + 8 d (Q4_0: zero 0), stored in float32
   and rounded to bfloat16 (the kernel's dtype) at load: the only change to the file's values; dequantized
   (--weights float, or off the CPU) they are the file's values.
-- other types of 4 bits or fewer (Q4_K, Q3_K, Q2_K, IQ*): dequantized by the gguf package, re-quantized to
-  int4 (groups of 32, quant.int4_weights).
+- Q4_K (super-blocks of 256: eight sub-blocks of 32, each with a 6-bit scale and a 6-bit minimum times the
+  super-block's float16 d and dmin): mapped the same way, each sub-block one int4 group of scale d sc and
+  zero 8 d sc - dmin m.
+- other types of 4 bits or fewer (Q3_K, Q2_K, IQ*): dequantized by the gguf package, re-quantized to int4
+  (groups of 32, quant.int4_weights).
 - Q5_*, Q6_K, Q8_*: dequantized, re-quantized to int8 per output channel (the kernel has no 5-8-bit group
   form).
 - F32, F16, BF16 (and any shape a kernel refuses): kept as floating point.
@@ -50,7 +53,7 @@ def scheme_for(qtype) -> tuple[str | None, str]:
     """(int4, int8 or None for floating point, how) of a projection stored as GGUF type qtype."""
     from gguf import GGMLQuantizationType as Q
 
-    if qtype in (Q.Q4_0, Q.Q4_1):
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
         return "int4", "mapped"
     if qtype in (Q.F32, Q.F16, Q.BF16):
         return None, "kept"
@@ -59,12 +62,14 @@ def scheme_for(qtype) -> tuple[str | None, str]:
 
 
 def q4_blocks(raw: np.ndarray, qtype, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 bytes (N, K / 32 * block) -> (codes uint8 (N, K) in 0..15, scales_and_zeros float32
+    """Q4_0 / Q4_1 / Q4_K bytes (N, K / 32 * block) -> (codes uint8 (N, K) in 0..15, scales_and_zeros float32
     (K / 32, N, 2): the file's values; QuantLinear rounds them to bfloat16 for the kernel). A block: d
     (float16), for Q4_1 m (float16), then 16 bytes whose low nibbles are the block's first 16 codes and high
     nibbles its last 16; its values are d (q - 8) (Q4_0), d q + m (Q4_1)."""
     from gguf import GGMLQuantizationType as Q
 
+    if qtype == Q.Q4_K:
+        return _q4k_blocks(raw, N, K)
     head = 2 if qtype == Q.Q4_0 else 4
     blocks = np.ascontiguousarray(raw).reshape(N, K // GROUP, head + 16)
     d = _f16(blocks, 0).astype(np.float32)
@@ -75,6 +80,23 @@ def q4_blocks(raw: np.ndarray, qtype, N: int, K: int) -> tuple[torch.Tensor, tor
     else:
         zero = _f16(blocks, 2).astype(np.float32) + 8 * d
     sz = torch.from_numpy(np.stack([d, zero], -1)).transpose(0, 1).contiguous()
+    return torch.from_numpy(codes.astype(np.uint8)), sz
+
+
+def _q4k_blocks(raw: np.ndarray, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4_blocks for Q4_K: a super-block is d, dmin (float16), 12 bytes of packed 6-bit scales sc and minimums
+    m (unpacked by the gguf package), then 128 bytes: each 32 of them hold sub-block 2j's codes in their
+    low nibbles and 2j+1's in their high; sub-block j's values are d sc_j q - dmin m_j."""
+    from gguf.quants import Q4_K
+
+    blocks = np.ascontiguousarray(raw).reshape(N * K // 256, 144)
+    d, dmin = _f16(blocks, 0).astype(np.float32), _f16(blocks, 2).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    scale = d[:, None] * sc.astype(np.float32)  # (super-blocks, 8): exact in float32 (11 by 6 bits)
+    zero = 8 * scale - dmin[:, None] * m.astype(np.float32)
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(N, K)
+    sz = torch.from_numpy(np.stack([scale, zero], -1).reshape(N, K // GROUP, 2)).transpose(0, 1).contiguous()
     return torch.from_numpy(codes.astype(np.uint8)), sz
 
 

@@ -37,6 +37,7 @@ from tforce.bench.suite import synthetic_pair  # noqa: E402
 from tforce.engine.conversation import Conversation  # noqa: E402
 from tforce.model.defaults import demo_pair  # noqa: E402
 from tforce.model.synthetic import byte_tokenizer  # noqa: E402
+from tforce.engine.events import Events  # noqa: E402
 
 QUESTIONS = ("\n\nQuestion: who is the narrator?", "\n\nWhere do the crowds of water-gazers stand?")
 
@@ -126,8 +127,8 @@ def main() -> None:
     for _ in range(repeats):
         first = []
         t0 = time.perf_counter()
-        tforce.generate(target, doc + q2, max_new_tokens=8, on_token=lambda t: first or first.append(time.perf_counter()),
-                        **opts)
+        tforce.generate(target, doc + q2, max_new_tokens=8, **opts,
+                        events=Events(on_tokens=lambda r, t, a: first or first.append(time.perf_counter())))
         cold.append(first[0] - t0)
         conv = Conversation(target, doc, room=64, **opts)
         prefill.append(conv.prefill_s)

@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 import tforce  # noqa: E402
 from tforce.engine import generate as engine  # noqa: E402
-from tforce.engine.decode import decode_one  # noqa: E402
+from tforce.engine.decode import decode as decode_rows  # noqa: E402
 from tforce.cache import FullCache, RetrievalCache, StreamingCache  # noqa: E402
-from tforce.config import Sampling  # noqa: E402
+from tforce.config import RunConfig, Sampling  # noqa: E402
 from tforce.cache.rope import Rotary  # noqa: E402
 from tforce.engine.sampling import to_probs  # noqa: E402
 
@@ -337,7 +337,8 @@ def profile(target, draft, ids: list[int], options: dict, gen: int, temperature:
     def session_with_timers(totals: dict):
         opts = {**options}
         method = opts.pop("method")
-        s = engine.open_session(target, draft, len(ids), gen, method=method, temperature=temperature, seed=0, **opts)
+        s = engine.open_session(target, draft, len(ids), gen,
+                                RunConfig.of(method=method, temperature=temperature, seed=0, **opts))
         s.prefill([ids])
         for node in (s.small, s.middle, s.full):
             if node is not None:
@@ -349,7 +350,7 @@ def profile(target, draft, ids: list[int], options: dict, gen: int, temperature:
 
     def decode(s):
         t0 = time.perf_counter()
-        out = decode_one(s, len(ids), gen, engine.generator(target, 0), set())
+        [out] = decode_rows(s, [len(ids)], [gen], engine.generator(target, 0), set())
         return out, time.perf_counter() - t0
 
     totals: dict = {}

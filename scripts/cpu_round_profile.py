@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tforce
-from tforce.config import Sampling, Speculation
+from tforce.config import RunConfig, Sampling, Speculation
 from tforce.engine.generate import Session
 from tforce.model.registry import REGISTRY
 
@@ -33,7 +33,7 @@ def main(weights: str | None, n: int, method: str, budget: int | None) -> None:
     spec = Speculation(method=method, **({} if budget is None else {"budget": budget}))
     draft = tforce.load_model(REGISTRY[MODEL][1], tokenizer=False).model if spec.uses_draft else None
     print(spec, f"weights {weights or 'as loaded'}, {len(ids)} tokens")
-    session = Session(target.model, draft, len(ids), 64, spec, Sampling(temperature=0))
+    session = Session(target.model, draft, len(ids), 64, RunConfig(speculation=spec, sampling=Sampling(temperature=0)))
     t = time.perf_counter()
     session.prefill([ids])
     print(f"prefill {time.perf_counter() - t:.1f} s")

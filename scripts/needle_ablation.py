@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tforce import load_model
-from tforce.config import Sampling, Speculation
+from tforce.config import Execution, RunConfig, Sampling, Speculation
 from tforce.engine.generate import Session
 from tforce.text.needle import needle_prompt
 
@@ -36,7 +36,7 @@ class Without:
 
 def acceptance(model, ids: list[int], n_new: int, select) -> tuple[float, list[int]]:
     spec = Speculation(method="retrieval", budget=len(ids) + 64, chunk_size=8, gamma2=6)
-    session = Session(model, None, len(ids), n_new + 8, spec, Sampling(temperature=0.0), cuda_graphs=False)
+    session = Session(model, None, len(ids), n_new + 8, RunConfig(speculation=spec, sampling=Sampling(temperature=0.0), execution=Execution(cuda_graphs=False)))
     session.retrieval.select = select
     session.prefill([ids])
     got, gen = [], torch.Generator().manual_seed(0)
@@ -49,7 +49,7 @@ def acceptance(model, ids: list[int], n_new: int, select) -> tuple[float, list[i
 def key_held(model, ids: list[int], key_at: range, policy: str, budget: int) -> list[float]:
     """Per layer: the share of the key's ids (over KV heads) the policy's cache holds after prefill."""
     spec = Speculation(method="retrieval", budget=budget, chunk_size=8, gamma2=6, policy=policy, sinks=4)
-    session = Session(model, None, len(ids), 8, spec, Sampling(temperature=0.0), cuda_graphs=False)
+    session = Session(model, None, len(ids), 8, RunConfig(speculation=spec, sampling=Sampling(temperature=0.0), execution=Execution(cuda_graphs=False)))
     session.prefill([ids])
     pos = session.retrieval.key_pos[:, 0]  # (layers, H_kv, budget): the one row's
     return [sum(int((pos[layer] == p).any(-1).sum()) for p in key_at) / (len(key_at) * pos.shape[1])

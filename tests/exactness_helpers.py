@@ -9,7 +9,7 @@ import torch
 
 import tforce
 from tforce.cache import FullCache
-from tforce.config import Sampling, Speculation
+from tforce.config import Execution, RunConfig, Sampling, Speculation
 from tforce.engine.batch import generate_batch
 from tforce.engine.generate import Session
 from tforce.cache.rope import Rotary
@@ -58,7 +58,7 @@ def draw(target, draft, prompt, method, n_samples, seed, policy="retrieval", det
     gen = torch.Generator().manual_seed(seed)
     samples, drafted, accepted = [], 0, 0
     for _ in range(n_samples):
-        session = Session(target, draft, len(prompt), N_TOKENS + 8, spec, SAMPLING, deterministic=deterministic)
+        session = Session(target, draft, len(prompt), N_TOKENS + 8, RunConfig(speculation=spec, sampling=SAMPLING, execution=Execution(deterministic=deterministic)))
         session.prefill([prompt])
         n, got = len(prompt), []
         while len(got) < N_TOKENS:

@@ -13,4 +13,4 @@ def shapes(arch: str, world: int = 1):
 
 def work(prompt: int, gen: int = 256) -> placement.Work:
     spec = Speculation()
-    return placement.Work.of(spec, prompt + gen + spec.max_lookahead + 1, prompt)
+    return placement.Work(prompt + gen + spec.max_lookahead + 1, prompt, spec)

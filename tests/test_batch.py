@@ -14,6 +14,7 @@ import tforce.engine.session
 from tforce.engine.session_plan import _plan, model_shape
 from tforce.engine.speculative import verify
 from tforce.model.synthetic import make_checkpoint
+from tforce.engine.events import Events
 
 from exactness_helpers import draw_rows, pvalues
 from model_helpers import eos_token, prompts_of, record_host
@@ -93,7 +94,7 @@ def test_partly_offloaded_rows_equal_single_prompts(tiny, tmp_path, monkeypatch,
     prompts = prompts_of(LENGTHS, seed=4)
     kw = dict(max_new_tokens=20, temperature=0, ignore_eos=True)
     spec = Speculation(method=method, budget=16, chunk_size=4, gamma2=4, draft_budget=12, sinks=2)
-    work = placement.Work.of(spec, 37 + 20 + spec.max_lookahead + 1, 36, 8, False, "math", rows=4)
+    work = placement.Work(37 + 20 + spec.max_lookahead + 1, 36, spec, 8, False, "math", rows=4)
     shape, small = model_shape(model), (model_shape(draft) if draft is not None else None)
     room = placement.layout(shape, work, 3, small, 0).peak - shape.weights - (small.weights if small else 0)
     plans = []
@@ -119,7 +120,7 @@ def test_on_row_hears_each_row_once_when_it_finishes(tiny):
     """In the order the rows finish (a row without budget at once), each with its final tokens."""
     heard = []
     rows = generate_batch(tiny["gqa"], prompts_of((5, 9, 3)), method="ar", max_new_tokens=[6, 2, 0], temperature=0,
-                          ignore_eos=True, on_row=lambda r, tokens: heard.append((r, tokens)))
+                          ignore_eos=True, events=Events(on_row=lambda r, tokens: heard.append((r, tokens))))
     assert heard == [(2, []), (1, rows[1].tokens), (0, rows[0].tokens)] and len(rows[0].tokens) == 6
 
 
@@ -138,7 +139,7 @@ def test_a_batch_that_does_not_fit_is_refused_before_allocating(tiny):
     """Planned with B rows: room for one row's KV cache is not room for eight (errors.DoesNotFit)."""
     prompts = prompts_of((300,) * 8)
     model = tiny["gqa"].model
-    one = placement.Work(capacity=300 + 40 + 1, prompt=300, method="ar", attention="math")
+    one = placement.Work(capacity=300 + 40 + 1, prompt=300, attention="math", spec=Speculation(method="ar"))
     room = _plan(model, None, one, "off", None, 2**40).peak - model_shape(model).weights
     tforce.generate_batch(model, prompts[:1], method="ar", max_new_tokens=30, device_free=room)
     with pytest.raises(tforce.DoesNotFit, match="not enough GPU memory"):  # `run --batch` splits on this type
@@ -195,7 +196,7 @@ def test_progress_callbacks_count_the_batch(tiny, offload):
 
     rows = generate_batch(tiny["gqa"], prompts_of((5, 19, 2)), draft=tiny["draft"], method="naive",
                           max_new_tokens=[6, 12, 3], temperature=0, ignore_eos=True, offload=offload,
-                          on_prefill=lambda d, t: prefill.append((d, t)), on_round=on_round, **SMALL)
+                          events=Events(on_prefill=lambda d, t: prefill.append((d, t)), on_round=on_round), **SMALL)
     assert prefill and prefill[-1][0] == prefill[-1][1] > 0 and all(d <= t for d, t in prefill)
     assert tokens == [r.tokens for r in rows]
     verified = [r.stats["verifications"] for r in rows]

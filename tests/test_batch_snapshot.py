@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import tforce
 from tforce.cli import app
-from tforce.config import Sampling, Speculation
+from tforce.config import RunConfig, Sampling, Speculation
 from tforce.engine.session import Session
 from tforce.snapshot import identity as snapshot_identity, store as snapshot_io
 
@@ -58,8 +58,7 @@ def test_rows_loaded_from_one_snapshot_give_each_prompts_own_tokens(tiny, doc_sn
 def _session(tiny, method, prompts):
     """A session of a row per prompt, with the options the snapshots were made with."""
     spec = Speculation(method=method, **{k: v for k, v in GREEDY.items() if k in Speculation.__dataclass_fields__})
-    return Session(tiny["gqa"].model, tiny["draft"].model, max(map(len, prompts)), 8, spec, Sampling(temperature=0),
-                   rows=len(prompts))
+    return Session(tiny["gqa"].model, tiny["draft"].model, max(map(len, prompts)), 8, RunConfig(speculation=spec, sampling=Sampling(temperature=0)), rows=len(prompts))
 
 
 def _loaded(tiny, path, method, prompts):

@@ -13,6 +13,7 @@ import tforce
 from tforce.engine.batch import generate_batch
 from tforce.engine.stops import StopStrings
 from tforce.model.synthetic import byte_tokenizer
+from tforce.engine.events import Events
 
 from cli_helpers import DOC, FAST, run_pair
 from cli_helpers import models  # noqa: F401 (fixture)
@@ -51,9 +52,9 @@ def test_greedy_rows_end_at_their_stops_as_alone(tiny, method):
     stops = StopStrings(TOK, [stop_in(texts[0], texts[2:]), stop_in(texts[1], texts[2:], start=12)])
     cuts = [stops.cut(f) for f in free]
     assert cuts[0] < 30 and cuts[1] < 30 and cuts[0] != cuts[1] and cuts[2] is None
-    rows = generate_batch(target, prompts, until=stops.cut, **kw)
+    rows = generate_batch(target, prompts, events=Events(until=stops.cut), **kw)
     for prompt, row, f, k in zip(prompts, rows, free, cuts):
-        alone = tforce.generate(target, prompt, until=stops.cut, **kw).tokens
+        alone = tforce.generate(target, prompt, events=Events(until=stops.cut), **kw).tokens
         assert row.tokens == alone == f[:k]
 
 
@@ -70,7 +71,7 @@ def test_a_row_that_stops_leaves_the_batch(tiny, monkeypatch):
     k = stops.cut(free[1])
     assert 1 < k < 12
     calls, heard = record_host(monkeypatch), []
-    rows = generate_batch(model, prompts, until=stops.cut, on_row=lambda r, t: heard.append((r, t)), **kw)
+    rows = generate_batch(model, prompts, events=Events(until=stops.cut, on_row=lambda r, t: heard.append((r, t))), **kw)
     assert [r.tokens for r in rows] == [free[0], free[1][:k], free[2]]
     assert heard[0] == (1, free[1][:k])
     assert calls == [3] * k + [2] * (12 - k)
@@ -94,7 +95,7 @@ def test_sampled_rows_cut_at_a_stop_follow_the_target(small_vocab):
     samples = [[] for _ in rows]
     for i in range(SAMPLES):
         for r, res in enumerate(generate_batch(target, rows, draft=draft, method="triforce", seed=7 * SAMPLES + i,
-                                               until=until, **kw)):
+                                               events=Events(until=until), **kw)):
             samples[r].append(tuple(res.tokens))
     pvalues = []
     for prompt, got in zip(rows, samples):

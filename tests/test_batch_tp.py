@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 import tforce
 from tforce.cli import app
 from tforce.parallel.tp import generate_batch_tp
+from tforce.config import RunConfig
+from tforce.engine.events import Events
 
 from model_helpers import random_ids
 from tp_helpers import GEN
@@ -27,7 +29,7 @@ def test_split_batch_rows_are_the_one_process_rows(paths, single):  # noqa: F811
     for method, sampling in (("triforce", dict(temperature=0)), ("naive", dict(temperature=0.9, seed=77))):
         done = []
         got = generate_batch_tp(paths[0], paths[1], PROMPTS, 2, "cpu", method=method,
-                                on_row=lambda r, t: done.append(r), **sampling, **BATCH)
+                                events=Events(on_row=lambda r, t: done.append(r)), **sampling, **BATCH)
         want = tforce.generate_batch(target, PROMPTS, draft=draft, method=method, **sampling, **BATCH)
         assert [r.tokens for r in got] == [r.tokens for r in want]
         assert sorted(done) == [0, 1, 2]  # rank 0's on_row events reach this process
@@ -95,7 +97,7 @@ def test_a_cuda_launchs_options_are_generate_batchs(single):  # noqa: F811
     graph): generate_batch takes that option, as generate does (checked on the CPU, where it does nothing)."""
     from tforce.parallel.tp import tp_options
 
-    _, options, _ = tp_options("cuda", None, dict(method="ar", max_new_tokens=4, temperature=0), 2)
-    assert options["cuda_graphs"] is False
-    rows = tforce.generate_batch(single[0], PROMPTS[:2], **options)
+    _, config, _ = tp_options("cuda", None, RunConfig.of(method="ar", max_new_tokens=4, temperature=0), 2)
+    assert config.execution.cuda_graphs is False
+    rows = tforce.generate_batch(single[0], PROMPTS[:2], config)
     assert [len(r.tokens) for r in rows] == [4, 4]

@@ -10,6 +10,7 @@ from model_helpers import forward, full_cache, random_ids, rotary_for
 from tforce.cache import FullCache, RetrievalCache, StreamingCache
 from tforce.errors import TforceError
 from tforce.cache.rope import Rotary
+from tforce.config import RunConfig
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -443,8 +444,7 @@ def test_every_cache_a_session_builds_follows_the_protocol(tiny):
 
     kinds = set()
     for method, extra in (("triforce", {}), ("streaming", {}), ("ar", {"offload": "on", "device_free": 2**30})):
-        session = open_session(tiny["gqa"].model, tiny["draft"].model, 200, 16, method=method, budget=64,
-                               chunk_size=4, draft_budget=32, sinks=4, **extra)
+        session = open_session(tiny["gqa"].model, tiny["draft"].model, 200, 16, RunConfig.of(method=method, budget=64, chunk_size=4, draft_budget=32, sinks=4, **extra))
         for node in session.nodes():
             assert isinstance(node.cache, KVCache), type(node.cache).__name__
             kinds.add(type(node.cache).__name__)

@@ -30,11 +30,12 @@ from typer.testing import CliRunner
 import tforce
 from tforce.snapshot import identity as snapshot_identity, store as snapshot_io
 from tforce.cli import app
-from tforce.config import Sampling, Speculation
+from tforce.config import RunConfig, Sampling, Speculation
 from tforce.parallel.conversation import ParallelConversation, _conversation_worker
 from tforce.engine.generate import Session
 from tforce.errors import TforceError
 from tforce.parallel.ranks import Ranks
+from tforce.engine.events import Events
 
 from chat_helpers import QUESTIONS, ROOT
 from chat_helpers import models, target  # noqa: F401 (fixtures)
@@ -210,20 +211,20 @@ def test_ctrl_c_stops_an_answer_and_the_ranks_go_on(models, target):
             assert int(sigign.split()[1], 16) & (1 << (signal.SIGINT - 1))
         pressed = []
 
-        def ctrl_c(tokens):  # once: a second Ctrl-C would end the ranks
+        def ctrl_c(r, tokens, acceptance):  # once: a second Ctrl-C would end the ranks
             if not pressed:
                 pressed.append(os.kill(os.getpid(), signal.SIGINT))
 
         with pytest.raises(KeyboardInterrupt):  # 300 one-token rounds: the ranks see the stop long before
-            conv.ask(_question(target, QUESTIONS[0]), 300, on_token=ctrl_c)
+            conv.ask(_question(target, QUESTIONS[0]), 300, Events(on_tokens=ctrl_c))
         ids = doc + _question(target, QUESTIONS[1])
         assert conv.ask(_question(target, QUESTIONS[1]), 12).tokens == _greedy(target, ids)
 
-        def fail(tokens):
+        def fail(r, tokens, acceptance):
             raise ValueError("a callback failed")
 
         with pytest.raises(ValueError):
-            conv.ask(_question(target, QUESTIONS[0]), 12, on_token=fail)
+            conv.ask(_question(target, QUESTIONS[0]), 12, Events(on_tokens=fail))
         assert _children() <= before
         with pytest.raises(TforceError, match="have ended"):
             conv.ask(_question(target, QUESTIONS[1]), 12)
@@ -335,7 +336,7 @@ class _ThreadGroup:
 
 def test_a_rank_that_fails_to_write_fails_every_rank_and_leaves_no_snapshot(tiny, tmp_path, monkeypatch):
     prompt = torch.randint(3, 259, (20,), generator=torch.Generator().manual_seed(0))
-    session = Session(tiny["gqa"].model, None, 20, 4, Speculation(method="ar", budget=16), Sampling(temperature=0))
+    session = Session(tiny["gqa"].model, None, 20, 4, RunConfig(speculation=Speculation(method="ar", budget=16), sampling=Sampling(temperature=0)))
     session.prefill([prompt])
     ident = snapshot_identity.identity(tiny["gqa"])
     write = snapshot_io._write

@@ -353,7 +353,7 @@ def test_prefill_chunk_reaches_the_engine(runner, models, monkeypatch, command):
     real = engine.Session.__init__
 
     def spy(self, *args, **kwargs):
-        seen.append(args[6])  # Session(target, draft, prompt_len, max_new, spec, sampling, prefill_chunk, ...)
+        seen.append(args[4].execution.prefill_chunk)  # Session(target, draft, prompt_len, max_new, config, ...)
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(engine.Session, "__init__", spy)

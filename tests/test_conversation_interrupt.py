@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tforce.engine.conversation import Conversation
+from tforce.engine.events import Events
 
 from exactness_helpers import SMALL
 from model_helpers import ids
@@ -18,7 +19,7 @@ OPTS = dict(ignore_eos=True, rebuild_every=8, seed=7, room=200, **SMALL)
 N = 24
 # Where the stopped ask raises: a callback at its n-th call, or a node's cache right after its n-th commit
 # (before the node records what it fed: prefill_chunk=4 splits the question's prefill into chunks).
-WHERE = [("on_prefill", 1), ("on_token", 1), ("on_token", 3), ("on_round", 2), ("full", 1), ("full", 3),
+WHERE = [("on_prefill", 1), ("on_tokens", 1), ("on_tokens", 3), ("on_round", 2), ("full", 1), ("full", 3),
          ("small", 2), ("middle", 4)]
 NODES = {"ar": {"full"}, "retrieval": {"full", "middle"}, "triforce": {"full", "middle", "small"},
          "streaming": {"full", "middle", "small"}}
@@ -32,8 +33,8 @@ def cases():
                             ("triforce", "on")]:
         every = offload == "off" and method in ("triforce", "streaming")
         for where, calls in WHERE:
-            if where in NODES[method] | {"on_prefill", "on_token", "on_round"} and (
-                    every or (where, calls) in [("on_prefill", 1), ("on_token", 3), ("full", 1), ("middle", 4)]):
+            if where in NODES[method] | {"on_prefill", "on_tokens", "on_round"} and (
+                    every or (where, calls) in [("on_prefill", 1), ("on_tokens", 3), ("full", 1), ("middle", 4)]):
                 yield method, offload, 0.9, where, calls
         yield method, offload, 0, "full", 1
 
@@ -71,7 +72,7 @@ def stop_after(calls: int):
 def ask_stopped(conv: Conversation, where: str, calls: int) -> None:
     if where.startswith("on_"):
         with pytest.raises(KeyboardInterrupt):
-            conv.ask(QX, N, **{where: stop_after(calls)})
+            conv.ask(QX, N, Events(**{where: stop_after(calls)}))
         return
     cache, stop = getattr(conv.session, where).cache, stop_after(calls)
 

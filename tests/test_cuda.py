@@ -155,8 +155,7 @@ def _room_for(model, draft, method, lengths, max_new, resident):
     the weights."""
     spec = Speculation(method=method, **{k: v for k, v in FEATURES_SMALL.items() if k != "prefill_chunk"})
     total = max(lengths) + max_new
-    work = placement.Work.of(spec, total + spec.max_lookahead + 1, max(lengths) - 1, FEATURES_SMALL["prefill_chunk"],
-                             True, "sdpa", rows=len(lengths))
+    work = placement.Work(total + spec.max_lookahead + 1, max(lengths) - 1, spec, FEATURES_SMALL["prefill_chunk"], True, "sdpa", rows=len(lengths))
     shape, small = model_shape(model), (model_shape(draft) if spec.uses_draft else None)
     # a context of 1 byte: layout counts the graph pool only beside a CUDA context, as the session's plan does
     # (its context is in the budget and in the peak alike)

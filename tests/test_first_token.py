@@ -11,9 +11,10 @@ import tforce
 from model_helpers import random_ids
 from tforce.cache import FullCache
 from tforce.cache.rope import Rotary
-from tforce.config import Sampling, Speculation
+from tforce.config import Execution, RunConfig, Sampling, Speculation
 from tforce.engine.sampling import to_probs
 from tforce.engine.session import Session
+from tforce.engine.events import Events
 
 PROMPTS = [random_ids(37, seed=1)[0].tolist(), random_ids(9, seed=2)[0].tolist(), random_ids(1, seed=3)[0].tolist()]
 CHUNK = 8  # several chunks for the longest prompt, its last one partial
@@ -21,8 +22,7 @@ CHUNK = 8  # several chunks for the longest prompt, its last one partial
 
 def _next(model, prompts, offload="off"):
     """The session's distributions of each prompt's next token after its prefill (rows: one per prompt)."""
-    s = Session(model, None, max(map(len, prompts)), 4, Speculation(method="ar"), Sampling(), CHUNK, offload,
-                rows=len(prompts))
+    s = Session(model, None, max(map(len, prompts)), 4, RunConfig(speculation=Speculation(method="ar"), sampling=Sampling(), execution=Execution(prefill_chunk=CHUNK, offload=offload)), rows=len(prompts))
     s.prefill(prompts)
     return s, s.next
 
@@ -67,7 +67,7 @@ def test_the_first_token_costs_no_decode_forward_and_the_whole_prompt_counts_as_
     model, prompt = tiny["gqa"], PROMPTS[0]
     seen = []
     one = tforce.generate(model, prompt, method="ar", max_new_tokens=1, temperature=0, ignore_eos=True,
-                          prefill_chunk=CHUNK, on_prefill=lambda done, total: seen.append((done, total)))
+                          prefill_chunk=CHUNK, events=Events(on_prefill=lambda done, total: seen.append((done, total))))
     assert len(one.tokens) == 1 and one.stats["forwards"] == {"full": 0} and one.stats["verifications"] == 0
     assert seen[-1] == (len(prompt), len(prompt))  # the live view's count ends at the prompt's length
     # greedy: the argmax of the whole prompt's one forward
@@ -81,8 +81,8 @@ def test_a_stop_that_keeps_none_of_the_first_token_counts_no_decoded_token(tiny)
     """until may end a row before its first token (keep 0): the row decoded nothing, so no rate is given
     (not a negative one), for one prompt and for a batch."""
     model = tiny["gqa"]
-    one = tforce.generate(model, PROMPTS[0], method="ar", max_new_tokens=4, temperature=0, until=lambda t: 0)
+    one = tforce.generate(model, PROMPTS[0], method="ar", max_new_tokens=4, temperature=0, events=Events(until=lambda t: 0))
     assert one.tokens == [] and one.stats["ms_per_token"] is None and one.stats["tokens_per_s"] is None
     rows = tforce.generate_batch(model, PROMPTS[:2], method="ar", max_new_tokens=4, temperature=0,
-                                 until=lambda t: 0 if len(t) == 1 else None)
+                                 events=Events(until=lambda t: 0 if len(t) == 1 else None))
     assert [r.tokens for r in rows] == [[], []] and rows[0].stats["batch_tokens_per_s"] is None

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import tforce
-from tforce.config import Sampling, Speculation
+from tforce.config import RunConfig, Sampling, Speculation
 from tforce.engine.generate import Session
 
 
@@ -50,7 +50,7 @@ def test_draft_and_middle_steps_replay_graphs(tiny_dir):
     target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda", dtype=torch.float32).model
     draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda", dtype=torch.float32).model
     spec = Speculation(budget=32, chunk_size=4, draft_budget=24, sinks=4)
-    session = Session(target, draft, 120, 40, spec, Sampling(temperature=0))
+    session = Session(target, draft, 120, 40, RunConfig(speculation=spec, sampling=Sampling(temperature=0)))
     prompt = torch.arange(3, 123)
     session.prefill([prompt])
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -67,7 +67,7 @@ def test_graphs_are_captured_after_prefill_in_one_pool(tiny_dir):
     target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda", dtype=torch.float32).model
     draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda", dtype=torch.float32).model
     spec = Speculation(gamma1=2, budget=32, chunk_size=4, draft_budget=24, sinks=4)
-    session = Session(target, draft, 120, 40, spec, Sampling(temperature=0))
+    session = Session(target, draft, 120, 40, RunConfig(speculation=spec, sampling=Sampling(temperature=0)))
     session.prefill([torch.arange(3, 123)])
     assert {key[:2] for key in session.small.runner.graphs} == {(1, 1), (2, 1)}
     assert {key[:2] for key in session.middle.runner.graphs} == {(3, 3)}

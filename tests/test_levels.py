@@ -12,7 +12,7 @@ import torch
 import tforce
 from model_helpers import full_cache, random_ids
 from tforce.cache import RetrievalCache
-from tforce.config import Sampling
+from tforce.config import RunConfig, Sampling
 from tforce.text.demo import demo_prompt
 from tforce.engine.levels import Node
 
@@ -86,7 +86,7 @@ def test_retrieval_budget_is_cut_to_what_the_generation_can_hold(tiny):
     assert Speculation(method="streaming", budget=4096).fitted(100).budget == 4096  # only retrieval caches
     prompt = list(range(3, 40))
     target, draft = (tforce.engine.generate._module(tiny[n]) for n in ("gqa", "draft"))
-    session = tforce.engine.generate.open_session(target, draft, len(prompt), 20, budget=4096, chunk_size=4)
+    session = tforce.engine.generate.open_session(target, draft, len(prompt), 20, RunConfig.of(budget=4096, chunk_size=4))
     assert session.retrieval.budget < 100 and session.retrieval.k.shape[2] == session.retrieval.budget + 1  # + spill
     kw = dict(max_new_tokens=20, temperature=0, ignore_eos=True)
     assert tforce.generate(tiny["gqa"], prompt, draft=tiny["draft"], method="triforce", budget=4096, **kw).tokens == \

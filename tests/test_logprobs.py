@@ -6,9 +6,11 @@ import torch
 
 from tforce.cache import FullCache
 from tforce.cache.rope import Rotary
-from tforce.engine.decode import decode_one
+from tforce.engine.decode import decode
+from tforce.engine.events import Events
 from tforce.engine.generate import generator, open_session
 from tforce.errors import TforceError
+from tforce.config import RunConfig
 
 
 def _reference(model, seq: list, start: int) -> torch.Tensor:
@@ -23,13 +25,12 @@ def _reference(model, seq: list, start: int) -> torch.Tensor:
 def test_recorded_logprobs_are_the_targets(tiny, method, temperature):
     target, draft = tiny["gqa"].model, tiny["draft"].model
     prompt = list(range(5, 85))
-    s = open_session(target, draft if method != "retrieval" else None, 160, 1, method=method, budget=32,
-                     draft_budget=16, sinks=4, chunk_size=4, temperature=temperature, top_p=0.9, top_k=0, seed=1)
+    s = open_session(target, draft if method != "retrieval" else None, 160, 1, RunConfig.of(method=method, budget=32, draft_budget=16, sinks=4, chunk_size=4, temperature=temperature, top_p=0.9, top_k=0, seed=1))
     s.record_logprobs(True)
     s.prefill([torch.tensor(prompt)])
     rows = []
-    out = decode_one(s, len(prompt), 24, generator(target, 1), set(),
-                     lambda tokens: rows.extend(s.logprobs[0][:len(tokens)]))
+    [out] = decode(s, [len(prompt)], [24], generator(target, 1), set(),
+                   Events(on_tokens=lambda r, tokens, a: rows.extend(s.logprobs[0][:len(tokens)])))
     got = torch.stack(rows)  # (24, V): one row per token
     assert got.shape == (len(out), target.config.vocab_size)
     assert (got - _reference(target, prompt + out, len(prompt))).abs().max() < 1e-4
@@ -39,14 +40,14 @@ def test_recorded_logprobs_are_the_targets(tiny, method, temperature):
 
 def test_off_by_default_and_one_row_only(tiny):
     target = tiny["gqa"].model
-    s = open_session(target, None, 64, 1, method="ar", temperature=0.0)
+    s = open_session(target, None, 64, 1, RunConfig.of(method="ar", temperature=0.0))
     s.prefill([torch.tensor(list(range(5, 15)))])
-    decode_one(s, 10, 3, generator(target, 1), set())
+    decode(s, [10], [3], generator(target, 1), set())
     assert s.logprobs is None and s.full.logprobs is None
     from tforce.config import Sampling, Speculation
     from tforce.engine.session import Session
 
-    two = Session(target, None, 32, 8, Speculation(method="ar"), Sampling(temperature=0.0), rows=2)
+    two = Session(target, None, 32, 8, RunConfig(speculation=Speculation(method="ar"), sampling=Sampling(temperature=0.0)), rows=2)
     with pytest.raises(TforceError, match="one row"):
         two.record_logprobs(True)
 
@@ -58,13 +59,12 @@ def test_recorded_logprobs_equal_transformers(tiny_dir, tiny, method):
 
     target, draft = tiny["gqa"].model, tiny["draft"].model
     prompt = list(range(5, 65))
-    s = open_session(target, draft, 100, 1, method=method, budget=32, draft_budget=16, sinks=4, chunk_size=4,
-                     temperature=0.7, top_p=0.9, seed=3)
+    s = open_session(target, draft, 100, 1, RunConfig.of(method=method, budget=32, draft_budget=16, sinks=4, chunk_size=4, temperature=0.7, top_p=0.9, seed=3))
     s.record_logprobs(True)
     s.prefill([torch.tensor(prompt)])
     rows = []
-    out = decode_one(s, len(prompt), 16, generator(target, 3), set(),
-                     lambda tokens: rows.extend(s.logprobs[0][:len(tokens)]))
+    [out] = decode(s, [len(prompt)], [16], generator(target, 3), set(),
+                   Events(on_tokens=lambda r, tokens, a: rows.extend(s.logprobs[0][:len(tokens)])))
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir / "gqa", dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + out])).logits[0].float()

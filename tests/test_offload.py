@@ -7,6 +7,7 @@ from tforce.engine import placement
 from tforce.cache import FullCache
 from tforce.cache.offload import OffloadedCache
 from tforce.cache.rope import Rotary
+from tforce.engine.events import Events
 
 from model_helpers import run_steps
 
@@ -85,13 +86,13 @@ def test_device_free_plans_a_cpu_run_as_if_a_device_had_that_room():
     ref = tforce.generate(model, prompt, **kw)
     assert ref.stats["kv_offloaded_layers"] == 0
     # The room beside the weights that the plan with 2 resident layers (and 2 staging buffers) needs.
-    work = placement.Work.of(Speculation(method="ar"), len(prompt) + 8 + Speculation().max_lookahead + 1,
-                             len(prompt), cuda_graphs=False, attention="math")
+    work = placement.Work(len(prompt) + 8 + Speculation().max_lookahead + 1, len(prompt), Speculation(method="ar"), cuda_graphs=False, attention="math")
     shape = model_shape(model)
     room = placement.layout(shape, work, 2, context=0).peak - shape.weights
     events = []
-    tight = tforce.generate(model, prompt, device_free=room, on_plan=lambda p: events.append(("plan", p)),
-                            on_prefill=lambda done, total: events.append(("prefill", done)), **kw)
+    tight = tforce.generate(model, prompt, device_free=room, **kw,
+                            events=Events(on_plan=lambda p: events.append(("plan", p)),
+                                          on_prefill=lambda done, total: events.append(("prefill", done))))
     assert (tight.stats["kv_resident_layers"], tight.stats["kv_offloaded_layers"]) == (2, 3)
     # The placement is reported once, before prefill, as the statistics state it.
     assert events[0] == ("plan", {k: v for k, v in tight.stats.items() if k.startswith("kv_")})

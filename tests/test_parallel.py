@@ -131,8 +131,7 @@ def five(tmp_path_factory):
     def room(method, resident, recompute=False):
         spec = Speculation(method=method, budget=FIVE["budget"])
         capacity = spec.capacity(len(prompt) + FIVE["max_new_tokens"])
-        work = placement.Work.of(spec.fitted(capacity), capacity, len(prompt), FIVE["prefill_chunk"], False,
-                                 "math")
+        work = placement.Work(capacity, len(prompt), spec.fitted(capacity), FIVE["prefill_chunk"], False, "math")
         return placement.layout(shard, work, resident, None, 0, recompute_stats=recompute).peak - shard.weights
 
     return path, prompt, room

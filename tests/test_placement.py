@@ -9,7 +9,7 @@ import torch
 
 from tforce.engine import placement
 from tforce.bench.suite import synthetic_pair
-from tforce.config import Sampling, Speculation
+from tforce.config import Execution, RunConfig, Sampling, Speculation
 from tforce.engine.generate import Session
 from tforce.engine.session_plan import model_shape
 from tforce.errors import TforceError, UsageError
@@ -160,10 +160,10 @@ def _session(prompt_len: int, resident: int | None):
     spec, chunk = Speculation(budget=64, draft_budget=32, sinks=4), 16
     device_free = None
     if resident is not None:
-        w = placement.Work.of(spec, prompt_len + 8 + spec.max_lookahead + 1, prompt_len, chunk, False, "math")
+        w = placement.Work(prompt_len + 8 + spec.max_lookahead + 1, prompt_len, spec, chunk, False, "math")
         shape, small = model_shape(target), model_shape(draft)
         device_free = placement.layout(shape, w, resident, small, 0).peak - shape.weights - small.weights
-    s = Session(target, draft, prompt_len, 8, spec, Sampling(), chunk, "auto", None, False, device_free)
+    s = Session(target, draft, prompt_len, 8, RunConfig(speculation=spec, sampling=Sampling(), execution=Execution(prefill_chunk=chunk, offload="auto", gpu_memory=None, cuda_graphs=False, device_free=device_free)))
     return s, target
 
 
@@ -268,8 +268,8 @@ def test_info_plans_the_draft_run_would_use(tmp_path):
 
 def test_a_batch_is_planned_with_every_per_row_item_times_its_rows():
     shape = placement.Shape.of(make_config("llama2-7b"), 2)
-    one = placement.Work(capacity=32768, prompt=32767, method="naive")
-    four = placement.Work(capacity=32768, prompt=32767, method="naive", rows=4)
+    one = placement.Work(capacity=32768, prompt=32767, spec=Speculation(method="naive"))
+    four = placement.Work(capacity=32768, prompt=32767, rows=4, spec=Speculation(method="naive"))
     draft = placement.Shape.of(make_config("tiny"), 2)
     a, b = placement.layout(shape, one, 20, draft), placement.layout(shape, four, 20, draft)
     for name in ("full KV, resident layers", "staging buffers (2 layers)", "draft StreamingLLM cache",
@@ -284,8 +284,8 @@ def test_a_batch_is_planned_with_every_per_row_item_times_its_rows():
 def test_a_batch_counts_the_middle_caches_and_queries_of_every_row(method, items):
     """session.py keeps a retrieval (or streaming) cache, chunk statistics and stored queries per row."""
     shape, draft = placement.Shape.of(make_config("llama2-7b"), 2), placement.Shape.of(make_config("tiny"), 2)
-    one = placement.layout(shape, placement.Work(capacity=32768, prompt=32767, method=method), 20, draft)
-    four = placement.layout(shape, placement.Work(capacity=32768, prompt=32767, method=method, rows=4), 20, draft)
+    one = placement.layout(shape, placement.Work(capacity=32768, prompt=32767, spec=Speculation(method=method)), 20, draft)
+    four = placement.layout(shape, placement.Work(capacity=32768, prompt=32767, rows=4, spec=Speculation(method=method)), 20, draft)
     for name in items:
         assert four.item(name) == 4 * one.item(name) > 0, name
     if method == "triforce":  # every row's kept statistics; one layer of means, the rows rebuilt in turn

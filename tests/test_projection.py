@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tforce
-from tforce.config import METHODS, Sampling, Speculation
-from tforce.engine.decode import decode_one
+from tforce.config import METHODS, RunConfig, Sampling, Speculation
+from tforce.engine.decode import decode
 from tforce.engine.generate import Session, open_session
 from tforce.cache.rows import Rows
 from tforce.engine.levels import Drafter, Node, SpecLevel
@@ -122,7 +122,7 @@ def _describe(level):
 @pytest.mark.parametrize("method", METHODS)
 def test_hierarchy_is_the_engines(tiny, method):
     spec = Speculation(method=method, gamma1=3, gamma2=5, budget=64, chunk_size=4, draft_budget=32, sinks=4)
-    session = Session(tiny["gqa"].model, tiny["draft"].model, 100, 8, spec, Sampling())
+    session = Session(tiny["gqa"].model, tiny["draft"].model, 100, 8, RunConfig(speculation=spec, sampling=Sampling()))
     assert _describe(session.top) == hierarchy(spec)
 
 
@@ -156,13 +156,12 @@ def test_rebuild_interval_is_the_sessions(tiny, every, budget, n_prompt, n_new, 
     # prompt keeps the small budget's retrieval cache exact until its rebuild, so that all is accepted.)
     m = tiny["gqa"].model
     ids = torch.randint(0, 259, (n_prompt,), generator=torch.Generator().manual_seed(3))
-    session = open_session(m, m, n_prompt, n_new, method="triforce", temperature=0.0, budget=budget, chunk_size=4,
-                           draft_budget=512, sinks=4, rebuild_every=every, rebuild_below=0.0)
+    session = open_session(m, m, n_prompt, n_new, RunConfig.of(method="triforce", temperature=0.0, budget=budget, chunk_size=4, draft_budget=512, sinks=4, rebuild_every=every, rebuild_below=0.0))
     at = []  # the full cache's length at each rebuild, the prefill's first
     rebuild = session._rebuild
     session._rebuild = lambda live: (at.append(session.full.cache.length), rebuild(live))
     session.prefill([ids])
-    decode_one(session, n_prompt, n_new, torch.Generator().manual_seed(0), set())
+    decode(session, [n_prompt], [n_new], torch.Generator().manual_seed(0), set())
     assert session.small_verifier.stats.acceptance() == session.middle_verifier.stats.acceptance() == 1.0
     assert len(at) >= 2 and {b - a for a, b in zip(at, at[1:])} == {interval}
     spec = Speculation(method="triforce", budget=budget, chunk_size=4, draft_budget=512, sinks=4,

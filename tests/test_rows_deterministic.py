@@ -130,8 +130,7 @@ def room_for_three_layers(target, draft, method: str) -> int:
     """device_free leaving room for 3 of the 6 layers of the batch's KV: 3 resident, 3 in host memory (as
     tests/test_batch.py's partly offloaded rows)."""
     spec = Speculation(method=method, budget=16, chunk_size=4, gamma1=2, gamma2=4, draft_budget=12, sinks=2)
-    work = placement.Work.of(spec, max(LENGTHS) + OPTS["max_new_tokens"] + spec.max_lookahead + 1,
-                             max(LENGTHS) - 1, OPTS["prefill_chunk"], False, "math", rows=len(LENGTHS))
+    work = placement.Work(max(LENGTHS) + OPTS["max_new_tokens"] + spec.max_lookahead + 1, max(LENGTHS) - 1, spec, OPTS["prefill_chunk"], False, "math", rows=len(LENGTHS))
     shape, small = model_shape(target), (model_shape(draft) if draft is not None else None)
     return placement.layout(shape, work, 3, small, 0).peak - shape.weights - (small.weights if small else 0)
 

@@ -12,7 +12,7 @@ from tforce.engine.batch import generate_batch
 from tforce.engine.levels import Node
 from tforce.cache import FullCache, RetrievalCache
 from tforce.cache.offload import OffloadedCache
-from tforce.config import Sampling
+from tforce.config import Sampling, Speculation
 from tforce.engine.prefill import prefill_layer_major
 
 HEADS = (12, 0, 36, 4, 1)  # prompts but their last token: an empty one (a 1-token prompt), one of one token
@@ -154,7 +154,7 @@ def test_the_plan_counts_the_rows_prefill_hidden_states(tiny, resident):
     model = tiny["gqa"].model
     seqs = prompts_of(HEADS)
     N = max(HEADS)
-    work = placement.Work(capacity=64, prompt=N, method="ar", attention="math", rows=len(seqs), cuda_graphs=False)
+    work = placement.Work(capacity=64, prompt=N, attention="math", rows=len(seqs), cuda_graphs=False, spec=Speculation(method="ar"))
     plan = placement.layout(model_shape(model), work, resident, None, 0)
     allocated = prefill_layer_major(model, seqs, make(model, len(seqs), resident), CHUNK).allocated
     assert allocated == plan.item("prefill hidden states") + plan.item("prefill K/V scratch (a staging slot)")

@@ -6,7 +6,7 @@ import torch
 
 import tforce
 from tforce.engine.batch import generate_batch
-from tforce.config import Sampling, Speculation
+from tforce.config import Execution, RunConfig, Sampling, Speculation
 from tforce.engine.decode import decode
 from tforce.engine.session import Session
 
@@ -37,8 +37,8 @@ def test_rows_take_h2o_and_rowwise_verification(tiny):
     model, draft = tiny["gqa"].model, tiny["draft"].model
     h2o = Speculation(method="triforce", policy="h2o", **{k: v for k, v in SMALL.items() if k != "prefill_chunk"})
     for rows in (1, 2):
-        Session(model, draft, 20, 4, h2o, Sampling(), rows=rows)
-        Session(model, None, 20, 4, Speculation(method="ar"), Sampling(), deterministic=True, rows=rows)
+        Session(model, draft, 20, 4, RunConfig(speculation=h2o, sampling=Sampling()), rows=rows)
+        Session(model, None, 20, 4, RunConfig(speculation=Speculation(method="ar"), sampling=Sampling(), execution=Execution(deterministic=True)), rows=rows)
 
 
 @pytest.mark.parametrize("method", ["ar", "triforce"])
@@ -48,7 +48,7 @@ def test_finished_rows_leave_and_the_last_stays(tiny, method):
     compacted away (a conversation's row answers the next question in place)."""
     spec = Speculation(method=method, **{k: v for k, v in SMALL.items() if k != "prefill_chunk"})
     prompts = prompts_of((7, 20, 12), seed=6)
-    session = Session(tiny["gqa"].model, tiny["draft"].model, 20, 28, spec, Sampling(temperature=0), rows=3)
+    session = Session(tiny["gqa"].model, tiny["draft"].model, 20, 28, RunConfig(speculation=spec, sampling=Sampling(temperature=0)), rows=3)
     session.prefill(prompts)
     live = []
     real = session.round

@@ -14,6 +14,7 @@ from tforce.engine.conversation import Conversation
 from tforce.engine.generate import Session
 from tforce.errors import TforceError, UsageError
 from tforce.model.synthetic import make_checkpoint
+from tforce.config import RunConfig
 
 from exactness_helpers import N_TOKENS, PROMPT, SAMPLES, SAMPLING, SMALL, check, exact_joint
 from model_helpers import ids
@@ -53,8 +54,7 @@ def test_snapshot_restores_streaming_caches_without_refeeding(tiny, saved, metho
     """The draft's (and --method streaming's middle) StreamingCache comes from the snapshot: after loading,
     prefill feeds those nodes only the tokens after the prefix (one forward each)."""
     prompt = torch.tensor(ids(40) + ids(5, seed=1))
-    session = Session(tiny["gqa"].model, tiny["draft"].model, len(prompt), 8,
-                      tforce.config.Speculation(method=method, **SMALL), tforce.config.Sampling(temperature=0))
+    session = Session(tiny["gqa"].model, tiny["draft"].model, len(prompt), 8, RunConfig(speculation=tforce.config.Speculation(method=method, **SMALL), sampling=tforce.config.Sampling(temperature=0)))
     snapshot_io.load(saved[method], session, prompt, len(prompt) - 1, snapshot_identity.identity(tiny["gqa"], tiny["draft"]))
     session.prefill([prompt])
     for node in (session.small, session.middle if method == "streaming" else None):
@@ -127,7 +127,7 @@ def test_loaded_snapshot_sampling_matches_target_distribution(small_vocab, tmp_p
     gen = torch.Generator().manual_seed(5)
     samples = []
     for _ in range(SAMPLES):
-        session = Session(target, draft, len(PROMPT), N_TOKENS + 8, spec, SAMPLING)
+        session = Session(target, draft, len(PROMPT), N_TOKENS + 8, RunConfig(speculation=spec, sampling=SAMPLING))
         assert snapshot_io.load(tmp_path / "s", session, torch.tensor(PROMPT), len(PROMPT) - 1, ident) == (15, 15)
         session.prefill([PROMPT])
         got = []

@@ -13,6 +13,7 @@ from tforce.cli import app
 from tforce.text.stream import TextStream
 from tforce.engine.stops import StopStrings
 from tforce.model.synthetic import byte_tokenizer
+from tforce.engine.events import Events
 
 from cli_helpers import FAST, one_error_line, run_pair
 from cli_helpers import models, runner  # noqa: F401 (fixtures)
@@ -55,7 +56,7 @@ def test_generate_ends_at_the_stop_with_an_exact_prefix(tiny, method, temperatur
     stops = StopStrings(TOK, [stop])
     k = stops.cut(free)
     assert k is not None and k < len(free)
-    cut = tforce.generate(target.model, ids, until=stops.cut, **kw).tokens
+    cut = tforce.generate(target.model, ids, events=Events(until=stops.cut), **kw).tokens
     assert cut == free[:k]
 
 

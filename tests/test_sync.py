@@ -8,7 +8,7 @@ import torch
 
 import tforce
 from tforce.cache import FullCache, RetrievalCache, StreamingCache
-from tforce.config import Sampling, Speculation
+from tforce.config import Execution, RunConfig, Sampling, Speculation
 from tforce.engine.generate import Session
 from tforce.engine import levels, session as session_module, speculative
 from tforce.cache.rope import Rotary
@@ -104,8 +104,7 @@ def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload
     verified = _counting(monkeypatch, speculative)
     g1, g2 = 2, 5
     spec = Speculation(method=method, gamma1=g1, gamma2=g2, budget=32, chunk_size=4, draft_budget=24, sinks=4)
-    session = Session(tiny["gqa"].model, tiny["draft"].model, 80, 30, spec, Sampling(temperature=0.8),
-                      offload=offload, deterministic=deterministic)
+    session = Session(tiny["gqa"].model, tiny["draft"].model, 80, 30, RunConfig(speculation=spec, sampling=Sampling(temperature=0.8), execution=Execution(offload=offload, deterministic=deterministic)))
     assert (session.plan.offloaded > 0) == (offload == "on")
     prompt = torch.arange(3, 83)
     session.prefill([prompt])
@@ -149,8 +148,7 @@ def test_decode_round_syncs_only_through_host(tiny_dir, method, cuda_graphs, off
     # No retrieval rebuild in these rounds (budget roomy, rebuild_every large): a rebuild is not a step.
     spec = Speculation(method=method, gamma1=2, gamma2=5, budget=96, chunk_size=4, draft_budget=24, sinks=4,
                        rebuild_every=10_000, rebuild_below=0.0)
-    session = Session(target, draft, 200, 30, spec, Sampling(temperature=0.8), cuda_graphs=cuda_graphs,
-                      offload=offload, deterministic=deterministic)
+    session = Session(target, draft, 200, 30, RunConfig(speculation=spec, sampling=Sampling(temperature=0.8), execution=Execution(cuda_graphs=cuda_graphs, offload=offload, deterministic=deterministic)))
     assert (session.plan.offloaded > 0) == (offload == "on")
     prompt = torch.arange(3, 203)
     session.prefill([prompt])

@@ -12,10 +12,12 @@ from .version import __version__
 _LAZY = {  # name -> the module that defines it
     "generate": "tforce.auto.planner", "Result": "tforce.engine.generate", "generate_batch": "tforce.engine.batch",
     "Conversation": "tforce.engine.conversation", "PromptFormat": "tforce.text.format",
-    "LoadedModel": "tforce.model.weights", "load_model": "tforce.model.weights",
+    "LoadedModel": "tforce.model.weights", "load_model": "tforce.model.weights", "RunConfig": "tforce.config",
+    "Events": "tforce.engine.events",
 }
 
-__all__ = ["generate", "generate_batch", "Conversation", "load_model", "LoadedModel", "PromptFormat", "Result",
+__all__ = ["generate", "generate_batch", "Conversation", "RunConfig", "Events", "load_model", "LoadedModel",
+           "PromptFormat", "Result",
            "TforceError", "UsageError", "DoesNotFit", "__version__"]
 
 

@@ -6,7 +6,7 @@ every RoPE variant); everything here is what tforce adds on top.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from .errors import UsageError
 
@@ -135,3 +135,88 @@ class Speculation:
         cache/retrieval.py): rebuild_every, or fewer when one more verification's lookahead would crowd the
         budget (new + lookahead > budget - chunk_size)."""
         return min(self.rebuild_every, self.budget - self.chunk_size - self.max_lookahead + 1)
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How the forwards run and where the full KV cache lives (engine/placement.py plans it)."""
+
+    prefill_chunk: int = 512  # prompt tokens per prefill forward
+    offload: str = "auto"  # the full cache: "auto" on the device while it fits, "on" host memory, "off" device
+    gpu_memory: int | None = None  # bytes tforce may use on the GPU (None: what is free)
+    cuda_graphs: bool = True  # the draft and middle levels' forwards replayed as CUDA graphs (CUDA only)
+    device_free: int | None = None  # the device's free bytes as the caller measured them (tensor-parallel
+    # ranks pass their minimum, so that all plan alike; on a CPU run: plan as if a device had that room)
+    deterministic: bool = False  # the full cache verifies row by row, bit for bit one-token decoding (rowwise.py)
+
+    def validate(self) -> None:
+        if self.prefill_chunk < 1:
+            raise UsageError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if self.offload not in OFFLOAD_MODES:
+            raise UsageError(f"--offload must be {', '.join(OFFLOAD_MODES)}, got {self.offload!r}")
+
+
+OFFLOAD_MODES = ("auto", "on", "off")
+_PARTS = {"speculation": Speculation, "sampling": Sampling, "execution": Execution}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One generation's options, built once where they come in (the command line, a request, an API call)
+    and handed down whole: the method and its budgets, the target distribution, how the forwards run, how
+    many tokens, and KV snapshots (snapshot/format.py: load_kv a snapshot folder to start from, save_kv a
+    folder to write the caches to after the prefill). Each option also has a flat name, the command line's
+    without dashes (`RunConfig.of(method="ar", temperature=0)`)."""
+
+    speculation: Speculation = Speculation()
+    sampling: Sampling = Sampling()
+    execution: Execution = Execution()
+    max_new_tokens: int | tuple = 256  # a batch's may be one per prompt
+    ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
+    load_kv: object = None
+    save_kv: object = None
+
+    @classmethod
+    def of(cls, **options) -> "RunConfig":
+        """From flat option names; an unknown name is a TypeError, as an unknown keyword is."""
+        return cls().with_options(**options)
+
+    def with_options(self, **options) -> "RunConfig":
+        """This configuration with the options of these flat names changed."""
+        parts = {name: {} for name in _PARTS}
+        own = {}
+        for name, value in options.items():
+            part = _OWNER.get(name)
+            if part is None:
+                raise TypeError(f"unknown option {name!r}; the options are {', '.join(sorted(_OWNER))}")
+            if name == "max_new_tokens" and isinstance(value, list):
+                value = tuple(value)  # one per prompt of a batch, kept hashable
+            (own if part == "" else parts[part])[name] = value
+        changed = {part: replace(getattr(self, part), **values) for part, values in parts.items() if values}
+        return replace(self, **changed, **own)
+
+    def options(self) -> dict:
+        """Every option by its flat name (records, and calibration keys)."""
+        out = {}
+        for part in _PARTS:
+            value = getattr(self, part)
+            out.update({f.name: getattr(value, f.name) for f in fields(value)})
+        return out | {name: getattr(self, name) for name in _OWN}
+
+    @property
+    def method(self) -> str:
+        return self.speculation.method
+
+    def validate(self) -> None:
+        self.speculation.validate()
+        self.sampling.validate()
+        self.execution.validate()
+        budgets = self.max_new_tokens if isinstance(self.max_new_tokens, tuple) else (self.max_new_tokens,)
+        if budgets and min(budgets) < 0:
+            raise UsageError(f"--max-new-tokens must be >= 0, got {min(budgets)}")
+
+
+_OWN = ("max_new_tokens", "ignore_eos", "load_kv", "save_kv")
+# flat option name -> the RunConfig part holding it ("": RunConfig itself)
+_OWNER = {f.name: part for part, kind in _PARTS.items() for f in fields(kind)} | {name: "" for name in _OWN}
+OPTIONS = tuple(_OWNER)  # every flat option name

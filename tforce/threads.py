@@ -159,8 +159,8 @@ def _from_env() -> int:
 
 
 def tick() -> None:
-    """Once per decode round: re-choose the thread count when INTERVAL_S has passed (a no-op unless the
-    CLI chose threads for this run)."""
+    """Once per decode round (the command line installs it as events.Events.on_step): re-choose the thread
+    count when INTERVAL_S has passed (a no-op unless the CLI chose threads for this run)."""
     if _governor is not None:
         _governor.tick()
 

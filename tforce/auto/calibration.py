@@ -97,9 +97,10 @@ COST_OPTIONS = ("budget", "chunk_size", "draft_budget", "sinks", "rebuild_every"
                 "deterministic", "offload", "gpu_memory", "cuda_graphs")
 
 
-def key(target, draft, n_prompt: int, options: dict) -> dict:
+def key(target, draft, n_prompt: int, config) -> dict:
     """The identity of an entry: machine, models, dtype, device, threads, context bucket, greedy or not, and
-    the options that change a step's cost."""
+    the options (of config.RunConfig `config`) that change a step's cost."""
+    options = config.options()
     p = next(_network(target).parameters())
     device = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
     return {"format": FORMAT, **machine(), "device": device, "dtype": str(p.dtype).removeprefix("torch."),

@@ -12,15 +12,15 @@ context, Speculation.fitted), not searched: its effect on acceptance is not mode
 """
 from __future__ import annotations
 
-import functools
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import calibration
-from ..config import METHODS, Speculation
-from ..engine.generate import generate as run_one
+from ..config import AUTO, METHODS, RunConfig, Speculation
+from ..engine.events import Events
+from ..engine.generate import Result, configured, generate as run_one
 from ..errors import UsageError
 from .projection import predict, rate_at
 
@@ -29,16 +29,10 @@ GAMMA2 = (2, 4, 6, 8, 10)
 AR_MARGIN = 0.10  # pick(): how much faster than ar a speculative method must be predicted
 ORDER = ("ar", "naive", "retrieval", "streaming", "triforce")  # ties go to the earlier, simpler method
 assert sorted(ORDER) == sorted(METHODS)
-# generate's options that the calibration's runs take from the run they plan for
-RUN_OPTIONS = ("temperature", "top_p", "top_k", "budget", "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks",
-               "rebuild_every", "rebuild_below", "policy", "prefill_chunk", "offload", "gpu_memory", "cuda_graphs",
-               "device_free", "deterministic")
 # per method, the nodes that verify drafts and the gamma they verify (projection.hierarchy's levels)
 VERIFIERS = {"ar": {}, "naive": {"full": "gamma2"}, "retrieval": {"full": "gamma2"},
              "streaming": {"streaming": "gamma1", "full": "gamma2"},
              "triforce": {"retrieval": "gamma1", "full": "gamma2"}}
-SPEC_OPTIONS = ("budget", "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every",
-                "rebuild_below", "policy")
 
 
 def uncalibrated(device: str, has_draft: bool) -> str:
@@ -48,12 +42,12 @@ def uncalibrated(device: str, has_draft: bool) -> str:
     return "triforce" if device == "cuda" and has_draft else "ar"
 
 
-def candidates(options: dict, has_draft: bool, exclude=()) -> list[str]:
-    """The methods auto may choose with these options: those whose options check (a --policy only the
+def candidates(config: RunConfig, has_draft: bool, exclude=()) -> list[str]:
+    """The methods auto may choose with this configuration: those whose options check (a --policy only the
     retrieval cache has, a streaming budget under --sinks), with a draft where they need one."""
     out = []
     for method in ORDER:
-        spec = Speculation(method=method, **{k: options[k] for k in SPEC_OPTIONS if k in options})
+        spec = replace(config.speculation, method=method)
         if method in exclude or (spec.uses_draft and not has_draft):
             continue
         try:
@@ -74,7 +68,7 @@ def _grid(method: str, fixed: dict) -> list[dict]:
     return [{"gamma1": a, "gamma2": b} for a in g1 for b in g2]
 
 
-def predictions(entry: dict, methods, options: dict, total: int, fixed: dict) -> list[dict]:
+def predictions(entry: dict, methods, config: RunConfig, total: int, fixed: dict) -> list[dict]:
     """Every candidate setting's predicted ms/token, cheapest first: each method of `methods` the entry
     measured, at each gamma of the grid (fixed: the gammas given, kept), for `total` tokens of context."""
     out = []
@@ -86,7 +80,7 @@ def predictions(entry: dict, methods, options: dict, total: int, fixed: dict) ->
             continue
         for knobs in _grid(method, fixed):
             gammas = {"gamma1": knobs.get("gamma1", held["gamma1"]), "gamma2": knobs.get("gamma2", held["gamma2"])}
-            spec = Speculation(method=method, **{**{k: options[k] for k in SPEC_OPTIONS if k in options}, **gammas})
+            spec = replace(config.speculation, method=method, **gammas)
             spec = spec.fitted(spec.capacity(total))  # as the Session fits it
             rate = {level: rate_at(r or 0.0, calibration.level_gamma(method, level, held),
                                    calibration.level_gamma(method, level, gammas))
@@ -137,11 +131,12 @@ class Choice:
     folder: object = field(default=None, repr=False)
     snapshot: Path | None = None  # the prompt's prefill the calibration kept (choose's kv_dir), for the run to load
 
-    @property
-    def options(self) -> dict:
-        """generate's options for the chosen setting."""
-        return {"method": self.best["method"],
-                **{k: self.best[k] for k in ("gamma1", "gamma2") if k in self.best}}
+    def applied(self, config: RunConfig) -> RunConfig:
+        """The run's configuration with the chosen method and gammas, starting from the calibration's
+        snapshot of the prompt's prefill where it kept one (choose's kv_dir)."""
+        chosen = config.with_options(method=self.best["method"],
+                                     **{k: self.best[k] for k in ("gamma1", "gamma2") if k in self.best})
+        return chosen if self.snapshot is None else chosen.with_options(load_kv=self.snapshot)
 
     def record(self) -> dict:
         """For --json and bench: the choice, the alternatives' predictions, the calibration."""
@@ -166,10 +161,6 @@ class Choice:
                 + (f"; others: {others}" if others else "") + f" (stage costs {when}"
                 + (f"; not cached: {self.cache_error}" if self.cache_error else "") + ")")
 
-    def run_kv(self) -> dict:
-        """generate's load_kv for the run: the calibration's snapshot of the prompt, where it kept one."""
-        return {} if self.snapshot is None else {"load_kv": self.snapshot}
-
     def remember(self, stats: dict, tokens: int) -> None:
         """Folds the run's measured acceptance into the cached entry (calibration.remember)."""
         if self.cache is None or self.best["method"] == "ar":
@@ -181,38 +172,36 @@ class Choice:
             pass
 
 
-def choose(target, draft, ids, options: dict, fixed: dict | None = None, exclude=(), refresh: bool = False,
-           folder=None, kv_dir=None) -> Choice:
-    """The cheapest candidate for generating after `ids` with generate's `options`; the stage costs from the
+def choose(target, draft, ids, config: RunConfig, fixed: dict | None = None, exclude=(), refresh: bool = False,
+           folder=None, kv_dir=None, events: Events | None = None) -> Choice:
+    """The cheapest candidate for generating after `ids` with `config`; the stage costs from the
     cache, else measured now and cached (refresh: measured now whatever the cache holds). fixed: gammas the
     user gave, kept; exclude: methods not to consider (e.g. whose caches do not fit in memory).
     kv_dir: an empty folder where a calibration may keep the prompt's prefill as a KV snapshot, so that the
     methods it times (and then the run, through Choice.snapshot) prefill the prompt once between them, not
     once each; it is used where the snapshot is small (calibration.shares_prefill) and neither
-    load_kv nor save_kv is among the options. None: every timed run prefills."""
+    load_kv nor save_kv is set. None: every timed run prefills. events: of the run's callbacks, the timed
+    runs take on_step only (the command line's thread governor)."""
     fixed = fixed or {}
-    methods = candidates(options, draft is not None, exclude)
+    methods = candidates(config, draft is not None, exclude)
     if not methods:
         raise UsageError("--method auto: no method runs with these options")
-    k = calibration.key(target, draft, len(ids), options)
+    k = calibration.key(target, draft, len(ids), config)
     entry = None if refresh else calibration.read(k, methods, folder)
     measured_now = entry is None
-    run_options = {name: options[name] for name in RUN_OPTIONS if name in options}
-    gammas = {"gamma1": options.get("gamma1", Speculation.gamma1), "gamma2": options.get("gamma2", Speculation.gamma2)}
+    gammas = {"gamma1": config.speculation.gamma1, "gamma2": config.speculation.gamma2}
 
     snapshot = None
-    if measured_now and kv_dir is not None and options.get("load_kv") is None and options.get("save_kv") is None \
+    if measured_now and kv_dir is not None and config.load_kv is None and config.save_kv is None \
             and calibration.shares_prefill(target, len(ids)):
         snapshot = Path(kv_dir) / "prompt"
 
     def run(method, n, new):
-        uses_draft = Speculation(method=method).uses_draft
-        kv = {}
+        timed = config.with_options(method=method, max_new_tokens=new, ignore_eos=True, seed=0)
         if snapshot is not None and not n:  # the whole prompt: prefilled by the first method, loaded by the rest
-            kv = {"load_kv": snapshot} if snapshot.is_dir() else {"save_kv": snapshot}
-        return run_one(target, ids[:n] if n else ids, draft=draft if uses_draft else None,
-                        **{**run_options, "method": method, "max_new_tokens": new, "ignore_eos": True, "seed": 0},
-                        **kv)
+            timed = timed.with_options(**{"load_kv" if snapshot.is_dir() else "save_kv": snapshot})
+        return run_one(target, ids[:n] if n else ids, timed, draft if timed.speculation.uses_draft else None,
+                       Events(on_step=events.on_step if events else None))
 
     path, error = calibration.path_of(k, folder), None
     if measured_now:
@@ -221,8 +210,8 @@ def choose(target, draft, ids, options: dict, fixed: dict | None = None, exclude
             calibration.write(entry, folder)
         except OSError as e:
             path, error = None, f"cannot write {path.parent}: {e.strerror or e}"
-    total = len(ids) + options.get("max_new_tokens", 256)
-    ranked = predictions(entry, methods, options, total, fixed)
+    total = len(ids) + config.max_new_tokens
+    ranked = predictions(entry, methods, config, total, fixed)
     if not ranked:
         raise UsageError("--method auto: the calibration timed no method (is the prompt near the context's end?)")
     best_of = {}
@@ -242,25 +231,24 @@ def pick(best_of: dict) -> dict:
     return ar if ar is not None and ar["ms_per_token"] <= best["ms_per_token"] * (1 + AR_MARGIN) else best
 
 
-@functools.wraps(run_one)
-def generate(target, prompt_ids, *, draft=None, method: str = "triforce", **options):
-    if method != "auto":
-        return run_one(target, prompt_ids, draft=draft, method=method, **options)
-    if options.get("group") is not None:  # each rank would time its own share and might choose differently
+def generate(target, prompt_ids, config: RunConfig | None = None, *, draft=None, events: Events | None = None,
+             group=None, **options) -> Result:
+    """Generate after prompt_ids with `config` and the flat options beside it (RunConfig.with_options; as
+    transformers' generate takes a GenerationConfig and keyword arguments that change it): the engine's
+    generate (engine/generate.py, whose docstring says what each option does), with method "auto"
+    resolved first, above the engine: choose() picks the method and gammas, the run's acceptance is folded
+    into the calibration cache, and stats["auto"] holds the choice (Choice.record). tforce.generate is
+    this function."""
+    config = configured(config, options)
+    if config.method != AUTO:
+        return run_one(target, prompt_ids, config, draft, events, group)
+    if group is not None:  # each rank would time its own share and might choose differently
         raise UsageError("method 'auto' is not planned across tensor-parallel ranks: pass a method")
     ids = list(prompt_ids)
     with tempfile.TemporaryDirectory(prefix="tforce-auto-") as kv_dir:
-        choice = choose(target, draft, ids, options, kv_dir=kv_dir)
-        uses_draft = Speculation(method=choice.best["method"]).uses_draft
-        result = run_one(target, ids, draft=draft if uses_draft else None,
-                         **{**options, **choice.options, **choice.run_kv()})
+        choice = choose(target, draft, ids, config, kv_dir=kv_dir, events=events)
+        chosen = choice.applied(config)
+        result = run_one(target, ids, chosen, draft if chosen.speculation.uses_draft else None, events)
     choice.remember(result.stats, len(result.tokens))
     result.stats["auto"] = choice.record()
     return result
-
-
-generate.__doc__ = (run_one.__doc__ or "") + """
-
-This is the engine's generate (engine/generate.py) with `--method auto` resolved first, above the engine:
-choose() picks the method and gammas, the run's acceptance is folded into the calibration cache, and
-stats["auto"] holds the choice (Choice.record). tforce.generate is this function."""

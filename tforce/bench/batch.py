@@ -15,11 +15,9 @@ from ..auto.projection import project
 from ..engine.rates import decoded, rate
 from .ceilings import Ceilings
 from .suite import prompt_ids
-from .run import (WARMUP_TOKENS, BenchConfig, Models, _floors, _options, device_name, memory_record, reset_peaks,
-                  run_spec, split_method)
+from .run import (WARMUP_TOKENS, BenchConfig, Models, _floors, device_name, memory_record, reset_peaks,
+                  STEP, run_config, run_spec, split_method)
 
-BATCH_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "offload", "gpu_memory", "budget",
-              "chunk_size", "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy")
 DRAFTED = ("triforce", "naive", "streaming")  # the methods with a small draft (config.Speculation.uses_draft)
 
 
@@ -30,20 +28,16 @@ def batch_prompts(n_rows: int, length: int, vocab: int, tokenizer, text, seed: i
     return [ids[i * length // 2: i * length // 2 + length] for i in range(n_rows)]
 
 
-def _batch_options(cfg: BenchConfig, max_new: int) -> dict:
-    return {k: v for k, v in _options(cfg, max_new).items() if k in BATCH_KEYS}
-
-
 def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchConfig, ceil: Ceilings) -> dict:
     """method: an engine method, or one ending in +det (row-wise verification, in the batch and alone)."""
     engine_method, deterministic = split_method(method)
     draft = models.draft if engine_method in DRAFTED else None
     cuda = models.device.type == "cuda"
     reset_peaks(models.device, cuda)
-    rows = generate_batch(models.target, prompts, draft=draft, method=engine_method, deterministic=deterministic,
-                          **_batch_options(cfg, cfg.gen_len))
+    rows = generate_batch(models.target, prompts, run_config(cfg, cfg.gen_len), draft=draft, events=STEP,
+                          method=engine_method, deterministic=deterministic)
     memory = memory_record(models.device, rows[0].stats, cuda)  # the batch's, before the one-at-a-time runs
-    alone = [models.generate(p, method, **_options(cfg, cfg.gen_len)) for p in prompts]
+    alone = [models.generate(p, method, run_config(cfg, cfg.gen_len)) for p in prompts]
     n = sum(len(r.tokens) for r in rows)
     batch_s, alone_s = rows[0].stats["decode_s"], sum(r.stats["decode_s"] for r in alone)
     # decoding's tokens: each row's first comes from its prefill (engine Session.round), outside decode_s
@@ -124,9 +118,8 @@ def bench_batch(models: Models, prompts: list[list[int]], cfg: BenchConfig, synt
         progress(f"warm-up: every method on {len(prompts)} prompts of {WARMUP_TOKENS} tokens (not timed)")
     t0 = time.perf_counter()
     for method, deterministic in map(split_method, cfg.methods):
-        generate_batch(models.target, [p[:WARMUP_TOKENS] for p in prompts],
-                       draft=models.draft if method in DRAFTED else None, method=method, deterministic=deterministic,
-                       **_batch_options(cfg, 4))
+        generate_batch(models.target, [p[:WARMUP_TOKENS] for p in prompts], run_config(cfg, 4), events=STEP,
+                       draft=models.draft if method in DRAFTED else None, method=method, deterministic=deterministic)
     warmup_s = time.perf_counter() - t0
     ceil = Ceilings.measure(models.device, models.dtype)
     head = {"device": device_name(models.device), "synthetic": synthetic, "model": model_name,

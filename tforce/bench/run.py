@@ -22,7 +22,9 @@ import torch
 from ..model import families
 from ..engine import placement
 from .ceilings import Ceilings
-from ..config import Speculation
+from .. import threads
+from ..config import RunConfig, Speculation
+from ..engine.events import Events
 from .floors import prefill_flops, step_floors_ms
 from ..model.quant import weight_bytes
 from ..auto.projection import project
@@ -94,32 +96,37 @@ class Models:
                    2 * (n_kv // world) * d * elem, target_path=target_path, draft_path=draft_path,
                    world=world)
 
-    def generate(self, ids: list[int], method: str, **options):
+    def generate(self, ids: list[int], method: str, config: RunConfig):
+        """One run of `method` (it may end in +det) with the bench's configuration."""
         method, deterministic = split_method(method)
-        options["deterministic"] = deterministic
-        uses_draft = method == "auto" or Speculation(method=method).uses_draft
+        config = config.with_options(method=method, deterministic=deterministic)
+        uses_draft = method == "auto" or config.speculation.uses_draft
         if self.world == 1:
             from ..auto.planner import generate  # the engine's, with "auto" resolved first
 
-            return generate(self.target, ids, draft=self.draft if uses_draft else None, method=method, **options)
+            return generate(self.target, ids, config, draft=self.draft if uses_draft else None, events=STEP)
         from ..parallel.tp import generate_tp
 
         record = None
         if method == "auto":  # each rank would time its own share: no calibration (planner.uncalibrated)
             from ..auto.planner import uncalibrated
 
-            method = uncalibrated(self.device.type, self.draft_path is not None)
-            uses_draft, record = Speculation(method=method).uses_draft, {"method": method, "calibrated_now": False}
+            config = config.with_options(method=uncalibrated(self.device.type, self.draft_path is not None))
+            uses_draft, record = config.speculation.uses_draft, {"method": config.method, "calibrated_now": False}
         result = generate_tp(self.target_path, self.draft_path if uses_draft else None, ids, self.world,
-                             self.device.type, self.dtype, method=method, **options)
+                             self.device.type, self.dtype, config)
         if record is not None:
             result.stats["auto"] = record
         return result
 
 
-def _options(cfg: BenchConfig, max_new: int) -> dict:
-    return dict(max_new_tokens=max_new, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-                ignore_eos=True, offload=cfg.offload, gpu_memory=cfg.gpu_memory, **cfg.engine)
+STEP = Events(on_step=threads.tick)  # the thread governor the command line chose, followed while decoding
+
+
+def run_config(cfg: BenchConfig, max_new: int) -> RunConfig:
+    """The configuration every run of the bench has (the method apart), max_new tokens each."""
+    return RunConfig.of(max_new_tokens=max_new, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                        ignore_eos=True, offload=cfg.offload, gpu_memory=cfg.gpu_memory, **cfg.engine)
 
 
 WARMUP_TOKENS = 256  # prompt tokens of the warm-up generations
@@ -136,7 +143,7 @@ def warm_up(models: Models, ids: list[int], cfg: BenchConfig) -> float | None:
     for method in cfg.methods:
         if split_method(method)[0] == "auto":  # its calibration warms up each method it times
             continue
-        models.generate(ids[:WARMUP_TOKENS], method, **_options(cfg, 4))
+        models.generate(ids[:WARMUP_TOKENS], method, run_config(cfg, 4))
     return time.perf_counter() - t0
 
 
@@ -189,11 +196,10 @@ def memory_record(device: torch.device, stats: dict, cuda: bool) -> dict:
 def run_spec(cfg: BenchConfig, method: str, n_prompt: int, chosen: dict | None = None) -> Speculation:
     """The Speculation a run of `method` on an n_prompt-token prompt had (chosen: what auto ran), fitted as
     the Session fitted it."""
-    knobs = {k: v for k, v in cfg.engine.items() if k in Speculation.__dataclass_fields__}
-    if chosen is not None:
-        knobs.update({k: chosen[k] for k in ("gamma1", "gamma2") if k in chosen})
-    spec = Speculation(method=chosen["method"] if chosen else split_method(method)[0], **knobs)
-    return spec.fitted(spec.capacity(n_prompt + cfg.gen_len))
+    gammas = {k: chosen[k] for k in ("gamma1", "gamma2") if k in chosen} if chosen is not None else {}
+    run = run_config(cfg, cfg.gen_len).with_options(method=chosen["method"] if chosen else split_method(method)[0],
+                                                    **gammas)
+    return run.speculation.fitted(run.speculation.capacity(n_prompt + cfg.gen_len))
 
 
 def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
@@ -203,7 +209,7 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
     device = models.device
     local_cuda = device.type == "cuda" and models.world == 1
     reset_peaks(device, local_cuda)
-    result = models.generate(ids, method, **_options(cfg, cfg.gen_len))
+    result = models.generate(ids, method, run_config(cfg, cfg.gen_len))
     s = result.stats
     n = len(result.tokens)
     chosen = s.get("auto")  # what auto ran (planner.Choice.record): the projection is that method's

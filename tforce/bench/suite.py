@@ -189,9 +189,11 @@ def info_plan(config, context: int, dtype_bytes: int, gpu_budget: int | None, ho
               offload: str = "auto", budget: int = Speculation.budget, h2d_gbps: float | None = None,
               device_gbps: float | None = None, world: int = 1, draft_config=None,
               context_bytes: int = placement.CONTEXT_BYTES, attention: str = "flash",
-              method: str = "triforce", rows: int = 1) -> dict:
+              method: str = "triforce", rows: int = 1, spec: Speculation | None = None,
+              prefill_chunk: int = 512) -> dict:
     """The memory plan of one rank (of `world`) for `rows` prompts of `context` tokens decoded together
-    (`method` with default options; a draft, where the method uses one, replicated), and the s/step floor
+    (`spec`, the run's own speculation options, else `method` with default options and `budget`; a draft,
+    where the method uses one, replicated), and the s/step floor
     of plain (autoregressive) offloaded decoding it implies: every step streams the offloaded KV over H2D and
     reads the weights and the resident KV from device memory. gpu_budget: device bytes for everything, the CUDA context (context_bytes)
     included. Unmeasured parts are None."""
@@ -199,8 +201,9 @@ def info_plan(config, context: int, dtype_bytes: int, gpu_budget: int | None, ho
     if draft_config is None:
         draft_config = make_config("tiny", rope_scaling=None, **LLAMA_68M, vocab_size=config.vocab_size)
     draft = placement.Shape.of(draft_config, dtype_bytes)
-    work = placement.Work.of(Speculation(method=method, budget=budget), context, context,
-                             cuda_graphs=gpu_budget is not None, attention=attention, rows=rows)
+    spec = spec if spec is not None else Speculation(method=method, budget=budget)
+    work = placement.Work(context, context, spec.fitted(context), prefill_chunk, cuda_graphs=gpu_budget is not None,
+                          attention=attention, rows=rows)
     layer = rows * placement.kv_layer_bytes(shape.kv_heads, shape.head_dim, context, dtype_bytes)
     record = {"context": context, "rows": rows, "ranks": world, "weights_bytes": shape.weights,
               "kv_bytes": shape.layers * layer, "gpu_budget_bytes": gpu_budget, "host_available_bytes": host_free}

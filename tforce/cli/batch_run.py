@@ -19,11 +19,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from .. import threads
 from ..errors import UsageError
+from ..engine.events import Events
 from ..engine.stops import StopStrings
 from .batch_groups import plan_groups, run_groups
 from .batch_live import BatchProgress
-from .common import _as_role, _check_memory, _decode_text, _say
+from .common import _check_memory, _decode_text, _say
 
 KEYS = {"prompt", "file", "id", "max_new_tokens"}
 
@@ -98,27 +100,24 @@ def check_options(method: str, prompt_given: bool, save_kv: bool) -> None:
         raise UsageError("--batch takes its prompts from the batch file: no PROMPT_FILE or --prompt")
 
 
-def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: dict, as_json: bool) -> None:
-    """setup: run.Setup (the models, device, dtype and prompt format)."""
+def run_batch(items: list[tuple[object, str, Optional[int]]], setup, as_json: bool) -> None:
+    """setup: run.Setup (the models, device, dtype, prompt format and the run's configuration)."""
     from ..engine.batch import generate_batch
     from ..engine.rates import decoded
     from ..model.registry import resolve
-    from ..model.weights import load_model
     from ..snapshot.format import read_manifest
-    from .setup import _draft_config, _dtype_bytes, _tp_target, notices
+    from .setup import _draft_config, _dtype_bytes, check_fits, notices
 
-    model, draft, device, dtype, world = setup.target, setup.draft, setup.device, setup.dtype, setup.world
-    path, config, tok = _tp_target(model, world)
-    if tok is None:
-        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
-    load_kv = options.get("load_kv")
+    draft, device, dtype, world = setup.draft, setup.device, setup.dtype, setup.world
+    config = setup.config
+    path, model_config, tok = setup.target_files()
+    load_kv = config.load_kv
     fmt = setup.prompt_format(tok, path, None if load_kv is None else read_manifest(load_kv)["tokens"])
     prompts = [fmt.prompt_ids(text) for _, text, _ in items]
-    budgets = [options["max_new_tokens"] if n is None else n for _, _, n in items]
-    context = config.max_position_embeddings
+    budgets = [config.max_new_tokens if n is None else n for _, _, n in items]
+    context = model_config.max_position_embeddings
     for (key, _, _), ids in zip(items, prompts):
-        if len(ids) >= context:
-            raise UsageError(f"prompt {key!r} is {len(ids)} tokens; the model's context is {context}")
+        check_fits(len(ids), context, f"prompt {key!r}")
     notices(setup, fmt)
     short = [f"{key!r} gets {context - len(ids)}" for (key, _, _), ids, n in zip(items, prompts, budgets)
              if n > context - len(ids)]
@@ -126,11 +125,11 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for fewer new tokens than asked: "
              + ", ".join(short))
     lengths = [len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets)]  # prompt + new tokens
-    draft_config = _draft_config(draft, config, tok) if draft else None
+    draft_config = _draft_config(draft, model_config, tok) if draft else None
 
     def check(rows: range) -> None:  # as the engine plans a batch: its rows, each of its longest row's capacity
-        _check_memory(config, draft_config, max(lengths[r] for r in rows), _dtype_bytes(dtype, device), device,
-                      options["offload"], options["gpu_memory"], options["budget"], options["method"], rows=len(rows))
+        _check_memory(model_config, draft_config, max(lengths[r] for r in rows), _dtype_bytes(dtype, device), device,
+                      config, rows=len(rows))
 
     # in one process the file is split into the batches that fit; split over ranks (--tp), the check above
     # plans one process, not a rank's shard, so the ranks plan the file as one batch and run_groups halves
@@ -140,23 +139,17 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         _say(f"tforce: the batch of {len(prompts)} does not fit: running it as {len(groups)} batches of at most "
              f"{max(map(len, groups))}")
     if world == 1:
-        target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False,
-                          weights=setup.weights)
-        small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) \
-            if draft else None
-    keys = ("temperature", "top_p", "top_k", "ignore_eos", "budget", "chunk_size", "gamma1", "gamma2",
-            "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "offload", "gpu_memory",
-            "deterministic")
+        target, small = setup.load()
     stops = StopStrings(tok, setup.stops)
     finished: dict[int, list[int]] = {}  # prompt index in the file -> its tokens, as each row finishes
 
     def record(r: int, tokens: list[int], stats) -> dict:  # as `tforce run --json` writes one, with the id
         return {"id": items[r][0], "text": stops.shown(tok.decode(tokens, skip_special_tokens=True), final=True),
-                "tokens": tokens, "prompt_tokens": len(prompts[r]), "method": options["method"],
+                "tokens": tokens, "prompt_tokens": len(prompts[r]), "method": config.method,
                 "stopped_by": stops.matched(tokens), "device": device, "stats": stats}
 
     # the live view: on a terminal, as a single run's (live.py), and not with --json
-    progress = BatchProgress([len(p) for p in prompts], options["method"]) \
+    progress = BatchProgress([len(p) for p in prompts], config.method) \
         if sys.stderr.isatty() and not as_json else None
     status = progress.status if progress else None
 
@@ -169,22 +162,22 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         # batch g is seeded seed + g: the same seed for every batch would draw the same random numbers
         # for the rows of each, so that equal prompts in two batches got equal samples; from 2**64 on (past
         # what torch takes) it wraps around, modulo 2**64 as torch reads seeds
-        seed = options["seed"]
+        seed = config.sampling.seed
         seed = None if seed is None else seed + g - (2**64 if seed + g >= 2**64 else 0)
         if status:
             status.start(rows)
-        kwargs = dict(method=options["method"], max_new_tokens=[budgets[r] for r in rows],
-                      on_row=lambda i, tokens: done(rows[i], tokens), seed=seed, until=stops.cut if stops else None,
-                      on_prefill=status.on_prefill if status else None, on_round=status.on_round if status else None,
-                      load_kv=load_kv, **{k: options[k] for k in keys})
+        group = config.with_options(max_new_tokens=[budgets[r] for r in rows], seed=seed)
+        events = Events(on_row=lambda i, tokens: done(rows[i], tokens), until=stops.cut if stops else None,
+                        on_prefill=status.on_prefill if status else None,
+                        on_round=status.on_round if status else None, on_step=threads.tick)
         if world > 1:
             from ..parallel.tp import generate_batch_tp
 
             out = generate_batch_tp(str(path), str(resolve(draft)) if draft else None, [prompts[r] for r in rows],
-                                    world, device, dtype, **kwargs)
+                                    world, device, dtype, group, events)
         else:
-            out = generate_batch(target.model, [prompts[r] for r in rows], draft=small.model if small else None,
-                                 **kwargs)
+            out = generate_batch(target.model, [prompts[r] for r in rows], group,
+                                 draft=small.model if small else None, events=events)
         if status:
             status.end()
         return out
@@ -201,12 +194,12 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
         # follows on stderr, after the live view has ended
         if progress:
             progress.close()
-        _write([record(r, finished[r], None) for r in sorted(finished)], None, options["method"], device, as_json)
+        _write([record(r, finished[r], None) for r in sorted(finished)], None, config.method, device, as_json)
         raise
     stats = _combined(parts)
     if progress:  # its last state stays on screen, above the lines when stdout is the terminal too
         progress.finish(stats)
-    _write([record(r, result.tokens, result.stats) for r, result in enumerate(results)], stats, options["method"],
+    _write([record(r, result.tokens, result.stats) for r, result in enumerate(results)], stats, config.method,
            device, as_json)
     if load_kv is not None:
         _snapshot_note(load_kv, results, prompts, sum(p["load_kv_s"] for p in parts))
@@ -216,7 +209,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, options: di
     rebuild = "" if stats["rebuild_s"] is None else \
         f"; retrieval rebuilds {stats['prefill_rebuild_s']:.2f} s at prefill, {stats['rebuild_s']:.2f} s decoding"
     split = "" if len(parts) == 1 else f" in {len(parts)} batches of at most {stats['batch_size']} (times summed)"
-    _say(f"tforce: {options['method']}: batch of {len(results)} prompts{split}: {n} tokens; prefill "
+    _say(f"tforce: {config.method}: batch of {len(results)} prompts{split}: {n} tokens; prefill "
          f"{stats['prefill_s']:.2f} s; decode {stats['decode_s']:.2f} s "
          f"({'n/a' if rate is None else format(rate, '.1f')} tokens/s, "
          f"{'n/a' if ms is None else format(ms, '.1f')} ms/token for the batch){rebuild}")

@@ -193,6 +193,7 @@ def _check_room(cfg, context: int, fit: bool = False) -> None:
 
 def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str, rows: int = 1) -> None:
     """Every method's run must fit, weights and caches, before anything is built (tforce info's plan)."""
+    from ..bench.run import run_config
     from ..bench.suite import split_method
 
     methods = [split_method(m)[0] for m in cfg.methods]
@@ -201,7 +202,7 @@ def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str, ro
                                                           if draft_cfg is not None or not Speculation(method=m).uses_draft]
     for method in dict.fromkeys(methods):
         _check_memory(target_cfg, draft_cfg, cfg.prompt_len + cfg.gen_len, torch_dtype.itemsize, device,
-                      cfg.offload, cfg.gpu_memory, cfg.engine["budget"], method, rows)
+                      run_config(cfg, cfg.gen_len), method, rows)
 
 
 def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Optional[str], device: str,

@@ -31,16 +31,18 @@ from typing import Optional
 
 import typer
 
+from .. import threads
 from ..errors import UsageError
+from ..engine.events import Events
 from ..engine.stops import StopStrings
 from . import options as o
 from .app import app
 from .chat_input import _document, _question_source
-from .common import _as_role, _check_memory, _guarded, _say, flag
+from .common import _check_memory, _guarded, _say, flag
 from ..text.stream import TextStream
 from .live import Progress
 from .run import _end_line, _shared_with_stderr
-from .setup import _configure, _draft_config, _dtype_bytes, _tp_target, notices
+from .setup import _configure, _draft_config, _dtype_bytes, notices
 
 ROOM = 4096  # tokens after the document, by default
 
@@ -81,9 +83,7 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
     from ..engine.generate import _eos_ids
     from ..snapshot.format import read_manifest
 
-    path, config, tok = _tp_target(setup.target, setup.world)
-    if tok is None:
-        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
+    path, model_config, tok = setup.target_files()
     saved = None if load_kv is None else read_manifest(load_kv)["tokens"]  # the snapshot's token ids
     fmt = setup.prompt_format(tok, path, saved)
     if keep_history:
@@ -93,7 +93,7 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
     else:
         doc = saved
         fmt.check_document(doc, f"the KV snapshot {load_kv}")
-    context = config.max_position_embeddings
+    context = model_config.max_position_embeddings
     if len(doc) + 2 > context:
         raise UsageError(f"the document is {len(doc)} tokens; the model's context ({context}) leaves no room "
                          "for a question")
@@ -102,16 +102,13 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for {context - len(doc)} tokens of "
              f"questions and answers after the {len(doc)}-token document, not the --room {room} asked for")
     room = min(ROOM if room is None else room, context - len(doc))
-    options = dict(setup.options)
-    max_new = options.pop("max_new_tokens")
-    ignore_eos = options.pop("ignore_eos")
-    method = options["method"]
+    config = setup.config  # with the snapshots (--load-kv, --save-kv) of the document
+    max_new, method = config.max_new_tokens, config.method
     live = sys.stderr.isatty() and not as_json
     progress = Progress(0, method, TextStream(tok, sys.stdout, enabled=False), shared=False) if live else None
     try:
-        conv = _conversation(setup, path, config, tok, doc, ranks, room=room, keep_history=keep_history,
-                             ignore_eos=ignore_eos, load_kv=load_kv, save_kv=save_kv,
-                             on_prefill=progress.on_prefill if progress else None, **options)
+        conv = _conversation(setup, path, model_config, tok, doc, ranks, room=room, keep_history=keep_history,
+                             on_prefill=progress.on_prefill if progress else None)
     finally:
         if progress:
             progress.close()
@@ -123,7 +120,7 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
     # the last whole answer as the conversation's history holds it (Conversation keeps end-of-sequence tokens
     # out of it, so the template's turn end follows the answer), which a question follows with --keep-history
     answer = None
-    eos = set() if ignore_eos else _eos_ids(config)
+    eos = set() if config.ignore_eos else _eos_ids(model_config)
     separated = fmt.ends_with_separator(doc)  # a snapshot made before the document's piece ended with it: not
     stops = StopStrings(tok, setup.stops)
     for question in questions:
@@ -140,26 +137,21 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
 
 
 def _conversation(setup, path, config, tok, doc: list[int], ranks: ExitStack, room: int, **kwargs):
-    """A Conversation in this process, or over setup.world ranks (entered on `ranks`, which ends them);
-    kwargs: Conversation's."""
+    """A Conversation of setup.config in this process, or over setup.world ranks (entered on `ranks`, which
+    ends them); config: the target's model configuration; kwargs: Conversation's."""
     from ..engine.conversation import Conversation
     from ..parallel.conversation import ParallelConversation
     from ..model.registry import resolve
-    from ..model.weights import load_model
 
     draft_config = _draft_config(setup.draft, config, tok) if setup.draft else None
     if setup.world > 1:  # the ranks load their parts of the models
         draft = str(resolve(setup.draft)) if setup.draft else None
         return ranks.enter_context(ParallelConversation(path, draft, doc, setup.world, setup.device, setup.dtype,
-                                                        room=room, **kwargs))
+                                                        setup.config, room=room, **kwargs))
     _check_memory(config, draft_config, len(doc) + room, _dtype_bytes(setup.dtype, setup.device), setup.device,
-                  setup.options["offload"], setup.options["gpu_memory"], setup.options["budget"],
-                  setup.options["method"])
-    target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
-                      tokenizer=False, weights=setup.weights)
-    small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,
-                     tokenizer=False) if setup.draft else None
-    return Conversation(target, doc, draft=small, room=room, **kwargs)
+                  setup.config)
+    target, small = setup.load()
+    return Conversation(target, doc, setup.config, draft=small, room=room, **kwargs)
 
 
 def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str, as_json: bool,
@@ -171,8 +163,14 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
     progress = Progress(max_new, method, stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
     try:
-        result = conv.ask(ids, max_new, on_token=stream.add, on_prefill=progress.on_prefill if progress else None,
-                          on_round=progress.on_round if progress else None, until=stops.cut if stops else None)
+        def on_tokens(r, tokens, acceptance):
+            stream.add(tokens)
+            if progress:
+                progress.on_round(tokens, acceptance)
+
+        events = Events(on_tokens=on_tokens, on_prefill=progress.on_prefill if progress else None,
+                        until=stops.cut if stops else None, on_step=threads.tick)
+        result = conv.ask(ids, max_new, events)
         out = stream.finish()
     except BaseException as e:
         if progress:

@@ -29,7 +29,7 @@ def flag(name: str, help: str):
 def _placement_options(offload: str, gpu_memory: Optional[str]) -> dict:
     """--offload and --gpu-memory, checked, as generate's keyword arguments."""
     from ..bench.suite import parse_size
-    from ..engine.placement import OFFLOAD_MODES
+    from ..config import OFFLOAD_MODES
 
     if offload not in OFFLOAD_MODES:
         raise UsageError(f"--offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
@@ -81,14 +81,16 @@ def _host_available() -> int:
     return psutil.virtual_memory().available
 
 
-def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, device: str, offload: str,
-                  gpu_memory: Optional[int], budget: int, method: str, rows: int = 1) -> None:
-    """Refuse, before any weights are built or read, a run of `method` that cannot fit in memory, planned
-    as `tforce info` plans it (tforce.bench.suite.info_plan, itemised in placement.py: a retrieval cache only for
-    triforce and retrieval, a draft only for the methods that use one): on the CPU every item lives in host
-    memory; on CUDA the device items must fit its free memory (or --gpu-memory) and the offloaded KV layers
-    the available host memory. rows: sequences of `tokens` tokens decoded together (a batch). A refusal
-    is errors.DoesNotFit."""
+def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, device: str, run,
+                  method: Optional[str] = None, rows: int = 1) -> None:
+    """Refuse, before any weights are built or read, a run that cannot fit in memory: `run` (config.RunConfig,
+    the user's options: its method unless `method` is given, budgets, gammas, prefill chunk, offload and
+    --gpu-memory), planned as the session will plan it (tforce.bench.suite.info_plan, itemised in placement.py:
+    a retrieval cache only for triforce and retrieval, a draft only for the methods that use one): on the
+    CPU every item lives in host memory; on CUDA the device items must fit its free memory (or --gpu-memory)
+    and the offloaded KV layers the available host memory. rows: sequences of `tokens` tokens decoded
+    together (a batch). A refusal is errors.DoesNotFit."""
+    import dataclasses
     from ..bench.suite import info_plan
     from ..engine.placement import CONTEXT_BYTES, GiB
 
@@ -102,10 +104,13 @@ def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, de
         import torch
 
         gpu_free = torch.cuda.mem_get_info()[0] + CONTEXT_BYTES  # the context already holds its share
+        gpu_memory = run.execution.gpu_memory
         gpu_free = gpu_free if gpu_memory is None else min(gpu_free, gpu_memory)
-    plan = info_plan(target_config, tokens, dtype_bytes, gpu_free, host_free, offload, budget,
+    spec = dataclasses.replace(run.speculation, method=method or run.method)
+    plan = info_plan(target_config, tokens, dtype_bytes, gpu_free, host_free, run.execution.offload,
                      draft_config=draft_config, context_bytes=CONTEXT_BYTES if cuda else 0,
-                     attention="sdpa" if cuda else "math", method=method, rows=rows)
+                     attention="sdpa" if cuda else "math", rows=rows, spec=spec,
+                     prefill_chunk=run.execution.prefill_chunk)
     if "error" in plan:
         raise DoesNotFit(plan["error"])
     if not cuda:

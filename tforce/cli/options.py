@@ -65,10 +65,6 @@ SYSTEM = typer.Option(None, "--system", help="A system message (needs a chat tem
 TP = typer.Option(1, "--tp", help="Tensor-parallel ranks (processes); with --device cpu they use gloo.")
 GPUS = typer.Option(None, "--gpus", help="Split the target over N GPUs (--tp N --device cuda).")
 
-# The parameters above that go to the engine as they are (generate's keyword arguments).
-ENGINE = ("method", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "budget", "chunk_size",
-          "gamma1", "gamma2", "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy", "deterministic",
-          "prefill_chunk")
 
 # The options run, chat and serve share, in the order their --help lists them, with their types.
 SHARED = {

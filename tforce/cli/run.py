@@ -14,12 +14,13 @@ from .. import threads
 from ..text.demo import demo_prompt
 from ..config import AUTO, METHODS, Speculation
 from ..errors import DoesNotFit, UsageError
+from ..engine.events import Events
 from ..engine.stops import StopStrings
 from .app import app
 from . import options as o
 from .batch_run import check_options, read_batch, run_batch
-from .common import _as_role, _check_memory, _guarded, _say, flag
-from .setup import Setup, _configure, _draft_config, _dtype_bytes, _read_prompt, _tp_target, notices
+from .common import _check_memory, _guarded, _say, flag
+from .setup import Setup, _configure, _draft_config, _dtype_bytes, _read_prompt, check_fits, notices
 from ..text.stream import TextStream
 from .live import Progress, _summary_line
 
@@ -56,77 +57,78 @@ def run(
             text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
                                 demo_prompt() if opts["model"] is None else None)
         if batch is not None:
-            return run_batch(items, setup, dict(setup.options, load_kv=opts["load_kv"]), as_json)
-        _run(text, setup, as_json, dict(setup.options, save_kv=opts["save_kv"], load_kv=opts["load_kv"]))
+            return run_batch(items, setup, as_json)
+        _run(text, setup, as_json)
 
     _guarded(body)
 
 
-def _run(text: str, setup: Setup, as_json: bool, options: dict) -> None:
+def _run(text: str, setup: Setup, as_json: bool) -> None:
     with contextlib.ExitStack() as stack:  # what --method auto's calibration keeps for the run (a KV snapshot)
-        _run_in(stack, text, setup, as_json, options)
+        _run_in(stack, text, setup, as_json)
 
 
-def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool, options: dict) -> None:
+def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool) -> None:
     from ..engine.generate import generate
     from ..snapshot.format import read_manifest
     from ..model.registry import resolve
-    from ..model.weights import load_model
 
-    model, draft, device, dtype, world = setup.target, setup.draft, setup.device, setup.dtype, setup.world
-    path, config, tok = _tp_target(model, world)  # no weights yet: the prompt and memory are checked first
-    if tok is None:
-        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
-    load_kv = options.get("load_kv")
+    draft, device, dtype, world = setup.draft, setup.device, setup.dtype, setup.world
+    config = setup.config
+    path, model_config, tok = setup.target_files()  # no weights yet: the prompt and memory are checked first
+    load_kv = config.load_kv
     fmt = setup.prompt_format(tok, path, None if load_kv is None else read_manifest(load_kv)["tokens"])
     ids = fmt.prompt_ids(text)
-    context = config.max_position_embeddings
-    if len(ids) >= context:
-        raise UsageError(f"the prompt is {len(ids)} tokens; the model's context is {context}")
+    context = model_config.max_position_embeddings
+    check_fits(len(ids), context)
     notices(setup, fmt)
-    max_new = min(options["max_new_tokens"], context - len(ids))
-    if max_new < options["max_new_tokens"]:
+    max_new = min(config.max_new_tokens, context - len(ids))
+    if max_new < config.max_new_tokens:
         _say(f"tforce: note: the model's context ({context} tokens) leaves room for {max_new} new tokens after "
-             f"the {len(ids)}-token prompt, not the {options['max_new_tokens']} asked for")
-    draft_config = _draft_config(draft, config, tok) if draft else None
-    auto = options["method"] == AUTO  # planned here, once the models are loaded (one process: world == 1)
+             f"the {len(ids)}-token prompt, not the {config.max_new_tokens} asked for")
+    draft_config = _draft_config(draft, model_config, tok) if draft else None
+    auto = config.method == AUTO  # planned here, once the models are loaded (one process: world == 1)
     if auto and max_new == 0:  # nothing to generate: nothing to plan (or calibrate) for
-        auto, options = False, {**options, "method": "ar"}
-    if world == 1:  # split runs: the workers load the weights
+        auto, config = False, config.with_options(method="ar")
+    target = small = None  # split runs: the workers load the weights
+    if world == 1:
         def check(method: str) -> None:
-            _check_memory(config, draft_config, len(ids) + max_new, _dtype_bytes(dtype, device), device,
-                          options["offload"], options["gpu_memory"], options["budget"], method)
+            _check_memory(model_config, draft_config, len(ids) + max_new, _dtype_bytes(dtype, device), device,
+                          config, method)
 
-        unfit = _unfit(check, draft_config is not None) if auto else check(options["method"])
-        target = _as_role("target model", load_model, model, device=device, dtype=dtype, tokenizer=False,
-                          weights=setup.weights)
-    small = _as_role("draft model", load_model, draft, device=device, dtype=dtype, tokenizer=False) \
-        if draft and world == 1 else None
+        unfit = _unfit(check, draft_config is not None) if auto else check(config.method)
+        target, small = setup.load()
     choice = None
     if auto:
         from ..auto.planner import choose
 
         kv_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tforce-auto-"))
-        choice = choose(target, small, ids, options, fixed=setup.gammas_given, exclude=unfit, kv_dir=kv_dir)
+        choice = choose(target, small, ids, config, fixed=setup.gammas_given, exclude=unfit, kv_dir=kv_dir,
+                        events=Events(on_step=threads.tick))
         _say(choice.line())
-        options = {**options, **choice.options}
-        small = small if Speculation(method=options["method"]).uses_draft else None
+        config = choice.applied(config)  # the calibration's prefill of the prompt loaded, where it kept one
+        small = small if config.speculation.uses_draft else None
     stops = StopStrings(tok, setup.stops)
     stream = TextStream(tok, sys.stdout, enabled=not as_json, stops=stops or None)
-    progress = Progress(max_new, options["method"], stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
+    progress = Progress(max_new, config.method, stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
-    callbacks = dict(on_token=stream.add, on_prefill=progress.on_prefill if progress else None,
-                     on_round=progress.on_round if progress else None, on_plan=progress.on_plan if progress else None,
-                     until=stops.cut if stops else None)
+
+    def on_tokens(r, tokens, acceptance):
+        stream.add(tokens)
+        if progress:
+            progress.on_round(tokens, acceptance)
+
+    events = Events(on_tokens=on_tokens, on_prefill=progress.on_prefill if progress else None,
+                    on_plan=progress.on_plan if progress else None, until=stops.cut if stops else None,
+                    on_step=threads.tick)
     try:
         if world > 1:
             from ..parallel.tp import generate_tp
 
             result = generate_tp(str(path), str(resolve(draft)) if draft else None, ids, world, device, dtype,
-                                 **callbacks, **options)
+                                 config, events)
         else:
-            run_kv = choice.run_kv() if choice is not None else {}  # the calibration's prefill of the prompt
-            result = generate(target, ids, draft=small, **callbacks, **{**options, **run_kv})
+            result = generate(target, ids, config, small, events)
         out = stream.finish()
     except BaseException:  # end the live view and keep the text written so far (Ctrl-C, errors)
         if progress:
@@ -135,11 +137,11 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool,
         raise
     if not as_json:
         _end_line(out)
-    _kv_notes(options, result.stats, len(ids))
+    _kv_notes(setup.config, result.stats, len(ids))  # the user's snapshots, not auto's own
     if choice is not None:
         choice.remember(result.stats, len(result.tokens))
     if as_json:
-        record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": options["method"],
+        record = {"text": out, "tokens": result.tokens, "prompt_tokens": len(ids), "method": config.method,
                   "auto": None if choice is None else choice.record(),
                   "chat_template": fmt.templated, "stopped_by": stops.matched(result.tokens),
                   "device": device, "stats": result.stats, "cpu_threads": threads.choice()}
@@ -149,7 +151,7 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool,
     if progress:
         progress.finish(result.stats)
     else:
-        _say(_summary_line(len(result.tokens), len(ids), options["method"], result.stats))
+        _say(_summary_line(len(result.tokens), len(ids), config.method, result.stats))
 
 
 def _unfit(check, has_draft: bool) -> set[str]:
@@ -166,17 +168,17 @@ def _unfit(check, has_draft: bool) -> set[str]:
     return unfit
 
 
-def _kv_notes(options: dict, stats: dict, cached: int) -> None:
+def _kv_notes(config, stats: dict, cached: int) -> None:
     """What a snapshot saved or reused, on stderr (`cached`: the tokens the caches hold after prefill, the
     whole prompt; of a prompt the snapshot holds whole, its last token is fed again for the first token)."""
-    if options.get("load_kv") is not None:
+    if config.load_kv is not None:
         reused, held = stats["kv_reused"], stats["kv_snapshot_tokens"]
-        _say(f"tforce: KV snapshot {options['load_kv']}: reused {reused} of {cached} prompt tokens "
+        _say(f"tforce: KV snapshot {config.load_kv}: reused {reused} of {cached} prompt tokens "
              f"(loaded in {stats['load_kv_s']:.2f} s, then prefilled {cached - reused})"
              + ("" if reused >= min(cached - 1, held)
                else f"; the prompt leaves the snapshot's {held}-token prefix at token {reused}"))
-    if options.get("save_kv") is not None:
-        _say(f"tforce: KV snapshot of {cached} prompt tokens written to {options['save_kv']} "
+    if config.save_kv is not None:
+        _say(f"tforce: KV snapshot of {cached} prompt tokens written to {config.save_kv} "
              f"in {stats['save_kv_s']:.2f} s")
 
 

@@ -15,8 +15,8 @@ from ..config import Sampling
 from ..errors import TforceError, UsageError
 from . import options as o
 from .app import app
-from .common import _as_role, _check_memory, _debug, _guarded, _say
-from .setup import _configure, _draft_config, _dtype_bytes, _tp_target, notices
+from .common import _check_memory, _debug, _guarded, _say
+from .setup import _configure, _draft_config, _dtype_bytes, notices
 
 
 @app.command()
@@ -117,11 +117,8 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
     from ..serve.app import Settings, build
     from ..serve.server import listen, run
     from ..serve.worker import Worker
-    from ..model.weights import load_model
 
-    path, config, tok = _tp_target(setup.target, 1)
-    if tok is None:
-        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
+    path, config, tok = setup.target_files()  # one process: `serve` takes no --tp
     if web["chat_template"] is not None:
         tok.chat_template = web["chat_template"]
     context = config.max_position_embeddings
@@ -131,13 +128,8 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
     fmt = setup.prompt_format(tok, path)
     notices(setup, fmt, serving=True)
     draft_config = _draft_config(setup.draft, config, tok) if setup.draft else None
-    opts = setup.options
-    _check_memory(config, draft_config, context, _dtype_bytes(setup.dtype, setup.device), setup.device,
-                  opts["offload"], opts["gpu_memory"], opts["budget"], opts["method"])
-    target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
-                      tokenizer=False, weights=setup.weights)
-    small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,
-                     tokenizer=False) if setup.draft else None
+    _check_memory(config, draft_config, context, _dtype_bytes(setup.dtype, setup.device), setup.device, setup.config)
+    target, small = setup.load()
     try:
         sock = listen(host, port)
     except OSError as e:
@@ -147,13 +139,13 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
         from ..snapshot.identity import identity
 
         store = KVStore(*store, identity(target, small), log=_say)
-    worker = Worker(target.model, small.model if small else None, tok, name, context, opts, setup.template,
+    worker = Worker(target.model, small.model if small else None, tok, name, context, setup.config, setup.template,
                     setup.system, setup.stops, log=_say, debug=_debug(), store=store)
     if api_key is None and not _loopback(host):
         _say(f"tforce: note: listening on {host} without --api-key: whoever reaches the port can use the model")
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    _say(f"tforce: serving {name} ({opts['method']}, {context}-token context) on http://{shown}:{bound}/v1"
+    _say(f"tforce: serving {name} ({setup.config.method}, {context}-token context) on http://{shown}:{bound}/v1"
          + (" (API key required)" if api_key else ""))
     try:
         run(build(Settings(worker, name, api_key, max_body, _say, _debug(), origins=web["origins"])), sock, worker.stop)

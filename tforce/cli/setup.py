@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..config import AUTO, Sampling, Speculation
+from ..config import AUTO, OPTIONS, RunConfig
 from ..model.defaults import default_pair, notice
 from ..text.demo import NAME
 from ..errors import UsageError
 from .common import DTYPES, _as_role, _decode_text, _device, _gpu_memory_note, _placement_options, _say, _threads
-from .options import ENGINE
 
 
 EMPTY_PROMPT = "the prompt is empty: give a prompt file, --prompt TEXT or text on stdin"
@@ -86,7 +85,7 @@ class Setup:
     device: str
     dtype: Optional[str]  # None: the device's default
     world: int
-    options: dict  # generate's keyword arguments
+    config: RunConfig  # the run's options, checked (its method may be auto: run plans it once models are loaded)
     demo: Optional[str]  # the draft the notice names when no --model was given (--draft, else the demo's)
     template: str = "auto"  # prompt_format.PromptFormat's
     system: Optional[str] = None
@@ -94,6 +93,25 @@ class Setup:
     gammas_given: dict = field(default_factory=dict)  # --gamma1/--gamma2 as given: --method auto keeps them
     auto_note: Optional[str] = None  # what --method auto became without a calibration (notices)
     weights: str = "auto"  # the target's projections: as loaded, or int8/int4 (model/quant.py)
+
+    def target_files(self):
+        """(folder, config, tokenizer) of the target, split over self.world ranks, without reading its
+        weights: what every command checks its prompt and memory against before loading; a target without
+        tokenizer files is refused."""
+        path, config, tok = _tp_target(self.target, self.world)
+        if tok is None:
+            raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
+        return path, config, tok
+
+    def load(self):
+        """(target, draft or None) loaded as this command runs them, in this process."""
+        from ..model.weights import load_model
+
+        target = _as_role("target model", load_model, self.target, device=self.device, dtype=self.dtype,
+                          tokenizer=False, weights=self.weights)
+        small = _as_role("draft model", load_model, self.draft, device=self.device, dtype=self.dtype,
+                         tokenizer=False) if self.draft else None
+        return target, small
 
     def prompt_format(self, tok, path, snapshot_ids: Optional[list] = None):
         """How this command's text becomes tokens (the target's tokenizer `tok`, from folder `path`); with
@@ -104,12 +122,18 @@ class Setup:
         return fmt if snapshot_ids is None else fmt.as_made(snapshot_ids)
 
 
+def check_fits(n: int, context: int, what: str = "the prompt") -> None:
+    """A prompt of n tokens must leave the model's context room for one token."""
+    if n >= context:
+        raise UsageError(f"{what} is {n} tokens; the model's context is {context}")
+
+
 def notices(setup: Setup, fmt, serving: bool = False) -> None:
     """The command's stderr notes (--gpu-memory off CUDA, the demo pair, greedy's exactness in a 16-bit
     dtype, the chat template laying the prompt out): after the prompt's checks, the template's included, so
     that a refused prompt's error is the only line. serving: `tforce serve`'s, where only chat requests
     take the template."""
-    _gpu_memory_note(setup.options["gpu_memory"], setup.device)
+    _gpu_memory_note(setup.config.execution.gpu_memory, setup.device)
     if setup.demo is not None:
         _say(notice(setup.target, setup.demo))
     _exactness_note(setup)
@@ -131,22 +155,17 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     prompt in one process, once its models are loaded); elsewhere it becomes planner.uncalibrated's
     method here, and notices() says so."""
     given = {k: p[k] for k in ("gamma1", "gamma2") if p[k] is not None}  # auto keeps them; the others are planned
-    p = {**p, "gamma1": given.get("gamma1", Speculation.gamma1), "gamma2": given.get("gamma2", Speculation.gamma2)}
-    spec = Speculation(**{k: p[k] for k in ("method", "gamma1", "gamma2", "budget", "chunk_size", "draft_budget",
-                                            "sinks", "rebuild_every", "rebuild_below", "policy")})
-    spec.validate()
-    Sampling(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"], seed=p["seed"]).validate()
-    if p["max_new_tokens"] < 0:
-        raise UsageError(f"--max-new-tokens must be >= 0, got {p['max_new_tokens']}")
-    if p["prefill_chunk"] < 1:
-        raise UsageError(f"--prefill-chunk must be >= 1, got {p['prefill_chunk']}")
+    config = RunConfig.of(**{k: p[k] for k in OPTIONS if k in p and k not in ("gamma1", "gamma2", "gpu_memory")},
+                          **given)
+    config.validate()
+    spec = config.speculation
     if p["dtype"] not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {p['dtype']!r}")
     system = _check_template(p["template"], p["system"])
     stops = tuple(_unescape(_decode_text(s.encode("utf-8", "surrogateescape"), "--stop")) for s in p["stop"] or ())
     if "" in stops:
         raise UsageError("--stop takes a non-empty string")
-    placement_options = _placement_options(p["offload"], p["gpu_memory"])
+    config = config.with_options(**_placement_options(p["offload"], p["gpu_memory"]))
     _threads(p["threads"])
     world, dev = _parallel(p["tp"], p["gpus"], p["device"])
     from ..model.quant import SCHEMES, check_weights
@@ -168,20 +187,18 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     draft_name = draft if draft is not None else _default_draft(target_name)
     if spec.uses_draft and draft_name is None:
         raise UsageError(f"method {spec.method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
-    options = {k: p[k] for k in ENGINE}
     auto_note = None
     if spec.method == AUTO and (not calibrate or world > 1):
         from ..auto.planner import uncalibrated
 
-        options["method"] = uncalibrated(dev, draft_name is not None)
+        config = config.with_options(method=uncalibrated(dev, draft_name is not None))
         why = "--tp/--gpus ranks" if world > 1 else "this command"
-        auto_note = (f"tforce: auto: {options['method']} ({why} runs no calibration: on a GPU with a draft "
+        auto_note = (f"tforce: auto: {config.method} ({why} runs no calibration: on a GPU with a draft "
                      "triforce, otherwise ar; --method chooses)")
-    uses_draft = options["method"] == AUTO or Speculation(method=options["method"]).uses_draft
+    uses_draft = config.method == AUTO or config.speculation.uses_draft
     named = (draft or demo_draft) if model is None else None  # the draft the demo notice names
     return Setup(target_name, draft_name if uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
-                 world, {**options, **placement_options}, named, p["template"], system, stops, given, auto_note,
-                 weights)
+                 world, config, named, p["template"], system, stops, given, auto_note, weights)
 
 
 def _unescape(text: str) -> str:
@@ -219,7 +236,7 @@ def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int,
 def _exactness_note(setup: Setup) -> None:
     """Greedy speculation in a 16-bit dtype or with quantized weights, said where it is run: a verification's
     logits round differently from one-token decoding's (README, Exactness), so a near-tie can flip a token."""
-    o = setup.options
+    o = setup.config
     dtype = _dtype_name(setup.dtype, setup.device)
     # quantized projections compute in bfloat16 (model/quant.py), whatever the dtype
     weights = setup.weights
@@ -229,7 +246,7 @@ def _exactness_note(setup: Setup) -> None:
 
         weights = "the GGUF's quantized" if read_quantized(resolve(setup.target, weights=False)) else weights
     rounding = dtype if weights in ("auto", "float") else f"{weights} weights (bfloat16 products)"
-    if o["temperature"] == 0 and o["method"] != "ar" and not o["deterministic"] and rounding != "float32":
+    if o.sampling.greedy and o.method != "ar" and not o.execution.deterministic and rounding != "float32":
         _say(f"tforce: note: greedy in {rounding}: the tokens are plain decoding's (--method ar) except where its "
              "two best logits nearly tie; --deterministic makes them plain decoding's bit for bit")
 

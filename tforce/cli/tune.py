@@ -11,8 +11,8 @@ import typer
 from ..errors import UsageError
 from .app import app
 from . import options as o
-from .common import _as_role, _check_memory, _guarded, _say, flag
-from .setup import _configure, _draft_config, _dtype_bytes, _read_prompt, _tp_target, notices
+from .common import _check_memory, _guarded, _say, flag
+from .setup import _configure, _draft_config, _dtype_bytes, _read_prompt, notices
 
 # run's options that tune does not take: their defaults (options.py)
 FIXED = ("method", "gamma1", "gamma2", "top_k", "seed", "ignore_eos", "chunk_size", "draft_budget", "sinks",
@@ -57,50 +57,45 @@ def tune(
 
 def _tune(text: str, setup) -> dict:
     from ..auto.calibration import remember
+    from .. import threads
     from ..auto.planner import choose
-    from ..config import Speculation
+    from ..engine.events import Events
     from ..engine.generate import generate
-    from ..model.weights import load_model
     from .run import _unfit
 
-    path, config, tok = _tp_target(setup.target, 1)
-    if tok is None:
-        raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
+    path, model_config, tok = setup.target_files()
     fmt = setup.prompt_format(tok, path)
     ids = fmt.prompt_ids(text)
-    options = dict(setup.options)
-    if len(ids) + options["max_new_tokens"] > config.max_position_embeddings:
-        raise UsageError(f"the prompt is {len(ids)} tokens: with {options['max_new_tokens']} new ones it exceeds "
-                         f"the model's context ({config.max_position_embeddings})")
+    config = setup.config
+    new = config.max_new_tokens
+    if len(ids) + new > model_config.max_position_embeddings:
+        raise UsageError(f"the prompt is {len(ids)} tokens: with {new} new ones it exceeds "
+                         f"the model's context ({model_config.max_position_embeddings})")
     notices(setup, fmt)
-    draft_config = _draft_config(setup.draft, config, tok) if setup.draft else None
+    draft_config = _draft_config(setup.draft, model_config, tok) if setup.draft else None
 
     def check(method: str) -> None:
-        _check_memory(config, draft_config, len(ids) + options["max_new_tokens"],
-                      _dtype_bytes(setup.dtype, setup.device), setup.device, options["offload"],
-                      options["gpu_memory"], options["budget"], method)
+        _check_memory(model_config, draft_config, len(ids) + new, _dtype_bytes(setup.dtype, setup.device),
+                      setup.device, config, method)
 
     unfit = _unfit(check, draft_config is not None)
-    target = _as_role("target model", load_model, setup.target, device=setup.device, dtype=setup.dtype,
-                      tokenizer=False)
-    small = _as_role("draft model", load_model, setup.draft, device=setup.device, dtype=setup.dtype,
-                     tokenizer=False) if setup.draft else None
+    target, small = setup.load()
     _say(f"tforce: tune: measuring the stage costs of every method on {len(ids)} prompt tokens")
-    choice = choose(target, small, ids, options, exclude=unfit, refresh=True)
+    step = Events(on_step=threads.tick)
+    choice = choose(target, small, ids, config, exclude=unfit, refresh=True, events=step)
     _say(choice.line())
     rows = []
     for c in choice.candidates:
-        _say(f"tforce: tune: {c['method']}: {options['max_new_tokens']} tokens")
+        _say(f"tforce: tune: {c['method']}: {new} tokens")
         gammas = {k: c[k] for k in ("gamma1", "gamma2") if k in c}
-        uses_draft = Speculation(method=c["method"]).uses_draft
-        r = generate(target, ids, draft=small if uses_draft else None,
-                     **{**options, "method": c["method"], **gammas, "ignore_eos": True, "seed": 0})
+        timed = config.with_options(method=c["method"], **gammas, ignore_eos=True, seed=0)
+        r = generate(target, ids, timed, small if timed.speculation.uses_draft else None, step)
         if choice.cache is not None and gammas:
             remember(choice.entry, c["method"], r.stats["acceptance"], len(r.tokens), gammas, choice.folder)
         rows.append({**c, "measured_ms_per_token": r.stats["ms_per_token"],
                      "measured_acceptance": r.stats["acceptance"]})
     return {"model": setup.target, "draft": setup.draft, "device": setup.device, "prompt_tokens": len(ids),
-            "new_tokens": options["max_new_tokens"], "auto": choice.record(), "candidates": rows}
+            "new_tokens": new, "auto": choice.record(), "candidates": rows}
 
 
 def _table(report: dict) -> str:

@@ -20,21 +20,27 @@ import time
 import torch
 
 from ..snapshot import format as snapshot, identity as snapshot_identity, store as snapshot_io
-from .decode import decode_one
-from .statistics import one_row_stats
-from .generate import Result, _eos_ids, _modules, check_ids, check_prompt, generator, open_session
+from ..config import RunConfig
+from .driver import drive
+from .events import Events
+from .statistics import one_row
+from .generate import Result, _eos_ids, _modules, check_ids, check_prompt, configured, generator, open_session
 from ..errors import UsageError
 from .session import Session, _sync_device
 
 
 class Conversation:
-    def __init__(self, target, document_ids=None, *, draft=None, room: int | None = None, keep_history: bool = False,
-                 ignore_eos: bool = False, load_kv=None, save_kv=None, group=None, on_prefill=None, **options):
-        """document_ids: the prefix every question follows (None with load_kv: the snapshot's prefix).
+    def __init__(self, target, document_ids=None, config: RunConfig | None = None, *, draft=None,
+                 room: int | None = None, keep_history: bool = False, group=None, on_prefill=None, **options):
+        """document_ids: the prefix every question follows (None with config.load_kv: the snapshot's prefix).
         room: tokens after the document for questions and answers (and, with keep_history, the whole
-        conversation); default: the rest of the model's context. options: generate()'s (method, sampling,
-        budgets, placement). load_kv / save_kv: KV snapshots of the document (snapshot/format.py); group: the
-        tensor-parallel ranks (parallel.Group) when target is one rank's shard (parallel/conversation.py)."""
+        conversation); default: the rest of the model's context. config and the flat options beside it:
+        generate()'s (the method, sampling, budgets, execution; max_new_tokens is each answer's default;
+        load_kv / save_kv: KV snapshots of the document, snapshot/format.py). on_prefill(done, total): the
+        document's prefill progress. group: the tensor-parallel ranks (parallel.Group) when target is one
+        rank's shard (parallel/conversation.py)."""
+        config = configured(config, options)
+        load_kv, save_kv = config.load_kv, config.save_kv
         ident = snapshot_identity.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
         self.target, self.draft = _modules(target, draft)
         if document_ids is None:
@@ -51,9 +57,10 @@ class Conversation:
                              f"for a question")
         if save_kv is not None:
             snapshot.check_target(save_kv)
-        self.seed, self.keep_history = options.get("seed"), keep_history
-        self.eos = set() if ignore_eos else _eos_ids(self.target.config)
-        self.session: Session = open_session(self.target, self.draft, len(doc), room, group=group, **options)
+        self.seed, self.keep_history = config.sampling.seed, keep_history
+        self.max_new_tokens = config.max_new_tokens
+        self.eos = set() if config.ignore_eos else _eos_ids(self.target.config)
+        self.session: Session = open_session(self.target, self.draft, len(doc), room, config, group)
         self.document = doc.tolist()
         self.history = list(self.document)
         self.marked = len(doc)  # the streaming caches' states are marked at history[:marked]
@@ -75,12 +82,14 @@ class Conversation:
         """Tokens the next question and its answer may still take."""
         return self.session.total - len(self.history)
 
-    def ask(self, question_ids, max_new_tokens: int = 256, on_token=None, on_prefill=None, on_round=None,
-            seed: int | None = None, until=None) -> Result:
-        """Answer after the document (and, with keep_history, the conversation so far), sampling with `seed`
-        (default: the conversation's; every answer is drawn from it alone); stats add ttft_s
-        (from the call to the first token), prompt_tokens and prefilled_tokens (what was fed beyond the
-        caches' reuse). until: where to end, as generate's."""
+    def ask(self, question_ids, max_new_tokens: int | None = None, events: Events | None = None,
+            seed: int | None = None) -> Result:
+        """Answer after the document (and, with keep_history, the conversation so far) in at most
+        max_new_tokens (default: the configuration's), sampling with `seed` (default: the conversation's;
+        every answer is drawn from it alone), telling `events` as generate does (on_prefill: the question's
+        prefill); stats add ttft_s (from the call to the first token), prompt_tokens and prefilled_tokens
+        (what was fed beyond the caches' reuse)."""
+        max_new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         prompt = self.history + list(question_ids)
         if len(question_ids) == 0:
             raise UsageError("the question is empty")
@@ -97,28 +106,9 @@ class Conversation:
             session.mark(torch.tensor(self.history))
             self.marked = len(self.history)
         self.unfinished = True
-        device = next(self.target.parameters()).device
         session.reset_stats()
-        first: list[float] = []
-
-        def tokens_out(tokens):
-            if not first:
-                first.append(time.perf_counter())
-            if on_token:
-                on_token(tokens)
-
-        t0 = time.perf_counter()
-        [kept] = session.prefill([prompt], on_prefill)
-        _sync_device(device)
-        t1 = time.perf_counter()
-        before = session.counts()
-        out = decode_one(session, len(prompt), max_new, generator(self.target, self.seed if seed is None else seed),
-                     self.eos, tokens_out, on_round, until)
-        _sync_device(device)
-        t2 = time.perf_counter()
+        gen = generator(self.target, self.seed if seed is None else seed)
+        [out], [stats] = drive(session, [prompt], [max_new], gen, self.eos, events or Events())
         history = prompt + [t for t in out if t not in self.eos] if self.keep_history else self.history
         self.history, self.unfinished = history, False
-        stats = one_row_stats(session, out, t1 - t0, t2 - t1, before)
-        stats.update(ttft_s=(first[0] if first else t2) - t0, prompt_tokens=len(prompt),
-                     prefilled_tokens=len(prompt) - kept)
-        return Result(out, stats)
+        return Result(out, one_row(stats))

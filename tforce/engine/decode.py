@@ -11,41 +11,41 @@ from __future__ import annotations
 
 import torch
 
-from .. import threads
-from .statistics import acceptance
+from .events import Events
+from .statistics import acceptance, level_counts
 from .stops import end_of_round
 
 
-def decode(session, n: list[int], max_new: list[int], gen: torch.Generator, eos: set[int], until=None,
-           on_tokens=None, on_row=None, on_round=None) -> list[list[int]]:
+def decode(session, n: list[int], max_new: list[int], gen: torch.Generator, eos: set[int],
+           events: Events = Events()) -> list[list[int]]:
     """Each prompt r's new tokens after session.buffer[i, :n[r]] (live row i is prompt session.ids[i]), at
-    most max_new[r]. on_tokens(r, tokens) after each round, for every row that took part, with its new
-    tokens (as cut), then on_round({r: tokens} of those rows); on_row(r, tokens) with a row's final tokens
-    once it is finished (a row with no budget before the first round), so a caller keeps what is done if
-    the rest fails."""
+    most max_new[r], telling `events` (events.py) as it goes: on_tokens for every row that took part in a
+    round, with its new tokens (as cut), then on_round; on_row with a row's final tokens once it is finished
+    (a row with no budget before the first round), so a caller keeps what is done if the rest fails."""
     out: list[list[int]] = [[] for _ in n]
     n = list(n)
-    if not _finish(session, out, [m == 0 for m in max_new], on_row):
+    if not _finish(session, out, [m == 0 for m in max_new], events.on_row):
         return out
     while True:
-        threads.tick()
+        if events.on_step:
+            events.on_step()
         ids = list(session.ids)
         news = session.round([n[r] for r in ids], gen)
         done, told = [], {}
         for r, tokens in zip(ids, news):
             tokens = tokens[: max_new[r] - len(out[r])]
-            end = end_of_round(out[r], tokens, eos, until)
+            end = end_of_round(out[r], tokens, eos, events.until)
             if end is not None:
                 tokens = tokens[:end]
             out[r] += tokens
             n[r] += len(tokens)
-            if on_tokens:
-                on_tokens(r, tokens)
+            if events.on_tokens:
+                events.on_tokens(r, tokens, acceptance(session, r))
             told[r] = tokens
             done.append(end is not None or len(out[r]) >= max_new[r])
-        if on_round:
-            on_round(told)
-        if not _finish(session, out, done, on_row):
+        if events.on_round:
+            events.on_round(told, level_counts(session))
+        if not _finish(session, out, done, events.on_row):
             return out
 
 
@@ -63,15 +63,3 @@ def _finish(session, out: list[list[int]], done: list[bool], on_row) -> bool:
     session.keep([i for i, d in enumerate(done) if not d])
     return True
 
-
-def decode_one(session, n: int, max_new: int, gen: torch.Generator, eos: set[int], on_token=None, on_round=None,
-               until=None) -> list[int]:
-    """decode for a one-row session (engine.generate, Conversation.ask): on_token(tokens) with each round's
-    tokens, then on_round(tokens, acceptance so far per level)."""
-    def told(r, tokens):
-        if on_token:
-            on_token(tokens)
-        if on_round:
-            on_round(tokens, acceptance(session))
-
-    return decode(session, [n], [max_new], gen, eos, until, told if on_token or on_round else None)[0]

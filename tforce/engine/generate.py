@@ -1,4 +1,4 @@
-"""generate: checks the arguments of one prompt and runs it as a batch of one row (generation.py: the one
+"""generate: checks the configuration of one prompt and runs it as a batch of one row (generation.py: the one
 path of a Session, its prefill, decode loop and statistics, for one prompt and for a batch); and the
 checks and helpers generate_batch and conversations share.
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Sampling, Speculation
+from ..config import AUTO, RunConfig, Speculation
 from ..errors import UsageError
+from .events import Events
 from .statistics import one_row
 from .session import Session
 from ..model.vocab import check_sizes, check_tokenizers
@@ -57,40 +58,26 @@ def _check_pair(target, draft, spec: Speculation) -> None:
     check_sizes(target.config.vocab_size, draft.config.vocab_size)
 
 
-def configuration(target, draft, *, method: str, temperature: float, top_p: float, top_k: int, seed: int | None,
-                  budget: int, chunk_size: int, gamma1: int, gamma2: int, draft_budget: int, sinks: int,
-                  rebuild_every: int, rebuild_below: float, policy: str) -> tuple[Speculation, Sampling]:
-    """The options as (Speculation, Sampling), each checked, and the draft checked against the target."""
-    if method == "auto":
+def check_config(target, draft, config: RunConfig) -> RunConfig:
+    """The configuration checked, and the draft against the target; returned as it is."""
+    if config.method == AUTO:
         raise UsageError("a session runs one method: 'auto' is chosen above the engine (tforce.generate, "
                          "auto/planner.py) before one opens")
-    spec = Speculation(method=method, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
-                       draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
-                       rebuild_below=rebuild_below, policy=policy)
-    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    spec.validate()
-    sampling.validate()
-    _check_pair(target, draft, spec)
-    return spec, sampling
+    config.validate()
+    _check_pair(target, draft, config.speculation)
+    return config
 
 
-def open_session(target, draft, prompt_len: int, max_new: int, *, method: str = "triforce",
-                 temperature: float = Sampling.temperature, top_p: float = Sampling.top_p,
-                 top_k: int = Sampling.top_k, seed: int | None = None, budget: int = Speculation.budget,
-                 chunk_size: int = Speculation.chunk_size, gamma1: int = Speculation.gamma1,
-                 gamma2: int = Speculation.gamma2, draft_budget: int = Speculation.draft_budget,
-                 sinks: int = Speculation.sinks, rebuild_every: int = Speculation.rebuild_every,
-                 rebuild_below: float = Speculation.rebuild_below, policy: str = Speculation.policy,
-                 prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
-                 cuda_graphs: bool = True, device_free: int | None = None, deterministic: bool = False,
-                 group=None) -> Session:
-    """The checked configuration's Session for prompt_len + max_new tokens (options: generate's)."""
-    spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
-                                   seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
-                                   draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
-                                   rebuild_below=rebuild_below, policy=policy)
-    return Session(target, draft, prompt_len, max_new, spec, sampling, prefill_chunk, offload, gpu_memory,
-                   cuda_graphs, device_free, deterministic, group)
+def configured(config: RunConfig | None, options: dict) -> RunConfig:
+    """The API's configuration: `config` (default: RunConfig()'s defaults) with the flat options given
+    beside it changed (RunConfig.with_options), as transformers' generate takes a GenerationConfig and
+    keyword arguments that change it."""
+    return (config if config is not None else RunConfig()).with_options(**options)
+
+
+def open_session(target, draft, prompt_len: int, max_new: int, config: RunConfig, group=None) -> Session:
+    """The checked configuration's Session for prompt_len + max_new tokens."""
+    return Session(target, draft, prompt_len, max_new, check_config(target, draft, config), group)
 
 
 def check_prompt(target, n: int, max_new_tokens: int) -> int:
@@ -121,67 +108,44 @@ def generator(target, seed: int | None) -> torch.Generator:
     return gen
 
 
-def generate(target, prompt_ids, *, draft=None, method: str = "triforce", max_new_tokens: int = 256,
-             temperature: float = Sampling.temperature, top_p: float = Sampling.top_p, top_k: int = Sampling.top_k,
-             seed: int | None = None, ignore_eos: bool = False, budget: int = Speculation.budget,
-             chunk_size: int = Speculation.chunk_size, gamma1: int = Speculation.gamma1,
-             gamma2: int = Speculation.gamma2, draft_budget: int = Speculation.draft_budget,
-             sinks: int = Speculation.sinks, rebuild_every: int = Speculation.rebuild_every,
-             rebuild_below: float = Speculation.rebuild_below, policy: str = Speculation.policy,
-             prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
-             cuda_graphs: bool = True, device_free: int | None = None, deterministic: bool = False, load_kv=None,
-             save_kv=None, group=None, on_token=None, on_prefill=None, on_round=None, on_plan=None,
-             until=None) -> Result:
-    """Generate up to max_new_tokens after prompt_ids; exactly the target's greedy output (temperature 0)
-    or an exact sample of its distribution. on_token(list[int]) gets tokens as they are accepted;
-    on_prefill(done, total) reports prefill progress; on_round(tokens, acceptance) follows each
-    verification with the acceptance so far per level ({"draft", "retrieval"}); on_plan(placement) gets
-    the full KV cache's placement (the kv_* entries of the statistics) once planned, before prefill.
-    until(tokens) -> int | None: after each round, given every token generated so far, how many to keep
-    and end there (stops.StopStrings.cut), or None to go on; the tokens kept stay an exact prefix.
-    offload: where the full KV cache lives ("auto": on the GPU while it fits, the rest in pinned host
-    memory; "on": all in host memory; "off": all on the device); gpu_memory caps the bytes tforce may use on
-    the GPU. device_free: the device's free bytes as the caller measured them (tensor-parallel ranks pass
-    their minimum so that all plan alike; None: measured here); given on a CPU run, the KV cache is placed
-    as if a device had that much room, which runs the offloaded cache's code path on the CPU (for tests).
-    policy: which tokens the middle (retrieval) cache holds: retrieval | topk | streaming | h2o
-    (cache/policies.py). deterministic: the
+def generate(target, prompt_ids, config: RunConfig, draft=None, events: Events | None = None,
+             group=None) -> Result:
+    """Generate up to config.max_new_tokens after prompt_ids with one method (config.method; "auto" is
+    resolved above the engine: tforce.generate, auto/planner.py); exactly the target's greedy output
+    (temperature 0) or an exact sample of its distribution. target and draft: networks, or LoadedModels
+    (their tokenizers are then checked against each other). events (events.py): what the run tells as it
+    goes, the prompt being row 0. group: the tensor-parallel ranks (parallel.Group) when target is one
+    rank's shard: their memory plans must agree before any cache is allocated, and each rank's snapshot
+    part holds its own KV heads.
+    The options (config.py, RunConfig): offload: where the full KV cache lives ("auto": on the GPU while
+    it fits, the rest in pinned host memory; "on": all in host memory; "off": all on the device);
+    gpu_memory caps the bytes tforce may use on the GPU; device_free: the device's free bytes as the
+    caller measured them (given on a CPU run, the KV cache is placed as if a device had that much room,
+    which runs the offloaded cache's code path on the CPU, for tests). policy: which tokens the middle
+    (retrieval) cache holds: retrieval | topk | streaming | h2o (cache/policies.py). deterministic: the
     full-cache level computes every drafted position's logits exactly as one-token decoding does
     (rowwise.py), so greedy output equals `ar`'s in any dtype; it costs weight reads per verification.
-    KV snapshots (snapshot/format.py): load_kv, a snapshot folder: its caches are loaded and only the part of the
-    prompt after its prefix is prefilled (a prompt that leaves the prefix keeps the common part;
+    KV snapshots (snapshot/format.py): load_kv, a snapshot folder: its caches are loaded and only the part
+    of the prompt after its prefix is prefilled (a prompt that leaves the prefix keeps the common part;
     stats["kv_reused"] says how many of the snapshot's stats["kv_snapshot_tokens"] were reused); save_kv, a
-    folder: the caches after prefill (the whole prompt) are written there. A snapshot loads only
-    into the same model, tokenizer and dtype. group: the tensor-parallel ranks (parallel.Group) when target
-    is one rank's shard: their memory plans must agree before any cache is allocated, and each rank's
-    snapshot part holds its own KV heads.
-    One method per run: "auto" is resolved above the engine (tforce.generate, auto/planner.py)."""
+    folder: the caches after prefill (the whole prompt) are written there. A snapshot loads only into the
+    same model, tokenizer and dtype."""
     from ..snapshot import format as snapshot, identity as snapshot_identity
     from .generation import run
 
-    identity = snapshot_identity.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
+    kv = config.load_kv is not None or config.save_kv is not None
+    identity = snapshot_identity.identity(target, draft, group) if kv else None
     target, draft = _modules(target, draft)
     prompt = [int(t) for t in prompt_ids]
-    max_new = check_prompt(target, len(prompt), max_new_tokens)
+    if not isinstance(config.max_new_tokens, int):
+        raise UsageError("one prompt takes one max_new_tokens, not a list (generate_batch takes one per prompt)")
+    max_new = check_prompt(target, len(prompt), config.max_new_tokens)
     check_ids(target, prompt)
-    spec, sampling = configuration(target, draft, method=method, temperature=temperature, top_p=top_p, top_k=top_k,
-                                   seed=seed, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
-                                   draft_budget=draft_budget, sinks=sinks, rebuild_every=rebuild_every,
-                                   rebuild_below=rebuild_below, policy=policy)
-    if save_kv is not None:
-        snapshot.check_target(save_kv)  # before the work, not after
-
-    def told(r, tokens, acceptance):
-        if on_token:
-            on_token(tokens)
-        if on_round:
-            on_round(tokens, acceptance)
-
-    eos = set() if ignore_eos else _eos_ids(target.config)
+    check_config(target, draft, config)
+    if config.save_kv is not None:
+        snapshot.check_target(config.save_kv)  # before the work, not after
+    eos = set() if config.ignore_eos else _eos_ids(target.config)
     # one prompt is a batch of one row: the batch's path (generation.py), its statistics those of the row
-    [out], [stats] = run(target, draft, [prompt], [max_new], spec, sampling, generator(target, seed), eos,
-                         prefill_chunk=prefill_chunk, offload=offload, gpu_memory=gpu_memory, cuda_graphs=cuda_graphs,
-                         device_free=device_free, deterministic=deterministic, group=group, identity=identity,
-                         load_kv=load_kv, save_kv=save_kv, on_plan=on_plan, on_prefill=on_prefill,
-                         on_tokens=told if on_token or on_round else None, until=until)
+    [out], [stats] = run(target, draft, [prompt], [max_new], config, generator(target, config.sampling.seed), eos,
+                         events or Events(), group, identity)
     return Result(out, one_row(stats))

@@ -24,12 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model import families
-from ..config import Speculation, levels
+from ..config import OFFLOAD_MODES, Speculation
 from ..errors import DoesNotFit, UsageError
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
-OFFLOAD_MODES = ("auto", "on", "off")
 CONTEXT_BYTES = GiB // 2  # the CUDA context (kernels, cuBLAS workspaces) when no device is measured
 GRAPH_POOL_BYTES = 256 * MiB  # estimate: the one pool the draft and middle levels' CUDA graphs share
 LOGIT_COPIES = 4  # float32 (rows, vocab) tensors alive at once: logits, probabilities, sorted, residual
@@ -101,13 +100,7 @@ class Work:
 
     capacity: int  # full-cache slots (prompt + new tokens + lookahead)
     prompt: int  # tokens prefilled (per row: the longest row's)
-    method: str = "triforce"
-    budget: int = Speculation.budget
-    chunk_size: int = Speculation.chunk_size
-    draft_budget: int = Speculation.draft_budget
-    sinks: int = Speculation.sinks
-    gamma1: int = Speculation.gamma1
-    gamma2: int = Speculation.gamma2
+    spec: Speculation = Speculation()  # the levels, their caches' budgets and the gammas
     prefill_chunk: int = 512
     cuda_graphs: bool = True  # graphs of the draft and middle levels (CUDA only)
     # The attention kernel, for its scratch memory: "flash" (flash-attn: nothing beyond the cache's mask);
@@ -116,24 +109,6 @@ class Work:
     # "math" (SDPA on the CPU: counted as materialising float32 scores, an upper bound).
     attention: str = "flash"
     rows: int = 1  # sequences decoded together (batch.py): every cache and activation is per row
-
-    @classmethod
-    def of(cls, spec, capacity: int, prompt: int, prefill_chunk: int = 512, cuda_graphs: bool = True,
-           attention: str = "flash", rows: int = 1) -> "Work":
-        return cls(capacity, prompt, spec.method, spec.budget, spec.chunk_size, spec.draft_budget, spec.sinks,
-                   spec.gamma1, spec.gamma2, prefill_chunk, cuda_graphs, attention, rows)
-
-    @property
-    def lookahead(self) -> int:  # config.Speculation.max_lookahead
-        return self.gamma2 + self.gamma1 + 2
-
-    @property
-    def uses_draft(self) -> bool:  # config.Speculation.uses_draft
-        return levels(self.method)[0]
-
-    @property
-    def middle(self) -> str | None:  # config.Speculation.middle
-        return levels(self.method)[1]
 
 
 @dataclass(frozen=True)
@@ -207,29 +182,29 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
     offloaded = resident < n
     out = [Item("CUDA context", context, "both"),
            Item("target weights", s.weights, "both")]
-    if w.uses_draft and draft is not None:
+    if w.spec.uses_draft and draft is not None:
         out.append(Item("draft weights", draft.weights, "both"))
     out += [Item("full KV, resident layers", resident * layer, "both"),
             Item("staging buffers (2 layers)", 2 * layer if offloaded else 0, "both")]
-    if w.middle == "retrieval":
-        chunks = n_chunks(w.capacity, w.chunk_size)
+    if w.spec.middle == "retrieval":
+        chunks = n_chunks(w.capacity, w.spec.chunk_size)
         out += [Item("retrieval cache and key positions",
-                     b * n * (kv_layer_bytes(kv, d, w.budget + 1, e) + kv * (w.budget + 1) * 8), "both"),
+                     b * n * (kv_layer_bytes(kv, d, w.spec.budget + 1, e) + kv * (w.spec.budget + 1) * 8), "both"),
                 # Each row's resident layers keep theirs on the device (unless recomputed); every rebuild
                 # scores from one layer's means at a time (ChunkStats.means: a fresh device tensor, kept
                 # statistics or not), the rows one after another: one scratch layer.
                 Item("retrieval chunk statistics", (b * (0 if recompute_stats else resident) + 1)
-                     * chunk_stat_bytes(w.capacity, w.chunk_size, kv, d), "both"),
+                     * chunk_stat_bytes(w.capacity, w.spec.chunk_size, kv, d), "both"),
                 # One layer at a time: budget rows of K and V gathered, their positions; float32 scores of
                 # every layer (chunk_positions scores all layers before it selects).
-                Item("rebuild scratch", kv_layer_bytes(kv, d, w.budget, e) + 2 * kv * w.budget * 8
+                Item("rebuild scratch", kv_layer_bytes(kv, d, w.spec.budget, e) + 2 * kv * w.spec.budget * 8
                      + n * kv * chunks * 4, "decode")]
-    elif w.middle == "streaming":
-        cap = streaming_capacity(w.budget, w.sinks, w.lookahead, w.prefill_chunk + w.lookahead)
+    elif w.spec.middle == "streaming":
+        cap = streaming_capacity(w.spec.budget, w.spec.sinks, w.spec.max_lookahead, w.prefill_chunk + w.spec.max_lookahead)
         out.append(Item("middle StreamingLLM cache", b * n * kv_layer_bytes(kv, d, cap, e), "both"))
-    if w.uses_draft and draft is not None:
-        chunk = min(w.prefill_chunk, w.draft_budget)
-        cap = streaming_capacity(w.draft_budget, w.sinks, w.lookahead, chunk + w.lookahead)
+    if w.spec.uses_draft and draft is not None:
+        chunk = min(w.prefill_chunk, w.spec.draft_budget)
+        cap = streaming_capacity(w.spec.draft_budget, w.spec.sinks, w.spec.max_lookahead, chunk + w.spec.max_lookahead)
         out.append(Item("draft StreamingLLM cache", b * draft.layers * kv_layer_bytes(draft.kv_heads, draft.head_dim,
                                                                                        cap, draft.dtype_bytes), "both"))
     # Rotated queries of the last forward, kept per layer for rebuilds (FullCache.row_queries: each
@@ -239,9 +214,9 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
     out += [Item("prefill hidden states", b * w.prompt * s.hidden * e if layer_major else 0, "prefill"),
             Item("prefill K/V scratch (a staging slot)", 0, "prefill"),
             Item("prefill chunk activations", _activations(s, w, b * w.prefill_chunk, w.prompt), "prefill"),
-            Item("decode activations", _activations(s, w, b * (w.gamma2 + 1), w.capacity), "decode"),
-            Item("logits and probabilities", LOGIT_COPIES * b * (w.gamma2 + 1) * s.vocab * 4, "decode")]
-    if w.cuda_graphs and context and w.method != "ar":
+            Item("decode activations", _activations(s, w, b * (w.spec.gamma2 + 1), w.capacity), "decode"),
+            Item("logits and probabilities", LOGIT_COPIES * b * (w.spec.gamma2 + 1) * s.vocab * 4, "decode")]
+    if w.cuda_graphs and context and w.spec.method != "ar":
         out.append(Item("CUDA graph pools (estimate)", GRAPH_POOL_BYTES, "decode"))
     return tuple(out)
 
@@ -283,7 +258,7 @@ def plan(shape: Shape, work: Work, offload: str, budget: int | None, host_free: 
         choices = [0]
     else:
         choices = range(n, -1, -1)
-    retrieval = work.middle == "retrieval"
+    retrieval = work.spec.middle == "retrieval"
     for r in choices:
         p = layout(shape, work, r, draft, context, budget)
         if budget is None or p.peak <= budget:

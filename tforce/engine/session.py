@@ -15,7 +15,7 @@ from ..model.attention import flash_attn_func, flash_attn_with_kvcache
 from ..cache import FullCache, RetrievalCache, StreamingCache
 from ..cache.offload import OffloadedCache
 from ..cache.policies import make_select
-from ..config import Sampling, Speculation
+from ..config import RunConfig, Sampling
 from ..errors import TforceError
 from ..sync import host
 from .graphs import GraphRunner
@@ -36,18 +36,16 @@ def _sync_device(device: torch.device) -> None:
 class Session:
     """The caches and levels of one generation over `rows` prompts, one cache row each."""
 
-    def __init__(self, target, draft, prompt_len: int, max_new: int, spec: Speculation, sampling: Sampling,
-                 prefill_chunk: int = 512, offload: str = "auto", gpu_memory: int | None = None,
-                 cuda_graphs: bool = True, device_free: int | None = None, deterministic: bool = False,
-                 group=None, rows: int = 1):
+    def __init__(self, target, draft, prompt_len: int, max_new: int, config: RunConfig, group=None, rows: int = 1):
         """prompt_len + max_new: the longest row's tokens (rows: its prompt and budget need not be the
-        same row's). group: the tensor-parallel ranks (parallel.Group), whose plans must agree before any
-        cache exists."""
+        same row's); of `config` (checked), the speculation, the sampling and the execution options.
+        group: the tensor-parallel ranks (parallel.Group), whose plans must agree before any cache exists."""
         self.target, self.draft = target, draft
         cfg = target.config
         self.total = prompt_len + max_new
-        capacity = spec.capacity(self.total)
-        spec = spec.fitted(capacity)
+        capacity = config.speculation.capacity(self.total)
+        spec, sampling, run = config.speculation.fitted(capacity), config.sampling, config.execution
+        prefill_chunk = run.prefill_chunk
         self.spec, self.sampling = spec, sampling
         self.buffer = torch.zeros(rows, capacity, dtype=torch.long)  # the levels' (B, capacity) sequences
         self.seq = self.buffer[0]  # the first row's, a view (conversations and snapshots are one row's)
@@ -65,10 +63,10 @@ class Session:
         # while the rows share one view (graph_key); docs/architecture.md, the fast path.
         flash = (cuda and flash_attn_func is not None and p.dtype != torch.float32
                  and (rows == 1 or flash_attn_with_kvcache is not None))
-        graphs = cuda_graphs and cuda
+        graphs = run.cuda_graphs and cuda
         kernel = "flash" if flash else "sdpa" if cuda else "math"
-        work = placement.Work.of(spec, capacity, prompt_len, prefill_chunk, graphs, kernel, rows=rows)
-        self.plan = _plan(target, draft, work, offload, gpu_memory, device_free)
+        work = placement.Work(capacity, prompt_len, spec, prefill_chunk, graphs, kernel, rows=rows)
+        self.plan = _plan(target, draft, work, run.offload, run.gpu_memory, run.device_free)
         if group is not None:
             group.check_plan(self.plan)
         pool = torch.cuda.graph_pool_handle() if graphs else None  # one pool for every GraphRunner
@@ -79,7 +77,7 @@ class Session:
                                   dtype=p.dtype, device=p.device, rows=rows)
         # deterministic: verify row by row, exactly as one-token decoding computes each logit (rowwise.py)
         self.full = Node("full", target, full, sampling, capacity, prefill_chunk,
-                         RowwiseRunner(target, full) if deterministic else None)
+                         RowwiseRunner(target, full) if run.deterministic else None)
         self.middle = self.small = self.retrieval = None
         if spec.middle == "retrieval":
             self.retrieval = RetrievalCache(*dims, budget=spec.budget, chunk_size=spec.chunk_size,

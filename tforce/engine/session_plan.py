@@ -26,7 +26,7 @@ def _plan(target, draft, work: placement.Work, offload: str, gpu_memory: int | N
     with device_free, what is loaded now plus device_free (a CPU run then plans as if a device had that
     room beside the weights); a CPU run without it: no device, everything in place."""
     shape = model_shape(target)
-    small = model_shape(draft) if draft is not None and work.uses_draft else None
+    small = model_shape(draft) if draft is not None and work.spec.uses_draft else None
     loaded = shape.weights + (small.weights if small else 0)
     host_free = psutil.virtual_memory().available
     dev = next(target.parameters()).device

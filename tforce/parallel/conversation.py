@@ -22,9 +22,12 @@ import torch.multiprocessing as mp
 
 from ..engine.generate import Result
 from ..errors import TforceError
+from ..engine.events import Events
+from ..engine.generate import configured
 from .tp import AnyRank, Group, _agreed_free, all_equal, rank_callbacks, rank_models, tp_options
 from .ranks import Ranks
 
+ASKED = ("on_prefill", "on_tokens", "on_round")  # the events a question's callers listen to, sent on by rank 0
 STOPPED = "stopped"  # a rank's reply to a question whose answer Ctrl-C stopped
 
 
@@ -32,22 +35,22 @@ class ParallelConversation:
     """Conversation's interface (ask, room_left, keep_history, prefill_s, kv_reused) over `world` ranks;
     a context manager: leaving it (or close()) ends the ranks."""
 
-    def __init__(self, model_path, draft_path, document_ids, world: int, device: str = "cpu", dtype=None, *,
-                 room: int | None = None, keep_history: bool = False, ignore_eos: bool = False, load_kv=None,
-                 save_kv=None, on_prefill=None, **options):
+    def __init__(self, model_path, draft_path, document_ids, world: int, device: str = "cpu", dtype=None,
+                 config=None, *, room: int | None = None, keep_history: bool = False, on_prefill=None, **options):
         """As Conversation's arguments, with the models given as folders (each rank loads its part), the
         world size, and the device ("cpu": gloo; "cuda": NCCL, rank r on cuda:r); document_ids is always
         given (with load_kv, snapshot.read_manifest(load_kv)["tokens"] is the snapshot's document). Without
         a seed, each answer is sampled with one drawn here for it, the same on every rank."""
-        self.seed, self.keep_history = options.get("seed"), keep_history
-        dtype, options, free = tp_options(device, dtype, options, world)
+        config = configured(config, options)
+        self.seed, self.keep_history = config.sampling.seed, keep_history
+        self.max_new_tokens = config.max_new_tokens
+        dtype, config, free = tp_options(device, dtype, config, world)
         self._callbacks = {"on_prefill": on_prefill}
         self._stop = mp.get_context("spawn").Event()
-        conv = dict(room=room, keep_history=keep_history, ignore_eos=ignore_eos, load_kv=load_kv, save_kv=save_kv)
         self.ranks = Ranks(_conversation_worker, world, "nccl" if device == "cuda" else "gloo", str(model_path),
-                           str(draft_path) if draft_path else None, list(document_ids), device, dtype,
-                           {**options, **conv}, free, on_prefill is not None, self._stop, on_event=self._event,
-                           serve=True)
+                           str(draft_path) if draft_path else None, list(document_ids), device, dtype, config,
+                           dict(room=room, keep_history=keep_history), free, on_prefill is not None, self._stop,
+                           on_event=self._event, serve=True)
         self.kv_reused, self.prefill_s, self.room_left = self.ranks.collect()[0]
 
     def __enter__(self):
@@ -64,10 +67,12 @@ class ParallelConversation:
         if self._callbacks.get(name) is not None:
             self._callbacks[name](*args)
 
-    def ask(self, question_ids, max_new_tokens: int = 256, on_token=None, on_prefill=None, on_round=None,
-            seed: int | None = None, until=None) -> Result:
+    def ask(self, question_ids, max_new_tokens: int | None = None, events=None, seed: int | None = None) -> Result:
         """Conversation.ask, answered by the ranks; rank 0's Result. KeyboardInterrupt: Ctrl-C stopped it."""
-        self._callbacks = {"on_token": on_token, "on_prefill": on_prefill, "on_round": on_round}
+        events = events or Events()
+        max_new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        until = events.until
+        self._callbacks = {name: getattr(events, name) for name in ASKED}
         if seed is None:
             seed = self.seed if self.seed is not None else secrets.randbits(63)
         names = tuple(name for name, f in self._callbacks.items() if f is not None)
@@ -87,7 +92,7 @@ class _Stopped(Exception):
     """Raised on every rank after the same round when the parent asked them to stop."""
 
 
-def _conversation_worker(rank, world, model_path, draft_path, document_ids, device, dtype, options, free,
+def _conversation_worker(rank, world, model_path, draft_path, document_ids, device, dtype, config, shape, free,
                          prefill_events: bool, stop, emit=None):
     """One rank of ParallelConversation, a generator (ranks.Ranks' serving protocol): yields
     (kv_reused, prefill_s, room_left) once the document is prefilled, then (Result or STOPPED, room_left)
@@ -96,11 +101,11 @@ def _conversation_worker(rank, world, model_path, draft_path, document_ids, devi
     from ..engine.conversation import Conversation
 
     target, small, dev = rank_models(model_path, draft_path, device, dtype, rank, world)
-    options = dict(options)
-    device_free = _agreed_free(dev, free[rank], options.pop("gpu_memory", None))
-    callbacks = rank_callbacks(rank, emit, ("on_token", "on_prefill", "on_round"))
-    conv = Conversation(target, document_ids, draft=small, device_free=device_free, group=Group(),
-                        on_prefill=callbacks.get("on_prefill") if prefill_events else None, **options)
+    device_free = _agreed_free(dev, free[rank], config.execution.gpu_memory)
+    config = config.with_options(device_free=device_free, gpu_memory=None)  # folded into device_free
+    callbacks = rank_callbacks(rank, emit, ASKED)
+    conv = Conversation(target, document_ids, config, draft=small, group=Group(),
+                        on_prefill=callbacks.get("on_prefill") if prefill_events else None, **shape)
     any_rank = AnyRank()
     command = yield conv.kv_reused, conv.prefill_s, conv.room_left
     while True:
@@ -108,14 +113,14 @@ def _conversation_worker(rank, world, model_path, draft_path, document_ids, devi
         events = {name: callbacks[name] for name in names if name in callbacks}
         reported = events.pop("on_round", None)
 
-        def on_round(tokens, acceptance, reported=reported):
+        def on_round(tokens, counts, reported=reported):
             if reported is not None:
-                reported(tokens, acceptance)
+                reported(tokens, counts)
             if any_rank(stop.is_set()):
                 raise _Stopped
 
         try:
-            reply = conv.ask(ids, max_new, seed=seed, on_round=on_round, until=until, **events)
+            reply = conv.ask(ids, max_new, Events(on_round=on_round, until=until, **events), seed=seed)
         except _Stopped:
             reply = STOPPED
         if not all_equal(reply if reply == STOPPED else reply.tokens):

@@ -36,8 +36,9 @@ from ..errors import DoesNotFit, TforceError, UsageError
 from ..engine.placement import GiB
 from .ranks import launch
 
-EVENTS = ("on_token", "on_prefill", "on_round", "on_plan")
-BATCH_EVENTS = ("on_prefill", "on_round", "on_row")  # generate_batch's
+# the callbacks of events.Events that rank 0 sends on to the parent (`until` travels to every rank: each
+# must end where the others do)
+CALLBACKS = ("on_plan", "on_prefill", "on_tokens", "on_round", "on_row")
 
 
 def all_equal(obj) -> bool:
@@ -47,19 +48,23 @@ def all_equal(obj) -> bool:
     return all(o == objs[0] for o in objs)
 
 
-def _generate_worker(rank, world, model_path, draft_path, prompts, batch, device, dtype, options, events, free,
+def _generate_worker(rank, world, model_path, draft_path, prompts, batch, device, dtype, config, names, until, free,
                      emit=None):
     """One rank of generate_tp (prompts: one prompt's ids) or generate_batch_tp (batch: a list of them).
-    free: one device_free figure per rank (tests give the ranks different ones)."""
+    names: the callbacks the parent listens to; free: one device_free figure per rank (tests give the ranks
+    different ones)."""
     from ..engine.batch import generate_batch
+    from ..engine.events import Events
     from ..engine.generate import generate
 
     target, small, dev = rank_models(model_path, draft_path, device, dtype, rank, world)
-    options = dict(options)
-    device_free = _agreed_free(dev, free[rank], options.pop("gpu_memory", None))
-    run = generate_batch if batch else generate
-    result = run(target, prompts, draft=small, device_free=device_free, group=Group(), **options,
-                 **rank_callbacks(rank, emit, events))
+    device_free = _agreed_free(dev, free[rank], config.execution.gpu_memory)
+    config = config.with_options(device_free=device_free, gpu_memory=None)  # folded into device_free
+    events = Events(until=until, **rank_callbacks(rank, emit, names))
+    if batch:
+        result = generate_batch(target, prompts, config, draft=small, events=events, group=Group())
+    else:
+        result = generate(target, prompts, config, small, events, Group())
     tokens = [r.tokens for r in result] if batch else result.tokens
     if not all_equal(tokens):  # the plans were compared before prefill (Group.check_plan)
         raise TforceError("the tensor-parallel ranks generated different tokens: please report this")
@@ -160,51 +165,53 @@ def _rank_room(dev: torch.device, given: int | None, gpu_memory: int | None) -> 
     return room if room is None or cap is None else min(room, cap)
 
 
-def tp_options(device: str, dtype, options: dict, world: int):
-    """The checked device, the dtype (default: bfloat16 on CUDA, float32 on CPU) and generate's options as
-    every rank gets them: a seed drawn here when none was given (every rank samples with the same one),
-    eager on CUDA (all_reduce inside a captured graph is untested here), device_free taken out as one
-    figure per rank (None: measured there). Returns (dtype, options, free)."""
+def tp_options(device: str, dtype, config, world: int):
+    """The checked device, the dtype (default: bfloat16 on CUDA, float32 on CPU) and the configuration
+    (config.RunConfig) as every rank gets it: a seed drawn here when none was given (every rank samples
+    with the same one), eager on CUDA (all_reduce inside a captured graph is untested here), device_free
+    taken out as one figure per rank (None: measured there). Returns (dtype, config, free)."""
     if device not in ("cpu", "cuda"):
         raise UsageError(f"tensor parallelism runs on cpu or cuda, got {device!r}")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    options = dict(options)
-    free = [options.pop("device_free", None)] * world
-    if options.get("seed") is None:
-        options["seed"] = secrets.randbits(63)
+    free = [config.execution.device_free] * world
+    config = config.with_options(device_free=None)
+    if config.sampling.seed is None:
+        config = config.with_options(seed=secrets.randbits(63))
     if device == "cuda":
-        options.setdefault("cuda_graphs", False)
-    return dtype or (torch.bfloat16 if device == "cuda" else torch.float32), options, free
+        config = config.with_options(cuda_graphs=False)
+    return dtype or (torch.bfloat16 if device == "cuda" else torch.float32), config, free
 
 
 def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int, device: str = "cpu",
-                dtype: torch.dtype | str | None = None, **generate_kwargs):
+                dtype: torch.dtype | str | None = None, config=None, events=None, **options):
     """tforce.generate with the target split over `world` processes (gloo on CPU, NCCL on CUDA, rank r
-    on cuda:r); the draft is replicated. Returns rank 0's Result. on_token / on_prefill / on_round / on_plan
-    callbacks run here, in this process, as rank 0 produces the events. A missing seed is drawn here,
-    so every rank samples with the same one. Every rank plans its KV cache from the least free device
-    memory over the ranks (device_free, when given, stands for every rank's measure; _agreed_free).
-    KV snapshots (load_kv, save_kv) hold each rank's KV heads in a folder of its own (snapshot/format.py)."""
-    return _launch(model_path, draft_path, list(prompt_ids), False, world, device, dtype, generate_kwargs, EVENTS)
+    on cuda:r); the draft is replicated. Returns rank 0's Result. The events' callbacks run here, in this
+    process, as rank 0 produces them. A missing seed is drawn here, so every rank samples with the same
+    one. Every rank plans its KV cache from the least free device memory over the ranks (device_free, when
+    given, stands for every rank's measure; _agreed_free). KV snapshots (load_kv, save_kv) hold each
+    rank's KV heads in a folder of its own (snapshot/format.py)."""
+    return _launch(model_path, draft_path, list(prompt_ids), False, world, device, dtype, config, events, options)
 
 
 def generate_batch_tp(model_path: str, draft_path: str | None, prompts, world: int, device: str = "cpu",
-                      dtype: torch.dtype | str | None = None, **batch_kwargs):
+                      dtype: torch.dtype | str | None = None, config=None, events=None, **options):
     """tforce.generate_batch with the target split over `world` processes, as generate_tp runs one prompt:
-    every rank runs the whole batch on its KV heads; on_prefill / on_round / on_row run here as rank 0
-    produces them. Returns rank 0's Results."""
-    return _launch(model_path, draft_path, [list(map(int, p)) for p in prompts], True, world, device, dtype,
-                   batch_kwargs, BATCH_EVENTS)
+    every rank runs the whole batch on its KV heads. Returns rank 0's Results."""
+    prompts = [list(map(int, p)) for p in prompts]
+    return _launch(model_path, draft_path, prompts, True, world, device, dtype, config, events, options)
 
 
-def _launch(model_path, draft_path, prompts, batch: bool, world: int, device: str, dtype, kwargs: dict,
-            events: tuple[str, ...]):
-    callbacks = {name: kwargs.pop(name) for name in events if kwargs.get(name) is not None}
-    kwargs.pop("draft", None)
-    for name in events:
-        kwargs.pop(name, None)
-    dtype, kwargs, free = tp_options(device, dtype, kwargs, world)
+def _launch(model_path, draft_path, prompts, batch: bool, world: int, device: str, dtype, config, events, options):
+    from ..config import RunConfig
+    from ..engine.events import Events
+
+    if config is None:
+        config = RunConfig.of(method="ar") if batch else RunConfig()  # generate_batch's default method is ar
+    config = config.with_options(**options)
+    events = events or Events()
+    callbacks = {name: getattr(events, name) for name in CALLBACKS if getattr(events, name) is not None}
+    dtype, config, free = tp_options(device, dtype, config, world)
 
     def on_event(event):
         name, args = event
@@ -212,5 +219,5 @@ def _launch(model_path, draft_path, prompts, batch: bool, world: int, device: st
 
     backend = "nccl" if device == "cuda" else "gloo"
     return launch(_generate_worker, world, backend, str(model_path), str(draft_path) if draft_path else None,
-                  prompts, batch, device, dtype, kwargs, tuple(callbacks), free,
+                  prompts, batch, device, dtype, config, tuple(callbacks), events.until, free,
                   on_event=on_event if callbacks else None)

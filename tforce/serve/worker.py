@@ -29,14 +29,14 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import threads
 from ..text.stream import TextStream
-from ..config import Sampling
-from ..engine.decode import decode_one
-from ..engine.statistics import one_row_stats
+from ..config import RunConfig, Sampling
+from ..engine.driver import drive
+from ..engine.events import Events
 from ..engine.generate import _eos_ids, check_ids, generator, open_session
 from ..errors import TforceError, UsageError
 from ..text.format import PromptFormat
-from ..engine.session import _sync_device
 from ..engine.stops import StopStrings
 from .kv_store import KVStore, shared_prefix
 from .requests import ApiError, Ask
@@ -83,17 +83,16 @@ class _Events:
 
 
 class Worker:
-    def __init__(self, target, draft, tokenizer, name: str, context: int, options: dict, template: str = "auto",
+    def __init__(self, target, draft, tokenizer, name: str, context: int, config: RunConfig, template: str = "auto",
                  system: Optional[str] = None, stops: tuple = (), log: Callable = print, debug: bool = False,
                  store: Optional[KVStore] = None):
         """target, draft: loaded networks (draft None for methods without one); context: tokens the shared
-        session holds (prompt and answer); options: generate's keyword arguments, the server's defaults
-        (max_new_tokens, temperature, top_p, seed) and the speculation and placement settings. debug: a
+        session holds (prompt and answer); config: the server's defaults (max_new_tokens, ignore_eos, the
+        sampling) and the speculation and execution settings every request runs with. debug: a
         failure's traceback on stderr (TFORCE_DEBUG=1). store: prompts' KV snapshots on disk (--kv-dir)."""
-        options = dict(options)
-        self.max_new = options.pop("max_new_tokens")
-        self.eos = set() if options.pop("ignore_eos") else _eos_ids(target.config)
-        self.defaults = Sampling(options["temperature"], options["top_p"], options["top_k"], options["seed"])
+        self.max_new = config.max_new_tokens
+        self.eos = set() if config.ignore_eos else _eos_ids(target.config)
+        self.defaults = config.sampling
         self.target, self.tok, self.name, self.context = target, tokenizer, name, context
         # Requests are tokenized on the server's threads while this one decodes: a fast tokenizer that one
         # thread encodes with (which sets its truncation state) and another decodes with at once fails
@@ -101,7 +100,7 @@ class Worker:
         self.encoder, self.encoding = copy.deepcopy(tokenizer), threading.Lock()
         self.template, self.system, self.stops, self.log, self.debug = template, system, stops, log, debug
         self.store = store
-        self.session = open_session(target, draft, context - 1, 1, **options)
+        self.session = open_session(target, draft, context - 1, 1, config)
         self.marked: Optional[torch.Tensor] = None  # the prefix the streaming caches' states are marked at
         self.jobs: queue.Queue = queue.Queue()
         self.stopping = False
@@ -221,27 +220,18 @@ class Worker:
     def _generate(self, job: Job, check: Callable, t0: float) -> None:
         """_run's work once the session draws from the job's sampling (and records log-probabilities if asked)."""
         s = self.session
-        device = next(self.target.parameters()).device
         prompt = torch.tensor(job.ids)
         loaded = self.store.restore(s, prompt, self._held(prompt)) if self.store is not None else None
         if loaded is not None:
             self.marked = None  # the streaming caches hold the snapshot's states now
         reused = self._reuse(prompt, check)
         s.reset_stats()
-        s.prefill([prompt], check)
-        if self.store is not None and len(job.ids) - reused >= self.store.min_tokens:
-            self.store.save(s)
-        _sync_device(device)
-        t1 = time.perf_counter()
         stops = StopStrings(self.tok, job.stops)
         stream = TextStream(self.tok, _Events(job.post), stops=stops or None)
-        first: list = []
         picked: list = []  # (token, its raw log-probs (V,)) per generated token, with job.logprobs
 
-        def on_token(tokens):
+        def on_tokens(r, tokens, acceptance):
             job.check()
-            if not first:
-                first.append(time.perf_counter())
             if job.logprobs is not None:  # the rows of the forwards that decided these tokens (Session.logprobs)
                 picked.extend(zip(tokens, s.logprobs[0][:len(tokens)]))
             stream.add(tokens)
@@ -249,17 +239,18 @@ class Worker:
         def until(tokens):  # a stop string, or the server stopping: the answer so far ends cleanly
             return len(tokens) if self.stopping else stops.cut(tokens) if stops else None
 
-        before = s.counts()
-        out = decode_one(s, len(job.ids), job.max_new, generator(self.target, job.sampling.seed), self.eos, on_token,
-                         None, until)
-        _sync_device(device)
-        t2 = time.perf_counter()
+        def save() -> None:  # a prompt that prefilled enough to be worth a snapshot (--kv-dir)
+            if self.store is not None and len(job.ids) - reused >= self.store.min_tokens:
+                self.store.save(s)
+
+        events = Events(on_prefill=check, on_tokens=on_tokens, until=until, on_step=threads.tick)
+        [out], [stats] = drive(s, [prompt], [job.max_new], generator(self.target, job.sampling.seed), self.eos, events,
+                               t0, save)
         text = stream.finish()
         stopped = bool(out) and (out[-1] in self.eos or stops.matched(out) is not None)
-        stats = one_row_stats(s, out, t1 - t0, t2 - t1, before)
         extension = {"prefix_reused": reused, "prefix_from_kv_dir": loaded or 0,
-                     "prefilled_tokens": len(job.ids) - reused,
-                     "ttft_s": (first[0] if first else t2) - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+                     "prefilled_tokens": len(job.ids) - reused, "ttft_s": stats["ttft_s"],
+                     "prefill_s": stats["prefill_s"], "decode_s": stats["decode_s"],
                      "ms_per_token": stats["ms_per_token"], "acceptance": stats["acceptance"],
                      "tokens_per_verification": stats["tokens_per_verification"],
                      "method": s.spec.method, **({"server_stopped": True} if self.stopping else {})}

@@ -1,0 +1,76 @@
+"""LookupLevel: prompt-lookup drafting, a model-free bottom level of the hierarchy (levels.py) in place of a
+small draft model: SpecLevel(LookupLevel(...), full, gamma) is exact prompt-lookup decoding. Each row's
+drafts are what followed the latest earlier occurrence of its last n tokens (ngram.py), over its prompt,
+what it generated and the drafts of this proposal before them.
+
+Exactness: a token chosen without sampling is a draw from the one-hot distribution on it, and goes up
+labelled so. Speculative sampling (speculative.verify, as it is) then accepts draft x with probability
+min(1, p(x) / 1) = p(x) and on rejection draws from normalise(max(0, p - onehot(x))), p without x; at
+temperature 0 it keeps x iff x is p's argmax. The tokens are the target's whatever was proposed: a poor
+guess costs acceptance only.
+
+Always k tokens a row: the level above verifies exactly k per row (Level.propose; verify takes a rectangle).
+A continuation cut short by the sequence's end is followed by another lookup after it (which continues a
+repeated run); where nothing matches the row guesses its last token again, a one-hot guess like any other,
+and looks up again after it.
+
+Each row keeps its n-gram index across calls and follows the shared buffer (NgramIndex.follow: a comparison
+of what it holds, then a rollback past rejected drafts), as a Node follows it with its cache; no host sync:
+the buffer is on the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from .levels import Level
+from .ngram import NgramIndex
+from ..sync import to_device
+
+
+class LookupLevel(Level):
+    def __init__(self, vocab_size: int, device: torch.device | str, rows: int = 1, n_max: int = 3, n_min: int = 1):
+        """vocab_size: the width of the verifier's distributions; device: theirs (the one-hot labels are
+        made there)."""
+        self.vocab_size, self.device = vocab_size, device
+        self.indexes = [NgramIndex(n_max, n_min) for _ in range(rows)]  # row b's holds seq[b, :what it saw]
+        # The labels (R, k, V), kept and rewritten in place: a fresh one at V = 128K is a 3 MB allocation
+        # and fill a round (0.5-2 ms on a CPU); rewriting is the 2 R k entries that change.
+        self._q: torch.Tensor | None = None
+        self._set: torch.Tensor | None = None  # the ids set to 1 in it, (R, k)
+
+    def prefill(self, seq: torch.Tensor, n: list[int]) -> None:
+        """Index each row's seq[b, :n[b]] before the first proposal (Session.prefill): a 100K-token prompt takes
+        0.15-0.6 s (n_max 3 to 5, a busy 2-core EPYC; scripts/lookup_bench.py), else in the first round's time."""
+        for b, nb in enumerate(n):
+            self.indexes[b].follow(seq.numpy()[b, :nb])
+
+    def propose(self, seq, n, k, gen, rows):
+        tokens = torch.tensor([self._draft(b, seq, n[b], k) for b in rows], dtype=torch.long)  # (R, k)
+        for b, t in zip(rows, tokens):
+            seq[b, n[b]:n[b] + k] = t
+        return tokens, self._labels(to_device(tokens, self.device))
+
+    def _labels(self, ids: torch.Tensor) -> torch.Tensor:
+        """One-hot (R, k, V) on ids (R, k), valid until the next proposal (SpecLevel.round verifies with it
+        before it asks again)."""
+        R, k = ids.shape
+        if self._q is None or self._q.shape[0] < R or self._q.shape[1] != k:
+            self._q = torch.zeros(max(R, len(self.indexes)), k, self.vocab_size, device=self.device)
+        else:
+            self._q[:len(self._set)].scatter_(2, self._set[..., None], 0.0)
+        self._set = ids
+        return self._q[:R].scatter_(2, ids[..., None], 1.0)
+
+    def _draft(self, b: int, seq: torch.Tensor, n: int, k: int) -> list[int]:
+        index = self.indexes[b]
+        index.follow(seq.numpy()[b, :n])  # numpy's slice: a tenth of torch's
+        out: list[int] = []
+        while len(out) < k:
+            got = index.propose(k - len(out)) or [int(index.tokens[-1])]
+            index.extend(got)
+            out += got
+        return out
+
+    def keep(self, live: list[int]) -> None:
+        """Only the listed rows stay, moved to the front with their indexes (Session.keep)."""
+        self.indexes = [self.indexes[i] for i in live]

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One call for the features that had never run on CUDA: batches, KV snapshots, chat, --peers hf, --deterministic.
+# One call for the features that had never run on CUDA: batches, KV snapshots, chat, --peers hf, --deterministic,
+# quantized projections (int4, int8).
 #
 #   bash scripts/gpu_features.sh            # from the repository root; OUT=./out by default
 #
 # Steps, in order of importance (so a cut run still brings back the first ones): the CUDA tests of those
-# paths (tests/test_cuda.py -k features, and --peers hf's in tests/test_peers.py), then short figures on
-# RANDOM llama2-7b weights in bfloat16 (times are real, acceptance rates meaningless): `tforce bench
+# paths (tests/test_cuda.py -k features, --peers hf's in tests/test_peers.py, tests/test_quant_cuda.py),
+# then short figures on RANDOM llama2-7b weights in bfloat16 (times are real, acceptance rates
+# meaningless): decode with the projections int4 (--weights int4) beside bfloat16 (on chip), `tforce bench
 # --batch N` for N = 1, 4, 8 (ar and triforce, on chip), the time to first token of a second question with
 # and without the document's KV kept or loaded from a snapshot (scripts/bench_chat.py), `--peers hf` beside
 # ar, --deterministic (+det) beside the plain methods on chip and offloaded, and last the batches with the
@@ -32,6 +34,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
 SYNTH="${SYNTH:-llama2-7b}"
+# The quantized projections' step: tiny's 172-wide MLP takes no int4 (nor int8), so the CPU check runs the
+# same command line with float
+QUANT="${QUANT:-$([ "$SYNTH" = tiny ] && echo float || echo int4)}"
 PROMPT_LEN="${PROMPT_LEN:-2048}"
 GEN_LEN="${GEN_LEN:-32}"
 BUDGET="${BUDGET:-256}"  # the middle level's cache: an eighth of the prompt (the paper: 4K of 128K)
@@ -115,8 +120,12 @@ if sys.argv[1] == "cuda" and not torch.cuda.is_available():
 PY
 [ "${#failed[@]}" -eq 0 ] || DEADLINE_S=0  # no CUDA or no torch: start nothing else
 
-step cuda_tests 210 "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 -m cuda -k "features or peers_on_cuda" \
-    tests/test_cuda.py tests/test_peers.py
+step cuda_tests 210 "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 -m cuda \
+    -k "features or peers_on_cuda or quant_cuda" tests/test_cuda.py tests/test_peers.py tests/test_quant_cuda.py
+
+for weights in auto "$QUANT"; do  # auto: the dtype's own projections (bfloat16 on CUDA)
+    bench "weights_${weights}" 60 --methods ar,triforce --offload off --weights "$weights"
+done
 
 for n in 1 4 8; do
     bench "batch${n}_chip" 75 --batch "$n" --methods ar,triforce --offload off

@@ -109,8 +109,11 @@ def test_load_model_quantizes_every_projection(pair, scheme):
 def test_load_model_refusals(tmp_path, pair):
     with pytest.raises(UsageError, match="--weights must be"):
         tforce.load_model(str(pair / "target"), weights="int3")
-    with pytest.raises(UsageError, match="CPU in one process"):
-        tforce.load_model(str(pair / "target"), device="cuda", weights="int8")
+    with pytest.raises(UsageError, match="--weights int8 runs in one process only"):
+        tforce.load_model(str(pair / "target"), weights="int8", world=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="--weights int8: no CUDA device is available"):
+            tforce.load_model(str(pair / "target"), device="cuda", weights="int8")
     make_checkpoint(tmp_path / "odd", seed=0)  # intermediate size 172: not in groups of 32, nor of 8
     with pytest.raises(UsageError, match="gate_proj: int4 needs output features in multiples of 16, got 172"):
         tforce.load_model(str(tmp_path / "odd"), weights="int4")
@@ -158,7 +161,7 @@ def test_bench_weights(pair):
 
 @pytest.mark.parametrize("args, needle", [
     (["--weights", "int2"], "--weights must be auto, float, int8, int4, got 'int2'"),
-    (["--weights", "int8", "--tp", "2"], "--weights int8 runs on the CPU in one process only"),
+    (["--weights", "int8", "--tp", "2"], "--weights int8 runs in one process only"),
 ])
 def test_bench_weights_refusals(pair, args, needle):
     result = CliRunner().invoke(app, ["bench", "--device", "cpu", "-m", str(pair / "target"), "--methods", "ar",
@@ -168,7 +171,7 @@ def test_bench_weights_refusals(pair, args, needle):
 
 def test_quantize_refuses_a_model_on_another_device():
     meta = tforce.model.network.Llama(__import__("tforce.model.synthetic", fromlist=["x"]).make_config())
-    with pytest.raises(UsageError, match="CPU only"):
+    with pytest.raises(UsageError, match="--weights int8: quantized weights run on the CPU and CUDA, not meta"):
         quantize(meta.to("meta"), "int8")
 
 
@@ -195,10 +198,75 @@ def test_run_with_quantized_weights_is_exact_for_every_method(pair, scheme):
 
 @pytest.mark.parametrize("args, needle", [
     (["--weights", "fp8"], "tforce: error: --weights must be auto, float, int8, int4, got 'fp8'"),
-    (["--weights", "int4", "--tp", "2"], "tforce: error: --weights int4 runs on the CPU in one process only, so far (--device cpu)"),
+    (["--weights", "int4", "--tp", "2"], "tforce: error: --weights int4 runs in one process only, so far (no --tp/--gpus)"),
 ])
 def test_run_weights_refusals_are_one_line(pair, args, needle):
     result = CliRunner().invoke(app, ["run", "-m", str(pair / "target"), "--prompt", "x", "-n", "2",
                                       "--device", "cpu", *args])
     assert result.exit_code == 2 and result.stderr.strip() == needle, result.output
     assert "Traceback" not in result.output
+
+
+def test_cuda_nibbles_are_torchaos_packing_of_the_same_codes():
+    """The CUDA packer's input (quant.cuda_nibbles of our stored bytes) is the codes two to a byte, column 2j
+    in the high nibble, as torchao packs them for `_convert_weight_to_int4pack`: `q[:, ::2] << 4 | q[:, 1::2]`."""
+    codes = torch.randint(0, 16, (24, 96), generator=torch.Generator().manual_seed(5))
+    stored = quant.pack_int4(codes)
+    torchao = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+    assert torch.equal(quant.cuda_nibbles(stored), torchao)
+    assert torch.equal(quant.cuda_nibbles(torchao), stored)  # swapping twice gives the bytes back
+    assert torch.equal(quant.unpack_int4(stored), codes.to(torch.int32))
+
+
+@pytest.mark.parametrize("K, tiles", [(32, 2), (96, 2), (64, 4), (576, 4), (128, 8), (4096, 8), (11008, 8)])
+def test_inner_k_tiles_is_the_widest_the_input_features_take(K, tiles):
+    assert quant.inner_k_tiles(K) == tiles and K % (16 * tiles) == 0
+
+
+def test_shape_rules_per_device():
+    """CUDA's rules are looser than the CPU's (int4 outputs by 8, not 16; int8 any shape), and implied by them."""
+    shape_problem = quant.shape_problem
+    assert shape_problem("int4", 64, 40, "cuda") is None
+    assert shape_problem("int4", 64, 40) == "int4 needs output features in multiples of 16, got 40"
+    assert shape_problem("int4", 64, 36, "cuda") == "int4 on CUDA needs output features in multiples of 8, got 36"
+    assert shape_problem("int4", 40, 64, "cuda") == "int4 needs input features in multiples of 32, got 40"
+    assert shape_problem("int8", 172, 64, "cuda") is None and shape_problem("int8", 172, 64) is not None
+    for K in range(32, 600, 4):  # whatever the CPU takes, CUDA takes
+        for N in (8, 16, 40, 48, 172, 192):
+            for scheme in quant.SCHEMES:
+                assert shape_problem(scheme, K, N) is not None or shape_problem(scheme, K, N, "cuda") is None
+
+
+def test_device_problems_and_a_move_the_kernels_cannot_follow():
+    assert quant.device_problem("int4", "cpu") is None
+    assert quant.device_problem("int8", "meta") == "quantized weights run on the CPU and CUDA, not meta"
+    if not torch.cuda.is_available():
+        assert quant.device_problem("int4", "cuda") == "no CUDA device is available"
+    layer = QuantLinear(nn.Linear(64, 32, bias=False), "int4")
+    before = layer.qweight.clone()
+    assert layer.to("cpu", torch.bfloat16) is layer and torch.equal(layer.qweight, before)  # nothing repacked
+    with pytest.raises(ValueError, match="not meta"):
+        layer.to("meta")
+
+
+@pytest.mark.parametrize("N, K, tiles", [(192, 576, 4), (40, 96, 2), (4096, 11008, 8)])
+def test_the_cuda_path_traced_without_a_gpu(monkeypatch, N, K, tiles):
+    """The CUDA branch's plumbing on the CPU: under FakeTensorMode tensors on "cuda" carry only shapes and
+    dtypes through PyTorch's meta kernels (nothing is computed), so this checks what reaches
+    `_convert_weight_to_int4pack` (uint8) and `_weight_int4pack_mm` and the shapes that come back, not the
+    values (tests/test_quant_cuda.py, on a GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        int4 = QuantLinear.stored("int4", torch.empty(N, K // 2, dtype=torch.uint8, device="cuda"),
+                                  torch.empty(K // GROUP, N, 2, device="cuda"))
+        int8 = QuantLinear.stored("int8", torch.empty(N, K, dtype=torch.int8, device="cuda"),
+                                  torch.empty(N, device="cuda"))
+        assert int4.qweight.shape == (N // 8, K // (16 * tiles), 32, tiles // 2) and int4.qweight.dtype == torch.int32
+        assert int4.scales.dtype == torch.bfloat16 and int4.qweight.is_cuda
+        for layer in (int4, int8):
+            for dtype in (torch.float32, torch.bfloat16):
+                y = layer(torch.empty(2, 5, K, dtype=dtype, device="cuda"))
+                assert y.shape == (2, 5, N) and y.dtype == dtype and y.is_cuda

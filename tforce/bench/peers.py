@@ -99,7 +99,7 @@ def offload_available() -> bool:
 
 def skip_reason(peer: str, device: torch.device, has_draft: bool, quantized: bool = False) -> str | None:
     if quantized:
-        return ("quantized projections (a GGUF's, kept so on the CPU, or --weights int8/int4): transformers' class "
+        return ("quantized projections (a GGUF's, kept so, or --weights int8/int4): transformers' class "
                 "takes float ones; --weights float compares the same values")
     if peer == "hf-assisted" and not has_draft:
         return "no draft model (pass --draft)"

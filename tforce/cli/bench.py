@@ -115,7 +115,7 @@ def bench(
         engine["prefill_chunk"] = prefill_chunk
         Sampling(temperature=temperature, top_p=top_p, seed=seed).validate()
         project = _project_option(project_at)
-        from ..model.quant import check_weights
+        from ..model.quant import SCHEMES, check_device, check_weights
 
         check_weights(weights)
         cfg = b.BenchConfig(methods=names, prompt_len=length, gen_len=gen_len, temperature=temperature,
@@ -126,8 +126,10 @@ def bench(
         if world > 1 and synthetic is not None:
             raise UsageError("--gpus/--tp > 1 needs --model (a checkpoint folder the ranks load); "
                              "--synthetic models are built in one process")
-        if weights != "auto" and (world > 1 or dev != "cpu"):
-            raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far (--device cpu)")
+        if weights != "auto" and world > 1:
+            raise UsageError(f"--weights {weights} runs in one process only, so far (no --tp/--gpus)")
+        if weights in SCHEMES:
+            check_device(weights, dev)
         if world > 1 and peer_names:
             raise UsageError("--peers runs in one process: drop --gpus/--tp")
         if batch is not None and (world > 1 or peer_names):

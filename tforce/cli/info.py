@@ -229,8 +229,8 @@ def _print_info(r: dict) -> None:
             t.add_row("planned from", "the model's config.json, not its weights (neither downloaded nor read)")
         if m.get("quantized"):
             t.add_row("stored projections", ", ".join(f"{n} {k}" for k, n in m["quantized"].items())
-                      + f"; kept so on the CPU, dequantized into the dtype elsewhere; weights "
-                        f"{_gib(m['weights_file_bytes'])} on disk")
+                      + "; kept so on the CPU and CUDA (int4 from compute capability 8.0), dequantized into "
+                        f"the dtype elsewhere; weights {_gib(m['weights_file_bytes'])} on disk")
         t.add_row("architecture", f"{m['model_type']}: {m['layers']} layers, hidden {m['hidden_size']}, "
                                   f"{m['heads']} heads, {m['kv_heads']} kv heads, head dim {m['head_dim']}")
         t.add_row("context / rope", f"{m['context']} tokens, rope {m['rope_type']} (theta {m['rope_theta']})")

@@ -47,9 +47,9 @@ DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda")
 THREADS = typer.Option(0, "--threads", help=THREADS_HELP)
 DTYPE = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16")
 WEIGHTS = typer.Option("auto", "--weights", help="auto: as the checkpoint has them (in --dtype; a GGUF's projections "
-                                                 "kept quantized on the CPU) | float: in --dtype | int8 (per "
-                                                 "channel) | int4 (groups of 32): the target's projections quantized "
-                                                 "at load (CPU, one process).")
+                                                 "kept quantized) | float: in --dtype | int8 (per channel) | int4 "
+                                                 "(groups of 32): the target's projections quantized at load (CPU "
+                                                 "or CUDA, one process).")
 OFFLOAD = typer.Option("auto", "--offload", help=OFFLOAD_HELP)
 GPU_MEMORY = typer.Option(None, "--gpu-memory", help=GPU_MEMORY_HELP)
 SAVE_KV = typer.Option(None, "--save-kv", metavar="DIR",

@@ -168,12 +168,14 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     config = config.with_options(**_placement_options(p["offload"], p["gpu_memory"]))
     _threads(p["threads"])
     world, dev = _parallel(p["tp"], p["gpus"], p["device"])
-    from ..model.quant import SCHEMES, check_weights
+    from ..model.quant import SCHEMES, check_device, check_weights
 
     weights = p.get("weights", "auto")
     check_weights(weights)
-    if weights in SCHEMES and (world > 1 or dev != "cpu"):
-        raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far (--device cpu)")
+    if weights in SCHEMES and world > 1:
+        raise UsageError(f"--weights {weights} runs in one process only, so far (no --tp/--gpus)")
+    if weights in SCHEMES:
+        check_device(weights, dev)
     dtype = _dtype_name(None if p["dtype"] == "auto" else p["dtype"], dev)
     _check_snapshots(p["save_kv"], p["load_kv"], world, dtype)
     model, draft, demo_draft = p["model"], p["draft"], None
@@ -240,7 +242,7 @@ def _exactness_note(setup: Setup) -> None:
     dtype = _dtype_name(setup.dtype, setup.device)
     # quantized projections compute in bfloat16 (model/quant.py), whatever the dtype
     weights = setup.weights
-    if weights == "auto" and setup.device == "cpu":
+    if weights == "auto":
         from ..model.quant_stored import read_quantized
         from ..model.registry import resolve
 

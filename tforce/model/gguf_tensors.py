@@ -140,6 +140,7 @@ def read_state(file, arch: str, heads: int, kv_heads: int) -> tuple[dict, dict]:
             perm = _rows(shape[0], heads if module.endswith("q_proj") else kv_heads)
         scheme, how = scheme_for(t.tensor_type)
         projection = kind == "weight" and module.rsplit(".", 1)[-1] in PROJECTIONS and len(shape) == 2
+        # the CPU's shape rules, which imply CUDA's: one conversion serves either device
         if projection and scheme and shape_problem(scheme, shape[1], shape[0]):
             scheme, how = None, "kept"  # a shape the kernel refuses stays floating point
         if projection and scheme == "int4" and how == "mapped":

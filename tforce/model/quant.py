@@ -1,4 +1,4 @@
-"""Weight-only quantized projections: int8 per output channel, int4 in groups of 32, on the CPU.
+"""Weight-only quantized projections: int8 per output channel, int4 in groups of 32, on the CPU and CUDA.
 
 Why: a decode step reads every weight once, and on a CPU most of a short-context step is those reads
 (SmolLM2-135M in float32: 513 MiB of weights against 44 MiB of KV cache at 1,000 tokens). The kernels are
@@ -19,6 +19,22 @@ Formats (docs/architecture.md, "Weights"):
 - int4: per group of 32 inputs of an output channel, lo/hi its range, scale = (hi - lo) / 15,
   q = round((w - lo) / scale) in [0, 15]; PyTorch's convention stores zero = lo + 8 * scale and computes
   w ~ (q - 8) * scale + zero. Scales and zeros are bfloat16, as the kernel takes them.
+
+On CUDA (not yet run on a GPU: tests/test_quant_cuda.py is written for one, and no figure is claimed):
+- int4 runs PyTorch's tinygemm kernel (`_weight_int4pack_mm`, packed by `_convert_weight_to_int4pack`;
+  aten/src/ATen/native/cuda/int4mm.cu), with the same groups, bfloat16 scales and zeros, and the same
+  w = (q - 8) * scale + zero (the kernel rounds each dequantized weight to bfloat16 before its tensor-core
+  product). Its packing takes the codes two to a byte with column 2j in the HIGH nibble (the kernel's
+  pack reads byte v's high nibble as the even k; torchao packs `q[:, ::2] << 4 | q[:, 1::2]`), the
+  opposite of pack_int4, so cuda_nibbles swaps them. It needs compute capability 8.0 (bfloat16 mma.sync)
+  and bfloat16 activations; every row count takes it (no DEQUANTIZE_ROWS, which is the CPU's measurement).
+- int8 keeps its codes (1 byte a weight, half of bfloat16: what int8 is for on a GPU is room for the KV
+  cache) and multiplies by the weight dequantized per call, q.to(bfloat16) * scale, in cuBLAS: the CUDA
+  `_weight_int8pack_mm` of torch 2.11 (pytorch#159325, 2025) is a float32 loop with one thread per
+  output walking all of K alone, its weight reads uncoalesced (pytorch#190529, 2026, proposes a rewrite),
+  so a decode step's one row would leave most of the GPU idle.
+The packed int4 layout differs between the CPU and CUDA, so a QuantLinear is packed for the device it is
+built on, and moving one across (Module.to) packs it again from its codes.
 
 Exactness is relative to the model as quantized: every level of the hierarchy runs these same
 projections, so speculative decoding reproduces plain decoding of the quantized model (tests/test_quant.py).
@@ -72,8 +88,15 @@ def int4_weights(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, tor
     return q.view(N, K).to(torch.int32), sz
 
 
-def shape_problem(scheme: str, in_features: int, out_features: int) -> str | None:
-    """Why the scheme's kernel cannot take a weight of this shape, or None."""
+def shape_problem(scheme: str, in_features: int, out_features: int, device: str = "cpu") -> str | None:
+    """Why the scheme's kernel on `device` ("cpu" or "cuda") cannot take a weight of this shape, or None.
+    The CPU's rules imply CUDA's, so a model quantized for the CPU runs on either."""
+    if device == "cuda":
+        if scheme == "int4" and in_features % GROUP:  # then inner_k_tiles(K) finds 2 tiles (32 inputs) at least
+            return f"int4 needs input features in multiples of {GROUP}, got {in_features}"
+        if scheme == "int4" and out_features % 8:  # the kernel's n-tiles: scales and output are n-tiles * 8 wide
+            return f"int4 on CUDA needs output features in multiples of 8, got {out_features}"
+        return None  # int8 on CUDA is a plain product (module docstring)
     if scheme == "int8":
         # _weight_int8pack_mm read out of bounds (a segmentation fault) for 7 rows of 172 inputs on torch
         # 2.13's CPU build; 8, 168, 176 and 200 inputs ran right
@@ -85,9 +108,24 @@ def shape_problem(scheme: str, in_features: int, out_features: int) -> str | Non
     return None
 
 
+def device_problem(scheme: str, device) -> str | None:
+    """Why the scheme's projections cannot run on `device`, or None."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"quantized weights run on the CPU and CUDA, not {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    capability = torch.cuda.get_device_capability(device)
+    if scheme == "int4" and capability < (8, 0):  # tinygemm is built for sm_80 and later only
+        return f"int4 on CUDA needs compute capability 8.0 or later, this GPU has {capability[0]}.{capability[1]}"
+    return None
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """int4 codes (N, K) in 0..15 -> uint8 (N, K / 2), column 2j in the low nibble, 2j + 1 in the high: the
-    form stored on disk (the kernel's own packing is the CPU build's business, made at load)."""
+    form stored on disk (each device's kernel has its own packing, made at load: _kernel_pack)."""
     c = codes.to(torch.uint8)
     return c[:, 0::2] | (c[:, 1::2] << 4)
 
@@ -95,6 +133,26 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """pack_int4's inverse -> int32 (N, K), the kernel packer's input."""
     return torch.stack([packed & 0x0F, packed >> 4], -1).flatten(1).to(torch.int32)
+
+
+def cuda_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4's bytes -> `_convert_weight_to_int4pack`'s input: the same codes two to a byte, column 2j in
+    the high nibble and 2j + 1 in the low one (its own involution: swapping twice gives the bytes back)."""
+    return ((packed & 0x0F) << 4) | (packed >> 4)
+
+
+def inner_k_tiles(K: int) -> int:
+    """The CUDA packing's k-tiles (of 16 inputs) per lane load: 8, 4 or 2, the largest that divides K (the
+    kernel needs K a multiple of 16 times it; more tiles make wider loads, 16 bytes at 8)."""
+    return next(t for t in (8, 4, 2) if K % (16 * t) == 0)
+
+
+def _kernel_pack(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4's bytes (N, K / 2) -> the int4 kernel's own layout on their device."""
+    if packed.device.type == "cuda":
+        return torch.ops.aten._convert_weight_to_int4pack(cuda_nibbles(packed).contiguous(),
+                                                           inner_k_tiles(packed.shape[1] * 2))
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(packed), 2)
 
 
 @lru_cache(maxsize=None)
@@ -138,9 +196,8 @@ class QuantLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, scheme: str):
         w = linear.weight.detach()
-        if w.device.type != "cpu":
-            raise ValueError("quantized weights run on the CPU only")
-        problem = scheme in SCHEMES and shape_problem(scheme, linear.in_features, linear.out_features)
+        problem = scheme in SCHEMES and (device_problem(scheme, w.device) or shape_problem(
+            scheme, linear.in_features, linear.out_features, w.device.type))
         if problem:
             raise ValueError(problem)
         if scheme == "int8":
@@ -155,7 +212,8 @@ class QuantLinear(nn.Module):
     @classmethod
     def stored(cls, scheme: str, qweight: torch.Tensor, scales: torch.Tensor,
                bias: torch.Tensor | None = None) -> "QuantLinear":
-        """From the stored form: qweight int8 (N, K) for int8, uint8 (N, K / 2) (pack_int4) for int4."""
+        """From the stored form: qweight int8 (N, K) for int8, uint8 (N, K / 2) (pack_int4) for int4; packed
+        for the device qweight is on (where scales and bias must be too)."""
         self = cls.__new__(cls)
         self._build(scheme, qweight, scales, bias)
         return self
@@ -164,11 +222,9 @@ class QuantLinear(nn.Module):
         super().__init__()
         N, K = q.shape[0], q.shape[1] * (2 if scheme == "int4" else 1)
         self.scheme, self.in_features, self.out_features = scheme, K, N
-        self.register_buffer("scales", scales.to(_COMPUTE))
-        if scheme == "int8":
-            self.register_buffer("qweight", q.to(torch.int8))
-        else:
-            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q), 2))
+        # contiguous: the CUDA kernel reads the scales' memory as (K / GROUP, N, 2) whatever their strides
+        self.register_buffer("scales", scales.to(_COMPUTE).contiguous())
+        self.register_buffer("qweight", q.to(torch.int8) if scheme == "int8" else _kernel_pack(q))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def stored_form(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,18 +234,28 @@ class QuantLinear(nn.Module):
         return pack_int4(self.codes()), self.scales
 
     def codes(self, dtype=torch.int32) -> torch.Tensor:
-        """The int4 codes (N, K) in 0..15, in `dtype`: read from the packed layout where kernel_block knows it,
-        else through the kernel: W^T = I W^T with unit scales and zero -8 gives q - 8 exactly (small integers
-        are exact in bfloat16)."""
-        block = kernel_block(self.out_features, self.in_features)
+        """The int4 codes (N, K) in 0..15, in `dtype`: on the CPU read from the packed layout where kernel_block
+        knows it, else (and on CUDA) through the kernel: W^T = I W^T with unit scales and zero 0 gives q - 8
+        exactly (small integers are exact in bfloat16)."""
+        cuda = self.qweight.is_cuda
+        block = None if cuda else kernel_block(self.out_features, self.in_features)
         if block is not None:
             return _read_packed(self.qweight, self.out_features, self.in_features, block, dtype)
-        eye = torch.eye(self.in_features, dtype=_COMPUTE)
+        eye = torch.eye(self.in_features, dtype=_COMPUTE, device=self.qweight.device)
         ones = torch.stack([torch.ones_like(self.scales[..., 0]), torch.zeros_like(self.scales[..., 0])], -1)
-        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP, ones).float().t()
+        mm = torch.ops.aten._weight_int4pack_mm if cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+        w = mm(eye, self.qweight, GROUP, ones).float().t()
         return (w + 8).round().to(dtype).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight.is_cuda:
+            rows = x.reshape(-1, self.in_features).to(_COMPUTE).contiguous()  # the kernel takes contiguous rows
+            if self.scheme == "int8":
+                y = F.linear(rows, self.qweight.to(_COMPUTE) * self.scales.unsqueeze(1))
+            else:
+                y = torch.ops.aten._weight_int4pack_mm(rows, self.qweight, GROUP, self.scales)
+            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if x.numel() >= DEQUANTIZE_ROWS * self.in_features and self._readable():
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
         rows = x.reshape(-1, self.in_features).to(_COMPUTE)
@@ -207,13 +273,32 @@ class QuantLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight (N, K) this module multiplies by: the reference of its products, and the weight
-        of a prefill chunk's product (DEQUANTIZE_ROWS)."""
+        of a prefill chunk's product on the CPU (DEQUANTIZE_ROWS). On CUDA the products round it to bfloat16
+        first (module docstring)."""
         if self.scheme == "int8":
             return dequantize_stored("int8", self.qweight, self.scales)
         N, K = self.out_features, self.in_features
         codes = self.codes(torch.float32)
         scale, zero = (self.scales[..., i].float().t()[:, :, None] for i in (0, 1))  # (N, K / GROUP, 1)
         return codes.view(N, K // GROUP, GROUP).sub_(8).mul_(scale).add_(zero).view(N, K)
+
+    def _apply(self, fn, recurse=True):
+        """Module.to, .cuda, .cpu: int4's packed layout is the device's own, so a weight moved between the CPU
+        and CUDA is packed again from its stored form (a model moved whole gets the layout of where it goes)."""
+        old = self.qweight.device
+        new = fn(torch.empty(0, dtype=torch.uint8, device=old)).device  # where fn sends a buffer
+        if new.type == old.type:
+            return super()._apply(fn, recurse)
+        problem = device_problem(self.scheme, new) or shape_problem(self.scheme, self.in_features,
+                                                                    self.out_features, new.type)
+        if problem:
+            raise ValueError(problem)
+        if self.scheme == "int8":  # the same codes on every device
+            return super()._apply(fn, recurse)
+        self._buffers["qweight"] = self.stored_form()[0]
+        super()._apply(fn, recurse)
+        self._buffers["qweight"] = _kernel_pack(self.qweight)
+        return self
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
@@ -225,22 +310,29 @@ def check_weights(weights: str) -> None:
         raise UsageError(f"--weights must be {', '.join(CHOICES)}, got {weights!r}")
 
 
+def check_device(scheme: str, device) -> None:
+    """Refuse (UsageError, one line) a scheme whose projections cannot run on `device` (device_problem)."""
+    problem = device_problem(scheme, device)
+    if problem:
+        raise UsageError(f"--weights {scheme}: {problem}")
+
+
 def quantize(model: nn.Module, scheme: str) -> nn.Module:
     """Replace every layer's floating-point projections of `model` (network.Llama) by QuantLinear, in place
     (those already QuantLinear, a GGUF's as quant_stored.install left them in this scheme, stay); returns it.
     A shape the scheme cannot take is refused (UsageError) before anything is replaced."""
-    if next(model.parameters()).device.type != "cpu":
-        raise UsageError(f"--weights {scheme} runs on the CPU only, so far")
+    device = next(model.parameters()).device
+    check_device(scheme, device)
     if getattr(model, "weights", "auto") != "auto":
         raise UsageError(f"the model's projections are {model.weights} already")
     kernel = "_weight_int8pack_mm" if scheme == "int8" else "_weight_int4pack_mm_for_cpu"
-    if not hasattr(torch.ops.aten, kernel):
+    if device.type == "cpu" and not hasattr(torch.ops.aten, kernel):
         raise UsageError(f"--weights {scheme} needs torch >= 2.6 (its {kernel}); this is torch {torch.__version__}")
     layer = model.model.layers[0]
     for parent in (layer.self_attn, layer.mlp):
         for name in PROJECTIONS:
             p = getattr(parent, name, None)
-            problem = p is not None and shape_problem(scheme, p.in_features, p.out_features)
+            problem = p is not None and shape_problem(scheme, p.in_features, p.out_features, device.type)
             if problem:
                 raise UsageError(f"--weights {scheme}: {name}: {problem}")
     for layer in model.model.layers:

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..errors import TforceError
 from .linear import Linear
-from .quant import SCHEMES, QuantLinear, dequantize_stored
+from .quant import SCHEMES, QuantLinear, dequantize_stored, device_problem
 
 QUANTIZED = "quantization.json"  # {module: {"scheme", "source", "how"}}, written by gguf_convert
 # A quantized module's tensors, and a Q8_0 tensor's (gguf_tensors.q8_blocks): kept in their stored dtypes when read.
@@ -38,11 +38,13 @@ def read_quantized(path: Path) -> dict:
 
 
 def install(model: nn.Module, state: dict, quantized: dict, weights: str | None, dtype: torch.dtype,
-            cpu: bool) -> str:
-    """Replace each quantized module of `model` (on the meta device) by its stored form, taking its tensors
-    out of `state`. Kept quantized on the CPU unless `weights` names the other scheme (re-quantized from the
-    stored values); off the CPU (the kernels are CPU-only) a plain projection in `dtype` of the dequantized
-    values. Returns what the model's projections are: a scheme, "mixed", or "auto" (none quantized)."""
+            device: torch.device) -> str:
+    """Replace each quantized module of `model` (on the meta device) by its stored form on `device` (packed
+    for its kernel there), taking its tensors out of `state`. Kept quantized unless `weights` names the
+    other scheme (re-quantized from the stored values); where the scheme's kernel cannot run
+    (quant.device_problem: int4 on a GPU older than compute capability 8.0) or with `weights` "float", a
+    plain projection in `dtype` of the dequantized values. Returns what the model's projections are: a
+    scheme, "mixed", or "auto" (none quantized)."""
     schemes = set()
     for module, info in quantized.items():
         try:
@@ -50,12 +52,13 @@ def install(model: nn.Module, state: dict, quantized: dict, weights: str | None,
         except (KeyError, TypeError) as e:
             raise TforceError(f"the quantized weights of {module} are incomplete ({e})") from e
         bias = state.pop(f"{module}.bias", None)
-        want = None if not cpu or weights == "float" else weights if weights in SCHEMES else scheme
+        want = weights if weights in SCHEMES else None if weights == "float" else scheme
+        want = None if want is None or device_problem(want, device) else want
         if want == scheme:
-            new = QuantLinear.stored(scheme, q, scales, bias)
+            new = QuantLinear.stored(scheme, *(t if t is None else t.to(device) for t in (q, scales, bias)))
         else:  # from the stored values in their own precision (a mapped GGUF block's: the file's, float32)
             new = _plain(dequantize_stored(scheme, q, scales), bias, dtype if want is None else torch.float32)
-            new = new if want is None else QuantLinear(new, want)
+            new = new if want is None else QuantLinear(new.to(device), want)
         parent, _, name = module.rpartition(".")
         setattr(model.get_submodule(parent), name, new)
         schemes.add(want)

@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from ..errors import TforceError, UsageError
 from .families import FAMILIES, sliding_window
 from .network import Llama
-from .quant import SCHEMES, check_weights, quantize
+from .quant import SCHEMES, check_device, check_weights, quantize
 from .quant_stored import expand_q8, install, read_quantized
 from .registry import resolve
 from .weight_files import other_format, read_tensors, refuse_quantized, weight_files
@@ -102,17 +102,20 @@ def _add_generation_eos(config, path: Path) -> None:
 def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str | None = None,
                tokenizer: bool = True, rank: int = 0, world: int = 1, weights: str | None = None) -> LoadedModel:
     """Load a checkpoint of one of the FAMILIES. dtype defaults to float32 on CPU and bfloat16 on CUDA.
-    weights (quant.CHOICES): "int8" or "int4" quantizes the layers' projections after loading (quant.py; CPU
-    only, one rank); None or "auto" keeps them as the folder has them: in dtype, or as stored quantized by a
-    GGUF conversion (quant_stored.py; on the CPU; dequantized to dtype elsewhere); "float": in dtype.
+    weights (quant.CHOICES): "int8" or "int4" quantizes the layers' projections after loading (quant.py; on
+    the CPU or CUDA, one rank); None or "auto" keeps them as the folder has them: in dtype, or as stored
+    quantized by a GGUF conversion (quant_stored.py; dequantized to dtype where the kernel cannot run);
+    "float": in dtype.
 
     world > 1: the model of tensor-parallel rank `rank` (sharding.apply_tp's layout), reading from the
     files only that rank's slice of each sharded weight, the rest whole (weight_files.read_tensors: what
     that costs in host memory for each format)."""
     if weights is not None:
         check_weights(weights)
-    if weights in SCHEMES and (not str(device).startswith("cpu") or world > 1):
-        raise UsageError(f"--weights {weights} runs on the CPU in one process only, so far")
+    if weights in SCHEMES and world > 1:
+        raise UsageError(f"--weights {weights} runs in one process only, so far")
+    if weights in SCHEMES:  # before anything is read
+        check_device(weights, device)
     path = resolve(name_or_path)
     config = read_config(path)
     quantized = read_quantized(path)
@@ -138,7 +141,7 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
     kept = "auto"
     if quantized:
         expand_q8(state, dtype)  # read_tensors gave every other float tensor in dtype already
-        kept = install(model, state, quantized, weights, dtype, str(device).startswith("cpu"))
+        kept = install(model, state, quantized, weights, dtype, torch.device(device))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")
                and m.rpartition(".")[0] not in quantized]

@@ -52,13 +52,15 @@ def exact_joint(model, prompt, n):
     return out
 
 
-def draw(target, draft, prompt, method, n_samples, seed, policy="retrieval", deterministic=False):
-    """n_samples independent generations of N_TOKENS tokens, each from a fresh session."""
-    spec = Speculation(method=method, policy=policy, **dict(SMALL, gamma2=3))
+def draw(target, draft, prompt, method, n_samples, seed, policy="retrieval", deterministic=False, proposer="model"):
+    """n_samples independent generations of N_TOKENS tokens, each from a fresh session; the acceptance of
+    the top level's drafts."""
+    spec = Speculation(method=method, policy=policy, proposer=proposer, **dict(SMALL, gamma2=3))
     gen = torch.Generator().manual_seed(seed)
     samples, drafted, accepted = [], 0, 0
     for _ in range(n_samples):
-        session = Session(target, draft, len(prompt), N_TOKENS + 8, RunConfig(speculation=spec, sampling=SAMPLING, execution=Execution(deterministic=deterministic)))
+        run = RunConfig(speculation=spec, sampling=SAMPLING, execution=Execution(deterministic=deterministic))
+        session = Session(target, draft, len(prompt), N_TOKENS + 8, run)
         session.prefill([prompt])
         n, got = len(prompt), []
         while len(got) < N_TOKENS:

@@ -14,6 +14,7 @@ from tforce.config import METHODS, RunConfig, Sampling, Speculation
 from tforce.engine.decode import decode
 from tforce.engine.generate import Session, open_session
 from tforce.cache.rows import Rows
+from tforce.engine.lookup import LookupLevel
 from tforce.engine.levels import Drafter, Node, SpecLevel
 from tforce.auto.projection import (forwards_per_token, hierarchy, low_acceptance_rule, per_token, project,
                                       rebuild_interval)
@@ -116,14 +117,25 @@ def test_the_surplus_of_a_middle_round_is_paid_for():
 def _describe(level):
     if isinstance(level, Drafter):
         return ("drafter", level.node.name)
+    if isinstance(level, LookupLevel):
+        return ("lookup",)
     return ("spec", _describe(level.proposer), level.node.name, level.gamma)
 
 
+@pytest.mark.parametrize("proposer", ["model", "lookup"])
 @pytest.mark.parametrize("method", METHODS)
-def test_hierarchy_is_the_engines(tiny, method):
-    spec = Speculation(method=method, gamma1=3, gamma2=5, budget=64, chunk_size=4, draft_budget=32, sinks=4)
-    session = Session(tiny["gqa"].model, tiny["draft"].model, 100, 8, RunConfig(speculation=spec, sampling=Sampling()))
+def test_hierarchy_is_the_engines(tiny, method, proposer):
+    spec = Speculation(method=method, gamma1=3, gamma2=5, budget=64, chunk_size=4, draft_budget=32, sinks=4,
+                       proposer=proposer)
+    draft = tiny["draft"].model if spec.uses_draft else None
+    session = Session(tiny["gqa"].model, draft, 100, 8, RunConfig(speculation=spec, sampling=Sampling()))
     assert _describe(session.top) == hierarchy(spec)
+
+
+def test_a_lookup_round_costs_no_draft_forward():
+    """naive with n-gram lookup: per token, only the full cache's verifications (1 / tokens per round)."""
+    f = forwards_per_token(Speculation(method="naive", gamma2=4, proposer="lookup"), 1.0)
+    assert f == pytest.approx({"full": 1 / 5})
 
 
 def test_projection_at_the_measured_acceptance_uses_the_runs_stage_times(tiny):

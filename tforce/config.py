@@ -23,7 +23,8 @@ def levels(method: str) -> tuple[bool, str | None]:
     """LEVELS' entry of a method; "auto" and unknown names (refused by Speculation.validate): none."""
     return LEVELS.get(method, (False, None))
 AUTO = "auto"  # not a method: planner.py chooses one of METHODS (and its gammas) for the run
-POLICIES = ("retrieval", "shared", "topk", "streaming", "h2o")  # the middle cache's selection rule (cache/policies.py)
+POLICIES = ("retrieval", "shared", "topk", "streaming", "h2o")
+PROPOSERS = ("model", "lookup")  # Speculation.proposer  # the middle cache's selection rule (cache/policies.py)
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,27 @@ class Speculation:
     rebuild_every: int = 128  # rebuild the retrieval cache after this many committed tokens
     rebuild_below: float = 0.3  # ... or when the middle level's rolling acceptance falls under this
     policy: str = "retrieval"  # which tokens the middle cache holds (methods triforce, retrieval)
+    # what proposes at the bottom level of a method that has one: "model" (a small draft model) or "lookup"
+    # (no model: what followed the latest earlier occurrence of the last n tokens, engine/lookup.py), n from
+    # lookup_max down to lookup_min
+    proposer: str = "model"
+    lookup_max: int = 3
+    lookup_min: int = 1
+
+    @property
+    def drafts(self) -> bool:
+        """The method has a bottom level that proposes (a draft model, or lookup)."""
+        return levels(self.method)[0]
 
     @property
     def uses_draft(self) -> bool:
         """A small draft model proposes (the bottom level)."""
-        return levels(self.method)[0]
+        return self.drafts and self.proposer == "model"
+
+    @property
+    def looks_up(self) -> bool:
+        """The bottom level proposes by n-gram lookup, without a model."""
+        return self.drafts and self.proposer == "lookup"
 
     @property
     def middle(self) -> str | None:
@@ -80,8 +97,8 @@ class Speculation:
 
     @property
     def two_verifiers(self) -> bool:
-        """The small draft is verified by a middle level (gamma1), which the full cache verifies (gamma2)."""
-        return self.uses_draft and self.middle is not None
+        """The bottom level is verified by a middle level (gamma1), which the full cache verifies (gamma2)."""
+        return self.drafts and self.middle is not None
 
     def validate(self) -> None:
         if self.method == AUTO:  # the planner chooses among METHODS: every option is checked as triforce's
@@ -104,6 +121,11 @@ class Speculation:
         if self.policy != "retrieval" and not self.retrieves:  # it would change nothing
             raise UsageError(f"--policy {self.policy} chooses what the middle level's cache holds; --method "
                              f"{self.method} has none (triforce and retrieval have)")
+        if self.proposer not in PROPOSERS:
+            raise UsageError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
+        if not 1 <= self.lookup_min <= self.lookup_max:
+            raise UsageError(f"--lookup-min and --lookup-max must satisfy 1 <= min <= max, got {self.lookup_min} "
+                             f"and {self.lookup_max}")
         if not 0 <= self.rebuild_below <= 1:
             raise UsageError(f"--rebuild-below must be in [0, 1], got {self.rebuild_below}")
 

@@ -44,7 +44,8 @@ def uncalibrated(device: str, has_draft: bool) -> str:
 
 def candidates(config: RunConfig, has_draft: bool, exclude=()) -> list[str]:
     """The methods auto may choose with this configuration: those whose options check (a --policy only the
-    retrieval cache has, a streaming budget under --sinks), with a draft where they need one."""
+    retrieval cache has, a streaming budget under --sinks), with a proposer where they need one (has_draft:
+    a draft model; or the configuration's n-gram lookup)."""
     out = []
     for method in ORDER:
         spec = replace(config.speculation, method=method)

@@ -40,14 +40,16 @@ from ..engine.levels import REBUILD_WINDOW
 
 
 def hierarchy(spec: Speculation) -> tuple:
-    """The method's levels as nested tuples: ("drafter", node) or ("spec", proposer, node, gamma)."""
-    if not spec.uses_draft and spec.middle is None:  # ar
+    """The method's levels as nested tuples: ("drafter", node), ("lookup",) (n-gram lookup: a round's gamma
+    tokens at once, no forward) or ("spec", proposer, node, gamma)."""
+    bottom = ("lookup",) if spec.looks_up else ("drafter", "draft")
+    if not spec.drafts and spec.middle is None:  # ar
         return ("drafter", "full")
     if spec.middle is None:  # naive
-        return ("spec", ("drafter", "draft"), "full", spec.gamma2)
-    if not spec.uses_draft:  # retrieval
+        return ("spec", bottom, "full", spec.gamma2)
+    if not spec.drafts:  # retrieval
         return ("spec", ("drafter", spec.middle), "full", spec.gamma2)
-    return ("spec", ("spec", ("drafter", "draft"), spec.middle, spec.gamma1), "full", spec.gamma2)
+    return ("spec", ("spec", bottom, spec.middle, spec.gamma1), "full", spec.gamma2)
 
 
 def _rate(level: tuple, rate) -> float:
@@ -55,7 +57,7 @@ def _rate(level: tuple, rate) -> float:
     where the level verifies the small draft's tokens, "retrieval" where it verifies the middle level's)."""
     if not isinstance(rate, dict):
         return rate
-    return rate["draft" if level[1] == ("drafter", "draft") else "retrieval"]
+    return rate["draft" if level[1] in (("drafter", "draft"), ("lookup",)) else "retrieval"]
 
 
 def per_token(rate: float, gamma: int) -> float:
@@ -98,6 +100,8 @@ def _mean_tokens(level: tuple, rate) -> float:
 
 def _rounds_for(level: tuple, k: int, rate, most: int | None = None) -> float:
     """Expected rounds of `level` until it has yielded at least k tokens, or has run `most` rounds."""
+    if level[0] == "lookup":  # the k tokens asked for, in one proposal
+        return 1.0
     dist = _round_tokens(level, rate)
     e = [0.0] * (k + 1)  # e[need]: expected rounds until `need` more tokens (bottom up: k may be large)
     if most is None:
@@ -112,6 +116,8 @@ def _rounds_for(level: tuple, k: int, rate, most: int | None = None) -> float:
 def _rounds_max(level: tuple, k: int, rate, rows: int) -> float:
     """Expected rounds of `level` until each of `rows` independent rows has yielded at least k tokens: the
     maximum of the rows' rounds, E[max] = sum over m of P(some row needs more than m rounds)."""
+    if level[0] == "lookup":
+        return 1.0
     dist = _round_tokens(level, rate)
     have = {0: 1.0}  # the distribution of min(tokens after m rounds, k)
     total = 0.0
@@ -127,6 +133,8 @@ def _rounds_max(level: tuple, k: int, rate, rows: int) -> float:
 
 def _round_forwards(level: tuple, rate, rows: int = 1) -> dict[str, float]:
     """Expected forwards per node of one round of `level` over `rows` rows (module docstring)."""
+    if level[0] == "lookup":
+        return {}
     if level[0] == "drafter":
         return {level[1]: 1.0}
     _, proposer, node, gamma = level

@@ -18,7 +18,7 @@ from .app import app
 from .bench_table import _print_batch, _print_bench
 from .common import (DTYPES, _as_role, _check_memory, _gpu_memory_note,
                      _guarded, _placement_options, _say, _threads, flag)
-from .setup import _check_local, _default_draft, _draft_config, _parallel, _read_prompt, _tp_target
+from .setup import LOOKUP, _check_local, _default_draft, _draft_config, _parallel, _read_prompt, _tp_target
 
 PROMPT_LEN = 122880  # the prompt of the paper's setups (README, "Reproducing the paper's setups")
 
@@ -29,7 +29,8 @@ def bench(
                                                                     "(default without --synthetic: the demo pair, on "
                                                                     "the demo's excerpt)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Small draft model (default: the registry's, or the "
-                                                               "sibling X-draft of a folder X-target)."),
+                                                               "sibling X-draft of a folder X-target), or `lookup`: "
+                                                               "n-gram lookup, no model."),
     synthetic: Optional[str] = typer.Option(None, "--synthetic",
                                             help="Random weights of an architecture: llama2-7b | llama2-13b | "
                                                  "llama3.1-8b | tiny (results are labelled synthetic)."),
@@ -108,6 +109,9 @@ def bench(
         peer_names = parse_peers(peers)
         _threads(threads)
         engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget)
+        if draft == LOOKUP:  # no draft model: the drafting methods propose by n-gram lookup
+            engine["proposer"] = "lookup"
+        draft_model = None if draft == LOOKUP else draft
         for m in names:
             Speculation(method=b.split_method(m)[0], **engine).validate()
         if prefill_chunk < 1:
@@ -134,10 +138,10 @@ def bench(
             raise UsageError("--peers runs in one process: drop --gpus/--tp")
         if batch is not None and (world > 1 or peer_names):
             raise UsageError("--batch runs in one process, without --peers, so far")
-        target, small = model, draft
+        target, small = model, draft_model
         if demo:  # as `tforce run` without --model: the demo pair, on its excerpt unless a prompt file is given
             target, demo_draft = default_pair()
-            small = draft or demo_draft
+            small = draft_model or (None if "proposer" in engine else demo_draft)
         excerpt = demo and prompt_file is None
         if excerpt:
             text = EXCERPT.read_text(encoding="utf-8").strip()
@@ -216,7 +220,9 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
 
     from ..model.synthetic import ARCHITECTURES, make_config
 
-    uses_draft = any(Speculation(method=m).uses_draft for m in cfg.methods)
+    lookup = cfg.engine.get("proposer") == "lookup"
+    uses_draft = any(Speculation(method=b.split_method(m)[0], proposer=cfg.engine.get("proposer", "model")).uses_draft
+                     for m in cfg.methods if b.split_method(m)[0] != "auto")
     auto = any(b.split_method(m)[0] == "auto" for m in cfg.methods)  # takes a draft where there is one
     if synthetic is not None:
         if synthetic not in ARCHITECTURES:
@@ -240,7 +246,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         from ..model.weights import load_model
 
         _check_local(model, "target model")  # the target first: a missing target folder is not a missing draft
-        draft_name = draft if draft is not None else _default_draft(model)
+        draft_name = draft if draft is not None or lookup else _default_draft(model)
         if uses_draft and draft_name is None:
             raise UsageError("the methods need a draft model: pass --draft, or drop triforce, naive and streaming")
         # loaded also as hf-assisted's assistant when there is one

@@ -14,7 +14,11 @@ from .common import GPU_MEMORY_HELP, OFFLOAD_HELP, THREADS_HELP, flag
 
 MODEL = typer.Option(None, "--model", "-m", help="Target: a folder, hub id or short name (default: the demo pair).")
 DRAFT = typer.Option(None, "--draft", help="Small draft model (default: the registry's, or the sibling X-draft "
-                                            "of a folder X-target; without --model, the demo's).")
+                                            "of a folder X-target; without --model, the demo's), or `lookup`: no "
+                                            "model, the tokens that followed the last n tokens' latest earlier "
+                                            "occurrence in the prompt and answer (prompt lookup).")
+LOOKUP_MAX = typer.Option(Speculation.lookup_max, "--lookup-max", help="--draft lookup: the longest n-gram matched.")
+LOOKUP_MIN = typer.Option(Speculation.lookup_min, "--lookup-min", help="--draft lookup: the shortest n-gram matched.")
 METHOD = typer.Option("auto", "--method", help="auto (the fastest on this machine, from measured stage costs: "
                                                 "docs/auto.md) | triforce | ar | retrieval | streaming | naive")
 MAX_NEW_TOKENS = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")
@@ -74,7 +78,8 @@ SHARED = {
     "chunk_size": (int, CHUNK_SIZE), "gamma1": (Optional[int], GAMMA1), "gamma2": (Optional[int], GAMMA2),
     "draft_budget": (int, DRAFT_BUDGET), "prefill_chunk": (int, PREFILL_CHUNK), "sinks": (int, SINKS),
     "rebuild_every": (int, REBUILD_EVERY), "rebuild_below": (float, REBUILD_BELOW), "policy": (str, POLICY),
-    "deterministic": (bool, DETERMINISTIC), "device": (str, DEVICE), "threads": (int, THREADS),
+    "deterministic": (bool, DETERMINISTIC), "lookup_max": (int, LOOKUP_MAX), "lookup_min": (int, LOOKUP_MIN),
+    "device": (str, DEVICE), "threads": (int, THREADS),
     "dtype": (str, DTYPE), "weights": (str, WEIGHTS), "offload": (str, OFFLOAD), "gpu_memory": (Optional[str], GPU_MEMORY),
     "save_kv": (Optional[str], SAVE_KV), "load_kv": (Optional[str], LOAD_KV), "template": (str, TEMPLATE),
     "system": (Optional[str], SYSTEM), "stop": (Optional[List[str]], STOP), "tp": (int, TP),

@@ -96,7 +96,8 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool)
             _check_memory(model_config, draft_config, len(ids) + max_new, _dtype_bytes(dtype, device), device,
                           config, method)
 
-        unfit = _unfit(check, draft_config is not None) if auto else check(config.method)
+        unfit = _unfit(check, draft_config is not None or config.speculation.proposer == "lookup") if auto \
+            else check(config.method)
         target, small = setup.load()
     choice = None
     if auto:

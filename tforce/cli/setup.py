@@ -179,6 +179,9 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     dtype = _dtype_name(None if p["dtype"] == "auto" else p["dtype"], dev)
     _check_snapshots(p["save_kv"], p["load_kv"], world, dtype)
     model, draft, demo_draft = p["model"], p["draft"], None
+    if draft == LOOKUP:  # no draft model: the bottom level proposes by n-gram lookup (engine/lookup.py)
+        config, draft = config.with_options(proposer="lookup"), None
+        spec = config.speculation
     target_name = model
     if model is None:
         target_name, demo_draft = default_pair()
@@ -186,14 +189,14 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
         _check_local(model, "target model")
     if draft is not None and (spec.uses_draft or spec.method == AUTO):  # auto takes a draft where one is given
         _check_local(draft, "draft model")
-    draft_name = draft if draft is not None else _default_draft(target_name)
+    draft_name = draft if draft is not None or spec.proposer == "lookup" else _default_draft(target_name)
     if spec.uses_draft and draft_name is None:
         raise UsageError(f"method {spec.method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
     auto_note = None
     if spec.method == AUTO and (not calibrate or world > 1):
         from ..auto.planner import uncalibrated
 
-        config = config.with_options(method=uncalibrated(dev, draft_name is not None))
+        config = config.with_options(method=uncalibrated(dev, draft_name is not None or spec.proposer == "lookup"))
         why = "--tp/--gpus ranks" if world > 1 else "this command"
         auto_note = (f"tforce: auto: {config.method} ({why} runs no calibration: on a GPU with a draft "
                      "triforce, otherwise ar; --method chooses)")
@@ -201,6 +204,9 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     named = (draft or demo_draft) if model is None else None  # the draft the demo notice names
     return Setup(target_name, draft_name if uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
                  world, config, named, p["template"], system, stops, given, auto_note, weights)
+
+
+LOOKUP = "lookup"  # --draft lookup: no draft model
 
 
 def _unescape(text: str) -> str:

@@ -20,6 +20,7 @@ from ..errors import TforceError
 from ..sync import host
 from .graphs import GraphRunner
 from .levels import Drafter, LevelStats, Node, SpecLevel
+from .lookup import LookupLevel
 from .prefill import prefill_layer_major
 from ..cache.rope import Rotary
 from .rowwise import RowwiseRunner
@@ -103,21 +104,25 @@ class Session:
                                    dtype=dp.dtype, device=dp.device, rows=rows)
             self.small = Node("draft", draft, cache, sampling, capacity, chunk, _runner(draft, cache, graphs, pool),
                               shared_vocabulary(draft, cfg.vocab_size))
+        # n-gram lookup in place of a draft model (lookup.py): the verifier's vocabulary, on its device
+        self.lookup = LookupLevel(cfg.vocab_size, p.device, rows, spec.lookup_max, spec.lookup_min) \
+            if spec.looks_up else None
         self.top, self.small_verifier, self.middle_verifier = self._compose()
 
     def _compose(self):
-        """Returns (top level, small_verifier: the level verifying the small draft, middle_verifier: the level
-        verifying the middle level); None where the method has no such level."""
+        """Returns (top level, small_verifier: the level verifying the bottom level (a small draft, or lookup),
+        middle_verifier: the level verifying the middle level); None where the method has no such level."""
         s, ids, P = self.spec, self.ids, len(self.verified)
-        if not s.uses_draft and s.middle is None:  # ar
+        bottom = self.lookup or (Drafter(self.small) if self.small is not None else None)
+        if bottom is None and s.middle is None:  # ar
             return Drafter(self.full), None, None
         if s.middle is None:  # naive: the draft verified by the full cache
-            top = SpecLevel(Drafter(self.small), self.full, s.gamma2, ids, P)
+            top = SpecLevel(bottom, self.full, s.gamma2, ids, P)
             return top, top, None
-        if not s.uses_draft:  # retrieval: the middle level drafts for the full cache
+        if bottom is None:  # retrieval: the middle level drafts for the full cache
             top = SpecLevel(Drafter(self.middle), self.full, s.gamma2, ids, P)
             return top, None, top
-        mid = SpecLevel(Drafter(self.small), self.middle, s.gamma1, ids, P)
+        mid = SpecLevel(bottom, self.middle, s.gamma1, ids, P)
         top = SpecLevel(mid, self.full, s.gamma2, ids, P)
         return top, mid, top
 
@@ -165,6 +170,8 @@ class Session:
                 self._catch_up(self.middle, m)
         if self.small is not None:
             self._catch_up(self.small, m)
+        if self.lookup is not None:  # index the prompts now, not in the first round's time
+            self.lookup.prefill(self.buffer, m)
         self._capture_graphs()
         return kept
 
@@ -338,6 +345,8 @@ class Session:
         the sequences and the row -> prompt map; a finished row costs no further work."""
         for node in self.nodes():
             node.keep(live)
+        if self.lookup is not None:
+            self.lookup.keep(live)
         if self.next is not None:
             self.next = self.next[live]
         self.buffer[:len(live)] = self.buffer[live]

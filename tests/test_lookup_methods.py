@@ -1,0 +1,66 @@
+"""`--draft lookup` through the engine (Speculation.proposer "lookup": session.py puts a LookupLevel where
+the draft model's level would be): every drafting method's greedy tokens are plain decoding's, one prompt
+and a batch, sampling follows the exact target distribution (chi-square), and the command line runs it
+without a draft model."""
+import json
+
+import pytest
+
+import tforce
+from tforce.cli import app
+
+from cli_helpers import models, runner  # noqa: F401
+from exactness_helpers import N_TOKENS, SAMPLES, SMALL, check, draw, exact_joint
+from lookup_helpers import REPEATING, SELF_SAMPLED
+
+DRAFTING = ["naive", "triforce", "streaming"]
+
+
+@pytest.mark.parametrize("method", DRAFTING)
+def test_greedy_equals_plain_decoding_without_a_draft_model(tiny, method):
+    kw = dict(max_new_tokens=40, temperature=0, ignore_eos=True)
+    ar = tforce.generate(tiny["gqa"], REPEATING, method="ar", **kw)
+    out = tforce.generate(tiny["gqa"], REPEATING, method=method, proposer="lookup", rebuild_every=8, **SMALL, **kw)
+    assert out.tokens == ar.tokens
+    assert out.stats["acceptance"]["draft"] > 0  # the lookup's drafts were verified, and some kept
+    if method == "naive":  # one verification per round of up to gamma2 + 1 tokens: fewer than ar's forwards
+        assert out.stats["forwards"]["full"] < ar.stats["forwards"]["full"]
+
+
+def test_batch_rows_equal_plain_decoding(tiny):
+    prompts = [REPEATING, REPEATING[:20], [7, 8, 9, 7, 8]]
+    kw = dict(max_new_tokens=24, temperature=0, ignore_eos=True)
+    rows = tforce.generate_batch(tiny["gqa"], prompts, method="triforce", proposer="lookup", **SMALL, **kw)
+    for prompt, row in zip(prompts, rows):
+        assert row.tokens == tforce.generate(tiny["gqa"], prompt, method="ar", **kw).tokens
+
+
+@pytest.mark.parametrize("method", ["naive", "triforce"])
+def test_sampling_matches_target_distribution(small_vocab, method):
+    target, _ = small_vocab
+    samples, acc = draw(target, None, SELF_SAMPLED, method, SAMPLES, seed=5, proposer="lookup")
+    pvals = check(samples, exact_joint(target, SELF_SAMPLED, N_TOKENS))
+    assert min(pvals) > 1e-3, pvals
+    assert 0.05 < acc < 0.99, acc  # drafts both kept and rejected: the test can tell
+
+
+def test_run_draft_lookup_needs_no_draft_model(runner, models):  # noqa: F811
+    """`tforce run --draft lookup`: no draft model is read (none is given or found), the answer is --method
+    ar's, and the statistics report the lookup's acceptance as the draft level's."""
+    base = ["run", "-m", str(models / "tiny-target"), "-p", "ab ab ab ab ab ab ab ab", "-n", "16", "-t", "0",
+            "--ignore-eos", "--json"]
+    ar = json.loads(runner.invoke(app, base + ["--method", "ar"]).stdout)
+    result = runner.invoke(app, base + ["--method", "naive", "--draft", "lookup", "--lookup-max", "2"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["tokens"] == ar["tokens"] and out["method"] == "naive"
+    assert out["stats"]["acceptance"]["draft"] is not None
+
+
+@pytest.mark.parametrize("args, needle", [(["--lookup-min", "0"], "--lookup-min"),
+                                          (["--lookup-min", "3", "--lookup-max", "2"], "--lookup-max")])
+def test_bad_lookup_sizes_are_one_line(runner, models, args, needle):  # noqa: F811
+    from cli_helpers import one_error_line
+
+    one_error_line(runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "-p", "hi", "--method", "naive",
+                                       "--draft", "lookup", *args]), 2, needle)

@@ -27,7 +27,7 @@ from safetensors.torch import save
 
 sys.path.insert(0, ".")
 from tforce.snapshot import reader as snapshot_read  # noqa: E402
-from tforce.snapshot.format import _sha  # noqa: E402
+from tforce.snapshot.format import sha256_hex  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     for name in names:
         data = save({"k": torch.randn(a.mib << 18)})  # float32: 4 bytes each, a.mib MiB
         (folder / name).write_bytes(data)
-        files[name] = _sha(data)
+        files[name] = sha256_hex(data)
     manifest = {"files": files}
     total = sum((folder / n).stat().st_size for n in names)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 from tforce.cache.base import CacheView, visibility  # noqa: E402
-from tforce.model.attention import _fold, _folded_mask, attend, attend_reference, lower_right  # noqa: E402
+from tforce.model.attention import fold_heads, fold_mask, attend, attend_reference, lower_right  # noqa: E402
 
 H_Q, H_KV, D = 9, 3, 64
 
@@ -43,13 +43,13 @@ def main(threads: int) -> None:
                 mask = visibility(torch.arange(S)[None], torch.arange(S - T, S)) if T > 1 else None
                 view = CacheView(k, v, mask, causal=True)
                 kc, vc = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-                folded_mask = _folded_mask(view, H_Q // H_KV)  # attend()'s fold of the heads and the mask
+                folded_mask = fold_mask(view, H_Q // H_KV)  # attend()'s fold of the heads and the mask
 
                 def contiguous():
-                    return F.scaled_dot_product_attention(_fold(q, H_KV), kc, vc, attn_mask=folded_mask)
+                    return F.scaled_dot_product_attention(fold_heads(q, H_KV), kc, vc, attn_mask=folded_mask)
 
                 def products():
-                    s = torch.matmul(_fold(q, H_KV), k.permute(0, 2, 3, 1)).float() / math.sqrt(D)
+                    s = torch.matmul(fold_heads(q, H_KV), k.permute(0, 2, 3, 1)).float() / math.sqrt(D)
                     if folded_mask is not None:
                         s = s.masked_fill(~folded_mask, float("-inf"))
                     return torch.matmul(s.softmax(-1).to(dtype), v.transpose(1, 2))

@@ -3,7 +3,7 @@ the memory floor of each figure: bytes each level's step reads / the measured me
 
 The MHA variant: k_proj and v_proj output rows repeated per query group, num_key_value_heads set to
 num_attention_heads. Query head j of the original attends with KV head j // group (transformers'
-repeat_kv and attention._fold agree), so repeating each KV head `group` times in place (head h becomes
+repeat_kv and attention.fold_heads agree), so repeating each KV head `group` times in place (head h becomes
 heads h*group ... h*group + group - 1) computes the same function with `group` times the KV cache. The
 full cache and ar are the same function; the retrieval cache chooses chunks per KV head by the sum of
 its group's queries (retrieval.chunk_scores), so under a budget smaller than the context the variant

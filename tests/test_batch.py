@@ -11,7 +11,7 @@ from tforce.engine import placement
 from tforce.config import Speculation
 from tforce.engine.batch import generate_batch
 import tforce.engine.session
-from tforce.engine.session_plan import _plan, model_shape
+from tforce.engine.session_plan import plan_session, model_shape
 from tforce.engine.speculative import verify
 from tforce.model.synthetic import make_checkpoint
 from tforce.engine.events import Events
@@ -98,7 +98,7 @@ def test_partly_offloaded_rows_equal_single_prompts(tiny, tmp_path, monkeypatch,
     shape, small = model_shape(model), (model_shape(draft) if draft is not None else None)
     room = placement.layout(shape, work, 3, small, 0).peak - shape.weights - (small.weights if small else 0)
     plans = []
-    monkeypatch.setattr(tforce.engine.session, "_plan", lambda *a: plans.append(_plan(*a)) or plans[-1])
+    monkeypatch.setattr(tforce.engine.session, "plan_session", lambda *a: plans.append(plan_session(*a)) or plans[-1])
     opts = dict(budget=16, chunk_size=4, gamma2=4, draft_budget=12, sinks=2, prefill_chunk=8)
     rows = generate_batch(model, prompts, draft=draft, method=method, device_free=room, **opts, **kw)
     assert (plans[0].resident, plans[0].offloaded) == (3, 3)
@@ -140,7 +140,7 @@ def test_a_batch_that_does_not_fit_is_refused_before_allocating(tiny):
     prompts = prompts_of((300,) * 8)
     model = tiny["gqa"].model
     one = placement.Work(capacity=300 + 40 + 1, prompt=300, attention="math", spec=Speculation(method="ar"))
-    room = _plan(model, None, one, "off", None, 2**40).peak - model_shape(model).weights
+    room = plan_session(model, None, one, "off", None, 2**40).peak - model_shape(model).weights
     tforce.generate_batch(model, prompts[:1], method="ar", max_new_tokens=30, device_free=room)
     with pytest.raises(tforce.DoesNotFit, match="not enough GPU memory"):  # `run --batch` splits on this type
         tforce.generate_batch(model, prompts, method="ar", max_new_tokens=30, device_free=room)

@@ -118,7 +118,7 @@ def test_bench_refuses_what_cannot_fit_before_building(runner, monkeypatch):
 
 def test_bench_table_fits_80_columns(runner):
     """Every number of the report is printed whole (never cut to '1.…') in a terminal of 80 columns."""
-    from tforce.cli.bench_table import _bench_rows
+    from tforce.cli.bench_table import bench_rows
 
     args = BENCH + ["--methods", "ar,triforce", "--gen-len", "4", "--threads", "1"]
     result = runner.invoke(app, args, env={"COLUMNS": "80"})
@@ -131,14 +131,14 @@ def test_bench_table_fits_80_columns(runner):
 
     from rich.console import Console
 
-    from tforce.cli.bench_table import _print_bench
+    from tforce.cli.bench_table import print_bench
 
     out = StringIO()
-    _print_bench(report, Console(file=out, width=80))
+    print_bench(report, Console(file=out, width=80))
     text = out.getvalue()
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
     cells = {line.strip() for line in text.replace("│", "\n").splitlines()}
-    for row in _bench_rows(report):
+    for row in bench_rows(report):
         assert set(row) <= cells, set(row) - cells
     assert "12345.6" in cells and "80/120" in cells
 
@@ -311,7 +311,7 @@ def test_bench_prefill_chunk_reaches_the_engine(runner, monkeypatch):
     real = engine.Session.__init__
 
     def spy(self, *args, **kwargs):
-        seen.append(args[6] if len(args) > 6 else kwargs.get("prefill_chunk"))
+        seen.append(args[4].execution.prefill_chunk)  # Session(target, draft, prompt_len, max_new, config, ...)
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(engine.Session, "__init__", spy)

@@ -7,10 +7,12 @@ import json
 
 import pytest
 
+from tforce.config import RunConfig
 from tforce.auto import calibration
 from tforce.auto.planner import choose
 
 OPTIONS = dict(method="auto", temperature=0.0, max_new_tokens=16, budget=64, chunk_size=4, draft_budget=32, sinks=4)
+CONFIG = RunConfig.of(**OPTIONS)
 METHODS = ["ar", "naive", "retrieval", "streaming", "triforce"]
 
 
@@ -23,7 +25,7 @@ def _entry(k: dict, at: float) -> dict:
 
 @pytest.fixture
 def key(tiny):
-    return calibration.key(tiny["gqa"], tiny["draft"], 300, OPTIONS)
+    return calibration.key(tiny["gqa"], tiny["draft"], 300, CONFIG)
 
 
 def test_written_atomically_and_read_back(tmp_path, key):
@@ -47,9 +49,9 @@ def test_stale_damaged_foreign_or_incomplete_entries_are_measured_again(tmp_path
 
 
 def test_key_names_machine_models_and_context(tiny, key):
-    assert key == calibration.key(tiny["gqa"].model, tiny["draft"].model, 300, OPTIONS)  # a module or a LoadedModel
-    assert key["target"] != calibration.key(tiny["mha"], tiny["draft"], 300, OPTIONS)["target"]
-    assert key["draft"] != calibration.key(tiny["gqa"], None, 300, OPTIONS)["draft"]
+    assert key == calibration.key(tiny["gqa"].model, tiny["draft"].model, 300, CONFIG)  # a module or a LoadedModel
+    assert key["target"] != calibration.key(tiny["mha"], tiny["draft"], 300, CONFIG)["target"]
+    assert key["draft"] != calibration.key(tiny["gqa"], None, 300, CONFIG)["draft"]
     assert {key["dtype"], key["device"], key["greedy"]} == {"float32", "cpu", True}
     assert calibration.context_bucket(1100) == calibration.context_bucket(1400) != calibration.context_bucket(3300)
 
@@ -67,15 +69,15 @@ def test_a_calibration_is_measured_once_then_read(tiny, tmp_path, monkeypatch):
     calls = []
     measure = calibration.measure
     monkeypatch.setattr(calibration, "measure", lambda *a: calls.append(a[1]) or measure(*a))
-    first = choose(tiny["gqa"], tiny["draft"], ids, OPTIONS, folder=tmp_path)
+    first = choose(tiny["gqa"], tiny["draft"], ids, CONFIG, folder=tmp_path)
     assert first.measured_now and calls == [METHODS]
     for method in METHODS:
         held = first.entry["methods"][method]
         assert held["costs"]["ms_per_forward"]["full"] > 0 and held["tokens"] == calibration.CAL_TOKENS
     assert first.best in first.candidates and {c["method"] for c in first.candidates} == set(METHODS)
-    again = choose(tiny["gqa"], tiny["draft"], ids[:280], OPTIONS, folder=tmp_path)  # the same context bucket
+    again = choose(tiny["gqa"], tiny["draft"], ids[:280], CONFIG, folder=tmp_path)  # the same context bucket
     assert not again.measured_now and len(calls) == 1 and again.entry == first.entry
-    fresh = choose(tiny["gqa"], tiny["draft"], ids, OPTIONS, folder=tmp_path, refresh=True)
+    fresh = choose(tiny["gqa"], tiny["draft"], ids, CONFIG, folder=tmp_path, refresh=True)
     assert fresh.measured_now and len(calls) == 2
 
 
@@ -86,17 +88,17 @@ def test_the_methods_and_the_run_share_one_prefill_and_stay_exact(tiny, tmp_path
     from tforce.engine.generate import generate
 
     ids = [3 + (7 * i) % 250 for i in range(300)]
-    alone = choose(tiny["gqa"], tiny["draft"], ids, OPTIONS, folder=tmp_path / "alone")
+    alone = choose(tiny["gqa"], tiny["draft"], ids, CONFIG, folder=tmp_path / "alone")
     loads = []
-    monkeypatch.setattr(planner, "run_one", lambda *a, **kw: loads.append(kw.get("load_kv")) or generate(*a, **kw))
-    shared = choose(tiny["gqa"], tiny["draft"], ids, OPTIONS, folder=tmp_path / "shared", kv_dir=tmp_path / "kv")
+    monkeypatch.setattr(planner, "run_one", lambda *a: loads.append(a[2].load_kv) or generate(*a))  # (target, ids, config, ...)
+    shared = choose(tiny["gqa"], tiny["draft"], ids, CONFIG, folder=tmp_path / "shared", kv_dir=tmp_path / "kv")
     timed = [kv for kv in loads if kv is not None]
-    assert len(timed) == len(METHODS) - 1 and shared.snapshot is not None and shared.run_kv() == {"load_kv": timed[0]}
+    assert len(timed) == len(METHODS) - 1 and shared.snapshot is not None and shared.applied(CONFIG).load_kv == timed[0]
     for method in METHODS:
         assert shared.entry["methods"][method]["acceptance"] == alone.entry["methods"][method]["acceptance"]
     monkeypatch.setattr(calibration, "shares_prefill", lambda target, n: True)
     result = planner.generate(tiny["gqa"], ids, draft=tiny["draft"], **{**OPTIONS, "max_new_tokens": 24})
-    ar = generate(tiny["gqa"], ids, method="ar", temperature=0.0, max_new_tokens=24)
+    ar = generate(tiny["gqa"], ids, RunConfig.of(method="ar", temperature=0.0, max_new_tokens=24))
     assert result.tokens == ar.tokens and result.stats["kv_reused"] == len(ids) - 1
 
 

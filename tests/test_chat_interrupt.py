@@ -78,7 +78,7 @@ def test_json_record_of_a_stopped_answer(models, target, monkeypatch, keep_histo
                 raise KeyboardInterrupt
 
     monkeypatch.setattr(chat, "TextStream", Stopping)
-    monkeypatch.setattr(chat, "_question_source", lambda *args: (iter(QUESTIONS), True))
+    monkeypatch.setattr(chat, "question_source", lambda *args: (iter(QUESTIONS), True))
     r = CliRunner().invoke(app, ["chat", str(models / "doc.txt"), "-m", str(models / "tiny-target"), *ARGS,
                                  "--json"] + (["--keep-history"] if keep_history else []))
     assert r.exit_code == 0, (r.output, r.exception)

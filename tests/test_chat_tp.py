@@ -31,7 +31,7 @@ import tforce
 from tforce.snapshot import identity as snapshot_identity, store as snapshot_io
 from tforce.cli import app
 from tforce.config import RunConfig, Sampling, Speculation
-from tforce.parallel.conversation import ParallelConversation, _conversation_worker
+from tforce.parallel.conversation import ParallelConversation, conversation_worker
 from tforce.engine.generate import Session
 from tforce.errors import TforceError
 from tforce.parallel.ranks import Ranks
@@ -164,7 +164,7 @@ def test_an_older_snapshot_of_another_number_of_ranks_is_refused_in_one_line(mod
     shutil.copytree(tp_snapshot, old)
     manifest = json.loads((old / "manifest.json").read_text())
     del manifest["target"]["files_sha256"]
-    manifest["manifest_sha256"] = tforce.snapshot.format._manifest_sha(manifest)
+    manifest["manifest_sha256"] = tforce.snapshot.format.manifest_sha(manifest)
     (old / "manifest.json").write_text(json.dumps(manifest))
     one_error_line(_chat(models, "--load-kv", str(old), tp=False), 2,
                    "made with --tp 2, this run has one process (no --tp): pass --tp 2")
@@ -293,8 +293,8 @@ def _running(pid: int) -> bool:
 
 
 def _skewed_worker(rank, world, *args, emit=None):
-    """_conversation_worker whose rank 1 samples every answer with another seed."""
-    server = _conversation_worker(rank, world, *args, emit=emit)
+    """conversation_worker whose rank 1 samples every answer with another seed."""
+    server = conversation_worker(rank, world, *args, emit=emit)
     command = yield next(server)
     while True:
         ids, max_new, seed, names, until = command
@@ -305,11 +305,11 @@ def test_ranks_that_disagree_fail_the_answer_and_end(models, target):
     """With --method ar every rank makes the same collectives whatever it samples (one token a forward,
     EOS ignored), so ranks sampling with different seeds reach the end of the answer, and its check."""
     doc = target.tokenizer.encode(DOC)
-    options = dict(method="ar", temperature=0.9, top_p=0.95, seed=5, budget=64, room=64, ignore_eos=True)
+    config = RunConfig.of(method="ar", temperature=0.9, top_p=0.95, seed=5, budget=64, ignore_eos=True)
     before = _children()
     stop = mp.get_context("spawn").Event()  # referenced until the workers have it
     ranks = Ranks(_skewed_worker, 2, "gloo", str(models / "tiny-target"), None, doc, "cpu", torch.float32,
-                  options, [None, None], False, stop, serve=True)
+                  config, dict(room=64), [None, None], False, stop, serve=True)
     with ranks:
         ranks.collect()
         ranks.send((_question(target, QUESTIONS[0]), 12, 7, (), None))

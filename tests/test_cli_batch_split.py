@@ -189,7 +189,7 @@ def test_bench_batch_is_not_split(runner, monkeypatch):
 
 
 def _engine_refusing(monkeypatch, refuse) -> list[int]:
-    """The engine's own plan (tforce.engine.session._plan) raises DoesNotFit for the work refuse(work) names. A stand-in:
+    """The engine's own plan (tforce.engine.session.plan_session) raises DoesNotFit for the work refuse(work) names. A stand-in:
     on the CPU the engine plans with the same figures as the CLI's check, so the two cannot be made to
     disagree (on CUDA they can: the engine measures the memory free when it runs each batch). The rows of
     every batch the engine planned, in order."""

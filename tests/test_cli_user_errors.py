@@ -143,7 +143,7 @@ def test_chat_names_the_demo_excerpt_as_run_does(monkeypatch, capsys):
     """chat called the excerpt 'chapter 1'; it holds chapters 1-2, as run says."""
     import io
 
-    from tforce.cli.chat_input import _document
+    from tforce.cli.chat_input import read_document
     from tforce.text.demo import EXCERPT
 
     class Terminal(io.StringIO):
@@ -151,7 +151,7 @@ def test_chat_names_the_demo_excerpt_as_run_does(monkeypatch, capsys):
             return True
 
     monkeypatch.setattr("sys.stdin", Terminal())
-    text, from_stdin = _document(None, None, True)
+    text, from_stdin = read_document(None, None, True)
     assert text == EXCERPT.read_text(encoding="utf-8").strip() and not from_stdin
     assert capsys.readouterr().err == ("tforce: no document given: using the demo's excerpt (Great Expectations, "
                                        "chapters 1-2)\n")

@@ -64,7 +64,7 @@ def test_bench_gives_each_stage_its_measured_step_beside_its_floor(tiny):
     spec = Speculation(budget=64, chunk_size=4, draft_budget=32, sinks=4)
     r = tforce.generate(target, ids, draft=draft, max_new_tokens=16, temperature=0.0, ignore_eos=True,
                         budget=64, chunk_size=4, draft_budget=32, sinks=4)
-    got = bench_run._floors(models, spec, len(ids), 16, r.stats, Ceilings(device_gbps=10.0, tflops=2.0))
+    got = bench_run.stage_floors(models, spec, len(ids), 16, r.stats, Ceilings(device_gbps=10.0, tflops=2.0))
     assert set(got["step_ms"]) == set(got["step_floor_ms"]) == {"draft", "retrieval", "full"}
     assert got["rows_per_forward"] == {"draft": 1, "retrieval": 1, "full": 1}  # one prompt: one row a forward
     for name, n in r.stats["forwards"].items():
@@ -73,22 +73,22 @@ def test_bench_gives_each_stage_its_measured_step_beside_its_floor(tiny):
     assert got["prefill_flop_floor_s"] == pytest.approx(prefill_flops(target.config, 200) / 2e12)
     for name, over in got["step_overhead_ms"].items():
         assert over == pytest.approx(got["step_ms"][name] - got["step_floor_ms"][name])
-    none = bench_run._floors(models, spec, len(ids), 16, r.stats, Ceilings())  # no ceilings measured
+    none = bench_run.stage_floors(models, spec, len(ids), 16, r.stats, Ceilings())  # no ceilings measured
     assert none["step_floor_ms"] is None and none["prefill_flop_floor_s"] is None and none["step_overhead_ms"] is None
 
 
 def test_the_cpu_ceilings_are_measured_and_the_table_shows_each_forward_beside_its_floor():
-    from tforce.cli.bench_table import _floor_notes
+    from tforce.cli.bench_table import floor_notes
 
     ceil = Ceilings.measure("cpu", torch.float32)
     assert ceil.h2d_gbps is None and 0.1 < ceil.device_gbps < 10_000 and 1e-4 < ceil.tflops < 1_000
     run = {"method": "triforce", "floors": {"step_ms": {"draft": 1.5, "full": 9.0},
                                             "step_floor_ms": {"draft": 0.5, "full": 6.0},
                                             "step_overhead_ms": {"draft": 1.0, "full": 3.0}}}
-    lines = _floor_notes({"device_gbps": 12.5, "runs": [run, {"method": "peer", "floors": None}]})
+    lines = floor_notes({"device_gbps": 12.5, "runs": [run, {"method": "peer", "floors": None}]})
     assert lines == ["per forward, ms: measured = floor (weights + attended KV bytes / 12.5 GB/s measured) + overhead",
                      "  triforce: draft 1.50 = 0.50 + 1.00; full 9.00 = 6.00 + 3.00"]
-    assert _floor_notes({"device_gbps": None, "runs": [run]}) == []
+    assert floor_notes({"device_gbps": None, "runs": [run]}) == []
 
 
 def test_info_floor_reads_the_weights_a_step_reads():

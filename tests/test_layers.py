@@ -138,3 +138,23 @@ def test_the_circle_check_sees_a_circle(tmp_path, monkeypatch):
     (fake / "model" / "network.py").write_text("from .weights import f\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert _circles(fake) == [["tforce.model.gguf", "tforce.model.weights"]]
+
+
+def _private_imports(root: Path) -> list[str]:
+    """`from X import _name` of tforce's own modules, in every file under root."""
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("tforce")):
+                found += [f"{path.name}: {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_modules_private_name(tmp_path):
+    """What one module takes from another is its public surface; the tests' and scripts' too. A control
+    file shows the check sees one."""
+    root = PACKAGE.parent
+    assert [x for folder in ("tforce", "tests", "scripts") for x in _private_imports(root / folder)] == []
+    (tmp_path / "bad.py").write_text("from tforce.engine.generate import _secret\n")
+    assert _private_imports(tmp_path) == ["bad.py: _secret"]

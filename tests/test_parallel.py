@@ -19,7 +19,7 @@ from model_helpers import forward, full_cache, random_ids
 from tforce.cli import app
 from tforce.errors import DoesNotFit, TforceError, UsageError
 from tforce.engine import placement
-from tforce.parallel.tp import _generate_worker, _rank_room
+from tforce.parallel.tp import generate_worker, rank_room
 from tforce.parallel.ranks import launch
 from tforce.model.sharding import apply_tp, check_tp
 from tforce.model.synthetic import make_checkpoint
@@ -120,7 +120,7 @@ FIVE = dict(temperature=0, max_new_tokens=12, ignore_eos=True, budget=32, prefil
 def five(tmp_path_factory):
     """A 5-layer target, a prompt of 48 prefill tokens (3 chunks of 16), and room(method, resident,
     recompute): the device_free that leaves one rank's shard room for exactly that plan, from the planner
-    itself (engine._plan on a CPU run: budget = weights + device_free, no CUDA context)."""
+    itself (session_plan.plan_session on a CPU run: budget = weights + device_free, no CUDA context)."""
     from tforce.config import Speculation
     from tforce.engine.session_plan import model_shape
 
@@ -146,7 +146,7 @@ def test_ranks_with_different_free_memory_plan_alike(five):
     expected = tforce.generate(tforce.load_model(str(path), tokenizer=False).model, prompt, **kw)
     assert expected.stats["kv_offloaded_layers"] == 0
     free = [room("ar", 2), room("ar", 5)]  # rank 0: 2 staging + 2 layers; rank 1: all 5
-    results = launch(_generate_worker, 2, "gloo", str(path), None, prompt, False, "cpu", torch.float32,
+    results = launch(generate_worker, 2, "gloo", str(path), None, prompt, False, "cpu", torch.float32,
                      dict(kw, seed=0), (), free, all_ranks=True)
     for result in results:
         assert (result.stats["kv_resident_layers"], result.stats["kv_offloaded_layers"]) == (2, 3)
@@ -164,13 +164,13 @@ def _fail_at_prefill(rank) -> None:
 
 
 def _unagreed_worker(rank, world, *args):
-    """_generate_worker with each rank planning from its own figure (_agreed_free bypassed), as ranks whose
+    """generate_worker with each rank planning from its own figure (_agreed_free bypassed), as ranks whose
     plans differ despite it would, and a prefill that only fails, naming the rank that reached it."""
     import tforce.parallel.tp
 
-    tforce.parallel.tp._agreed_free = lambda dev, given, gpu_memory: given
+    tforce.parallel.tp.agreed_free = lambda dev, given, gpu_memory: given
     _fail_at_prefill(rank)
-    return _generate_worker(rank, world, *args)
+    return generate_worker(rank, world, *args)
 
 
 @pytest.mark.parametrize("method, rooms, plans", [
@@ -192,7 +192,7 @@ def test_ranks_that_plan_differently_refuse_before_prefill(five, method, rooms, 
 
 
 def _tight_host_worker(rank, world, available, *args):
-    """_generate_worker on a host with `available` bytes of memory (psutil stood in), and a prefill that
+    """generate_worker on a host with `available` bytes of memory (psutil stood in), and a prefill that
     only fails, naming the rank that reached it."""
     import types
 
@@ -200,7 +200,7 @@ def _tight_host_worker(rank, world, available, *args):
 
     psutil.virtual_memory = lambda: types.SimpleNamespace(available=available)
     _fail_at_prefill(rank)
-    return _generate_worker(rank, world, *args)
+    return generate_worker(rank, world, *args)
 
 
 def test_ranks_offloading_more_than_the_host_holds_together_refuse_before_prefill(five):
@@ -209,7 +209,7 @@ def test_ranks_offloading_more_than_the_host_holds_together_refuse_before_prefil
     path, prompt, room = five
     free = [room("ar", 2)] * 2  # 3 of 5 layers offloaded on each rank
     args = (str(path), None, prompt, False, "cpu", torch.float32, dict(FIVE, method="ar", seed=0), (), free)
-    host = launch(_generate_worker, 2, "gloo", *args).stats["kv_host_bytes"]  # one rank's
+    host = launch(generate_worker, 2, "gloo", *args).stats["kv_host_bytes"]  # one rank's
     assert host > 0
     with pytest.raises(DoesNotFit, match="needed by the 2 ranks together"):
         launch(_tight_host_worker, 2, "gloo", int(1.5 * host), *args)
@@ -219,7 +219,7 @@ def test_ranks_offloading_more_than_the_host_holds_together_refuse_before_prefil
 
 def test_gpu_memory_caps_a_ranks_room_with_its_context_as_in_one_process(monkeypatch):
     """--gpu-memory caps everything on the device, the CUDA context included: one process plans with
-    budget = min(weights + context + room, gpu_memory) (session._plan), so its caches and activations get
+    budget = min(weights + context + room, gpu_memory) (session_plan.plan_session), so its caches and activations get
     at most gpu_memory - weights - context. A rank's figure must leave it the same (not the context more).
     torch.cuda's memory queries are stood in for (no GPU): 80 GiB, 60 free, 15 reserved, 14 allocated."""
     gib = 2**30
@@ -228,10 +228,10 @@ def test_gpu_memory_caps_a_ranks_room_with_its_context_as_in_one_process(monkeyp
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 14 * gib)
     dev, weights, context = torch.device("cuda", 0), 14 * gib, 80 * gib - 60 * gib - 15 * gib
     one_process = min(weights + context + 60 * gib, 30 * gib) - weights - context
-    assert _rank_room(dev, None, 30 * gib) == one_process == 11 * gib
-    assert _rank_room(dev, None, None) == 60 * gib
-    assert _rank_room(dev, 8 * gib, 30 * gib) == 8 * gib  # a given figure under the cap stands
-    assert _rank_room(torch.device("cpu"), 8 * gib, 6 * gib) == 6 * gib  # no context on the CPU
+    assert rank_room(dev, None, 30 * gib) == one_process == 11 * gib
+    assert rank_room(dev, None, None) == 60 * gib
+    assert rank_room(dev, 8 * gib, 30 * gib) == 8 * gib  # a given figure under the cap stands
+    assert rank_room(torch.device("cpu"), 8 * gib, 6 * gib) == 6 * gib  # no context on the CPU
 
 
 def test_rank_that_never_starts_is_one_line_within_the_limit():

@@ -148,13 +148,13 @@ def test_sampled_peers_are_not_compared(pair):
 
 
 def test_bf16_note():
-    from tforce.cli.bench_table import _peer_notes
+    from tforce.cli.bench_table import peer_notes
 
     base = {"temperature": 0.0, "runs": [{"method": "ar"}]}
     differ = [{"method": "hf", "peer": "transformers 5", "attention": "sdpa", "skipped": None,
                "vs_ar": "differ at token 7"}]
-    assert any("bfloat16: rounding differs" in line for line in _peer_notes(dict(base, dtype="bfloat16", peers=differ)))
-    assert not any("rounding" in line for line in _peer_notes(dict(base, dtype="float32", peers=differ)))
+    assert any("bfloat16: rounding differs" in line for line in peer_notes(dict(base, dtype="bfloat16", peers=differ)))
+    assert not any("rounding" in line for line in peer_notes(dict(base, dtype="float32", peers=differ)))
 
 
 @pytest.mark.cuda

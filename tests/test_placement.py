@@ -74,7 +74,7 @@ def test_tensor_parallel_ranks_hold_half_the_kv_and_layers_but_all_embeddings():
 
 
 def test_ranks_with_different_contexts_and_weights_plan_alike_from_one_room():
-    """Why tensor-parallel ranks planning from one agreed room (parallel._agreed_free) plan alike: on CUDA
+    """Why tensor-parallel ranks planning from one agreed room (parallel.tp.agreed_free) plan alike: on CUDA
     each rank's budget is its loaded weights + its measured CUDA context + the room (session._plan), and
     the plan's peak counts those same two, so they cancel. Rank 1 here has 300 MiB more context and
     1 MiB less weights (row-parallel biases stay on rank 0); for every room around each boundary between

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from tforce.auto import calibration
-from tforce.config import Speculation
+from tforce.config import RunConfig
 from tforce.auto.planner import GAMMA1, GAMMA2, candidates, choose, predictions
 
-OPTIONS = dict(Speculation().__dict__, method="auto", temperature=0.0, max_new_tokens=64)
+OPTIONS = RunConfig.of(method="auto", temperature=0.0, max_new_tokens=64)
 ALL = ["ar", "naive", "retrieval", "streaming", "triforce"]
 
 
@@ -78,9 +78,9 @@ def test_candidates_follow_the_options_and_the_draft():
     assert candidates(OPTIONS, has_draft=False) == ["ar", "retrieval"]
     assert candidates(OPTIONS, has_draft=True, exclude={"triforce"}) == ALL[:-1]
     # a middle-cache policy: only the methods that have a retrieval cache
-    assert candidates(dict(OPTIONS, policy="topk"), has_draft=True) == ["retrieval", "triforce"]
+    assert candidates(OPTIONS.with_options(policy="topk"), has_draft=True) == ["retrieval", "triforce"]
     # a streaming budget no larger than its sinks
-    assert "streaming" not in candidates(dict(OPTIONS, budget=16, sinks=16, chunk_size=8), has_draft=True)
+    assert "streaming" not in candidates(OPTIONS.with_options(budget=16, sinks=16, chunk_size=8), has_draft=True)
 
 
 def test_runs_that_accept_less_change_the_next_plan(tiny, tmp_path, monkeypatch):
@@ -129,10 +129,10 @@ def test_each_method_s_verification_cost_follows_its_own_calibration_and_never_u
     assert naive == {c["gamma2"]: c for c in predictions(alone, ["naive"], OPTIONS, 1000, {})}
     steep = _entry(full=2.0, draft=0.5, middle=3.0, rate=0.5)
     steep["methods"]["naive"]["costs"]["ms_per_forward"]["full"] = 2.0 + 6 * 3.0  # 3 ms per token fed
-    from tforce.auto.planner import _at_gammas
-    at2 = _at_gammas(steep["methods"]["naive"], {"gamma1": 2, "gamma2": 2}, "naive", 3.0, 2.0)
+    from tforce.auto.planner import at_gammas
+    at2 = at_gammas(steep["methods"]["naive"], {"gamma1": 2, "gamma2": 2}, "naive", 3.0, 2.0)
     assert at2["ms_per_forward"]["full"] == pytest.approx(2.0 + 2 * 3.0)
-    low = _at_gammas(steep["methods"]["naive"], {"gamma1": 2, "gamma2": 2}, "naive", 10.0, 2.0)
+    low = at_gammas(steep["methods"]["naive"], {"gamma1": 2, "gamma2": 2}, "naive", 10.0, 2.0)
     assert low["ms_per_forward"]["full"] == 2.0  # extrapolated below ar's one-token forward: held at it
 
 

@@ -332,7 +332,7 @@ def test_a_later_question_after_an_answer_that_ended_its_turn(models, monkeypatc
         return tforce.Result(result.tokens + [eot], result.stats) if len(asked) == 1 else result
 
     monkeypatch.setattr(tforce.engine.conversation.Conversation, "ask", ending_its_turn)
-    monkeypatch.setattr(tforce.engine.generate, "_eos_ids", lambda config: {2, eot})
+    monkeypatch.setattr(tforce.engine.generate, "eos_ids", lambda config: {2, eot})
     r = _cli(models, "chat", str(models / "doc.txt"), "--json", "--keep-history", "--method", "ar",
              input="Who?\nWhen?\n")
     assert r.exit_code == 0, (r.output, r.exception)

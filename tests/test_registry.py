@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tforce.cli.setup import _default_draft
+from tforce.cli.setup import default_draft
 from tforce.model.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_every_hub_model_has_a_default_draft(name):
     repo, draft = REGISTRY[name]
     if repo.startswith("pip:"):  # a packaged GGUF (smollm2): its draft is committed (tests/test_smollm2_draft.py)
-        assert draft.startswith("models:") and _default_draft(name) == draft
+        assert draft.startswith("models:") and default_draft(name) == draft
         return
     assert repo.count("/") == 1 and draft is not None and draft.count("/") == 1
-    assert _default_draft(name) == draft
+    assert default_draft(name) == draft
     assert draft.split("/")[0] == repo.split("/")[0] or draft == "JackFram/llama-68m"  # same publisher's tokenizer
 
 

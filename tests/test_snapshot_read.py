@@ -11,7 +11,7 @@ from safetensors.torch import save
 
 from tforce.snapshot import reader as snapshot_read
 from tforce.errors import TforceError
-from tforce.snapshot.format import _sha
+from tforce.snapshot.format import sha256_hex
 from tforce.snapshot.reader import Reader
 
 NAMES = [f"full-{i:03d}.safetensors" for i in range(6)]
@@ -22,7 +22,7 @@ def _folder(tmp_path) -> dict:
     for i, name in enumerate(NAMES):
         data = save({"k": torch.full((1, 4, 2, 3), float(i)), "v": torch.arange(24.0).view(1, 4, 2, 3) + i})
         (tmp_path / name).write_bytes(data)
-        files[name] = _sha(data)
+        files[name] = sha256_hex(data)
     return {"files": files}
 
 

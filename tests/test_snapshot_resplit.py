@@ -1,4 +1,4 @@
-"""snapshot_io._Heads: a snapshot's per-rank parts cut for a run over another number of ranks (each rank
+"""snapshot_io.Heads: a snapshot's per-rank parts cut for a run over another number of ranks (each rank
 holds a contiguous block of the KV heads and one of the query heads, sharding.py's layout), checked
 against the whole tensors for splits that do and do not nest (3 parts into 4 ranks, 4 into 3, ...).
 The end-to-end loads over gloo ranks are in test_chat_tp.py."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from tforce.snapshot.format import _sha
-from tforce.snapshot.store import _Heads
+from tforce.snapshot.format import sha256_hex
+from tforce.snapshot.store import Heads
 
 KV, Q = 12, 24  # heads: every split below divides both
 
@@ -34,7 +34,7 @@ def _snapshot(tmp_path, saved: int) -> dict:
             data = save({k: v.contiguous() for k, v in tensors.items()})
             (tmp_path / n).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / n).write_bytes(data)
-            files[n] = _sha(data)
+            files[n] = sha256_hex(data)
     return {"files": files, **({"world": saved} if saved > 1 else {})}
 
 
@@ -42,7 +42,7 @@ def _snapshot(tmp_path, saved: int) -> dict:
 def test_each_rank_gets_its_heads_from_the_parts(tmp_path, saved, world):
     manifest, whole = _snapshot(tmp_path, saved), _whole()
     for rank in range(world):
-        heads = _Heads(tmp_path, manifest, rank, world)
+        heads = Heads(tmp_path, manifest, rank, world)
         t = heads.read("full-000.safetensors", {"k": 2, "v": 2, "q": 0})
         assert torch.equal(t["k"], whole["k"].chunk(world, 2)[rank])
         assert torch.equal(t["v"], whole["v"].chunk(world, 2)[rank])
@@ -61,7 +61,7 @@ def test_a_damaged_part_is_refused_when_cut_from(tmp_path):
     path = tmp_path / "rank-1" / "full-000.safetensors"
     path.write_bytes(path.read_bytes()[:-1] + b"\0")
     with pytest.raises(TforceError, match="checksum mismatch"):
-        _Heads(tmp_path, manifest, 0, 1).read("full-000.safetensors", {"k": 2, "v": 2, "q": 0})
+        Heads(tmp_path, manifest, 0, 1).read("full-000.safetensors", {"k": 2, "v": 2, "q": 0})
 
 
 def _checkpoint(folder, middle_first: float):
@@ -84,16 +84,16 @@ def test_the_files_fingerprint_sees_what_the_tensors_fingerprint_sees(tmp_path):
     only each file's first and last MiB."""
     from safetensors.torch import load_file
 
-    from tforce.snapshot.identity import _files_sha, _weights_fingerprint
+    from tforce.snapshot.identity import files_sha, weights_fingerprint
 
     a, b = _checkpoint(tmp_path / "a", 0.0), _checkpoint(tmp_path / "b", 1.0)
     as_module = [torch.nn.Module() for _ in range(2)]
     for m, folder in zip(as_module, (a, b)):
         for name, t in load_file(folder / "model.safetensors").items():
             m.register_buffer(name, t)
-    assert _weights_fingerprint(as_module[0]) != _weights_fingerprint(as_module[1])
-    assert _files_sha(a) != _files_sha(b)
-    assert _files_sha(a) == _files_sha(_checkpoint(tmp_path / "a2", 0.0))
+    assert weights_fingerprint(as_module[0]) != weights_fingerprint(as_module[1])
+    assert files_sha(a) != files_sha(b)
+    assert files_sha(a) == files_sha(_checkpoint(tmp_path / "a2", 0.0))
 
 
 def test_across_splits_the_model_is_matched_by_its_files(tmp_path):

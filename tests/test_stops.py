@@ -97,6 +97,6 @@ def test_an_empty_stop_is_refused_in_one_line(runner, models):  # noqa: F811
 
 
 def test_stop_strings_take_the_escapes_a_shell_passes_as_typed():
-    from tforce.cli.setup import _unescape
+    from tforce.cli.setup import unescape
 
-    assert [_unescape(s) for s in ["\\n\\n", "a\\tb", "\\\\n", "é\n", "\\x"]] == ["\n\n", "a\tb", "\\n", "é\n", "\\x"]
+    assert [unescape(s) for s in ["\\n\\n", "a\\tb", "\\\\n", "é\n", "\\x"]] == ["\n\n", "a\tb", "\\n", "é\n", "\\x"]

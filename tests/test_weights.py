@@ -239,9 +239,9 @@ def test_a_folder_without_vocabulary_has_no_tokenizer(tmp_path, monkeypatch):
     import transformers
 
     path = make_checkpoint(tmp_path / "m", tokenizer=False)
-    assert weights._load_tokenizer(path) is None
+    assert weights.load_tokenizer(path) is None
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: object())
-    assert weights._load_tokenizer(path) is None
+    assert weights.load_tokenizer(path) is None
     monkeypatch.undo()
     with_tok = make_checkpoint(tmp_path / "t")
-    assert weights._load_tokenizer(with_tok).encode("hi", add_special_tokens=False)
+    assert weights.load_tokenizer(with_tok).encode("hi", add_special_tokens=False)

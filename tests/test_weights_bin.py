@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import tforce
 from tforce.cli import app
 from tforce.model.sharding import apply_tp
-from tforce.snapshot.identity import _files_sha
+from tforce.snapshot.identity import files_sha
 from tforce.model.synthetic import make_checkpoint
 
 from bin_files import to_bin
@@ -159,4 +159,4 @@ def test_files_fingerprint_of_bin_folders(src, tmp_path):
     reading the tensors (the zip's directory and pickle)."""
     a, a2 = to_bin(src, tmp_path / "a"), to_bin(src, tmp_path / "a2")
     b = to_bin(make_checkpoint(tmp_path / "other", seed=5, tokenizer=False), tmp_path / "b")
-    assert _files_sha(a) is not None and _files_sha(a) == _files_sha(a2) != _files_sha(b)
+    assert files_sha(a) is not None and files_sha(a) == files_sha(a2) != files_sha(b)

@@ -86,7 +86,7 @@ def predictions(entry: dict, methods, config: RunConfig, total: int, fixed: dict
             rate = {level: rate_at(r or 0.0, calibration.level_gamma(method, level, held),
                                    calibration.level_gamma(method, level, gammas))
                     for level, r in held["acceptance"].items()}
-            costs = _at_gammas(held, gammas, method, target_slope(entry, method), floor)
+            costs = at_gammas(held, gammas, method, target_slope(entry, method), floor)
             ms = predict(costs, spec, rate)["ms_per_token"]
             used = {k: v for k, v in gammas.items() if k in _grid(method, {"gamma1": 0, "gamma2": 0})[0]}
             out.append({"method": method, **used, "ms_per_token": ms,
@@ -107,7 +107,7 @@ def target_slope(entry: dict, method: str) -> float:
     return max(0.0, (held["costs"]["ms_per_forward"]["full"] - one["ms_per_forward"]["full"]) / held["gamma2"])
 
 
-def _at_gammas(held: dict, gammas: dict, method: str, slope: float, floor: float) -> dict:
+def at_gammas(held: dict, gammas: dict, method: str, slope: float, floor: float) -> dict:
     """A method's stage costs at other gammas than it was measured at: each target forward that verifies
     gamma drafts is fed gamma + 1 tokens, so it costs `slope` ms more per added token (target_slope: measured
     on the full cache's forward, applied to the middle level's too: the same network), and never less than

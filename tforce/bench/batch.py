@@ -15,7 +15,7 @@ from ..auto.projection import project
 from ..engine.rates import decoded, rate
 from .ceilings import Ceilings
 from .suite import prompt_ids
-from .run import (WARMUP_TOKENS, BenchConfig, Models, _floors, device_name, memory_record, reset_peaks,
+from .run import (WARMUP_TOKENS, BenchConfig, Models, stage_floors, device_name, memory_record, reset_peaks,
                   STEP, run_config, run_spec, split_method)
 
 DRAFTED = ("triforce", "naive", "streaming")  # the methods with a small draft (config.Speculation.uses_draft)
@@ -61,8 +61,8 @@ def run_batch(models: Models, prompts: list[list[int]], method: str, cfg: BenchC
         "one_at_a_time_forwards": summed["forwards"], "one_at_a_time_stage_s": summed["stage_s"],
         # each node's ms per forward beside its floor at the rows its forwards fed (run.py, floors.py): the
         # batch's reads the weights once for all rows a forward feeds, each row's KV
-        "floors": _floors(models, spec, n_prompt, cfg.gen_len, rows[0].stats, ceil),
-        "one_at_a_time_floors": _floors(models, spec, n_prompt, cfg.gen_len, summed, ceil),
+        "floors": stage_floors(models, spec, n_prompt, cfg.gen_len, rows[0].stats, ceil),
+        "one_at_a_time_floors": stage_floors(models, spec, n_prompt, cfg.gen_len, summed, ceil),
         # NOT measured: the stage times above at an assumed acceptance (cfg.project) for the batch and alone
         "projection": _projection(rows, summed, spec, cfg.project),
         "acceptance": [r.stats["acceptance"] for r in rows],  # per row {"draft", "retrieval"}

@@ -147,7 +147,7 @@ def warm_up(models: Models, ids: list[int], cfg: BenchConfig) -> float | None:
     return time.perf_counter() - t0
 
 
-def _floors(models: Models, spec: Speculation, n_prompt: int, n_out: int, s: dict, ceil: Ceilings) -> dict | None:
+def stage_floors(models: Models, spec: Speculation, n_prompt: int, n_out: int, s: dict, ceil: Ceilings) -> dict | None:
     """Each stage's measured ms per forward beside its floor (floors.py, at the rows its forwards fed on
     average: one for one prompt) and the difference (the overhead per forward), and the prefill's FLOP
     floor; n_out: one row's new tokens (the mean context is n_prompt + n_out / 2). None where the models
@@ -245,7 +245,7 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
         "stage_s": s["stage_s"],  # seconds in each node's forwards while decoding (within decode_s)
         # NOT measured: this run's stage times at an assumed acceptance (cfg.project) at every level
         "projection": project(s, spec, s["acceptance"] if cfg.project == "measured" else cfg.project),
-        "floors": _floors(models, spec, len(ids), n, s, ceil),
+        "floors": stage_floors(models, spec, len(ids), n, s, ceil),
         "placement": {"resident_layers": s["kv_resident_layers"], "offloaded_layers": s["kv_offloaded_layers"],
                       "device_kv_gib": s["kv_device_bytes"] / GiB, "host_kv_gib": s["kv_host_bytes"] / GiB,
                       "chunk_stats_recomputed": s["kv_chunk_stats_recomputed"], "ranks": models.world},

@@ -7,7 +7,7 @@ import sys
 from . import bench, chat, eval, info, run, serve, tune  # noqa: F401  (registers the commands)
 
 from .app import app
-from .common import _say
+from .common import say
 
 __all__ = ["app", "main"]
 
@@ -24,7 +24,7 @@ def _closed_streams() -> None:
     if sys.stderr is None:
         sys.stderr = open(os.open(os.devnull, os.O_WRONLY), "w")
     if stdout_closed:
-        _say("tforce: error: stdout is closed: the output has nowhere to go")
+        say("tforce: error: stdout is closed: the output has nowhere to go")
         sys.exit(1)
 
 
@@ -42,10 +42,10 @@ def main() -> None:
         e.show()
         code = 2
     except cx.UsageError as e:
-        _say(f"tforce: error: {e.format_message()}" + (f" (see '{e.ctx.command_path} --help')" if e.ctx else ""))
+        say(f"tforce: error: {e.format_message()}" + (f" (see '{e.ctx.command_path} --help')" if e.ctx else ""))
         code = 2
     except KeyboardInterrupt:
-        _say("tforce: interrupted")
+        say("tforce: interrupted")
         code = 130
     sys.exit(code if isinstance(code, int) else 0)
 

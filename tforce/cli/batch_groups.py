@@ -1,7 +1,7 @@
 """How `tforce run --batch` splits a file whose batch does not fit: consecutive groups of prompts, each planned
 for its own rows, and a group the engine refuses retried split smaller.
 
-The CLI's check (common._check_memory, `tforce info`'s plan) runs before any weights load, so that a file
+The CLI's check (common.check_memory, `tforce info`'s plan) runs before any weights load, so that a file
 with a prompt that fits nowhere is refused at once; the engine plans each group again when it runs it
 (placement.py, with the memory measured then), and where the two disagree (on CUDA: another process took
 memory, the context grew) the engine's refusal (errors.DoesNotFit) halves the group instead of ending the run.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from ..errors import DoesNotFit
-from .common import _say
+from .common import say
 
 
 def plan_groups(check: Callable[[range], None], n: int) -> list[range]:
@@ -64,7 +64,7 @@ def run_groups(groups: list[range], run: Callable[[range, int], list]) -> Iterat
                 raise
             half = rows.start + len(rows) // 2
             pending[:0] = [range(rows.start, half), range(half, rows.stop)]
-            _say(f"tforce: prompts {rows.start + 1}-{rows.stop} do not fit together after all ({e}): running them "
+            say(f"tforce: prompts {rows.start + 1}-{rows.stop} do not fit together after all ({e}): running them "
                  f"as batches of {half - rows.start} and {rows.stop - half}")
             continue
         g += 1

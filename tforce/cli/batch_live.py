@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from ..engine.rates import decoded, rate
-from .live import _rows
+from .live import wrap_fields
 
 
 class BatchStatus:
@@ -110,7 +110,7 @@ class BatchProgress:
     def __rich__(self):
         from rich.panel import Panel
 
-        rows = _rows(self.status.fields(), max(20, self.console.width - 5))  # inside the border and padding
+        rows = wrap_fields(self.status.fields(), max(20, self.console.width - 5))  # inside the border and padding
         return Panel("\n".join(rows), title=f"tforce {self.status.method} --batch", expand=False)
 
     def finish(self, stats: dict) -> None:

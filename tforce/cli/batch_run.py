@@ -25,7 +25,7 @@ from ..engine.events import Events
 from ..engine.stops import StopStrings
 from .batch_groups import plan_groups, run_groups
 from .batch_live import BatchProgress
-from .common import _check_memory, _decode_text, _say
+from .common import check_memory, decode_text, say
 
 KEYS = {"prompt", "file", "id", "max_new_tokens"}
 
@@ -38,7 +38,7 @@ def read_batch(source: str) -> list[tuple[object, str, Optional[int]]]:
         raise UsageError(f"cannot read batch file {source}: {e.strerror or e}") from e
     items, ids = [], {}  # id -> its line
     # JSON Lines ends lines at \n only: a JSON string may hold U+2028 or U+0085 unescaped (splitlines splits there)
-    content = _decode_text(data, f"batch file {source}").removeprefix("\ufeff")  # a BOM: RFC 8259 lets us ignore it
+    content = decode_text(data, f"batch file {source}").removeprefix("\ufeff")  # a BOM: RFC 8259 lets us ignore it
     for n, line in enumerate(content.split("\n"), 1):
         line = line.removesuffix("\r")
         if not line.strip():
@@ -84,14 +84,14 @@ def _document(path: Optional[str], where: str) -> str:
         data = Path(path).expanduser().read_bytes()
     except OSError as e:
         raise UsageError(f"{where}: cannot read {path}: {e.strerror or e}") from e
-    return _decode_text(data, f"{path} ({where})")
+    return decode_text(data, f"{path} ({where})")
 
 
 def check_options(method: str, prompt_given: bool, save_kv: bool) -> None:
     """What --batch cannot be combined with, refused before anything is read."""
     from ..engine.batch import check_batchable
 
-    if method != "auto":  # auto becomes one of the batch's methods (setup._configure)
+    if method != "auto":  # auto becomes one of the batch's methods (setup.configure)
         check_batchable(method)
     if save_kv:  # one snapshot per file of prompts would be whose?
         raise UsageError("--batch saves no KV snapshot: save the document's with `tforce run --save-kv` (or chat), "
@@ -106,7 +106,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, as_json: bo
     from ..engine.rates import decoded
     from ..model.registry import resolve
     from ..snapshot.format import read_manifest
-    from .setup import _draft_config, _dtype_bytes, check_fits, notices
+    from .setup import read_draft_config, dtype_bytes, check_fits, notices
 
     draft, device, dtype, world = setup.draft, setup.device, setup.dtype, setup.world
     config = setup.config
@@ -122,13 +122,13 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, as_json: bo
     short = [f"{key!r} gets {context - len(ids)}" for (key, _, _), ids, n in zip(items, prompts, budgets)
              if n > context - len(ids)]
     if short:  # as `tforce run` notes it for one prompt
-        _say(f"tforce: note: the model's context ({context} tokens) leaves room for fewer new tokens than asked: "
+        say(f"tforce: note: the model's context ({context} tokens) leaves room for fewer new tokens than asked: "
              + ", ".join(short))
     lengths = [len(ids) + min(n, context - len(ids)) for ids, n in zip(prompts, budgets)]  # prompt + new tokens
-    draft_config = _draft_config(draft, model_config, tok) if draft else None
+    draft_config = read_draft_config(draft, model_config, tok) if draft else None
 
     def check(rows: range) -> None:  # as the engine plans a batch: its rows, each of its longest row's capacity
-        _check_memory(model_config, draft_config, max(lengths[r] for r in rows), _dtype_bytes(dtype, device), device,
+        check_memory(model_config, draft_config, max(lengths[r] for r in rows), dtype_bytes(dtype, device), device,
                       config, rows=len(rows))
 
     # in one process the file is split into the batches that fit; split over ranks (--tp), the check above
@@ -136,7 +136,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, as_json: bo
     # it each time they refuse it (their DoesNotFit arrives as such: parallel/rank_worker.py)
     groups = plan_groups(check, len(prompts)) if world == 1 else [range(len(prompts))]
     if len(groups) > 1:
-        _say(f"tforce: the batch of {len(prompts)} does not fit: running it as {len(groups)} batches of at most "
+        say(f"tforce: the batch of {len(prompts)} does not fit: running it as {len(groups)} batches of at most "
              f"{max(map(len, groups))}")
     if world == 1:
         target, small = setup.load()
@@ -209,7 +209,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, as_json: bo
     rebuild = "" if stats["rebuild_s"] is None else \
         f"; retrieval rebuilds {stats['prefill_rebuild_s']:.2f} s at prefill, {stats['rebuild_s']:.2f} s decoding"
     split = "" if len(parts) == 1 else f" in {len(parts)} batches of at most {stats['batch_size']} (times summed)"
-    _say(f"tforce: {config.method}: batch of {len(results)} prompts{split}: {n} tokens; prefill "
+    say(f"tforce: {config.method}: batch of {len(results)} prompts{split}: {n} tokens; prefill "
          f"{stats['prefill_s']:.2f} s; decode {stats['decode_s']:.2f} s "
          f"({'n/a' if rate is None else format(rate, '.1f')} tokens/s, "
          f"{'n/a' if ms is None else format(ms, '.1f')} ms/token for the batch){rebuild}")
@@ -220,7 +220,7 @@ def _snapshot_note(load_kv: str, results: list, prompts: list[list[int]], second
     reused = [r.stats["kv_reused"] for r in results]
     held = results[0].stats["kv_snapshot_tokens"]
     using = sum(1 for c in reused if c)
-    _say(f"tforce: KV snapshot {load_kv} ({held} tokens): reused by {using} of {len(results)} prompts, "
+    say(f"tforce: KV snapshot {load_kv} ({held} tokens): reused by {using} of {len(results)} prompts, "
          f"{sum(reused)} tokens in all (loaded in {seconds:.2f} s), then prefilled "
          f"{sum(map(len, prompts)) - sum(reused)}")
 

@@ -15,10 +15,10 @@ from ..text.demo import BENCH_TOKENS, EXCERPT, NAME
 from ..errors import TforceError, UsageError
 from . import options as o
 from .app import app
-from .bench_table import _print_batch, _print_bench
-from .common import (DTYPES, _as_role, _check_memory, _gpu_memory_note,
-                     _guarded, _placement_options, _say, _threads, flag)
-from .setup import LOOKUP, _check_local, _default_draft, _draft_config, _parallel, _read_prompt, _tp_target
+from .bench_table import print_batch, print_bench
+from .common import (DTYPES, as_role, check_memory, gpu_memory_note,
+                     guarded, parse_placement, say, set_threads, flag)
+from .setup import LOOKUP, check_local, default_draft, read_draft_config, parallel_ranks, read_prompt, read_target
 
 PROMPT_LEN = 122880  # the prompt of the paper's setups (README, "Reproducing the paper's setups")
 
@@ -107,7 +107,7 @@ def bench(
             for name in names:
                 check_batchable(name, det=True)
         peer_names = parse_peers(peers)
-        _threads(threads)
+        set_threads(threads)
         engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget)
         if draft == LOOKUP:  # no draft model: the drafting methods propose by n-gram lookup
             engine["proposer"] = "lookup"
@@ -124,9 +124,9 @@ def bench(
         check_weights(weights)
         cfg = b.BenchConfig(methods=names, prompt_len=length, gen_len=gen_len, temperature=temperature,
                             top_p=top_p, seed=seed, engine=engine, peers=peer_names, project=project,
-                            weights=weights, **_placement_options(offload, gpu_memory))
-        text = None if prompt_file is None else _read_prompt(prompt_file, None)
-        world, dev = _parallel(tp, gpus, device)
+                            weights=weights, **parse_placement(offload, gpu_memory))
+        text = None if prompt_file is None else read_prompt(prompt_file, None)
+        world, dev = parallel_ranks(tp, gpus, device)
         if world > 1 and synthetic is not None:
             raise UsageError("--gpus/--tp > 1 needs --model (a checkpoint folder the ranks load); "
                              "--synthetic models are built in one process")
@@ -145,14 +145,14 @@ def bench(
         excerpt = demo and prompt_file is None
         if excerpt:
             text = EXCERPT.read_text(encoding="utf-8").strip()
-        _gpu_memory_note(gpu_memory, dev)
+        gpu_memory_note(gpu_memory, dev)
         path = None if record_to is None else bench_record.check(record_to)
 
         def demo_notes() -> None:  # once the run is checked to fit: a refused one's error is the only line
             if demo:
-                _say(notice(target, small))
+                say(notice(target, small))
             if excerpt:
-                _say(f"tforce: bench: no --prompt-file given: timing {length} tokens of {NAME}")
+                say(f"tforce: bench: no --prompt-file given: timing {length} tokens of {NAME}")
 
         failed: list[str] = []  # a record write that failed (a full disk): the bench goes on
 
@@ -161,7 +161,7 @@ def bench(
                 bench_record.write(path, report)
             except OSError as e:
                 failed.append(f"--record {record_to}: {e.strerror or e}")
-                _say(f"tforce: warning: {failed[-1]} (the bench goes on)")
+                say(f"tforce: warning: {failed[-1]} (the bench goes on)")
             else:
                 failed.clear()
 
@@ -176,20 +176,20 @@ def bench(
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
         elif batch is not None:
-            _print_batch(record)
+            print_batch(record)
         else:
-            _print_bench(record)
+            print_bench(record)
         if failed:  # the report is out; the whole record is not in FILE
             raise TforceError(failed[-1])
 
-    _guarded(body)
+    guarded(body)
 
 
 def _check_room(cfg, context: int, fit: bool = False) -> None:
     """Refuse a prompt and generation longer than the model's context (generation would stop early: ms/token
     of fewer tokens). fit: the prompt's length is the default, not the user's: cut it to fit instead, and say so."""
     if cfg.prompt_len + cfg.gen_len > context and fit and context - cfg.gen_len >= 1:
-        _say(f"tforce: note: the model's context ({context} tokens) is shorter than the default --prompt-len "
+        say(f"tforce: note: the model's context ({context} tokens) is shorter than the default --prompt-len "
              f"{cfg.prompt_len} + --gen-len {cfg.gen_len}: benchmarking prompts of {context - cfg.gen_len} tokens")
         cfg.prompt_len = context - cfg.gen_len
     if cfg.prompt_len + cfg.gen_len > context:
@@ -207,7 +207,7 @@ def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str, ro
         methods = [m for m in methods if m != "auto"] + [m for m in METHODS
                                                           if draft_cfg is not None or not Speculation(method=m).uses_draft]
     for method in dict.fromkeys(methods):
-        _check_memory(target_cfg, draft_cfg, cfg.prompt_len + cfg.gen_len, torch_dtype.itemsize, device,
+        check_memory(target_cfg, draft_cfg, cfg.prompt_len + cfg.gen_len, torch_dtype.itemsize, device,
                       run_config(cfg, cfg.gen_len), method, rows)
 
 
@@ -234,7 +234,7 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         draft_cfg = make_config(synthetic, **b.DRAFT_SHAPES.get(synthetic, b.LLAMA_68M)) if uses_draft or auto \
             else None
         _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device, batch or 1)
-        _say(f"tforce: bench: building a random-weight {synthetic} target and draft on {device} (SYNTHETIC)")
+        say(f"tforce: bench: building a random-weight {synthetic} target and draft on {device} (SYNTHETIC)")
         models = b.Models.local(*b.synthetic_pair(synthetic, device, torch_dtype, cfg.seed))
         if cfg.weights not in ("auto", "float"):
             from ..model.quant import quantize
@@ -245,30 +245,30 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
         from ..model.registry import resolve
         from ..model.weights import load_model
 
-        _check_local(model, "target model")  # the target first: a missing target folder is not a missing draft
-        draft_name = draft if draft is not None or lookup else _default_draft(model)
+        check_local(model, "target model")  # the target first: a missing target folder is not a missing draft
+        draft_name = draft if draft is not None or lookup else default_draft(model)
         if uses_draft and draft_name is None:
             raise UsageError("the methods need a draft model: pass --draft, or drop triforce, naive and streaming")
         # loaded also as hf-assisted's assistant when there is one
         uses_draft = draft_name is not None and (uses_draft or auto or "hf-assisted" in cfg.peers)
         torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
         if world > 1:  # the ranks load the weights: here only the config and tokenizer
-            path, config, tokenizer = _tp_target(model, world)
+            path, config, tokenizer = read_target(model, world)
             if uses_draft:
-                _draft_config(draft_name, config, tokenizer)
+                read_draft_config(draft_name, config, tokenizer)
             torch_dtype = torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
             models = b.Models.split(config, str(path), str(resolve(draft_name)) if uses_draft else None, world,
                                     device, torch_dtype)
         else:
-            _, target_cfg, target_tok = _tp_target(model, 1)
+            _, target_cfg, target_tok = read_target(model, 1)
             _check_room(cfg, target_cfg.max_position_embeddings, fit)
-            draft_cfg = _draft_config(draft_name, target_cfg, target_tok) if uses_draft else None
+            draft_cfg = read_draft_config(draft_name, target_cfg, target_tok) if uses_draft else None
             _check_bench_memory(cfg, target_cfg, draft_cfg,
                                 torch_dtype or (torch.bfloat16 if device == "cuda" else torch.float32), device,
                                 batch or 1)
-            loaded = _as_role("target model", load_model, model, device=device, dtype=torch_dtype,
+            loaded = as_role("target model", load_model, model, device=device, dtype=torch_dtype,
                               tokenizer=False, weights=cfg.weights)  # target_tok, read above
-            small = _as_role("draft model", load_model, draft_name, device=device, dtype=torch_dtype,
+            small = as_role("draft model", load_model, draft_name, device=device, dtype=torch_dtype,
                              tokenizer=False).model if uses_draft else None
             models, config, tokenizer = b.Models.local(loaded.model, small), loaded.config, target_tok
         name = model
@@ -281,10 +281,10 @@ def _bench(b, cfg, model: Optional[str], draft: Optional[str], synthetic: Option
 
         prompts = batch_prompts(batch, cfg.prompt_len, config.vocab_size, tokenizer, text, cfg.seed)
         return bench_batch(models, prompts, cfg, synthetic is not None, name,
-                           progress=lambda line: _say(f"tforce: bench: {line}"), on_run=on_run)
+                           progress=lambda line: say(f"tforce: bench: {line}"), on_run=on_run)
     ids = b.prompt_ids(cfg.prompt_len, config.vocab_size, tokenizer, text, cfg.seed)
     return b.bench(models, ids, cfg, synthetic is not None, name,
-                   progress=lambda line: _say(f"tforce: bench: {line}"), on_run=on_run)
+                   progress=lambda line: say(f"tforce: bench: {line}"), on_run=on_run)
 
 
 def _project_option(text: str) -> float | str:

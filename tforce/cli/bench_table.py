@@ -24,7 +24,7 @@ COLUMNS = ("method", "ms/token", "speed-up\nvs ar", "accept\ndraft", "accept\nre
            "prefill\ns", "rebuild\ns (n)", "H2D GB/s\n(peak)", "floor ms\n/verif", "GPU\nGiB", "pinned\nGiB", "KV layers\nGPU/host")
 
 
-def _bench_rows(r: dict) -> list[list[str]]:
+def bench_rows(r: dict) -> list[list[str]]:
     peak = r["h2d_peak_gbps"]
     rows = []
     for run in r["runs"]:
@@ -60,14 +60,14 @@ def _at(r: dict) -> str:
 
 
 def _columns(r: dict) -> tuple[str, ...]:
-    """COLUMNS, and the projection's two where shown (see _bench_rows)."""
+    """COLUMNS, and the projection's two where shown (see bench_rows)."""
     if not _projected(r):
         return COLUMNS
     at = "measured" if r["project"] == "measured" else f"{r['project']:g}"
     return COLUMNS + (f"projected\nms/token\n@{at}", f"projected\nspeed-up\n@{at}")
 
 
-def _floor_notes(r: dict) -> list[str]:
+def floor_notes(r: dict) -> list[str]:
     """Lines under the table: per run, each level's ms per forward beside its floor (its weights and
     attended KV over the measured memory rate) and the overhead above it."""
     if not r.get("device_gbps"):
@@ -90,7 +90,7 @@ def _steps(fl: dict, rows: bool = False) -> str:
                      for name, over in fl["step_overhead_ms"].items())
 
 
-def _peer_notes(r: dict) -> list[str]:
+def peer_notes(r: dict) -> list[str]:
     """Lines under the table: what the peers are, and per peer its tokens against ar's or why it did not run."""
     peers = r.get("peers", [])
     if not peers:
@@ -130,7 +130,7 @@ def _column_groups(widths: list[int], width: int) -> list[list[int]]:
     return groups
 
 
-def _print_bench(r: dict, console=None) -> None:
+def print_bench(r: dict, console=None) -> None:
     """The bench table, split into as many tables (each led by the method) as the terminal's width needs."""
     from rich.console import Console
     from rich.table import Table
@@ -138,7 +138,7 @@ def _print_bench(r: dict, console=None) -> None:
     if console is None:  # a file or pipe gets one wide table unless COLUMNS says otherwise
         wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
         console = Console(width=200 if wide else None)
-    rows, columns = _bench_rows(r), _columns(r)
+    rows, columns = bench_rows(r), _columns(r)
     widths = [max(len(line) for cell in [c] + [row[i] for row in rows] for line in cell.split("\n"))
               for i, c in enumerate(columns)]
     groups = _column_groups(widths, console.width)
@@ -158,11 +158,11 @@ def _print_bench(r: dict, console=None) -> None:
         for row in rows:
             t.add_row(*(row[i] for i in group))
         console.print(t)
-    for line in _floor_notes(r) + _peer_notes(r):
+    for line in floor_notes(r) + peer_notes(r):
         console.print(line, highlight=False, markup=False)
 
 
-def _print_batch(r: dict) -> None:
+def print_batch(r: dict) -> None:
     """`tforce bench --batch`'s table, then each level's forwards beside their floors and the projection."""
     from rich.console import Console
     from rich.table import Table

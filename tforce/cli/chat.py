@@ -37,12 +37,12 @@ from ..engine.events import Events
 from ..engine.stops import StopStrings
 from . import options as o
 from .app import app
-from .chat_input import _document, _question_source
-from .common import _check_memory, _guarded, _say, flag
+from .chat_input import read_document, question_source
+from .common import check_memory, guarded, say, flag
 from ..text.stream import TextStream
 from .live import Progress
-from .run import _end_line, _shared_with_stderr
-from .setup import _configure, _draft_config, _dtype_bytes, notices
+from .run import end_line, shared_with_stderr
+from .setup import configure, read_draft_config, dtype_bytes, notices
 
 ROOM = 4096  # tokens after the document, by default
 
@@ -69,18 +69,18 @@ def chat(
     def body():
         if room is not None and room < 2:
             raise UsageError(f"--room must be >= 2, got {room}")
-        setup = _configure(params, calibrate=False)
-        text, from_stdin = _document(book, load_kv, opts["model"] is None)
-        lines, from_terminal = _question_source(questions, from_stdin, save_kv is not None)
+        setup = configure(params, calibrate=False)
+        text, from_stdin = read_document(book, load_kv, opts["model"] is None)
+        lines, from_terminal = question_source(questions, from_stdin, save_kv is not None)
         with ExitStack() as ranks:  # tensor-parallel ranks end with the chat, however it ends
             _chat(text, lines, from_terminal, setup, room, keep_history, as_json, save_kv, load_kv, ranks)
 
-    _guarded(body)
+    guarded(body)
 
 
 def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Optional[int], keep_history: bool,
           as_json: bool, save_kv: Optional[str], load_kv: Optional[str], ranks: ExitStack) -> None:
-    from ..engine.generate import _eos_ids
+    from ..engine.generate import eos_ids
     from ..snapshot.format import read_manifest
 
     path, model_config, tok = setup.target_files()
@@ -99,7 +99,7 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
                          "for a question")
     notices(setup, fmt)
     if room is not None and room > context - len(doc):  # the default is cut without a word
-        _say(f"tforce: note: the model's context ({context} tokens) leaves room for {context - len(doc)} tokens of "
+        say(f"tforce: note: the model's context ({context} tokens) leaves room for {context - len(doc)} tokens of "
              f"questions and answers after the {len(doc)}-token document, not the --room {room} asked for")
     room = min(ROOM if room is None else room, context - len(doc))
     config = setup.config  # with the snapshots (--load-kv, --save-kv) of the document
@@ -114,13 +114,13 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
             progress.close()
     how = f" ({conv.kv_reused} loaded from {load_kv}, {len(doc) - conv.kv_reused} prefilled)" \
         if load_kv is not None else " prefilled"
-    _say(f"tforce: document: {len(doc)} tokens{how} in {conv.prefill_s:.2f} s"
+    say(f"tforce: document: {len(doc)} tokens{how} in {conv.prefill_s:.2f} s"
          + (f"; snapshot written to {save_kv}" if save_kv is not None else "")
          + ("" if as_json or not from_terminal else "; ask a question (Ctrl-C stops an answer, Ctrl-D ends)"))
     # the last whole answer as the conversation's history holds it (Conversation keeps end-of-sequence tokens
     # out of it, so the template's turn end follows the answer), which a question follows with --keep-history
     answer = None
-    eos = set() if config.ignore_eos else _eos_ids(model_config)
+    eos = set() if config.ignore_eos else eos_ids(model_config)
     separated = fmt.ends_with_separator(doc)  # a snapshot made before the document's piece ended with it: not
     stops = StopStrings(tok, setup.stops)
     for question in questions:
@@ -143,12 +143,12 @@ def _conversation(setup, path, config, tok, doc: list[int], ranks: ExitStack, ro
     from ..parallel.conversation import ParallelConversation
     from ..model.registry import resolve
 
-    draft_config = _draft_config(setup.draft, config, tok) if setup.draft else None
+    draft_config = read_draft_config(setup.draft, config, tok) if setup.draft else None
     if setup.world > 1:  # the ranks load their parts of the models
         draft = str(resolve(setup.draft)) if setup.draft else None
         return ranks.enter_context(ParallelConversation(path, draft, doc, setup.world, setup.device, setup.dtype,
                                                         setup.config, room=room, **kwargs))
-    _check_memory(config, draft_config, len(doc) + room, _dtype_bytes(setup.dtype, setup.device), setup.device,
+    check_memory(config, draft_config, len(doc) + room, dtype_bytes(setup.dtype, setup.device), setup.device,
                   setup.config)
     target, small = setup.load()
     return Conversation(target, doc, setup.config, draft=small, room=room, **kwargs)
@@ -160,7 +160,7 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
     is written (questions from a terminal): it stops there, the text so far stays, its line is ended and one
     stderr line says so, and None (Conversation.ask leaves the stopped question out of the conversation)."""
     stream = TextStream(tok, sys.stdout, enabled=not as_json, stops=stops or None)
-    progress = Progress(max_new, method, stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
+    progress = Progress(max_new, method, stream, shared=sys.stdout.isatty() and shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
     try:
         def on_tokens(r, tokens, acceptance):
@@ -176,7 +176,7 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
         if progress:
             progress.close()
         if not (from_terminal and isinstance(e, KeyboardInterrupt)):
-            _end_line(stream.printed)
+            end_line(stream.printed)
             raise
         _stopped(question, stream, as_json, conv.keep_history)
         return None
@@ -191,7 +191,7 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
         sys.stdout.write("\n")
     sys.stdout.flush()
     if not as_json:
-        _say(_turn_line(len(result.tokens), s))
+        say(_turn_line(len(result.tokens), s))
     return result.tokens
 
 
@@ -203,7 +203,7 @@ def _stopped(question: str, stream: TextStream, as_json: bool, keep_history: boo
     elif stream.printed and not stream.printed.endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()
-    _say(f"tforce: interrupted: the answer stopped after {len(stream.ids)} tokens"
+    say(f"tforce: interrupted: the answer stopped after {len(stream.ids)} tokens"
          + ("; the question and its partial answer are left out of the history" if keep_history else ""))
 
 

@@ -12,28 +12,28 @@ from typing import Optional
 
 from ..text.demo import EXCERPT, NAME
 from ..errors import UsageError
-from .common import _decode_text, _say
-from .setup import _read_prompt
+from .common import decode_text, say
+from .setup import read_prompt
 
 
 EMPTY_DOCUMENT = "the document is empty: give BOOK (a file, '-' for stdin), pipe it on stdin, or --load-kv DIR"
 
 
-def _document(book: Optional[str], load_kv: Optional[str], demo: bool) -> tuple[Optional[str], bool]:
+def read_document(book: Optional[str], load_kv: Optional[str], demo: bool) -> tuple[Optional[str], bool]:
     """(the document's text, or None for the snapshot's prefix; whether it was read from stdin)."""
     if book is not None:
-        return _read_prompt(book, None, empty=EMPTY_DOCUMENT), book == "-"
+        return read_prompt(book, None, empty=EMPTY_DOCUMENT), book == "-"
     if load_kv is not None:
         return None, False
     if not sys.stdin.isatty():
-        return _read_prompt(None, None, empty=EMPTY_DOCUMENT), True
+        return read_prompt(None, None, empty=EMPTY_DOCUMENT), True
     if not demo:
         raise UsageError("no document: give BOOK (a file, '-' for stdin), pipe it on stdin, or --load-kv DIR")
-    _say(f"tforce: no document given: using {NAME}")
+    say(f"tforce: no document given: using {NAME}")
     return EXCERPT.read_text(encoding="utf-8").strip(), False
 
 
-def _question_source(questions: Optional[str], document_on_stdin: bool, saving: bool = False):
+def question_source(questions: Optional[str], document_on_stdin: bool, saving: bool = False):
     """(an iterator of questions (stripped, non-empty), whether they come from a terminal: then after a `> `
     prompt). A questions file or stdin stream without one is refused unless the chat is `saving` a snapshot."""
     if questions == "-" and document_on_stdin:
@@ -43,7 +43,7 @@ def _question_source(questions: Optional[str], document_on_stdin: bool, saving: 
             data = open(os.path.expanduser(questions), "rb").read()
         except OSError as e:
             raise UsageError(f"cannot read questions file {questions}: {e.strerror or e}") from e
-        lines = [q.strip() for q in _decode_text(data, f"questions file {questions}").splitlines() if q.strip()]
+        lines = [q.strip() for q in decode_text(data, f"questions file {questions}").splitlines() if q.strip()]
         if not lines and not saving:
             raise UsageError(f"questions file {questions} holds no questions (one a line)")
         return iter(lines), False
@@ -59,7 +59,7 @@ def _question_source(questions: Optional[str], document_on_stdin: bool, saving: 
     if sys.stdin.isatty():
         return _terminal_questions(), True
     lines = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else (q.encode() for q in sys.stdin)
-    asked = (q for q in (_decode_text(b, "stdin").strip() for b in lines) if q)
+    asked = (q for q in (decode_text(b, "stdin").strip() for b in lines) if q)
     if saving:  # the snapshot is the point: no question is needed, none is waited for
         return asked, False
     if not _readable_now(sys.stdin):
@@ -128,4 +128,4 @@ def _terminal_questions():
             shown.flush()
             continue
         if line:  # a Latin-1 terminal's bytes come as lone surrogates: read as piped questions are
-            yield _decode_text(line.encode("utf-8", "surrogateescape"), "the question")
+            yield decode_text(line.encode("utf-8", "surrogateescape"), "the question")

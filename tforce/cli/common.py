@@ -26,7 +26,7 @@ def flag(name: str, help: str):
     return typer.Option(False, name, help=help, metavar="")
 
 
-def _placement_options(offload: str, gpu_memory: Optional[str]) -> dict:
+def parse_placement(offload: str, gpu_memory: Optional[str]) -> dict:
     """--offload and --gpu-memory, checked, as generate's keyword arguments."""
     from ..bench.suite import parse_size
     from ..config import OFFLOAD_MODES
@@ -40,7 +40,7 @@ THREADS_HELP = ("CPU threads for torch. 0 (the default): all cores on a quiet ma
                 "processes leave free on a busy one, followed while decoding. TFORCE_THREADS=N: as --threads N.")
 
 
-def _threads(n: int) -> None:
+def set_threads(n: int) -> None:
     if n < 0:
         raise UsageError(f"--threads must be >= 0, got {n}")
     from ..threads import choose
@@ -48,12 +48,12 @@ def _threads(n: int) -> None:
     choose(n)
 
 
-def _gpu_memory_note(gpu_memory: Optional[str], device: str) -> None:
+def gpu_memory_note(gpu_memory: Optional[str], device: str) -> None:
     if gpu_memory is not None and device != "cuda":
-        _say(f"tforce: note: --gpu-memory has no effect on a {device} run (it caps GPU memory)")
+        say(f"tforce: note: --gpu-memory has no effect on a {device} run (it caps GPU memory)")
 
 
-def _decode_text(data: bytes, source: str) -> str:
+def decode_text(data: bytes, source: str) -> str:
     """Prompt bytes -> text, the same for a file and for stdin: NUL bytes mean a binary file (refused,
     exit 2); text that is not UTF-8 (Latin-1, say) is decoded with U+FFFD for each undecodable byte and
     one warning line on stderr."""
@@ -62,12 +62,12 @@ def _decode_text(data: bytes, source: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        _say(f"tforce: warning: {source} is not valid UTF-8 (first bad byte at offset {e.start}): "
+        say(f"tforce: warning: {source} is not valid UTF-8 (first bad byte at offset {e.start}): "
              "undecodable bytes are replaced with U+FFFD")
         return data.decode("utf-8", errors="replace")
 
 
-def _as_role(role: str, fn, *args, **kwargs):
+def as_role(role: str, fn, *args, **kwargs):
     """fn(*args, **kwargs), its errors prefixed with `role` ("target model", "draft model")."""
     try:
         return fn(*args, **kwargs)
@@ -81,7 +81,7 @@ def _host_available() -> int:
     return psutil.virtual_memory().available
 
 
-def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, device: str, run,
+def check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, device: str, run,
                   method: Optional[str] = None, rows: int = 1) -> None:
     """Refuse, before any weights are built or read, a run that cannot fit in memory: `run` (config.RunConfig,
     the user's options: its method unless `method` is given, budgets, gammas, prefill chunk, offload and
@@ -125,25 +125,25 @@ def _check_memory(target_config, draft_config, tokens: int, dtype_bytes: int, de
                           f"needed, {gib(host_free)} available")
 
 
-def _debug() -> bool:
+def debug_on() -> bool:
     return os.environ.get("TFORCE_DEBUG", "") not in ("", "0")
 
 
-def _guarded(body) -> None:
+def guarded(body) -> None:
     """Run body(); turn failures into one stderr line and an exit code (no traceback unless TFORCE_DEBUG)."""
     try:
         body()
     except typer.Exit:
         raise
     except TforceError as e:
-        if _debug():
+        if debug_on():
             raise
-        _say(f"tforce: error: {e}")
+        say(f"tforce: error: {e}")
         raise typer.Exit(e.exit_code)
     except KeyboardInterrupt:
-        if _debug():
+        if debug_on():
             raise
-        _say("tforce: interrupted")
+        say("tforce: interrupted")
         raise typer.Exit(130)
     except BrokenPipeError:  # the reader went away (`tforce run ... | head`): stop quietly
         try:
@@ -152,19 +152,19 @@ def _guarded(body) -> None:
             pass
         raise typer.Exit(1)
     except Exception as e:  # a bug or an environment failure: still one line, the traceback on request
-        if _debug():
+        if debug_on():
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        _say(f"tforce: error: {type(e).__name__}: {msg} (TFORCE_DEBUG=1 shows the traceback)")
+        say(f"tforce: error: {type(e).__name__}: {msg} (TFORCE_DEBUG=1 shows the traceback)")
         raise typer.Exit(1)
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
-def _device(device: str) -> str:
+def pick_device(device: str) -> str:
     import torch
 
     if device not in DEVICES:

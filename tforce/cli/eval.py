@@ -15,8 +15,8 @@ from ..config import POLICIES, Sampling, Speculation
 from ..errors import UsageError
 from . import options as o
 from .app import app
-from .common import DTYPES, THREADS_HELP, _device, _guarded, _say, _threads, flag
-from .setup import _default_draft
+from .common import DTYPES, THREADS_HELP, pick_device, guarded, say, set_threads, flag
+from .setup import default_draft
 
 
 
@@ -115,11 +115,11 @@ def eval_(
             raise UsageError(f"--out {out}: a file, not a folder")
         cfg.books = [Path(f).stem for f in files]
         texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
-        _threads(threads)
+        set_threads(threads)
         from ..model.quant import check_weights
 
         check_weights(weights)
-        dev = _device(device)
+        dev = pick_device(device)
         from ..model.weights import load_model
 
         torch_dtype = None if dtype == "auto" else dtype
@@ -129,20 +129,20 @@ def eval_(
         if longest > context_max:  # generation would stop early at the context's end, unlike the rest
             raise UsageError(f"--context {max(cfg.contexts)} + --gen-len {max(cfg.gen_len, cfg.needle_gen_len)} "
                              f"exceeds the model's context ({context_max} tokens)")
-        draft_name = draft if draft is not None else _default_draft(model)
+        draft_name = draft if draft is not None else default_draft(model)
         small = None if draft_name is None else load_model(draft_name, device=dev, dtype=torch_dtype,
                                                             tokenizer=False).model
         if small is None:
-            _say("tforce: eval: no draft model: the gamma1 sweep is skipped, speed compares ar with retrieval")
+            say("tforce: eval: no draft model: the gamma1 sweep is skipped, speed compares ar with retrieval")
         res = E.evaluate(loaded.model, small, loaded.tokenizer, texts, cfg,
-                         progress=lambda line: _say(f"tforce: eval: {line}"))
+                         progress=lambda line: say(f"tforce: eval: {line}"))
         res["model"], res["draft"] = model, draft_name
         written = E.write(res, Path(out), title=f"tforce eval: {model}")
-        _say(f"tforce: eval: {res['runs']} runs ({res['prefills']} prefills) in {res['wall_s']:.0f} s; wrote {', '.join(written)} to {out}")
+        say(f"tforce: eval: {res['runs']} runs ({res['prefills']} prefills) in {res['wall_s']:.0f} s; wrote {', '.join(written)} to {out}")
         if as_json:
             sys.stdout.write(json.dumps(res) + "\n")
         else:
             sys.stdout.write(E.markdown(res, f"tforce eval: {model}") + "\n")
         sys.stdout.flush()
 
-    _guarded(body)
+    guarded(body)

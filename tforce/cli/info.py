@@ -13,7 +13,7 @@ from .. import cpu_features
 from ..config import Speculation
 from ..errors import UsageError
 from .app import app
-from .common import DTYPES, OFFLOAD_HELP, _guarded, _placement_options, flag
+from .common import DTYPES, OFFLOAD_HELP, guarded, parse_placement, flag
 
 
 def _arch(config, context: int, dtype: str) -> dict:
@@ -130,7 +130,7 @@ def info(
                                           ("--gpus", ranks != 1), ("--batch", batch != 1)) if v]
             if given:
                 raise UsageError(f"{given[0]} plans a model: give --model or --synthetic ARCH")
-        placement_options = _placement_options(offload, gpu_memory)
+        placement_options = parse_placement(offload, gpu_memory)
         gpus = [{"name": torch.cuda.get_device_name(i),
                  "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
                 for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
@@ -144,11 +144,11 @@ def info(
         if model is not None:
             from ..model.registry import resolve
             from ..model.weights import read_config
-            from .setup import _default_draft
+            from .setup import default_draft
 
             path = resolve(model, weights=False)  # from the hub: config and tokenizer files, no weights
             config = read_config(path)
-            draft = _default_draft(model)
+            draft = default_draft(model)
             if draft is not None and Path(draft).is_dir():
                 draft_config = read_config(Path(draft))
             record["model"] = {"name": model, "path": str(path), "planned_from": "config.json",
@@ -175,7 +175,7 @@ def info(
             return
         _print_info(record)
 
-    _guarded(body)
+    guarded(body)
 
 
 def _quantized(path) -> dict:
@@ -193,12 +193,12 @@ def _quantized(path) -> dict:
 def _prompt(path, config) -> dict:
     """How run and chat lay out a prompt for this model (text/format.py) and the ids they stop at
     (config.json's and generation_config.json's, weights.py)."""
-    from ..engine.generate import _eos_ids
-    from ..model.weights import _load_tokenizer
+    from ..engine.generate import eos_ids
+    from ..model.weights import load_tokenizer
 
-    tok = _load_tokenizer(path)
+    tok = load_tokenizer(path)
     return {"tokenizer": tok is not None, "chat_template": bool(getattr(tok, "chat_template", None)),
-            "eos_token_ids": sorted(_eos_ids(config))}
+            "eos_token_ids": sorted(eos_ids(config))}
 
 
 def _print_info(r: dict) -> None:

@@ -145,7 +145,7 @@ _WIDEST = ["10000/10000 tokens", "10.0000 s/token", "1000.0 tokens/s", "accept d
            "accept retrieval 100.0%", "10.00 tokens/verification", "KV cache: 80/80 layers on device, 80 in host"]
 
 
-def _rows(fields: list[str], width: int) -> list[str]:
+def wrap_fields(fields: list[str], width: int) -> list[str]:
     """fields joined by ' · ', a new row wherever the next field would pass width."""
     rows: list[str] = []
     for f in fields:
@@ -230,16 +230,16 @@ class Progress:
             self.last = now
 
     def _rows(self, fields: list[str], width: int) -> list[str]:
-        return _rows([f"tforce {self.status.method}"] + fields, width)
+        return wrap_fields([f"tforce {self.status.method}"] + fields, width)
 
     def _panel(self):
         from rich.panel import Panel
 
-        rows = _rows(self.status.fields(), max(20, self.console.width - 5))  # inside the border and padding
+        rows = wrap_fields(self.status.fields(), max(20, self.console.width - 5))  # inside the border and padding
         return Panel("\n".join(rows), title=f"tforce {self.status.method}", expand=False)
 
 
-def _summary_line(n: int, n_prompt: int, method: str, stats: dict) -> str:
+def summary_line(n: int, n_prompt: int, method: str, stats: dict) -> str:
     def f(x, fmt):
         return "n/a" if x is None else format(x, fmt)
 

@@ -19,10 +19,10 @@ from ..engine.stops import StopStrings
 from .app import app
 from . import options as o
 from .batch_run import check_options, read_batch, run_batch
-from .common import _check_memory, _guarded, _say, flag
-from .setup import Setup, _configure, _draft_config, _dtype_bytes, _read_prompt, check_fits, notices
+from .common import check_memory, guarded, say, flag
+from .setup import Setup, configure, read_draft_config, dtype_bytes, read_prompt, check_fits, notices
 from ..text.stream import TextStream
-from .live import Progress, _summary_line
+from .live import Progress, summary_line
 
 
 @app.command()
@@ -49,18 +49,18 @@ def run(
         if batch is not None:
             given = (prompt_file_arg, prompt_file, prompt)
             check_options(opts["method"], given != (None,) * 3, opts["save_kv"] is not None)
-        setup = _configure(params, calibrate=batch is None)
+        setup = configure(params, calibrate=batch is None)
         # the prompts before any notice (notices), so that a bad prompt is the only line
         if batch is not None:
             items = read_batch(batch)
         else:
-            text = _read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
+            text = read_prompt(prompt_file if prompt_file is not None else prompt_file_arg, prompt,
                                 demo_prompt() if opts["model"] is None else None)
         if batch is not None:
             return run_batch(items, setup, as_json)
         _run(text, setup, as_json)
 
-    _guarded(body)
+    guarded(body)
 
 
 def _run(text: str, setup: Setup, as_json: bool) -> None:
@@ -84,19 +84,19 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool)
     notices(setup, fmt)
     max_new = min(config.max_new_tokens, context - len(ids))
     if max_new < config.max_new_tokens:
-        _say(f"tforce: note: the model's context ({context} tokens) leaves room for {max_new} new tokens after "
+        say(f"tforce: note: the model's context ({context} tokens) leaves room for {max_new} new tokens after "
              f"the {len(ids)}-token prompt, not the {config.max_new_tokens} asked for")
-    draft_config = _draft_config(draft, model_config, tok) if draft else None
+    draft_config = read_draft_config(draft, model_config, tok) if draft else None
     auto = config.method == AUTO  # planned here, once the models are loaded (one process: world == 1)
     if auto and max_new == 0:  # nothing to generate: nothing to plan (or calibrate) for
         auto, config = False, config.with_options(method="ar")
     target = small = None  # split runs: the workers load the weights
     if world == 1:
         def check(method: str) -> None:
-            _check_memory(model_config, draft_config, len(ids) + max_new, _dtype_bytes(dtype, device), device,
+            check_memory(model_config, draft_config, len(ids) + max_new, dtype_bytes(dtype, device), device,
                           config, method)
 
-        unfit = _unfit(check, draft_config is not None or config.speculation.proposer == "lookup") if auto \
+        unfit = unfit_methods(check, draft_config is not None or config.speculation.proposer == "lookup") if auto \
             else check(config.method)
         target, small = setup.load()
     choice = None
@@ -106,12 +106,12 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool)
         kv_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tforce-auto-"))
         choice = choose(target, small, ids, config, fixed=setup.gammas_given, exclude=unfit, kv_dir=kv_dir,
                         events=Events(on_step=threads.tick))
-        _say(choice.line())
+        say(choice.line())
         config = choice.applied(config)  # the calibration's prefill of the prompt loaded, where it kept one
         small = small if config.speculation.uses_draft else None
     stops = StopStrings(tok, setup.stops)
     stream = TextStream(tok, sys.stdout, enabled=not as_json, stops=stops or None)
-    progress = Progress(max_new, config.method, stream, shared=sys.stdout.isatty() and _shared_with_stderr()) \
+    progress = Progress(max_new, config.method, stream, shared=sys.stdout.isatty() and shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
 
     def on_tokens(r, tokens, acceptance):
@@ -134,10 +134,10 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool)
     except BaseException:  # end the live view and keep the text written so far (Ctrl-C, errors)
         if progress:
             progress.close()
-        _end_line(stream.printed)
+        end_line(stream.printed)
         raise
     if not as_json:
-        _end_line(out)
+        end_line(out)
     _kv_notes(setup.config, result.stats, len(ids))  # the user's snapshots, not auto's own
     if choice is not None:
         choice.remember(result.stats, len(result.tokens))
@@ -152,10 +152,10 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool)
     if progress:
         progress.finish(result.stats)
     else:
-        _say(_summary_line(len(result.tokens), len(ids), config.method, result.stats))
+        say(summary_line(len(result.tokens), len(ids), config.method, result.stats))
 
 
-def _unfit(check, has_draft: bool) -> set[str]:
+def unfit_methods(check, has_draft: bool) -> set[str]:
     """--method auto: the methods whose caches do not fit in memory (check(method) raises DoesNotFit), left
     out of the plan; ar's refusal is the run's (every other method needs more)."""
     check("ar")
@@ -174,24 +174,24 @@ def _kv_notes(config, stats: dict, cached: int) -> None:
     whole prompt; of a prompt the snapshot holds whole, its last token is fed again for the first token)."""
     if config.load_kv is not None:
         reused, held = stats["kv_reused"], stats["kv_snapshot_tokens"]
-        _say(f"tforce: KV snapshot {config.load_kv}: reused {reused} of {cached} prompt tokens "
+        say(f"tforce: KV snapshot {config.load_kv}: reused {reused} of {cached} prompt tokens "
              f"(loaded in {stats['load_kv_s']:.2f} s, then prefilled {cached - reused})"
              + ("" if reused >= min(cached - 1, held)
                else f"; the prompt leaves the snapshot's {held}-token prefix at token {reused}"))
     if config.save_kv is not None:
-        _say(f"tforce: KV snapshot of {cached} prompt tokens written to {config.save_kv} "
+        say(f"tforce: KV snapshot of {cached} prompt tokens written to {config.save_kv} "
              f"in {stats['save_kv_s']:.2f} s")
 
 
-def _end_line(text: str) -> None:
+def end_line(text: str) -> None:
     """On a terminal, or a file or pipe shared with stderr, end the text's line so that what stderr writes
     next (the summary, an interruption notice) starts a line of its own."""
-    if (sys.stdout.isatty() or _shared_with_stderr()) and text and not text.endswith("\n"):
+    if (sys.stdout.isatty() or shared_with_stderr()) and text and not text.endswith("\n"):
         sys.stdout.write("\n")
         sys.stdout.flush()
 
 
-def _shared_with_stderr() -> bool:
+def shared_with_stderr() -> bool:
     """stdout and stderr write to the same file or pipe (`2>&1`): end the text's line before the
     summary, as on a terminal. A file or pipe of its own gets the text exactly as generated."""
     try:

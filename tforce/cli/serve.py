@@ -15,8 +15,8 @@ from ..config import Sampling
 from ..errors import TforceError, UsageError
 from . import options as o
 from .app import app
-from .common import _check_memory, _debug, _guarded, _say
-from .setup import _configure, _draft_config, _dtype_bytes, notices
+from .common import check_memory, debug_on, guarded, say
+from .setup import configure, read_draft_config, dtype_bytes, notices
 
 
 @app.command()
@@ -69,7 +69,7 @@ def serve(
             raise UsageError("--api-key must not be empty")
         web = {"chat_template": _read_template(chat_template, opts["template"]),
                "origins": tuple(x.strip() for x in (allowed_origins or "").split(",") if x.strip())}
-        setup = _configure(params, calibrate=False)
+        setup = configure(params, calibrate=False)
         if setup.world > 1:
             raise UsageError("tforce serve runs in one process: --tp and --gpus are not supported yet")
         from ..bench.suite import parse_size
@@ -80,7 +80,7 @@ def serve(
         _serve(setup, host, port, api_key, max_body, ctx_size, name or _served_name(opts["model"], setup.target), store,
                web)
 
-    _guarded(body)
+    guarded(body)
 
 
 def _read_template(file: Optional[str], template: str) -> Optional[str]:
@@ -127,8 +127,8 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
     context = ctx_size or context
     fmt = setup.prompt_format(tok, path)
     notices(setup, fmt, serving=True)
-    draft_config = _draft_config(setup.draft, config, tok) if setup.draft else None
-    _check_memory(config, draft_config, context, _dtype_bytes(setup.dtype, setup.device), setup.device, setup.config)
+    draft_config = read_draft_config(setup.draft, config, tok) if setup.draft else None
+    check_memory(config, draft_config, context, dtype_bytes(setup.dtype, setup.device), setup.device, setup.config)
     target, small = setup.load()
     try:
         sock = listen(host, port)
@@ -138,22 +138,22 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
         from ..serve.kv_store import KVStore
         from ..snapshot.identity import identity
 
-        store = KVStore(*store, identity(target, small), log=_say)
+        store = KVStore(*store, identity(target, small), log=say)
     worker = Worker(target.model, small.model if small else None, tok, name, context, setup.config, setup.template,
-                    setup.system, setup.stops, log=_say, debug=_debug(), store=store)
+                    setup.system, setup.stops, log=say, debug=debug_on(), store=store)
     if api_key is None and not _loopback(host):
-        _say(f"tforce: note: listening on {host} without --api-key: whoever reaches the port can use the model")
+        say(f"tforce: note: listening on {host} without --api-key: whoever reaches the port can use the model")
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    _say(f"tforce: serving {name} ({setup.config.method}, {context}-token context) on http://{shown}:{bound}/v1"
+    say(f"tforce: serving {name} ({setup.config.method}, {context}-token context) on http://{shown}:{bound}/v1"
          + (" (API key required)" if api_key else ""))
     try:
-        run(build(Settings(worker, name, api_key, max_body, _say, _debug(), origins=web["origins"])), sock, worker.stop)
+        run(build(Settings(worker, name, api_key, max_body, say, debug_on(), origins=web["origins"])), sock, worker.stop)
     finally:
         worker.stop()
         worker.join(5)
         sock.close()
-    _say("tforce: serve: stopped")
+    say("tforce: serve: stopped")
 
 
 def _loopback(host: str) -> bool:

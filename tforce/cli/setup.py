@@ -13,13 +13,13 @@ from ..config import AUTO, OPTIONS, RunConfig
 from ..model.defaults import default_pair, notice
 from ..text.demo import NAME
 from ..errors import UsageError
-from .common import DTYPES, _as_role, _decode_text, _device, _gpu_memory_note, _placement_options, _say, _threads
+from .common import DTYPES, as_role, decode_text, pick_device, gpu_memory_note, parse_placement, say, set_threads
 
 
 EMPTY_PROMPT = "the prompt is empty: give a prompt file, --prompt TEXT or text on stdin"
 
 
-def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Optional[str] = None,
+def read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Optional[str] = None,
                  empty: str = EMPTY_PROMPT) -> str:
     """The document (a file, `-` for stdin, or piped stdin) followed by --prompt, joined by a blank line.
 
@@ -31,7 +31,7 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Opt
             data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
         except (OSError, ValueError):
             data = b""
-        document = _decode_text(data, "stdin")
+        document = decode_text(data, "stdin")
     elif prompt_file is not None:
         path = Path(prompt_file).expanduser()
         try:
@@ -40,29 +40,29 @@ def _read_prompt(prompt_file: Optional[str], prompt: Optional[str], default: Opt
             hint = " (--json and --ignore-eos are flags: they take no value)" \
                 if prompt_file.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0") else ""
             raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror or e}{hint}") from e
-        document = _decode_text(data, f"prompt file {prompt_file}")
+        document = decode_text(data, f"prompt file {prompt_file}")
     if prompt is not None:  # an argument's bytes that are not UTF-8 reach Python as lone surrogates
-        prompt = _decode_text(prompt.encode("utf-8", "surrogateescape"), "--prompt")
+        prompt = decode_text(prompt.encode("utf-8", "surrogateescape"), "--prompt")
     parts = [p for p in (document, prompt or "") if p.strip()]
     if not parts and default is not None and prompt is None and prompt_file is None:
-        _say(f"tforce: no prompt given: using {NAME} and a question")
+        say(f"tforce: no prompt given: using {NAME} and a question")
         return default
     if not parts:
         raise UsageError(empty)
     return "\n\n".join(parts)
 
 
-def _check_local(name: str, role: str) -> None:
+def check_local(name: str, role: str) -> None:
     """A local folder or an unknown name is checked here, its error naming the role ("target model",
     "draft model"), before anything else; registry names and hub ids are fetched when loaded."""
     from ..model.registry import REGISTRY, resolve
 
     hub = name in REGISTRY or (name.count("/") == 1 and not name.startswith((".", "/", "~")))
     if Path(name).expanduser().exists() or not hub:
-        _as_role(role, resolve, name)
+        as_role(role, resolve, name)
 
 
-def _default_draft(model: str) -> Optional[str]:
+def default_draft(model: str) -> Optional[str]:
     """The registry's draft for a short name; for a folder `X-target`, a sibling `X-draft` if present."""
     from ..model.registry import REGISTRY
 
@@ -98,7 +98,7 @@ class Setup:
         """(folder, config, tokenizer) of the target, split over self.world ranks, without reading its
         weights: what every command checks its prompt and memory against before loading; a target without
         tokenizer files is refused."""
-        path, config, tok = _tp_target(self.target, self.world)
+        path, config, tok = read_target(self.target, self.world)
         if tok is None:
             raise UsageError(f"{path} has no tokenizer: tforce needs the target's tokenizer files")
         return path, config, tok
@@ -107,9 +107,9 @@ class Setup:
         """(target, draft or None) loaded as this command runs them, in this process."""
         from ..model.weights import load_model
 
-        target = _as_role("target model", load_model, self.target, device=self.device, dtype=self.dtype,
+        target = as_role("target model", load_model, self.target, device=self.device, dtype=self.dtype,
                           tokenizer=False, weights=self.weights)
-        small = _as_role("draft model", load_model, self.draft, device=self.device, dtype=self.dtype,
+        small = as_role("draft model", load_model, self.draft, device=self.device, dtype=self.dtype,
                          tokenizer=False) if self.draft else None
         return target, small
 
@@ -133,23 +133,23 @@ def notices(setup: Setup, fmt, serving: bool = False) -> None:
     dtype, the chat template laying the prompt out): after the prompt's checks, the template's included, so
     that a refused prompt's error is the only line. serving: `tforce serve`'s, where only chat requests
     take the template."""
-    _gpu_memory_note(setup.config.execution.gpu_memory, setup.device)
+    gpu_memory_note(setup.config.execution.gpu_memory, setup.device)
     if setup.demo is not None:
-        _say(notice(setup.target, setup.demo))
+        say(notice(setup.target, setup.demo))
     _exactness_note(setup)
     if fmt.templated and serving:
-        _say(f"tforce: chat requests follow {setup.target}'s chat template; completions take the text as it is")
+        say(f"tforce: chat requests follow {setup.target}'s chat template; completions take the text as it is")
     elif fmt.templated:
         # the model as the user named it: a GGUF file's or a Hub id's folder is a cache path they never typed
-        _say(f"tforce: the prompt follows {setup.target}'s chat template (--template none: the text as it is)")
+        say(f"tforce: the prompt follows {setup.target}'s chat template (--template none: the text as it is)")
     if fmt.snapshot_date is not None:
-        _say(f"tforce: the chat template writes the date: the prompt has the KV snapshot's ({fmt.snapshot_date}), "
+        say(f"tforce: the chat template writes the date: the prompt has the KV snapshot's ({fmt.snapshot_date}), "
              "which its cache was computed with")
     if setup.auto_note is not None:
-        _say(setup.auto_note)
+        say(setup.auto_note)
 
 
-def _configure(p: dict, calibrate: bool = True) -> Setup:
+def configure(p: dict, calibrate: bool = True) -> Setup:
     """Checks the shared options (options.py) of `run` and `chat`, given as their parameters by name.
     --method auto stays auto where the command plans it from measured costs (calibrate: `run` of one
     prompt in one process, once its models are loaded); elsewhere it becomes planner.uncalibrated's
@@ -162,12 +162,12 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     if p["dtype"] not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {p['dtype']!r}")
     system = _check_template(p["template"], p["system"])
-    stops = tuple(_unescape(_decode_text(s.encode("utf-8", "surrogateescape"), "--stop")) for s in p["stop"] or ())
+    stops = tuple(unescape(decode_text(s.encode("utf-8", "surrogateescape"), "--stop")) for s in p["stop"] or ())
     if "" in stops:
         raise UsageError("--stop takes a non-empty string")
-    config = config.with_options(**_placement_options(p["offload"], p["gpu_memory"]))
-    _threads(p["threads"])
-    world, dev = _parallel(p["tp"], p["gpus"], p["device"])
+    config = config.with_options(**parse_placement(p["offload"], p["gpu_memory"]))
+    set_threads(p["threads"])
+    world, dev = parallel_ranks(p["tp"], p["gpus"], p["device"])
     from ..model.quant import SCHEMES, check_device, check_weights
 
     weights = p.get("weights", "auto")
@@ -186,10 +186,10 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
     if model is None:
         target_name, demo_draft = default_pair()
     else:  # the target first: a missing target folder is not a missing draft
-        _check_local(model, "target model")
+        check_local(model, "target model")
     if draft is not None and (spec.uses_draft or spec.method == AUTO):  # auto takes a draft where one is given
-        _check_local(draft, "draft model")
-    draft_name = draft if draft is not None or spec.proposer == "lookup" else _default_draft(target_name)
+        check_local(draft, "draft model")
+    draft_name = draft if draft is not None or spec.proposer == "lookup" else default_draft(target_name)
     if spec.uses_draft and draft_name is None:
         raise UsageError(f"method {spec.method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
     auto_note = None
@@ -209,7 +209,7 @@ def _configure(p: dict, calibrate: bool = True) -> Setup:
 LOOKUP = "lookup"  # --draft lookup: no draft model
 
 
-def _unescape(text: str) -> str:
+def unescape(text: str) -> str:
     """A --stop string as typed: `--stop '\\n'` is a newline (a shell passes the two characters), `\\t` a
     tab, `\\\\` a backslash; everything else as it is."""
     return re.sub(r"\\(n|t|\\)", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
@@ -225,7 +225,7 @@ def _check_template(template: str, system: Optional[str]) -> Optional[str]:
         return None
     if template == "none":
         raise UsageError("--system needs a chat template (not --template none)")
-    return _decode_text(system.encode("utf-8", "surrogateescape"), "--system")
+    return decode_text(system.encode("utf-8", "surrogateescape"), "--system")
 
 
 def _check_snapshots(save_kv: Optional[str], load_kv: Optional[str], world: int, dtype: str) -> None:
@@ -255,11 +255,11 @@ def _exactness_note(setup: Setup) -> None:
         weights = "the GGUF's quantized" if read_quantized(resolve(setup.target, weights=False)) else weights
     rounding = dtype if weights in ("auto", "float") else f"{weights} weights (bfloat16 products)"
     if o.sampling.greedy and o.method != "ar" and not o.execution.deterministic and rounding != "float32":
-        _say(f"tforce: note: greedy in {rounding}: the tokens are plain decoding's (--method ar) except where its "
+        say(f"tforce: note: greedy in {rounding}: the tokens are plain decoding's (--method ar) except where its "
              "two best logits nearly tie; --deterministic makes them plain decoding's bit for bit")
 
 
-def _parallel(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:
+def parallel_ranks(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:
     """--tp / --gpus / --device -> (ranks, device), checked against the GPUs torch sees."""
     import torch
 
@@ -275,7 +275,7 @@ def _parallel(tp: int, gpus: Optional[int], device: str) -> tuple[int, str]:
             raise UsageError(f"--gpus {gpus} and --tp {tp} disagree: give one of them")
         world, device = gpus, "cuda"
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    dev = "cuda" if device == "cuda" and world > 1 else _device(device)
+    dev = "cuda" if device == "cuda" and world > 1 else pick_device(device)
     if dev == "cuda" and world > count:
         raise UsageError(f"{world} ranks on CUDA need {world} GPUs; torch sees {count} "
                          f"(--tp {world} --device cpu runs them on the CPU)")
@@ -287,32 +287,32 @@ def _read_config(name: str, role: str):
     from ..model.registry import resolve
     from ..model.weights import read_config
 
-    path = _as_role(role, resolve, name)
-    return path, _as_role(role, read_config, path)
+    path = as_role(role, resolve, name)
+    return path, as_role(role, read_config, path)
 
 
-def _draft_config(draft: str, target_config, target_tok):
+def read_draft_config(draft: str, target_config, target_tok):
     """The draft's config, checked against the target's before any weights are read: an embedding table no
     larger than the target's and the same tokenizer (vocab.py)."""
     from ..model.vocab import check_sizes, check_tokenizers
-    from ..model.weights import _load_tokenizer
+    from ..model.weights import load_tokenizer
 
     path, config = _read_config(draft, "draft model")
     check_sizes(target_config.vocab_size, config.vocab_size)
-    check_tokenizers(target_tok, _load_tokenizer(path), str(path), target_config.vocab_size, config.vocab_size)
+    check_tokenizers(target_tok, load_tokenizer(path), str(path), target_config.vocab_size, config.vocab_size)
     return config
 
 
-def _tp_target(model: str, world: int):
+def read_target(model: str, world: int):
     """(folder, config, tokenizer) of the target without loading weights; split over world > 1 ranks,
     the heads must split."""
     from ..model.sharding import check_tp
-    from ..model.weights import _load_tokenizer
+    from ..model.weights import load_tokenizer
 
     path, config = _read_config(model, "target model")
     if world > 1:
         check_tp(config, world)
-    return path, config, _load_tokenizer(path)
+    return path, config, load_tokenizer(path)
 
 
 def _dtype_name(dtype: Optional[str], device: str) -> str:
@@ -320,7 +320,7 @@ def _dtype_name(dtype: Optional[str], device: str) -> str:
     return dtype or ("bfloat16" if device == "cuda" else "float32")
 
 
-def _dtype_bytes(dtype: Optional[str], device: str) -> int:
+def dtype_bytes(dtype: Optional[str], device: str) -> int:
     import torch
 
     return torch.empty((), dtype=getattr(torch, _dtype_name(dtype, device))).element_size()

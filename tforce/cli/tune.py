@@ -11,8 +11,8 @@ import typer
 from ..errors import UsageError
 from .app import app
 from . import options as o
-from .common import _check_memory, _guarded, _say, flag
-from .setup import _configure, _draft_config, _dtype_bytes, _read_prompt, notices
+from .common import check_memory, guarded, say, flag
+from .setup import configure, read_draft_config, dtype_bytes, read_prompt, notices
 
 # run's options that tune does not take: their defaults (options.py)
 FIXED = ("method", "gamma1", "gamma2", "top_k", "seed", "ignore_eos", "chunk_size", "draft_budget", "sinks",
@@ -43,8 +43,8 @@ def tune(
     def body():
         if max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        setup = _configure(params)
-        text = _read_prompt(prompt_file, None)
+        setup = configure(params)
+        text = read_prompt(prompt_file, None)
         report = _tune(text, setup)
         if as_json:
             sys.stdout.write(json.dumps(report) + "\n")
@@ -52,7 +52,7 @@ def tune(
             sys.stdout.write(_table(report))
         sys.stdout.flush()
 
-    _guarded(body)
+    guarded(body)
 
 
 def _tune(text: str, setup) -> dict:
@@ -61,7 +61,7 @@ def _tune(text: str, setup) -> dict:
     from ..auto.planner import choose
     from ..engine.events import Events
     from ..engine.generate import generate
-    from .run import _unfit
+    from .run import unfit_methods
 
     path, model_config, tok = setup.target_files()
     fmt = setup.prompt_format(tok, path)
@@ -72,21 +72,21 @@ def _tune(text: str, setup) -> dict:
         raise UsageError(f"the prompt is {len(ids)} tokens: with {new} new ones it exceeds "
                          f"the model's context ({model_config.max_position_embeddings})")
     notices(setup, fmt)
-    draft_config = _draft_config(setup.draft, model_config, tok) if setup.draft else None
+    draft_config = read_draft_config(setup.draft, model_config, tok) if setup.draft else None
 
     def check(method: str) -> None:
-        _check_memory(model_config, draft_config, len(ids) + new, _dtype_bytes(setup.dtype, setup.device),
+        check_memory(model_config, draft_config, len(ids) + new, dtype_bytes(setup.dtype, setup.device),
                       setup.device, config, method)
 
-    unfit = _unfit(check, draft_config is not None)
+    unfit = unfit_methods(check, draft_config is not None)
     target, small = setup.load()
-    _say(f"tforce: tune: measuring the stage costs of every method on {len(ids)} prompt tokens")
+    say(f"tforce: tune: measuring the stage costs of every method on {len(ids)} prompt tokens")
     step = Events(on_step=threads.tick)
     choice = choose(target, small, ids, config, exclude=unfit, refresh=True, events=step)
-    _say(choice.line())
+    say(choice.line())
     rows = []
     for c in choice.candidates:
-        _say(f"tforce: tune: {c['method']}: {new} tokens")
+        say(f"tforce: tune: {c['method']}: {new} tokens")
         gammas = {k: c[k] for k in ("gamma1", "gamma2") if k in c}
         timed = config.with_options(method=c["method"], **gammas, ignore_eos=True, seed=0)
         r = generate(target, ids, timed, small if timed.speculation.uses_draft else None, step)

@@ -15,7 +15,7 @@ prompt K/V cross to host memory once, nothing streams back; PCIe traffic linear 
 from __future__ import annotations
 
 from .events import Events
-from .generate import Result, _eos_ids, _modules, check_config, check_ids, configured, generator
+from .generate import Result, eos_ids, networks, check_config, check_ids, configured, generator
 from .generation import run
 from ..config import RunConfig
 from ..errors import UsageError
@@ -61,7 +61,7 @@ def generate_batch(target, prompts, config: RunConfig | None = None, *, draft=No
     config = configured(RunConfig.of(method="ar") if config is None else config, options)
     check_batchable(config.method)
     identity = snapshot_identity.identity(target, draft, group) if config.load_kv is not None else None
-    target, draft = _modules(target, draft)
+    target, draft = networks(target, draft)
     check_config(target, draft, config)
     prompts = [list(map(int, p)) for p in prompts]
     context = target.config.max_position_embeddings
@@ -78,7 +78,7 @@ def generate_batch(target, prompts, config: RunConfig | None = None, *, draft=No
     if len(budgets) != len(prompts):
         raise UsageError(f"max_new_tokens: {len(budgets)} budgets for {len(prompts)} prompts")
     max_new = [min(m, context - len(p)) for p, m in zip(prompts, budgets)]
-    eos = set() if config.ignore_eos else _eos_ids(target.config)
+    eos = set() if config.ignore_eos else eos_ids(target.config)
     outs, stats = run(target, draft, prompts, max_new, config, generator(target, config.sampling.seed), eos,
                       events or Events(), group, identity)
     return [Result(out, s) for out, s in zip(outs, stats)]

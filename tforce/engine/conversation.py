@@ -24,9 +24,9 @@ from ..config import RunConfig
 from .driver import drive
 from .events import Events
 from .statistics import one_row
-from .generate import Result, _eos_ids, _modules, check_ids, check_prompt, configured, generator, open_session
+from .generate import Result, eos_ids, networks, check_ids, check_prompt, configured, generator, open_session
 from ..errors import UsageError
-from .session import Session, _sync_device
+from .session import Session, sync_device
 
 
 class Conversation:
@@ -42,7 +42,7 @@ class Conversation:
         config = configured(config, options)
         load_kv, save_kv = config.load_kv, config.save_kv
         ident = snapshot_identity.identity(target, draft, group) if load_kv is not None or save_kv is not None else None
-        self.target, self.draft = _modules(target, draft)
+        self.target, self.draft = networks(target, draft)
         if document_ids is None:
             if load_kv is None:
                 raise UsageError("no document: give one, or a snapshot to load (--load-kv)")
@@ -59,7 +59,7 @@ class Conversation:
             snapshot.check_target(save_kv)
         self.seed, self.keep_history = config.sampling.seed, keep_history
         self.max_new_tokens = config.max_new_tokens
-        self.eos = set() if config.ignore_eos else _eos_ids(self.target.config)
+        self.eos = set() if config.ignore_eos else eos_ids(self.target.config)
         self.session: Session = open_session(self.target, self.draft, len(doc), room, config, group)
         self.document = doc.tolist()
         self.history = list(self.document)
@@ -72,7 +72,7 @@ class Conversation:
             self.kv_reused = snapshot_io.load(load_kv, self.session, doc, len(doc), ident, group)[0]
         self.session.prefill([doc], on_prefill, upto=[len(doc)])
         self.session.mark()
-        _sync_device(device)
+        sync_device(device)
         self.prefill_s = time.perf_counter() - t0
         if save_kv is not None:
             snapshot_io.save(save_kv, self.session, ident, group)

@@ -11,7 +11,7 @@ import torch
 
 from .decode import decode
 from .events import Events
-from .session import _sync_device
+from .session import sync_device
 from .statistics import row_stats
 
 
@@ -24,7 +24,7 @@ def drive(session, prompts, max_new: list[int], gen: torch.Generator, eos: set[i
     device = next(session.target.parameters()).device
     t0 = time.perf_counter() if t0 is None else t0
     kept = session.prefill(prompts, events.on_prefill)
-    _sync_device(device)
+    sync_device(device)
     t1 = time.perf_counter()
     if after_prefill is not None:
         after_prefill()
@@ -38,7 +38,7 @@ def drive(session, prompts, max_new: list[int], gen: torch.Generator, eos: set[i
     before = session.counts()
     t2 = time.perf_counter()
     outs = decode(session, [len(p) for p in prompts], max_new, gen, eos, replace(events, on_tokens=on_tokens))
-    _sync_device(device)
+    sync_device(device)
     t3 = time.perf_counter()
     return outs, [{**row_stats(session, r, outs, t1 - t0, t3 - t2, before), "ttft_s": first.get(r, t3) - t0,
                    "prompt_tokens": len(p), "prefilled_tokens": len(p) - kept[r]} for r, p in enumerate(prompts)]

@@ -29,7 +29,7 @@ def _module(m):
     return getattr(m, "model", m) if not isinstance(m, torch.nn.Module) else m
 
 
-def _modules(target, draft):
+def networks(target, draft):
     """(target, draft) as networks; given as LoadedModels with their tokenizers, a draft with another
     tokenizer than the target's is refused here, where the tokenizers are still at hand (vocab.py). Bare
     networks, or a model loaded without its tokenizer (the CLI checks the folders before loading), carry
@@ -43,7 +43,7 @@ def _modules(target, draft):
     return _module(target), _module(draft)
 
 
-def _eos_ids(config) -> set[int]:
+def eos_ids(config) -> set[int]:
     eos = getattr(config, "eos_token_id", None)
     if eos is None:
         return set()
@@ -135,7 +135,7 @@ def generate(target, prompt_ids, config: RunConfig, draft=None, events: Events |
 
     kv = config.load_kv is not None or config.save_kv is not None
     identity = snapshot_identity.identity(target, draft, group) if kv else None
-    target, draft = _modules(target, draft)
+    target, draft = networks(target, draft)
     prompt = [int(t) for t in prompt_ids]
     if not isinstance(config.max_new_tokens, int):
         raise UsageError("one prompt takes one max_new_tokens, not a list (generate_batch takes one per prompt)")
@@ -144,7 +144,7 @@ def generate(target, prompt_ids, config: RunConfig, draft=None, events: Events |
     check_config(target, draft, config)
     if config.save_kv is not None:
         snapshot.check_target(config.save_kv)  # before the work, not after
-    eos = set() if config.ignore_eos else _eos_ids(target.config)
+    eos = set() if config.ignore_eos else eos_ids(target.config)
     # one prompt is a batch of one row: the batch's path (generation.py), its statistics those of the row
     [out], [stats] = run(target, draft, [prompt], [max_new], config, generator(target, config.sampling.seed), eos,
                          events or Events(), group, identity)

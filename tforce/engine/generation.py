@@ -14,7 +14,7 @@ from ..errors import UsageError
 from .driver import drive
 from .events import Events
 from .statistics import placement_stats
-from .session import Session, _sync_device
+from .session import Session, sync_device
 
 
 def run(target, draft, prompts: list[list[int]], max_new: list[int], config: RunConfig, gen: torch.Generator,
@@ -40,7 +40,7 @@ def run(target, draft, prompts: list[list[int]], max_new: list[int], config: Run
     if load_kv is not None:
         rows = [torch.tensor(p, dtype=torch.long) for p in prompts]
         reused, length = snapshot_io.load_rows(load_kv, session, rows, [len(p) - 1 for p in prompts], identity, group)
-        _sync_device(device)
+        sync_device(device)
         kv = [{"kv_reused": c, "kv_snapshot_tokens": length, "load_kv_s": time.perf_counter() - t0} for c in reused]
     saved = {}
 

@@ -25,11 +25,11 @@ from .prefill import prefill_layer_major
 from ..cache.rope import Rotary
 from .rowwise import RowwiseRunner
 from .sampling import sample
-from .session_plan import _plan
+from .session_plan import plan_session
 from ..model.vocab import shared_vocabulary
 
 
-def _sync_device(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -67,7 +67,7 @@ class Session:
         graphs = run.cuda_graphs and cuda
         kernel = "flash" if flash else "sdpa" if cuda else "math"
         work = placement.Work(capacity, prompt_len, spec, prefill_chunk, graphs, kernel, rows=rows)
-        self.plan = _plan(target, draft, work, run.offload, run.gpu_memory, run.device_free)
+        self.plan = plan_session(target, draft, work, run.offload, run.gpu_memory, run.device_free)
         if group is not None:
             group.check_plan(self.plan)
         pool = torch.cuda.graph_pool_handle() if graphs else None  # one pool for every GraphRunner
@@ -264,7 +264,7 @@ class Session:
     def _rebuild(self, live: list[int]) -> None:
         """Rebuild the listed live rows' retrieval caches from what the full cache holds of each row."""
         device = self.full.device
-        _sync_device(device)  # time the rebuild alone, not the work queued before it
+        sync_device(device)  # time the rebuild alone, not the work queued before it
         t0 = time.perf_counter()
         lengths = [self.full.held(i) for i in live]
         missing = tuple(i for i, L in zip(live, lengths) if L and self._query(i, L) is None)
@@ -276,7 +276,7 @@ class Session:
         if self.middle_verifier is not None:
             for i in live:
                 self.middle_verifier.stats.recent[self.ids[i]] = []
-        _sync_device(device)
+        sync_device(device)
         self.rebuild_times += (time.perf_counter() - t0,)
 
     def _query(self, b: int, L: int) -> list[torch.Tensor] | None:

@@ -19,7 +19,7 @@ def model_shape(model) -> placement.Shape:
                            p.element_size(), sum(params.values()))
 
 
-def _plan(target, draft, work: placement.Work, offload: str, gpu_memory: int | None,
+def plan_session(target, draft, work: placement.Work, offload: str, gpu_memory: int | None,
           device_free: int | None = None) -> placement.Plan:
     """The memory plan of this generation. Device budget, for everything including the CUDA context: on
     CUDA, the device's memory (what is allocated now, the context, what is free), capped by gpu_memory;

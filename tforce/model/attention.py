@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_with_kvcache = None
 
 
-def _fold(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+def fold_heads(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     """q (B, T, H_q, D) -> (B, H_kv, group * T, D): each KV head's query heads stacked along the query
     axis (row g * T + t is query head h * group + g at token t), so that SDPA sees as many query heads
     as KV heads and never needs K/V repeated per query head."""
@@ -47,7 +47,7 @@ def _fold(q: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 
 def _unfold(out: torch.Tensor, T: int) -> torch.Tensor:
-    """(B, H_kv, group * T, D) -> (B, T, H_q, D), the inverse of _fold."""
+    """(B, H_kv, group * T, D) -> (B, T, H_q, D), the inverse of fold_heads."""
     B, n_kv, _, D = out.shape
     return out.view(B, n_kv, -1, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, -1, D)
 
@@ -58,7 +58,7 @@ def _batch_mask(m: torch.Tensor) -> torch.Tensor:
     return m if m.dim() == 4 else m[None]
 
 
-def _folded_mask(view: CacheView, group: int) -> torch.Tensor | None:
+def fold_mask(view: CacheView, group: int) -> torch.Tensor | None:
     """view.mask, H_m in {1, H_kv} -> (B_m, H_m, group * T, S) for the folded queries: every query
     head of a group has its KV head's mask. Its size is that of the scores, never of K/V."""
     if view.mask is None:
@@ -139,10 +139,10 @@ def attend(q: torch.Tensor, view: CacheView, use_flash: bool = True) -> torch.Te
     T, n_kv = q.shape[1], view.k.shape[2]
     with sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else nullcontext():
         out = F.scaled_dot_product_attention(
-            _fold(q, n_kv),  # (B, H_kv, group * T, D)
+            fold_heads(q, n_kv),  # (B, H_kv, group * T, D)
             view.k.transpose(1, 2),  # (B, H_kv, S, D)
             view.v.transpose(1, 2),
-            attn_mask=_folded_mask(view, q.shape[2] // n_kv),
+            attn_mask=fold_mask(view, q.shape[2] // n_kv),
         )
     return _unfold(out, T)
 

@@ -156,7 +156,7 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
         quantize(model, weights)
     else:
         model.weights = kept
-    tok = _load_tokenizer(path) if tokenizer else None
+    tok = load_tokenizer(path) if tokenizer else None
     return LoadedModel(model, tok, path, name_or_path)
 
 
@@ -165,7 +165,7 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype | str 
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json")
 
 
-def _load_tokenizer(path: Path):
+def load_tokenizer(path: Path):
     """The folder's tokenizer, or None when it has none. A folder without vocabulary files has none: asked
     for one there, transformers 5.0 to 5.5 build an empty tokenizer of the config's model type (a
     CodeLlamaTokenizer with no vocabulary but its special tokens, for a Llama) instead of refusing, and a run

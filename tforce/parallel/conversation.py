@@ -24,7 +24,7 @@ from ..engine.generate import Result
 from ..errors import TforceError
 from ..engine.events import Events
 from ..engine.generate import configured
-from .tp import AnyRank, Group, _agreed_free, all_equal, rank_callbacks, rank_models, tp_options
+from .tp import AnyRank, Group, agreed_free, all_equal, rank_callbacks, rank_models, tp_options
 from .ranks import Ranks
 
 ASKED = ("on_prefill", "on_tokens", "on_round")  # the events a question's callers listen to, sent on by rank 0
@@ -47,7 +47,7 @@ class ParallelConversation:
         dtype, config, free = tp_options(device, dtype, config, world)
         self._callbacks = {"on_prefill": on_prefill}
         self._stop = mp.get_context("spawn").Event()
-        self.ranks = Ranks(_conversation_worker, world, "nccl" if device == "cuda" else "gloo", str(model_path),
+        self.ranks = Ranks(conversation_worker, world, "nccl" if device == "cuda" else "gloo", str(model_path),
                            str(draft_path) if draft_path else None, list(document_ids), device, dtype, config,
                            dict(room=room, keep_history=keep_history), free, on_prefill is not None, self._stop,
                            on_event=self._event, serve=True)
@@ -92,7 +92,7 @@ class _Stopped(Exception):
     """Raised on every rank after the same round when the parent asked them to stop."""
 
 
-def _conversation_worker(rank, world, model_path, draft_path, document_ids, device, dtype, config, shape, free,
+def conversation_worker(rank, world, model_path, draft_path, document_ids, device, dtype, config, shape, free,
                          prefill_events: bool, stop, emit=None):
     """One rank of ParallelConversation, a generator (ranks.Ranks' serving protocol): yields
     (kv_reused, prefill_s, room_left) once the document is prefilled, then (Result or STOPPED, room_left)
@@ -101,7 +101,7 @@ def _conversation_worker(rank, world, model_path, draft_path, document_ids, devi
     from ..engine.conversation import Conversation
 
     target, small, dev = rank_models(model_path, draft_path, device, dtype, rank, world)
-    device_free = _agreed_free(dev, free[rank], config.execution.gpu_memory)
+    device_free = agreed_free(dev, free[rank], config.execution.gpu_memory)
     config = config.with_options(device_free=device_free, gpu_memory=None)  # folded into device_free
     callbacks = rank_callbacks(rank, emit, ASKED)
     conv = Conversation(target, document_ids, config, draft=small, group=Group(),

@@ -36,7 +36,7 @@ def _portable(rank: int, e: BaseException) -> tuple[TforceError, str]:
     return err, text
 
 
-def _worker(rank, world, backend, port, threads, q, fn, args, emit_events, on_spawn, inbox=None):
+def worker_main(rank, world, backend, port, threads, q, fn, args, emit_events, on_spawn, inbox=None):
     try:
         if on_spawn is not None:
             on_spawn(rank)

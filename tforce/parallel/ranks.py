@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..errors import TforceError, UsageError
-from .rank_worker import P2P_HINT, _worker
+from .rank_worker import P2P_HINT, worker_main
 
 START_TIMEOUT_S = 120.0  # spawn, imports, process group and a test all_reduce (launch's start_timeout_s)
 
@@ -77,7 +77,7 @@ class Ranks:
         self.q = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)] if serve else []
         port, threads = _free_port(), max(1, torch.get_num_threads() // world)
-        self.procs = [ctx.Process(target=_worker, args=(r, world, backend, port, threads, self.q, fn, args,
+        self.procs = [ctx.Process(target=worker_main, args=(r, world, backend, port, threads, self.q, fn, args,
                                                         on_event is not None, _on_spawn,
                                                         self.inboxes[r] if serve else None), daemon=True)
                       for r in range(world)]

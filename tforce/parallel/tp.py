@@ -11,7 +11,7 @@ exactly anyway), and everything after the last all_reduce is replicated, determi
 `generate_tp` checks the assumption at the end (all ranks' tokens must agree) instead of trusting it.
 Against the unsharded model the logits differ only by summation order (allclose, not bitwise).
 The same holds only if every rank runs the same code path, so all ranks place their KV caches from one
-figure, the least free device memory over the ranks (`_agreed_free`). The plans are then equal: each
+figure, the least free device memory over the ranks (`agreed_free`). The plans are then equal: each
 rank's planner (session_plan._plan) compares the plan's peak with a budget that both count this rank's own
 measured CUDA context and loaded weight bytes (row-parallel biases stay on rank 0), so those terms
 cancel and the comparison reads only the agreed figure and shapes that every rank shares (tested on the
@@ -48,7 +48,7 @@ def all_equal(obj) -> bool:
     return all(o == objs[0] for o in objs)
 
 
-def _generate_worker(rank, world, model_path, draft_path, prompts, batch, device, dtype, config, names, until, free,
+def generate_worker(rank, world, model_path, draft_path, prompts, batch, device, dtype, config, names, until, free,
                      emit=None):
     """One rank of generate_tp (prompts: one prompt's ids) or generate_batch_tp (batch: a list of them).
     names: the callbacks the parent listens to; free: one device_free figure per rank (tests give the ranks
@@ -58,7 +58,7 @@ def _generate_worker(rank, world, model_path, draft_path, prompts, batch, device
     from ..engine.generate import generate
 
     target, small, dev = rank_models(model_path, draft_path, device, dtype, rank, world)
-    device_free = _agreed_free(dev, free[rank], config.execution.gpu_memory)
+    device_free = agreed_free(dev, free[rank], config.execution.gpu_memory)
     config = config.with_options(device_free=device_free, gpu_memory=None)  # folded into device_free
     events = Events(until=until, **rank_callbacks(rank, emit, names))
     if batch:
@@ -136,21 +136,21 @@ class Group:
                               f"the {self.world} ranks together, {available / GiB:.1f} GiB available")
 
 
-def _agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
+def agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
     """The device memory every rank plans with: the least any rank may use (a collective).
 
     A rank that plans from its own free memory may offload where another does not; the two then run
     different prefill paths and their all_reduces pair up wrongly (gloo: an error or the same wrong
     tokens on every rank; NCCL: a hang or silent corruption). So every rank plans with the minimum of
-    the ranks' figures (_rank_room), gpu_memory already folded in. None: no rank has a figure (a CPU
+    the ranks' figures (rank_room), gpu_memory already folded in. None: no rank has a figure (a CPU
     run), which plans the whole cache as resident."""
     frees = [None] * dist.get_world_size()
-    dist.all_gather_object(frees, _rank_room(dev, given, gpu_memory))
+    dist.all_gather_object(frees, rank_room(dev, given, gpu_memory))
     known = [f for f in frees if f is not None]
     return min(known) if known else None
 
 
-def _rank_room(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
+def rank_room(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
     """This rank's room for the caches and activations beside what it holds: its free memory (or `given`),
     and with gpu_memory, no more than gpu_memory less what this rank has allocated (its shard: row-parallel
     biases make it differ) and, on CUDA, less its context, as session_plan._plan caps one process: gpu_memory
@@ -189,7 +189,7 @@ def generate_tp(model_path: str, draft_path: str | None, prompt_ids, world: int,
     on cuda:r); the draft is replicated. Returns rank 0's Result. The events' callbacks run here, in this
     process, as rank 0 produces them. A missing seed is drawn here, so every rank samples with the same
     one. Every rank plans its KV cache from the least free device memory over the ranks (device_free, when
-    given, stands for every rank's measure; _agreed_free). KV snapshots (load_kv, save_kv) hold each
+    given, stands for every rank's measure; agreed_free). KV snapshots (load_kv, save_kv) hold each
     rank's KV heads in a folder of its own (snapshot/format.py)."""
     return _launch(model_path, draft_path, list(prompt_ids), False, world, device, dtype, config, events, options)
 
@@ -218,6 +218,6 @@ def _launch(model_path, draft_path, prompts, batch: bool, world: int, device: st
         callbacks[name](*args)
 
     backend = "nccl" if device == "cuda" else "gloo"
-    return launch(_generate_worker, world, backend, str(model_path), str(draft_path) if draft_path else None,
+    return launch(generate_worker, world, backend, str(model_path), str(draft_path) if draft_path else None,
                   prompts, batch, device, dtype, config, tuple(callbacks), events.until, free,
                   on_event=on_event if callbacks else None)

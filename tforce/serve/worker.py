@@ -34,7 +34,7 @@ from ..text.stream import TextStream
 from ..config import RunConfig, Sampling
 from ..engine.driver import drive
 from ..engine.events import Events
-from ..engine.generate import _eos_ids, check_ids, generator, open_session
+from ..engine.generate import eos_ids, check_ids, generator, open_session
 from ..errors import TforceError, UsageError
 from ..text.format import PromptFormat
 from ..engine.stops import StopStrings
@@ -91,7 +91,7 @@ class Worker:
         sampling) and the speculation and execution settings every request runs with. debug: a
         failure's traceback on stderr (TFORCE_DEBUG=1). store: prompts' KV snapshots on disk (--kv-dir)."""
         self.max_new = config.max_new_tokens
-        self.eos = set() if config.ignore_eos else _eos_ids(target.config)
+        self.eos = set() if config.ignore_eos else eos_ids(target.config)
         self.defaults = config.sampling
         self.target, self.tok, self.name, self.context = target, tokenizer, name, context
         # Requests are tokenized on the server's threads while this one decodes: a fast tokenizer that one

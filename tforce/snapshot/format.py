@@ -37,7 +37,7 @@ TP_VERSION = 2  # per-rank parts (rank-R/): a tforce that reads only format 1 re
 MANIFEST = "manifest.json"
 
 
-def _sha(data: bytes) -> str:
+def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -82,7 +82,7 @@ def read_manifest(path) -> dict:
         raise TforceError(f"--load-kv {path}: not a readable tforce KV snapshot ({type(e).__name__})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise TforceError(f"--load-kv {path}: not a tforce KV snapshot")
-    if manifest.get("manifest_sha256") != _manifest_sha(manifest):
+    if manifest.get("manifest_sha256") != manifest_sha(manifest):
         raise TforceError(f"--load-kv {path}: {MANIFEST} is damaged (checksum mismatch): make the snapshot again")
     if manifest.get("version") != (VERSION if manifest.get("world", 1) == 1 else TP_VERSION):
         raise UsageError(f"--load-kv {path}: snapshot format {manifest.get('version')} (tforce "
@@ -91,10 +91,10 @@ def read_manifest(path) -> dict:
     return manifest
 
 
-def _manifest_sha(manifest: dict) -> str:
+def manifest_sha(manifest: dict) -> str:
     """The manifest's own checksum, over its other fields."""
     rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return _sha(json.dumps(rest, sort_keys=True).encode())
+    return sha256_hex(json.dumps(rest, sort_keys=True).encode())
 
 
 def same_weights(manifest: dict, saved: dict, now: dict, world: int) -> bool:

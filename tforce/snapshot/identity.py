@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TforceError
-from .format import _sha
+from .format import sha256_hex
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt")
@@ -27,10 +27,10 @@ def _config_sha(config) -> str:
     d = {k: v for k, v in config.to_dict().items()
          if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype", "use_cache",
                                                  "architectures")}
-    return _sha(json.dumps(d, sort_keys=True, default=str).encode())
+    return sha256_hex(json.dumps(d, sort_keys=True, default=str).encode())
 
 
-def _weights_fingerprint(module) -> str:
+def weights_fingerprint(module) -> str:
     """A hash of each parameter's name, shape and first and last 64 values: two checkpoints of one
     architecture (a retrained model) differ here."""
     h = hashlib.sha256()
@@ -44,10 +44,10 @@ def _weights_fingerprint(module) -> str:
 TENSOR_EDGE = 512  # bytes read from each end of each tensor in a weight file: 64 values or more
 
 
-def _files_sha(path) -> str | None:
+def files_sha(path) -> str | None:
     """The hash of a model folder's weight files: their names, their safetensors headers (every tensor's
     name, dtype, shape and place) and each tensor's first and last TENSOR_EDGE bytes, so that it tells
-    apart what _weights_fingerprint (each tensor's first and last 64 values) does, however the model is
+    apart what weights_fingerprint (each tensor's first and last 64 values) does, however the model is
     split; None without a folder. Reads about 1 KiB per tensor, not the weights. A PyTorch .bin (a zip):
     its pickle (the tensors' names, dtypes, shapes and storages) and each storage's size and CRC-32, from
     the zip's directory."""
@@ -103,8 +103,8 @@ def _model_id(m) -> dict:
     module = m if isinstance(m, torch.nn.Module) else m.model
     path = getattr(m, "path", None)
     return {"name": str(path) if path is not None else type(module).__name__,
-            "config_sha256": _config_sha(module.config), "weights": _weights_fingerprint(module),
-            "files_sha256": _files_sha(path)}
+            "config_sha256": _config_sha(module.config), "weights": weights_fingerprint(module),
+            "files_sha256": files_sha(path)}
 
 
 def identity(target, draft=None, group=None) -> dict:
@@ -114,5 +114,5 @@ def identity(target, draft=None, group=None) -> dict:
     ident = {"target": _model_id(target), "draft": _model_id(draft) if draft is not None else None,
              "tokenizer_sha256": _tokenizer_sha(getattr(target, "path", None))}
     if group is not None and group.world > 1:
-        ident["target"]["weights"] = _sha(" ".join(group.gather(ident["target"]["weights"])).encode())
+        ident["target"]["weights"] = sha256_hex(" ".join(group.gather(ident["target"]["weights"])).encode())
     return ident

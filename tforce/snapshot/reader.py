@@ -16,7 +16,7 @@ from pathlib import Path
 from safetensors.torch import load as st_load
 
 from ..errors import TforceError
-from .format import _sha
+from .format import sha256_hex
 
 IN_FLIGHT_BYTES = 8 << 30  # host memory the files read ahead may hold at once
 MAX_THREADS = 4
@@ -35,7 +35,7 @@ def checked_bytes(path: Path, manifest: dict, name: str) -> bytes:
         data = (path / name).read_bytes()
     except OSError as e:
         raise TforceError(f"--load-kv {path}: cannot read {name}: {e.strerror or e}") from e
-    if _sha(data) != manifest["files"].get(name):
+    if sha256_hex(data) != manifest["files"].get(name):
         raise TforceError(f"--load-kv {path}: {name} is damaged (checksum mismatch): make the snapshot again")
     return data
 

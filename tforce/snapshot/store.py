@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from ..errors import TforceError
-from .format import (FORMAT, MANIFEST, TP_VERSION, VERSION, _manifest_sha, _sha, check, check_target, read_manifest,
+from .format import (FORMAT, MANIFEST, TP_VERSION, VERSION, manifest_sha, sha256_hex, check, check_target, read_manifest,
                      same_weights)
 from .reader import Reader
 
@@ -38,7 +38,7 @@ def _write(folder: Path, name: str, tensors: dict) -> str:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return _sha(data)
+    return sha256_hex(data)
 
 
 def save(path, session, ident: dict, group=None) -> None:
@@ -68,7 +68,7 @@ def save(path, session, ident: dict, group=None) -> None:
                         "files": files}
             if world > 1:
                 manifest["world"] = world
-            manifest["manifest_sha256"] = _manifest_sha(manifest)
+            manifest["manifest_sha256"] = manifest_sha(manifest)
             with open(tmp / MANIFEST, "w") as f:
                 json.dump(manifest, f)
                 f.flush()
@@ -147,7 +147,7 @@ def _version() -> str:
 
 # -------------------------------------------------------------------------------------------------- read
 
-class _Heads:
+class Heads:
     """A snapshot's per-layer files as one rank of a run over `world` ranks holds them: its own part's when
     the snapshot was made over as many ranks (or both in one process); else cut from the parts that hold
     its heads. Rank r of n holds the r-th of n contiguous blocks of the KV heads and of the query heads
@@ -218,7 +218,7 @@ def load_rows(path, session, prompts: list[torch.Tensor], upto: list[int], ident
     full = session.full.cache
     rank, world = (group.rank, group.world) if group is not None else (0, 1)
     check(path, manifest, ident, full.k.dtype, world)
-    heads = _Heads(p, manifest, rank, world, manifest["layers"])
+    heads = Heads(p, manifest, rank, world, manifest["layers"])
     try:
         prefix = manifest["tokens"]
         c = [common_prefix(prefix, p[:u].tolist()) for p, u in zip(prompts, upto)]
@@ -243,7 +243,7 @@ def load_rows(path, session, prompts: list[torch.Tensor], upto: list[int], ident
     return c, len(prefix)
 
 
-def _load_streaming(session, manifest: dict, ident: dict, heads: _Heads, world: int, shared: list[int]) -> None:
+def _load_streaming(session, manifest: dict, ident: dict, heads: Heads, world: int, shared: list[int]) -> None:
     """Restore the streaming caches the snapshot holds for this session's models and budgets into every row
     b whose prompt shares shared[b] > 0 tokens with the prefix and that can roll back to them (within the
     cache's reach: the tokens that left its window do not come back); the others are left for

@@ -5,7 +5,7 @@
 #   bash scripts/gpu_features.sh            # from the repository root; OUT=./out by default
 #
 # Steps, in order of importance (so a cut run still brings back the first ones): the CUDA tests of those
-# paths (tests/test_cuda.py -k features, --peers hf's in tests/test_peers.py, tests/test_quant_cuda.py),
+# paths (tests/gpu/test_cuda.py -k features, --peers hf's in tests/bench/test_peers.py, tests/model/test_quant_cuda.py),
 # then short figures on RANDOM llama2-7b weights in bfloat16 (times are real, acceptance rates
 # meaningless): decode with the projections int4 (--weights int4) beside bfloat16 (on chip), `tforce bench
 # --batch N` for N = 1, 4, 8 (ar and triforce, on chip), the time to first token of a second question with
@@ -121,7 +121,7 @@ PY
 [ "${#failed[@]}" -eq 0 ] || DEADLINE_S=0  # no CUDA or no torch: start nothing else
 
 step cuda_tests 210 "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 -m cuda \
-    -k "features or peers_on_cuda or quant_cuda" tests/test_cuda.py tests/test_peers.py tests/test_quant_cuda.py
+    -k "features or peers_on_cuda or quant_cuda" tests/gpu/test_cuda.py tests/bench/test_peers.py tests/model/test_quant_cuda.py
 
 for weights in auto "$QUANT"; do  # auto: the dtype's own projections (bfloat16 on CUDA)
     bench "weights_${weights}" 60 --methods ar,triforce --offload off --weights "$weights"

@@ -107,7 +107,7 @@ CONFIGS = {
                  long=Long(seq_len=4096, batch=1, lr=3e-4, share=0.4)),
     "gpu": Setup(vocab=8192,
                  # 18.9M parameters (37.8 MB in fp16) beside a 1.6M draft: the pair comes back from a device
-                 # call in 15 MiB parts within its 64 MiB (scripts/gpu_train.sh; tests/test_train_demo.py)
+                 # call in 15 MiB parts within its 64 MiB (scripts/gpu_train.sh; tests/scripts/test_train_demo.py)
                  target=Arch(384, 8, 6, 2, 1024, 8192, 8, 1e-3, rope_theta=500000.0),
                  draft=Arch(128, 2, 4, 2, 344, 512, 64, 3e-3, tie=True),
                  minutes=8.0, draft_share=0.15, passkey_frac=0.4, answer_weight=12.0, eval_tokens=32768,

@@ -1,4 +1,4 @@
-"""Caches for the retrieval-statistics tests (tests/test_chunkstats.py, tests/test_recompute_stats.py): a
+"""Caches for the retrieval-statistics tests (tests/cache/test_chunkstats.py, tests/engine/test_recompute_stats.py): a
 full cache, on the device or offloaded; a retrieval cache over it; the queries a rebuild selects with; and
 the commit patterns the tests feed."""
 from __future__ import annotations

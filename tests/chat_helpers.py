@@ -1,7 +1,7 @@
 """What the chat tests share: the tiny pair and its document (the `models` and `target` fixtures, for
-tests/test_chat.py and tests/test_chat_tp.py), the questions and their ids as chat appends them; and
+tests/cli/test_chat.py and tests/parallel/test_chat_tp.py), the questions and their ids as chat appends them; and
 `tforce chat` under a pseudo-terminal that is its controlling terminal, as a person types Ctrl-C there
-(tests/test_chat_interrupt.py, and with --tp 2 tests/test_chat_tp.py), with the clean answers to compare."""
+(tests/cli/test_chat_interrupt.py, and with --tp 2 tests/parallel/test_chat_tp.py), with the clean answers to compare."""
 from __future__ import annotations
 
 import os

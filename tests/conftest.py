@@ -28,7 +28,7 @@ TINY = {
 
 
 # Runs without --model use the small demo pair (fast), not SmolLM2: set for the whole session, fixtures of
-# every scope included (tests/test_default_model.py removes it to check the choice itself).
+# every scope included (tests/model/test_default_model.py removes it to check the choice itself).
 os.environ.setdefault("TFORCE_DEMO_MODELS", str(MODELS))
 
 # A fixed thread count for the suite's command-line runs (tforce/threads.py would follow the machine's

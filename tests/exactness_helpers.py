@@ -1,6 +1,6 @@
 """The exact-distribution oracle of the sampling tests: a tiny-vocabulary (target, draft) pair, the target's
 exact joint distribution of the next N_TOKENS tokens by enumeration, sampled sessions and batches, and their
-chi-square p-values against it (tests/test_exactness.py for one prompt, tests/test_batch.py for batch rows).
+chi-square p-values against it (tests/engine/test_exactness.py for one prompt, tests/engine/test_batch.py for batch rows).
 The pair itself is conftest.py's small_vocab fixture."""
 import itertools
 

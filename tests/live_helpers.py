@@ -1,4 +1,4 @@
-"""`python -m tforce run` as a person sees it (tests/test_live.py, tests/test_live_batch.py): started under
+"""`python -m tforce run` as a person sees it (tests/cli/test_live.py, tests/cli/test_live_batch.py): started under
 a pseudo-terminal, every byte it writes there fed to a terminal emulator (pyte)."""
 from __future__ import annotations
 

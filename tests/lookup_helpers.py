@@ -1,4 +1,4 @@
-"""Prompts on which n-gram lookup drafts get accepted (tests/test_lookup.py, tests/test_lookup_methods.py)."""
+"""Prompts on which n-gram lookup drafts get accepted (tests/engine/test_lookup.py, tests/engine/test_lookup_methods.py)."""
 import torch
 
 # Text the small_vocab target sampled itself (exactness_helpers.SAMPLING, seed 4, after

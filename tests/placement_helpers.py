@@ -1,4 +1,4 @@
-"""The memory plan's inputs at paper scale (tests/test_placement.py, tests/test_recompute_stats.py): an
+"""The memory plan's inputs at paper scale (tests/engine/test_placement.py, tests/engine/test_recompute_stats.py): an
 architecture's target and draft shapes, and the work of a prompt."""
 from tforce.engine import placement
 from tforce.bench.suite import LLAMA_68M

@@ -1,4 +1,4 @@
-"""What the KV snapshot tests share (tests/test_snapshot.py, tests/test_batch_snapshot.py): every method, and
+"""What the KV snapshot tests share (tests/snapshot/test_snapshot.py, tests/snapshot/test_batch_snapshot.py): every method, and
 the greedy options their snapshots are made and used with."""
 from exactness_helpers import SMALL
 

@@ -1,4 +1,4 @@
-"""Chat templates on the byte tokenizer (tests/test_prompt_format.py, tests/test_template_date.py): Llama 3's
+"""Chat templates on the byte tokenizer (tests/text/test_prompt_format.py, tests/text/test_template_date.py): Llama 3's
 layout, the byte tokenizer with its special tokens and a template, and a tiny pair whose target carries one."""
 from __future__ import annotations
 

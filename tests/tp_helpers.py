@@ -1,4 +1,4 @@
-"""What the tensor-parallel tests share (tests/test_parallel.py, tests/test_batch_tp.py): the tiny pair's
+"""What the tensor-parallel tests share (tests/parallel/test_parallel.py, tests/parallel/test_batch_tp.py): the tiny pair's
 shapes and its checkpoints (the `paths` fixture), the pair loaded in this process (`single`), and the
 generation options."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the new user's mistakes tests share (tests/test_cli_user_errors.py, tests/test_cli_snapshot_early.py):
+"""What the new user's mistakes tests share (tests/cli/test_cli_user_errors.py, tests/cli/test_cli_snapshot_early.py):
 the tiny pair with a folder of another architecture and a document (the `models` fixture), a short run of
 the pair, and the check that a failure is one stderr line with no hint of a traceback."""
 from __future__ import annotations

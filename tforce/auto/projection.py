@@ -19,7 +19,7 @@ forwards per round follow from Wald's identity, and so do the tokens between ret
 under rebuild_below: low_acceptance_rule). What the model leaves out: real acceptance comes in runs (it
 changes how many middle rounds a full round needs, not the full rounds' yield); a forward's cost does
 not depend on how many tokens it catches up; near rebuild_below, some windows of rounds average on the
-other side of it than the acceptance does (low_acceptance_rule's window_below_p). tests/test_projection.py
+other side of it than the acceptance does (low_acceptance_rule's window_below_p). tests/auto/test_projection.py
 checks the forward counts against the real levels driven by fixed distributions (independent
 acceptance), and the rebuilds against the engine's.
 

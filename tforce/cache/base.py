@@ -31,7 +31,7 @@ class CacheView:
 @runtime_checkable
 class KVCache(Protocol):
     """What the engine asks of every cache kind (engine/levels.Node, engine/session.py, engine/decode.py;
-    docs/architecture.md, "Protocol"); tests/test_caches.py checks each kind a session builds against it."""
+    docs/architecture.md, "Protocol"); tests/cache/test_caches.py checks each kind a session builds against it."""
 
     rows: int  # live rows (prompts)
     lengths: list[int]  # committed tokens per row

@@ -21,7 +21,7 @@ import torch
 
 
 def _graphable(ids: torch.Tensor) -> bool:
-    """Whether a forward of these ids may run from a graph: on CUDA only (tests/test_gpu_semantics.py
+    """Whether a forward of these ids may run from a graph: on CUDA only (tests/gpu/test_gpu_semantics.py
     replays graphs on the CPU through a stand-in for torch.cuda.graph)."""
     return ids.is_cuda
 

@@ -5,7 +5,7 @@ one-token forward at its position, of that row's prompt alone, would get, while 
 Why: a forward over T tokens and T forwards over one token round differently (a matrix product with 7
 rows may take another kernel or reduction order than one with 1 row; attention over a masked block is
 not attention over the visible prefix): ~2e-6 in float32 and ~1.5e-2 in bfloat16 on a tiny model
-(tests/test_rowwise.py). A greedy token then differs from plain decoding's wherever the target's top two
+(tests/engine/test_rowwise.py). A greedy token then differs from plain decoding's wherever the target's top two
 logits are closer than that. With this runner on the full-cache level
 (`deterministic=True`) every logit the verifier computes is bit for bit the one plain decoding of that
 prompt alone computes, so greedy TriForce equals greedy `ar` token for token in any dtype, on the same

@@ -20,7 +20,7 @@ Formats (docs/architecture.md, "Weights"):
   q = round((w - lo) / scale) in [0, 15]; PyTorch's convention stores zero = lo + 8 * scale and computes
   w ~ (q - 8) * scale + zero. Scales and zeros are bfloat16, as the kernel takes them.
 
-On CUDA (not yet run on a GPU: tests/test_quant_cuda.py is written for one, and no figure is claimed):
+On CUDA (not yet run on a GPU: tests/model/test_quant_cuda.py is written for one, and no figure is claimed):
 - int4 runs PyTorch's tinygemm kernel (`_weight_int4pack_mm`, packed by `_convert_weight_to_int4pack`;
   aten/src/ATen/native/cuda/int4mm.cu), with the same groups, bfloat16 scales and zeros, and the same
   w = (q - 8) * scale + zero (the kernel rounds each dequantized weight to bfloat16 before its tensor-core
@@ -37,7 +37,7 @@ The packed int4 layout differs between the CPU and CUDA, so a QuantLinear is pac
 built on, and moving one across (Module.to) packs it again from its codes.
 
 Exactness is relative to the model as quantized: every level of the hierarchy runs these same
-projections, so speculative decoding reproduces plain decoding of the quantized model (tests/test_quant.py).
+projections, so speculative decoding reproduces plain decoding of the quantized model (tests/model/test_quant.py).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ marked at the branch point (session.Session.mark), so that later prompts sharing
 instead of feeding the draft the whole prefix again. With a KVStore (--kv-dir), a prompt that shares
 more with a snapshot on disk than with the live caches starts from that snapshot. The output is what
 the same prompt gives alone: at temperature 0 `tforce run`'s greedy tokens, with a seed its draw
-(tests/test_serve_exact.py).
+(tests/serve/test_serve_exact.py).
 
 A client that disconnects cancels its job: checked between decoding rounds and after each prefill chunk
 of the full cache, where every cache has committed what it was fed (the next prompt rolls each back to

@@ -1,0 +1,165 @@
+"""LookupLevel (tforce/engine/lookup.py) as the bottom level, built by hand as session.py composes naive's
+hierarchy: SpecLevel(LookupLevel(...), full node, gamma). Greedy: plain decoding token for token, one row
+and a batch; sampling: the target's exact distribution (chi-square, as tests/engine/test_exactness.py); and the
+level's own drafts: their one-hot labels, the chained lookups, the guess without a match, rollback, rows."""
+import functools
+
+import torch
+
+import tforce
+import tforce.engine.levels
+from tforce.cache import FullCache
+from tforce.cache.rope import Rotary
+from tforce.config import Sampling
+from tforce.engine.levels import Node, SpecLevel
+from tforce.engine.lookup import LookupLevel
+from tforce.engine.sampling import sample
+from tforce.engine.speculative import verify
+
+from exactness_helpers import N_TOKENS, SAMPLES, SAMPLING, check, exact_joint
+from lookup_helpers import SELF_SAMPLED
+
+GREEDY = Sampling(temperature=0)
+GAMMA = 4
+PROMPT = SELF_SAMPLED
+
+
+def generate(model, prompts, n_new, sampling, gen, gamma=GAMMA):
+    """Each row's first n_new tokens (the prefill's, then rounds of the rows still short of them), and the
+    top level's statistics."""
+    # a row that sits a round out is fed gamma + 1 padding tokens past what it holds (levels.Node._feed)
+    B, capacity, cfg = len(prompts), max(map(len, prompts)) + n_new + 2 * gamma + 2, model.config
+    cache = FullCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, capacity, Rotary(cfg, capacity),
+                      rows=B)
+    full = Node("full", model, cache, sampling, capacity)
+    lookup = LookupLevel(cfg.vocab_size, full.device, rows=B)
+    top = SpecLevel(lookup, full, gamma, list(range(B)), B)
+    seq = torch.zeros(B, capacity, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        seq[b, :len(p)] = torch.tensor(p)
+    n = [len(p) for p in prompts]
+    _, first = full.prefill_next(seq, n)
+    lookup.prefill(seq, n)
+    for b, t in enumerate(sample(first, gen, sampling.greedy).tolist()):
+        seq[b, n[b]] = t
+        n[b] += 1
+    while short := [b for b, p in enumerate(prompts) if n[b] - len(p) < n_new]:
+        tokens, _ = top.round(seq, n, gen, short)
+        for b, t in zip(short, tokens):
+            n[b] += len(t)
+    return [seq[b, len(p):len(p) + n_new].tolist() for b, p in enumerate(prompts)], top.stats
+
+
+def ar(loaded, prompt, n_new):
+    return tforce.generate(loaded, prompt, method="ar", max_new_tokens=n_new, temperature=0, ignore_eos=True).tokens
+
+
+def prompts():
+    """A prompt that repeats itself, one without a repeated token, a short one, one token."""
+    g = torch.Generator().manual_seed(3)
+    repeating = torch.randint(3, 259, (16,), generator=g).tolist() * 3
+    return [repeating, (torch.randperm(256, generator=g)[:40] + 3).tolist(), [7, 8, 9, 7, 8], [42]]
+
+
+def test_greedy_equals_plain_decoding(tiny):
+    """Per prompt alone. A random model copies nothing from its prompt, but after the repeating one its
+    greedy text soon repeats itself too, which the lookup over the generated tokens drafts: accepted."""
+    accepted = []
+    for prompt in prompts():
+        [tokens], stats = generate(tiny["gqa"].model, [prompt], 40, GREEDY, torch.Generator())
+        assert tokens == ar(tiny["gqa"], prompt, 40)
+        accepted.append(stats.accepted[0])
+    assert accepted[0] > 0, accepted
+
+
+def test_greedy_batch_rows_equal_plain_decoding_and_accept_as_alone(tiny):
+    """Rows of different lengths that finish at different rounds (by what each accepts), sitting the later
+    rounds out."""
+    model, rows = tiny["llama3"].model, prompts()
+    budgets = 30
+    got, stats = generate(model, rows, budgets, GREEDY, torch.Generator())
+    for b, prompt in enumerate(rows):
+        assert got[b] == ar(tiny["llama3"], prompt, budgets)
+        _, alone = generate(model, [prompt], budgets, GREEDY, torch.Generator())
+        assert (stats.accepted[b], stats.drafted[b]) == (alone.accepted[0], alone.drafted[0])
+
+
+def draw(target, rows, seed):
+    """SAMPLES generations of N_TOKENS per row: per row the sampled tuples, and the acceptance overall."""
+    gen = torch.Generator().manual_seed(seed)
+    samples, accepted, drafted = [[] for _ in rows], 0, 0
+    for _ in range(SAMPLES):
+        got, stats = generate(target, rows, N_TOKENS, SAMPLING, gen, gamma=3)
+        for b, tokens in enumerate(got):
+            samples[b].append(tuple(tokens))
+        accepted, drafted = accepted + sum(stats.accepted), drafted + sum(stats.drafted)
+    return samples, accepted / drafted
+
+
+def test_sampling_matches_target_distribution(small_vocab):
+    """One row, and a batch of two rows each against its own prompt's distribution; drafts both accepted and
+    rejected (else the test would mean nothing)."""
+    target, _ = small_vocab
+    for rows, seed in [([PROMPT], 1), ([PROMPT, PROMPT[:9]], 2)]:
+        samples, acc = draw(target, rows, seed)
+        for prompt, got in zip(rows, samples):
+            pvals = check(got, exact_joint(target, prompt, N_TOKENS))
+            assert min(pvals) > 1e-3, pvals
+        assert 0.1 < acc < 0.95, acc
+
+
+def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
+    """Resampling a rejected draft from p instead of p without it would favour the guessed token: caught."""
+    monkeypatch.setattr(tforce.engine.levels, "verify", functools.partial(verify, residual=lambda p, q: p))
+    target, _ = small_vocab
+    [samples], _ = draw(target, [PROMPT], seed=1)
+    assert min(check(samples, exact_joint(target, PROMPT, N_TOKENS))) < 1e-6
+
+
+def propose(level, rows_tokens, k, rows=None):
+    """level.propose over a buffer holding the given rows; (buffer, drafts, labels)."""
+    seq = torch.zeros(len(rows_tokens), 32, dtype=torch.long)
+    for b, t in enumerate(rows_tokens):
+        seq[b, :len(t)] = torch.tensor(t)
+    rows = list(range(len(rows_tokens))) if rows is None else rows
+    tokens, q = level.propose(seq, [len(t) for t in rows_tokens], k, None, rows)
+    return seq, tokens, q
+
+
+def test_drafts_are_written_and_labelled_one_hot():
+    """A continuation cut by the end is looked up again after it: a repeated pattern continues."""
+    seq, tokens, q = propose(LookupLevel(10, "cpu"), [[1, 2, 3, 4, 1, 2]], 6)
+    assert tokens.tolist() == [[3, 4, 1, 2, 3, 4]]
+    assert seq[0, 6:12].tolist() == [3, 4, 1, 2, 3, 4]
+    assert q.shape == (1, 6, 10)
+    assert torch.equal(q, torch.nn.functional.one_hot(tokens, 10).float())
+
+
+def test_without_a_match_the_last_token_is_guessed_again():
+    _, tokens, _ = propose(LookupLevel(10, "cpu"), [[5, 6, 7]], 3)
+    assert tokens.tolist() == [[7, 7, 7]]
+
+
+def test_labels_of_one_proposal_do_not_leak_into_the_next():
+    level = LookupLevel(10, "cpu")
+    propose(level, [[1, 2, 3, 1]], 3)
+    _, tokens, q = propose(level, [[4, 5, 6, 4]], 3)
+    assert torch.equal(q, torch.nn.functional.one_hot(tokens, 10).float())
+
+
+def test_rejected_drafts_are_rolled_back():
+    """The verifier kept one draft of [2, 3, 1] and put 9 after it: the next proposal is a fresh level's."""
+    level = LookupLevel(10, "cpu")
+    propose(level, [[1, 2, 3, 1]], 3)
+    then = [1, 2, 3, 1, 2, 9]
+    assert propose(level, [then], 3)[1].tolist() == propose(LookupLevel(10, "cpu"), [then], 3)[1].tolist()
+
+
+def test_rows_that_sit_out_are_untouched_and_keep_moves_the_indexes():
+    level = LookupLevel(10, "cpu", rows=2)
+    seq, tokens, q = propose(level, [[1, 2, 1], [3, 4, 3]], 2, rows=[1])
+    assert tokens.tolist() == [[4, 3]] and q.shape == (1, 2, 10)
+    assert seq[0, 3:].tolist() == [0] * 29 and level.indexes[0].length == 0
+    moved = level.indexes[1]
+    level.keep([1])
+    assert level.indexes == [moved]

@@ -104,7 +104,7 @@ def eos_token(model, token: int):
 
 
 def record_host(monkeypatch) -> list[int]:
-    """The sizes of every device -> host transfer (sync.host) the levels, the verifications and the first
+    """The sizes of every device -> host transfer (transfer.host) the levels, the verifications and the first
     tokens (drawn from the prefill's distributions, engine/session.py) make."""
     import tforce.engine.levels
     import tforce.engine.session

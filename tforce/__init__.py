@@ -10,7 +10,7 @@ from .errors import DoesNotFit, TforceError, UsageError
 from .version import __version__
 
 _LAZY = {  # name -> the module that defines it
-    "generate": "tforce.auto.planner", "Result": "tforce.engine.generate", "generate_batch": "tforce.engine.batch",
+    "generate": "tforce.auto.chooser", "Result": "tforce.engine.generate", "generate_batch": "tforce.engine.batch",
     "Conversation": "tforce.engine.conversation", "PromptFormat": "tforce.text.format",
     "LoadedModel": "tforce.model.weights", "load_model": "tforce.model.weights", "RunConfig": "tforce.config",
     "Events": "tforce.engine.events",

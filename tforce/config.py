@@ -22,7 +22,7 @@ assert sorted(LEVELS) == sorted(METHODS)
 def levels(method: str) -> tuple[bool, str | None]:
     """LEVELS' entry of a method; "auto" and unknown names (refused by Speculation.validate): none."""
     return LEVELS.get(method, (False, None))
-AUTO = "auto"  # not a method: planner.py chooses one of METHODS (and its gammas) for the run
+AUTO = "auto"  # not a method: chooser.py chooses one of METHODS (and its gammas) for the run
 POLICIES = ("retrieval", "shared", "topk", "streaming", "h2o")
 PROPOSERS = ("model", "lookup")  # Speculation.proposer  # the middle cache's selection rule (cache/policies.py)
 

@@ -9,7 +9,7 @@ import pytest
 
 from tforce.config import RunConfig
 from tforce.auto import calibration
-from tforce.auto.planner import choose
+from tforce.auto.chooser import choose
 
 OPTIONS = dict(method="auto", temperature=0.0, max_new_tokens=16, budget=64, chunk_size=4, draft_budget=32, sinks=4)
 CONFIG = RunConfig.of(**OPTIONS)
@@ -83,21 +83,21 @@ def test_a_calibration_is_measured_once_then_read(tiny, tmp_path, monkeypatch):
 
 def test_the_methods_and_the_run_share_one_prefill_and_stay_exact(tiny, tmp_path, monkeypatch):
     """With kv_dir, the first timed method saves the prompt's prefill and the others load it, as does the run
-    (planner.generate): each method accepts what it accepts after its own prefill, and the run is ar's tokens."""
-    from tforce.auto import planner
+    (chooser.generate): each method accepts what it accepts after its own prefill, and the run is ar's tokens."""
+    from tforce.auto import chooser
     from tforce.engine.generate import generate
 
     ids = [3 + (7 * i) % 250 for i in range(300)]
     alone = choose(tiny["gqa"], tiny["draft"], ids, CONFIG, folder=tmp_path / "alone")
     loads = []
-    monkeypatch.setattr(planner, "run_one", lambda *a: loads.append(a[2].load_kv) or generate(*a))  # (target, ids, config, ...)
+    monkeypatch.setattr(chooser, "run_one", lambda *a: loads.append(a[2].load_kv) or generate(*a))  # (target, ids, config, ...)
     shared = choose(tiny["gqa"], tiny["draft"], ids, CONFIG, folder=tmp_path / "shared", kv_dir=tmp_path / "kv")
     timed = [kv for kv in loads if kv is not None]
     assert len(timed) == len(METHODS) - 1 and shared.snapshot is not None and shared.applied(CONFIG).load_kv == timed[0]
     for method in METHODS:
         assert shared.entry["methods"][method]["acceptance"] == alone.entry["methods"][method]["acceptance"]
     monkeypatch.setattr(calibration, "shares_prefill", lambda target, n: True)
-    result = planner.generate(tiny["gqa"], ids, draft=tiny["draft"], **{**OPTIONS, "max_new_tokens": 24})
+    result = chooser.generate(tiny["gqa"], ids, draft=tiny["draft"], **{**OPTIONS, "max_new_tokens": 24})
     ar = generate(tiny["gqa"], ids, RunConfig.of(method="ar", temperature=0.0, max_new_tokens=24))
     assert result.tokens == ar.tokens and result.stats["kv_reused"] == len(ids) - 1
 

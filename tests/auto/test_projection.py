@@ -15,7 +15,8 @@ from tforce.engine.decode import decode
 from tforce.engine.generate import Session, open_session
 from tforce.cache.rows import Rows
 from tforce.engine.lookup import LookupLevel
-from tforce.engine.levels import Drafter, Node, SpecLevel
+from tforce.engine.levels import Drafter, SpecLevel
+from tforce.engine.node import Node
 from tforce.auto.projection import (forwards_per_token, hierarchy, low_acceptance_rule, per_token, project,
                                       rebuild_interval)
 
@@ -174,7 +175,7 @@ def test_rebuild_interval_is_the_sessions(tiny, every, budget, n_prompt, n_new, 
     session._rebuild = lambda live: (at.append(session.full.cache.length), rebuild(live))
     session.prefill([ids])
     decode(session, [n_prompt], [n_new], torch.Generator().manual_seed(0), set())
-    assert session.small_verifier.stats.acceptance() == session.middle_verifier.stats.acceptance() == 1.0
+    assert session.verifies_draft.stats.acceptance() == session.verifies_middle.stats.acceptance() == 1.0
     assert len(at) >= 2 and {b - a for a, b in zip(at, at[1:])} == {interval}
     spec = Speculation(method="triforce", budget=budget, chunk_size=4, draft_budget=512, sinks=4,
                        rebuild_every=every, rebuild_below=0.0)

@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "tforce"
 # Lowest first. Root modules are the base; each subpackage is a layer; tforce/__init__ and __main__ are the top.
 LAYERS = [
-    {"errors", "version", "paths", "config", "sync", "threads", "cpu_features"},
+    {"errors", "version", "paths", "config", "transfer", "threads", "cpu_features"},
     {"cache"},
     {"model"},
     {"snapshot", "text"},

@@ -6,7 +6,7 @@ import torch
 
 import tforce
 from tforce.engine.batch import generate_batch
-from tforce.engine.levels import Node
+from tforce.engine.node import Node
 
 from model_helpers import eos_token, prompts_of, record_host
 

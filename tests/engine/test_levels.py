@@ -14,7 +14,7 @@ from model_helpers import full_cache, random_ids
 from tforce.cache import RetrievalCache
 from tforce.config import RunConfig, Sampling
 from tforce.text.demo import demo_prompt
-from tforce.engine.levels import Node
+from tforce.engine.node import Node
 
 SAMPLING = Sampling(temperature=1.0, top_p=1.0)
 DEMO = Path(__file__).resolve().parents[2] / "models"

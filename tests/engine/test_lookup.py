@@ -11,7 +11,8 @@ import tforce.engine.levels
 from tforce.cache import FullCache
 from tforce.cache.rope import Rotary
 from tforce.config import Sampling
-from tforce.engine.levels import Node, SpecLevel
+from tforce.engine.levels import SpecLevel
+from tforce.engine.node import Node
 from tforce.engine.lookup import LookupLevel
 from tforce.engine.sampling import sample
 from tforce.engine.speculative import verify
@@ -27,7 +28,7 @@ PROMPT = SELF_SAMPLED
 def generate(model, prompts, n_new, sampling, gen, gamma=GAMMA):
     """Each row's first n_new tokens (the prefill's, then rounds of the rows still short of them), and the
     top level's statistics."""
-    # a row that sits a round out is fed gamma + 1 padding tokens past what it holds (levels.Node._feed)
+    # a row that sits a round out is fed gamma + 1 padding tokens past what it holds (node.Node._feed)
     B, capacity, cfg = len(prompts), max(map(len, prompts)) + n_new + 2 * gamma + 2, model.config
     cache = FullCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, capacity, Rotary(cfg, capacity),
                       rows=B)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tforce
-import tforce.engine.levels as levels
+import tforce.engine.node as node_module
 import tforce.engine.session
 from tforce.config import Speculation
 from tforce.engine import placement
@@ -33,7 +33,7 @@ def full_logits(monkeypatch):
     """record(into) -> the full cache's logits go into `into`: context (the tokens before) -> every logit
     vector computed after it, copied as computed (before sampling turns greedy logits into one-hot)."""
     feeding, into = [], [None]
-    feed, next_of, to_probs = levels.Node._feed, levels.Node.next_of, levels.to_probs
+    feed, next_of, to_probs = node_module.Node._feed, node_module.Node.next_of, node_module.to_probs
 
     def recorded_feed(self, seq, ends, last, prefill=False, want=None):
         rows = range(len(ends)) if want is None else want  # the rows whose logits come back, in order
@@ -64,9 +64,9 @@ def full_logits(monkeypatch):
                     into[0].setdefault(context, []).append(grid[j, i].clone())
         return to_probs(logits, sampling)
 
-    monkeypatch.setattr(levels.Node, "_feed", recorded_feed)
-    monkeypatch.setattr(levels.Node, "next_of", recorded_next_of)
-    monkeypatch.setattr(levels, "to_probs", recorded_probs)
+    monkeypatch.setattr(node_module.Node, "_feed", recorded_feed)
+    monkeypatch.setattr(node_module.Node, "next_of", recorded_next_of)
+    monkeypatch.setattr(node_module, "to_probs", recorded_probs)
 
     def record(target: dict) -> dict:
         into[0] = target

@@ -9,7 +9,7 @@ import torch
 import tforce.engine.session
 from model_helpers import prompts_of, rotary_for
 from tforce.engine.batch import generate_batch
-from tforce.engine.levels import Node
+from tforce.engine.node import Node
 from tforce.cache import FullCache, RetrievalCache
 from tforce.cache.offload import OffloadedCache
 from tforce.config import Sampling, Speculation

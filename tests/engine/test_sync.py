@@ -1,4 +1,4 @@
-"""Host syncs in a decode step (sync.py): every device -> host transfer goes through sync.host, once per
+"""Host syncs in a decode step (sync.py): every device -> host transfer goes through transfer.host, once per
 drafted token and once per verification; the caches build positions, slots, cos/sin and masks on their
 own device; with CUDA, any other sync in a decode round raises."""
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_begin_builds_its_inputs_on_the_cache_device(tiny, kind, n):
 
 
 def _levels(session):
-    return [lv for lv in (session.small_verifier, session.middle_verifier) if lv is not None]
+    return [lv for lv in (session.verifies_draft, session.verifies_middle) if lv is not None]
 
 
 @pytest.mark.parametrize("method,offload,deterministic", [
@@ -96,7 +96,7 @@ def _levels(session):
     ("naive", "off", True), ("retrieval", "on", False), ("streaming", "off", False)])
 def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload, deterministic):
     """Every method, the offloaded full cache and row-wise verification (rowwise.py) included: in each
-    round, sync.host is called once per drafted token (levels.Drafter) and once per verification
+    round, transfer.host is called once per drafted token (levels.Drafter) and once per verification
     (speculative.verify), and for nothing else; so a round costs 1 transfer for ar, gamma2 + 1 for
     naive and retrieval, and (gamma1 + 1) per middle round + 1 for triforce and streaming, with at most
     gamma2 middle rounds."""
@@ -119,7 +119,7 @@ def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload
     assert firsts == [1] and drafted == verified == []
     while n < len(prompt) + 30:
         calls0 = len(drafted) + len(verified)
-        middle0 = session.small_verifier.stats.rounds[0] if session.small_verifier else 0
+        middle0 = session.verifies_draft.stats.rounds[0] if session.verifies_draft else 0
         n += len(session.round([n], gen)[0])
         rounds += 1
         calls = len(drafted) + len(verified) - calls0
@@ -128,7 +128,7 @@ def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload
         elif method in ("naive", "retrieval"):
             assert calls == g2 + 1
         else:
-            middle_rounds = session.small_verifier.stats.rounds[0] - middle0  # the level verifying the draft
+            middle_rounds = session.verifies_draft.stats.rounds[0] - middle0  # the level verifying the draft
             assert 1 <= middle_rounds <= g2
             assert calls == (g1 + 1) * middle_rounds + 1
     assert drafted == [1] * len(drafter_rounds)  # one token per transfer
@@ -141,7 +141,7 @@ def test_host_transfers_per_round_are_bounded(tiny, monkeypatch, method, offload
     ("triforce", False, "off", False), ("triforce", True, "off", False), ("triforce", True, "on", True),
     ("ar", False, "off", False), ("ar", False, "on", False)])
 def test_decode_round_syncs_only_through_host(tiny_dir, method, cuda_graphs, offload, deterministic):
-    """torch.cuda.set_sync_debug_mode("error") around decode rounds: a sync anywhere but sync.host raises
+    """torch.cuda.set_sync_debug_mode("error") around decode rounds: a sync anywhere but transfer.host raises
     (the offloaded full cache's copies and row-wise verification included)."""
     target = tforce.load_model(str(tiny_dir / "gqa"), device="cuda").model
     draft = tforce.load_model(str(tiny_dir / "draft"), device="cuda").model

@@ -1,5 +1,5 @@
 """What each method's decode steps cost on this machine, measured by short runs at the prompt's length and
-kept per machine, models, dtype, device and context in the user's cache (`--method auto`, planner.py).
+kept per machine, models, dtype, device and context in the user's cache (`--method auto`, chooser.py).
 
 A calibration runs every candidate method on the prompt itself for CAL_TOKENS new tokens (after a
 warm-up of WARMUP_NEW tokens on its first WARMUP_PROMPT tokens, which pays one-time costs outside the
@@ -43,7 +43,7 @@ SHARED_PREFILL_MAX_BYTES = 1 << 30  # a calibration keeps the prompt's prefill o
 
 
 def shares_prefill(target, n_prompt: int) -> bool:
-    """Whether a calibration's runs share one prefill of the prompt through a KV snapshot (planner.choose):
+    """Whether a calibration's runs share one prefill of the prompt through a KV snapshot (chooser.choose):
     on the CPU, where a prefill costs seconds per thousand tokens and the target's KV cache of the prompt
     is at most SHARED_PREFILL_MAX_BYTES (written once, read by each other method and by the run)."""
     from ..engine.placement import Shape

@@ -102,14 +102,14 @@ class Models:
         config = config.with_options(method=method, deterministic=deterministic)
         uses_draft = method == "auto" or config.speculation.uses_draft
         if self.world == 1:
-            from ..auto.planner import generate  # the engine's, with "auto" resolved first
+            from ..auto.chooser import generate  # the engine's, with "auto" resolved first
 
             return generate(self.target, ids, config, draft=self.draft if uses_draft else None, events=STEP)
         from ..parallel.tp import generate_tp
 
         record = None
-        if method == "auto":  # each rank would time its own share: no calibration (planner.uncalibrated)
-            from ..auto.planner import uncalibrated
+        if method == "auto":  # each rank would time its own share: no calibration (chooser.uncalibrated)
+            from ..auto.chooser import uncalibrated
 
             config = config.with_options(method=uncalibrated(self.device.type, self.draft_path is not None))
             uses_draft, record = config.speculation.uses_draft, {"method": config.method, "calibrated_now": False}
@@ -212,7 +212,7 @@ def run_one(models: Models, ids: list[int], method: str, cfg: BenchConfig,
     result = models.generate(ids, method, run_config(cfg, cfg.gen_len))
     s = result.stats
     n = len(result.tokens)
-    chosen = s.get("auto")  # what auto ran (planner.Choice.record): the projection is that method's
+    chosen = s.get("auto")  # what auto ran (chooser.Choice.record): the projection is that method's
     spec = run_spec(cfg, method, len(ids), chosen)
     # Bytes of offloaded KV one rank streams per full-cache verification: only committed rows are
     # copied, so at the mean context length over the decode (about prompt + half the generated tokens).

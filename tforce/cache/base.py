@@ -30,7 +30,7 @@ class CacheView:
 
 @runtime_checkable
 class KVCache(Protocol):
-    """What the engine asks of every cache kind (engine/levels.Node, engine/session.py, engine/decode.py;
+    """What the engine asks of every cache kind (engine/node.Node, engine/session.py, engine/decode.py;
     docs/architecture.md, "Protocol"); tests/cache/test_caches.py checks each kind a session builds against it."""
 
     rows: int  # live rows (prompts)

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import TforceError
 from .rope import Rotary
-from ..sync import to_device
+from ..transfer import to_device
 from .base import CacheView, visibility
 from .rows import Rows, per_row, rotation
 

@@ -54,7 +54,7 @@ import torch
 
 from ..errors import TforceError
 from .rope import Rotary
-from ..sync import to_device
+from ..transfer import to_device
 from .base import CacheView, StaticInputs
 from .chunkstats import ChunkStats
 from .rows import Rows, per_row, rotation

@@ -101,7 +101,7 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool)
         target, small = setup.load()
     choice = None
     if auto:
-        from ..auto.planner import choose
+        from ..auto.chooser import choose
 
         kv_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tforce-auto-"))
         choice = choose(target, small, ids, config, fixed=setup.gammas_given, exclude=unfit, kv_dir=kv_dir,

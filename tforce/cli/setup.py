@@ -152,7 +152,7 @@ def notices(setup: Setup, fmt, serving: bool = False) -> None:
 def configure(p: dict, calibrate: bool = True) -> Setup:
     """Checks the shared options (options.py) of `run` and `chat`, given as their parameters by name.
     --method auto stays auto where the command plans it from measured costs (calibrate: `run` of one
-    prompt in one process, once its models are loaded); elsewhere it becomes planner.uncalibrated's
+    prompt in one process, once its models are loaded); elsewhere it becomes chooser.uncalibrated's
     method here, and notices() says so."""
     given = {k: p[k] for k in ("gamma1", "gamma2") if p[k] is not None}  # auto keeps them; the others are planned
     config = RunConfig.of(**{k: p[k] for k in OPTIONS if k in p and k not in ("gamma1", "gamma2", "gpu_memory")},
@@ -194,7 +194,7 @@ def configure(p: dict, calibrate: bool = True) -> Setup:
         raise UsageError(f"method {spec.method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
     auto_note = None
     if spec.method == AUTO and (not calibrate or world > 1):
-        from ..auto.planner import uncalibrated
+        from ..auto.chooser import uncalibrated
 
         config = config.with_options(method=uncalibrated(dev, draft_name is not None or spec.proposer == "lookup"))
         why = "--tp/--gpus ranks" if world > 1 else "this command"

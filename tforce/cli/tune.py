@@ -58,7 +58,7 @@ def tune(
 def _tune(text: str, setup) -> dict:
     from ..auto.calibration import remember
     from .. import threads
-    from ..auto.planner import choose
+    from ..auto.chooser import choose
     from ..engine.events import Events
     from ..engine.generate import generate
     from .run import unfit_methods

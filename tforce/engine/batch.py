@@ -15,8 +15,7 @@ prompt K/V cross to host memory once, nothing streams back; PCIe traffic linear 
 from __future__ import annotations
 
 from .events import Events
-from .generate import Result, eos_ids, networks, check_config, check_ids, configured, generator
-from .generation import run
+from .generate import Result, check_config, check_ids, configured, eos_ids, generator, networks, run_rows
 from ..config import RunConfig
 from ..errors import UsageError
 
@@ -79,6 +78,6 @@ def generate_batch(target, prompts, config: RunConfig | None = None, *, draft=No
         raise UsageError(f"max_new_tokens: {len(budgets)} budgets for {len(prompts)} prompts")
     max_new = [min(m, context - len(p)) for p, m in zip(prompts, budgets)]
     eos = set() if config.ignore_eos else eos_ids(target.config)
-    outs, stats = run(target, draft, prompts, max_new, config, generator(target, config.sampling.seed), eos,
+    outs, stats = run_rows(target, draft, prompts, max_new, config, generator(target, config.sampling.seed), eos,
                       events or Events(), group, identity)
     return [Result(out, s) for out, s in zip(outs, stats)]

@@ -1,5 +1,5 @@
 """The one driver of a generation on an open Session: prefill what its caches do not hold yet of each
-prompt, the decode loop, and each row's statistics. Used for a prompt or a batch (generation.py, once it has
+prompt, the decode loop, and each row's statistics. Used for a prompt or a batch (generate.run_rows, once it has
 opened the session and loaded a snapshot), for a conversation's question (conversation.py) and for a
 server request (serve/worker.py), whose sessions keep what earlier prompts left in the caches."""
 from __future__ import annotations

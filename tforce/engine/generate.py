@@ -1,21 +1,23 @@
-"""generate: checks the configuration of one prompt and runs it as a batch of one row (generation.py: the one
-path of a Session, its prefill, decode loop and statistics, for one prompt and for a batch); and the
-checks and helpers generate_batch and conversations share.
+"""generate: checks the configuration of one prompt and runs it as a batch of one row (run_rows: the one
+path of a Session, a snapshot loaded, then the driver's prefill, decode loop and statistics, for one
+prompt and for a batch); and the checks and helpers generate_batch and conversations share.
 
 One generation = prefill every node on the prompt, then rounds of the top level until the token
 budget or EOS; each round: (maybe) rebuild the retrieval cache, draft, verify, commit, stream.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from ..config import AUTO, RunConfig, Speculation
 from ..errors import UsageError
+from .driver import drive
 from .events import Events
-from .statistics import one_row
-from .session import Session
+from .statistics import one_row, placement_stats
+from .session import Session, sync_device
 from ..model.vocab import check_sizes, check_tokenizers
 
 
@@ -62,7 +64,7 @@ def check_config(target, draft, config: RunConfig) -> RunConfig:
     """The configuration checked, and the draft against the target; returned as it is."""
     if config.method == AUTO:
         raise UsageError("a session runs one method: 'auto' is chosen above the engine (tforce.generate, "
-                         "auto/planner.py) before one opens")
+                         "auto/chooser.py) before one opens")
     config.validate()
     _check_pair(target, draft, config.speculation)
     return config
@@ -111,7 +113,7 @@ def generator(target, seed: int | None) -> torch.Generator:
 def generate(target, prompt_ids, config: RunConfig, draft=None, events: Events | None = None,
              group=None) -> Result:
     """Generate up to config.max_new_tokens after prompt_ids with one method (config.method; "auto" is
-    resolved above the engine: tforce.generate, auto/planner.py); exactly the target's greedy output
+    resolved above the engine: tforce.generate, auto/chooser.py); exactly the target's greedy output
     (temperature 0) or an exact sample of its distribution. target and draft: networks, or LoadedModels
     (their tokenizers are then checked against each other). events (events.py): what the run tells as it
     goes, the prompt being row 0. group: the tensor-parallel ranks (parallel.Group) when target is one
@@ -131,7 +133,6 @@ def generate(target, prompt_ids, config: RunConfig, draft=None, events: Events |
     folder: the caches after prefill (the whole prompt) are written there. A snapshot loads only into the
     same model, tokenizer and dtype."""
     from ..snapshot import format as snapshot, identity as snapshot_identity
-    from .generation import run
 
     kv = config.load_kv is not None or config.save_kv is not None
     identity = snapshot_identity.identity(target, draft, group) if kv else None
@@ -145,7 +146,44 @@ def generate(target, prompt_ids, config: RunConfig, draft=None, events: Events |
     if config.save_kv is not None:
         snapshot.check_target(config.save_kv)  # before the work, not after
     eos = set() if config.ignore_eos else eos_ids(target.config)
-    # one prompt is a batch of one row: the batch's path (generation.py), its statistics those of the row
-    [out], [stats] = run(target, draft, [prompt], [max_new], config, generator(target, config.sampling.seed), eos,
+    # one prompt is a batch of one row: the batch's path (run_rows), its statistics those of the row
+    [out], [stats] = run_rows(target, draft, [prompt], [max_new], config, generator(target, config.sampling.seed), eos,
                          events or Events(), group, identity)
     return Result(out, one_row(stats))
+
+
+def run_rows(target, draft, prompts: list[list[int]], max_new: list[int], config: RunConfig, gen: torch.Generator,
+        eos: set[int], events: Events = Events(), group=None, identity=None) -> tuple[list[list[int]], list[dict]]:
+    """The one path of a generation over B rows, for `generate` (one prompt: B = 1) and `generate_batch` (a
+    row per prompt): (each prompt's new tokens, each prompt's statistics) of one Session over the prompts (token-id lists,
+    checked; max_new: each one's budget, fitted to the context), telling `events` as it goes (events.py).
+    config.load_kv: a snapshot read once into every row that starts with its prefix; config.save_kv (one
+    prompt): the caches after the prefill; identity: the models' (snapshot/identity.py)."""
+    B, longest = len(prompts), max(map(len, prompts))
+    load_kv, save_kv = config.load_kv, config.save_kv
+    if save_kv is not None and B > 1:
+        raise UsageError("a KV snapshot is saved from one prompt, not a batch")
+    from ..snapshot import store as snapshot_io
+
+    total = max(len(p) + m for p, m in zip(prompts, max_new))
+    # planned for B rows before anything is allocated: raises when the rows do not fit
+    session = Session(target, draft, longest, total - longest, config, group, rows=B)
+    if events.on_plan:
+        events.on_plan(placement_stats(session.plan))
+    device = next(target.parameters()).device
+    t0 = time.perf_counter()
+    kv: list[dict] = [{} for _ in prompts]
+    if load_kv is not None:
+        rows = [torch.tensor(p, dtype=torch.long) for p in prompts]
+        reused, length = snapshot_io.load_rows(load_kv, session, rows, [len(p) - 1 for p in prompts], identity, group)
+        sync_device(device)
+        kv = [{"kv_reused": c, "kv_snapshot_tokens": length, "load_kv_s": time.perf_counter() - t0} for c in reused]
+    saved = {}
+
+    def save() -> None:
+        t = time.perf_counter()
+        snapshot_io.save(save_kv, session, identity, group)
+        saved["save_kv_s"] = time.perf_counter() - t
+
+    outs, stats = drive(session, prompts, max_new, gen, eos, events, t0, save if save_kv is not None else None)
+    return outs, [{**s, "batch_size": B, **kv[r], **saved} for r, s in enumerate(stats)]

@@ -24,7 +24,7 @@ import torch
 
 from .levels import Level
 from .ngram import NgramIndex
-from ..sync import to_device
+from ..transfer import to_device
 
 
 class LookupLevel(Level):

@@ -50,7 +50,7 @@ class RowwiseRunner:
     prefill alone feeds them, with last_n=1 the logits after the row's last token (a row feeding nothing:
     the head of a zero state, never used)."""
 
-    counted = True  # levels.Node passes each row's real count and takes (B, last_n, V) as it comes
+    counted = True  # node.Node passes each row's real count and takes (B, last_n, V) as it comes
 
     def __init__(self, model, cache):
         assert isinstance(cache, FullCache), "row-wise verification needs a cache whose slots are positions"
@@ -83,7 +83,7 @@ class RowwiseRunner:
 
     def heads(self, hidden: list[torch.Tensor]) -> torch.Tensor:
         """Each row's logits (B, 1, V) from its last position's hidden state (1, 1, hidden): the head run on
-        each row apart, as that row's prefill alone runs it (levels.Node.next_of, the prefill above)."""
+        each row apart, as that row's prefill alone runs it (node.Node.next_of, the prefill above)."""
         return torch.cat([self.model.head(h) for h in hidden])
 
 

@@ -17,9 +17,10 @@ from ..cache.offload import OffloadedCache
 from ..cache.policies import make_select
 from ..config import RunConfig, Sampling
 from ..errors import TforceError
-from ..sync import host
+from ..transfer import host
 from .graphs import GraphRunner
-from .levels import Drafter, LevelStats, Node, SpecLevel
+from .levels import Drafter, LevelStats, SpecLevel
+from .node import Node
 from .lookup import LookupLevel
 from .prefill import prefill_layer_major
 from ..cache.rope import Rotary
@@ -107,11 +108,11 @@ class Session:
         # n-gram lookup in place of a draft model (lookup.py): the verifier's vocabulary, on its device
         self.lookup = LookupLevel(cfg.vocab_size, p.device, rows, spec.lookup_max, spec.lookup_min) \
             if spec.looks_up else None
-        self.top, self.small_verifier, self.middle_verifier = self._compose()
+        self.top, self.verifies_draft, self.verifies_middle = self._compose()
 
     def _compose(self):
-        """Returns (top level, small_verifier: the level verifying the bottom level (a small draft, or lookup),
-        middle_verifier: the level verifying the middle level); None where the method has no such level."""
+        """Returns (top level, verifies_draft: the level verifying the bottom level (a small draft, or lookup),
+        verifies_middle: the level verifying the middle level); None where the method has no such level."""
         s, ids, P = self.spec, self.ids, len(self.verified)
         bottom = self.lookup or (Drafter(self.small) if self.small is not None else None)
         if bottom is None and s.middle is None:  # ar
@@ -240,7 +241,7 @@ class Session:
 
     def resample(self, sampling: Sampling) -> None:
         """Draw the next generations from `sampling` (a server's per-request temperature and top-p): every
-        node turns logits into probabilities with it (levels.Node), at every level alike."""
+        node turns logits into probabilities with it (node.Node), at every level alike."""
         self.sampling = sampling
         for node in (self.small, self.middle, self.full):
             if node is not None:
@@ -254,7 +255,7 @@ class Session:
     def reset_stats(self) -> None:
         """Acceptance, rounds and rebuilds count from here (a conversation's next question)."""
         P = len(self.verified)
-        for level in {self.small_verifier, self.middle_verifier} - {None}:
+        for level in {self.verifies_draft, self.verifies_middle} - {None}:
             level.stats = LevelStats(P, level.window)
         self.verified, self.rebuilds = [0] * P, [0] * P
         self.rebuild_times = ()
@@ -273,9 +274,9 @@ class Session:
         queries = [self._query(i, L) if L else [] for i, L in zip(live, lengths)]
         self.retrieval.rebuild(self.full.cache, live, queries)
         self.middle.adopt(self.buffer[live], lengths, live)
-        if self.middle_verifier is not None:
+        if self.verifies_middle is not None:
             for i in live:
-                self.middle_verifier.stats.recent[self.ids[i]] = []
+                self.verifies_middle.stats.recent[self.ids[i]] = []
         sync_device(device)
         self.rebuild_times += (time.perf_counter() - t0,)
 
@@ -299,7 +300,7 @@ class Session:
         middle level falls under `rebuild_below`."""
         if self.retrieval is None:
             return
-        s, stats = self.spec, self.middle_verifier.stats
+        s, stats = self.spec, self.verifies_middle.stats
         self.full.match_prefix(self.buffer, n)  # drop each row's rejected tail: rebuild from committed tokens
         after = s.rebuild_after()
         stale = [i for i, r in enumerate(self.ids)

@@ -1,5 +1,5 @@
 """Standard speculative sampling, vectorised over a proposal and over rows, with one host sync per
-verification (sync.host: the numbers accepted and the next tokens, fetched together).
+verification (transfer.host: the numbers accepted and the next tokens, fetched together).
 
 Given drafted tokens x_1..x_k drawn from q_1..q_k, and the verifier's p_1..p_{k+1} at the same positions:
 accept x_i with probability min(1, p_i(x_i) / q_i(x_i)) in order; at the first rejection i draw the
@@ -14,7 +14,7 @@ import torch
 
 from .sampling import residual as exact_residual
 from .sampling import sample
-from ..sync import host
+from ..transfer import host
 
 
 @dataclass

@@ -11,7 +11,7 @@ def acceptance(session, r: int = 0) -> dict:
     def acc(level):
         return None if level is None else level.stats.acceptance(r)
 
-    return {"draft": acc(session.small_verifier), "retrieval": acc(session.middle_verifier)}
+    return {"draft": acc(session.verifies_draft), "retrieval": acc(session.verifies_middle)}
 
 
 def level_counts(session) -> dict:
@@ -20,7 +20,7 @@ def level_counts(session) -> dict:
     def counts(level):
         return None if level is None else (sum(level.stats.accepted), sum(level.stats.drafted))
 
-    return {"draft": counts(session.small_verifier), "retrieval": counts(session.middle_verifier)}
+    return {"draft": counts(session.verifies_draft), "retrieval": counts(session.verifies_middle)}
 
 
 def placement_stats(plan: placement.Plan) -> dict:

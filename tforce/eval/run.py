@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..config import Speculation
-from ..auto.planner import generate
+from ..auto.chooser import generate
 from .report import markdown, plots
 from ..text.needle import needle_prompt, random_key
 

@@ -12,7 +12,7 @@ exactly anyway), and everything after the last all_reduce is replicated, determi
 Against the unsharded model the logits differ only by summation order (allclose, not bitwise).
 The same holds only if every rank runs the same code path, so all ranks place their KV caches from one
 figure, the least free device memory over the ranks (`agreed_free`). The plans are then equal: each
-rank's planner (session_plan._plan) compares the plan's peak with a budget that both count this rank's own
+rank's planner (session_plan.plan_session) compares the plan's peak with a budget that both count this rank's own
 measured CUDA context and loaded weight bytes (row-parallel biases stay on rank 0), so those terms
 cancel and the comparison reads only the agreed figure and shapes that every rank shares (tested on the
 CPU in test_placement.py, with the context and weights made to differ). Session still compares the

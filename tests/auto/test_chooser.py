@@ -1,4 +1,4 @@
-"""planner.py: the cheapest candidate from stand-in stage costs and acceptance (hand-computed cases), the
+"""chooser.py: the cheapest candidate from stand-in stage costs and acceptance (hand-computed cases), the
 gammas it keeps and searches, the methods it may choose, and a new plan once runs have moved the
 acceptance."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from tforce.auto import calibration
 from tforce.config import RunConfig
-from tforce.auto.planner import GAMMA1, GAMMA2, candidates, choose, predictions
+from tforce.auto.chooser import GAMMA1, GAMMA2, candidates, choose, predictions
 
 OPTIONS = RunConfig.of(method="auto", temperature=0.0, max_new_tokens=64)
 ALL = ["ar", "naive", "retrieval", "streaming", "triforce"]
@@ -116,7 +116,7 @@ def test_a_verification_fed_fewer_tokens_costs_less():
 def test_each_method_s_verification_cost_follows_its_own_calibration_and_never_undercuts_ar():
     """A disturbed calibration of one method (streaming's full forward 30 ms where the others' are 5-8) moves
     only its own prediction, and a verification fed fewer tokens never costs less than ar's forward."""
-    from tforce.auto.planner import target_slope
+    from tforce.auto.chooser import target_slope
 
     entry = _entry(full=2.0, draft=0.5, middle=3.0, rate=0.5)
     for method, full in (("naive", 5.0), ("retrieval", 5.0), ("streaming", 30.0), ("triforce", 8.0)):
@@ -129,7 +129,7 @@ def test_each_method_s_verification_cost_follows_its_own_calibration_and_never_u
     assert naive == {c["gamma2"]: c for c in predictions(alone, ["naive"], OPTIONS, 1000, {})}
     steep = _entry(full=2.0, draft=0.5, middle=3.0, rate=0.5)
     steep["methods"]["naive"]["costs"]["ms_per_forward"]["full"] = 2.0 + 6 * 3.0  # 3 ms per token fed
-    from tforce.auto.planner import at_gammas
+    from tforce.auto.chooser import at_gammas
     at2 = at_gammas(steep["methods"]["naive"], {"gamma1": 2, "gamma2": 2}, "naive", 3.0, 2.0)
     assert at2["ms_per_forward"]["full"] == pytest.approx(2.0 + 2 * 3.0)
     low = at_gammas(steep["methods"]["naive"], {"gamma1": 2, "gamma2": 2}, "naive", 10.0, 2.0)
@@ -137,7 +137,7 @@ def test_each_method_s_verification_cost_follows_its_own_calibration_and_never_u
 
 
 def test_ar_is_kept_unless_a_speculative_method_is_predicted_clearly_faster():
-    from tforce.auto.planner import AR_MARGIN, pick
+    from tforce.auto.chooser import AR_MARGIN, pick
 
     ar = {"method": "ar", "ms_per_token": 10.0}
     close = {"method": "naive", "gamma2": 2, "ms_per_token": 10.0 / (1 + AR_MARGIN / 2)}

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 import tforce
 from tforce.bench import peers
 from tforce.cli import app
-from tforce.engine.generate import generate
+from tforce import generate
 from tforce.errors import UsageError
 from tforce.model.synthetic import make_checkpoint
 

@@ -195,7 +195,7 @@ def _engine_refusing(monkeypatch, refuse) -> list[int]:
     every batch the engine planned, in order."""
     import tforce.engine.session
 
-    real, planned = tforce.engine.session._plan, []
+    real, planned = tforce.engine.session.plan_session, []
 
     def plan(target, draft, work, *args):
         planned.append(work.rows)
@@ -203,7 +203,7 @@ def _engine_refusing(monkeypatch, refuse) -> list[int]:
             raise DoesNotFit("not enough GPU memory: stand-in")
         return real(target, draft, work, *args)
 
-    monkeypatch.setattr(tforce.engine.session, "_plan", plan)
+    monkeypatch.setattr(tforce.engine.session, "plan_session", plan)
     return planned
 
 

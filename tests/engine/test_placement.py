@@ -75,7 +75,7 @@ def test_tensor_parallel_ranks_hold_half_the_kv_and_layers_but_all_embeddings():
 
 def test_ranks_with_different_contexts_and_weights_plan_alike_from_one_room():
     """Why tensor-parallel ranks planning from one agreed room (parallel.tp.agreed_free) plan alike: on CUDA
-    each rank's budget is its loaded weights + its measured CUDA context + the room (session._plan), and
+    each rank's budget is its loaded weights + its measured CUDA context + the room (session.plan_session), and
     the plan's peak counts those same two, so they cancel. Rank 1 here has 300 MiB more context and
     1 MiB less weights (row-parallel biases stay on rank 0); for every room around each boundary between
     plans (resident layers, chunk statistics kept or recomputed, none fitting), both pick the same."""
@@ -312,7 +312,7 @@ def test_generate_reports_the_plans_peak_beside_its_placement(tiny, monkeypatch)
     import tforce.engine.session
 
     plans = []
-    real = tforce.engine.session._plan
-    monkeypatch.setattr(tforce.engine.session, "_plan", lambda *a: plans.append(real(*a)) or plans[-1])
+    real = tforce.engine.session.plan_session
+    monkeypatch.setattr(tforce.engine.session, "plan_session", lambda *a: plans.append(real(*a)) or plans[-1])
     stats = tforce.generate(tiny["gqa"], list(range(3, 40)), method="ar", max_new_tokens=2, temperature=0).stats
     assert stats["plan_peak_bytes"] == plans[0].peak > 0 and stats["plan_context_bytes"] == 0

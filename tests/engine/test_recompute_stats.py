@@ -11,6 +11,7 @@ import torch
 import tforce
 import tforce.engine.session
 from model_helpers import forward, random_ids
+from tforce.config import Speculation
 from tforce.engine import placement
 from tforce.cache.chunkstats import ChunkStats
 from tforce.errors import TforceError
@@ -91,7 +92,7 @@ def test_the_planner_drops_resident_statistics_before_it_offloads_a_layer():
 
 def test_statistics_are_not_dropped_where_they_cannot_help():
     target, draft = shapes("llama2-7b")
-    ar = dataclasses.replace(work(122880), method="ar")
+    ar = dataclasses.replace(work(122880), spec=Speculation(method="ar"))
     assert not placement.plan(target, ar, "off", 78 * GiB, 1024 * GiB, draft).recompute_stats
     on = placement.plan(target, work(122880), "on", 24 * GiB, 1024 * GiB, draft)  # nothing resident
     assert (on.resident, on.recompute_stats) == (0, False)
@@ -100,14 +101,14 @@ def test_statistics_are_not_dropped_where_they_cannot_help():
 
 
 def recompute_everything(monkeypatch, module):
-    """module._plan's plans, with recompute_stats forced on; the ChunkStats made, recorded."""
-    made, plan, for_cache = [], module._plan, ChunkStats.__init__
+    """module.plan_session's plans, with recompute_stats forced on; the ChunkStats made, recorded."""
+    made, plan, for_cache = [], module.plan_session, ChunkStats.__init__
 
     def init(self, homes, *a, **k):
         made.append(homes)
         for_cache(self, homes, *a, **k)
 
-    monkeypatch.setattr(module, "_plan", lambda *a: dataclasses.replace(plan(*a), recompute_stats=True))
+    monkeypatch.setattr(module, "plan_session", lambda *a: dataclasses.replace(plan(*a), recompute_stats=True))
     monkeypatch.setattr(ChunkStats, "__init__", init)
     return made
 
@@ -154,8 +155,8 @@ def test_the_plan_counts_the_means_scratch_every_rebuild_allocates(tiny):
 
     target, draft = shapes("llama2-7b")
     w = work(65536)
-    layer_stats = placement.chunk_stat_bytes(w.capacity, w.chunk_size, target.kv_heads, target.head_dim)
-    scores = target.layers * target.kv_heads * placement.n_chunks(w.capacity, w.chunk_size) * 4
+    layer_stats = placement.chunk_stat_bytes(w.capacity, w.spec.chunk_size, target.kv_heads, target.head_dim)
+    scores = target.layers * target.kv_heads * placement.n_chunks(w.capacity, w.spec.chunk_size) * 4
     for recompute, kept_layers in ((False, 32), (True, 0)):
         p = placement.layout(target, w, 32, draft, recompute_stats=recompute)
         assert p.item("retrieval chunk statistics") == (kept_layers + 1) * layer_stats

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import tforce
 from model_helpers import forward, full_cache, random_ids
+from tforce.config import RunConfig
 from tforce.cli import app
 from tforce.errors import DoesNotFit, TforceError, UsageError
 from tforce.engine import placement
@@ -147,7 +148,7 @@ def test_ranks_with_different_free_memory_plan_alike(five):
     assert expected.stats["kv_offloaded_layers"] == 0
     free = [room("ar", 2), room("ar", 5)]  # rank 0: 2 staging + 2 layers; rank 1: all 5
     results = launch(generate_worker, 2, "gloo", str(path), None, prompt, False, "cpu", torch.float32,
-                     dict(kw, seed=0), (), free, all_ranks=True)
+                     RunConfig.of(**kw, seed=0), (), None, free, all_ranks=True)
     for result in results:
         assert (result.stats["kv_resident_layers"], result.stats["kv_offloaded_layers"]) == (2, 3)
         assert result.tokens == expected.tokens
@@ -187,7 +188,7 @@ def test_ranks_that_plan_differently_refuse_before_prefill(five, method, rooms, 
     free = [room(method, *r) for r in rooms]
     with pytest.raises(TforceError) as info:
         launch(_unagreed_worker, 2, "gloo", str(path), None, prompt, False, "cpu", torch.float32,
-               dict(FIVE, method=method, seed=0), (), free)
+               RunConfig.of(**FIVE, method=method, seed=0), (), None, free)
     assert str(info.value) == f"the tensor-parallel ranks planned different KV caches ({plans}): please report this"
 
 
@@ -208,7 +209,7 @@ def test_ranks_offloading_more_than_the_host_holds_together_refuse_before_prefil
     anything is pinned (each rank checked only its own before). With room for both, prefill is reached."""
     path, prompt, room = five
     free = [room("ar", 2)] * 2  # 3 of 5 layers offloaded on each rank
-    args = (str(path), None, prompt, False, "cpu", torch.float32, dict(FIVE, method="ar", seed=0), (), free)
+    args = (str(path), None, prompt, False, "cpu", torch.float32, RunConfig.of(**FIVE, method="ar", seed=0), (), None, free)
     host = launch(generate_worker, 2, "gloo", *args).stats["kv_host_bytes"]  # one rank's
     assert host > 0
     with pytest.raises(DoesNotFit, match="needed by the 2 ranks together"):

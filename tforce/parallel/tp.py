@@ -153,13 +153,13 @@ def agreed_free(dev: torch.device, given: int | None, gpu_memory: int | None) ->
 def rank_room(dev: torch.device, given: int | None, gpu_memory: int | None) -> int | None:
     """This rank's room for the caches and activations beside what it holds: its free memory (or `given`),
     and with gpu_memory, no more than gpu_memory less what this rank has allocated (its shard: row-parallel
-    biases make it differ) and, on CUDA, less its context, as session_plan._plan caps one process: gpu_memory
+    biases make it differ) and, on CUDA, less its context, as session_plan.plan_session caps one process: gpu_memory
     bounds everything on the device, the context included."""
     if dev.type != "cuda":
         room, cap = given, gpu_memory
     else:
         free, total = torch.cuda.mem_get_info(dev)
-        context = total - free - torch.cuda.memory_reserved(dev)  # as session_plan._plan measures it
+        context = total - free - torch.cuda.memory_reserved(dev)  # as session_plan.plan_session measures it
         room = free if given is None else given
         cap = None if gpu_memory is None else gpu_memory - torch.cuda.memory_allocated(dev) - context
     return room if room is None or cap is None else min(room, cap)

@@ -88,7 +88,7 @@ def count_rowwise_runners(monkeypatch) -> list:
             built.append(1)
             super().__init__(*a)
 
-    monkeypatch.setattr(tforce.engine.session, "RowwiseRunner", Counted)
+    monkeypatch.setattr(tforce.engine.nodes, "RowwiseRunner", Counted)
     return built
 
 

@@ -177,7 +177,7 @@ def test_bench_batch_times_row_wise_verification(runner, monkeypatch):
     from tforce.engine.rowwise import RowwiseRunner
 
     rows = []  # the rows of every session verifying row by row
-    monkeypatch.setattr(tforce.engine.session, "RowwiseRunner",
+    monkeypatch.setattr(tforce.engine.nodes, "RowwiseRunner",
                         lambda model, cache: rows.append(cache.rows) or RowwiseRunner(model, cache))
     r = runner.invoke(app, ["bench", "--synthetic", "tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "30",
                             "--gen-len", "6", "--temperature", "0", "--budget", "16", "--chunk-size", "4",

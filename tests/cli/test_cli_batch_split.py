@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from typer.testing import CliRunner
 
 import tforce
+import tforce.engine.nodes
 from tforce.bench.suite import info_plan
 from tforce.cli import app
 from tforce.errors import DoesNotFit
@@ -189,13 +190,13 @@ def test_bench_batch_is_not_split(runner, monkeypatch):
 
 
 def _engine_refusing(monkeypatch, refuse) -> list[int]:
-    """The engine's own plan (tforce.engine.session.plan_session) raises DoesNotFit for the work refuse(work) names. A stand-in:
+    """The engine's own plan (tforce.engine.nodes.plan_session) raises DoesNotFit for the work refuse(work) names. A stand-in:
     on the CPU the engine plans with the same figures as the CLI's check, so the two cannot be made to
     disagree (on CUDA they can: the engine measures the memory free when it runs each batch). The rows of
     every batch the engine planned, in order."""
     import tforce.engine.session
 
-    real, planned = tforce.engine.session.plan_session, []
+    real, planned = tforce.engine.nodes.plan_session, []
 
     def plan(target, draft, work, *args):
         planned.append(work.rows)
@@ -203,7 +204,7 @@ def _engine_refusing(monkeypatch, refuse) -> list[int]:
             raise DoesNotFit("not enough GPU memory: stand-in")
         return real(target, draft, work, *args)
 
-    monkeypatch.setattr(tforce.engine.session, "plan_session", plan)
+    monkeypatch.setattr(tforce.engine.nodes, "plan_session", plan)
     return planned
 
 

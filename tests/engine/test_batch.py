@@ -6,6 +6,7 @@ import functools
 import pytest
 
 import tforce
+import tforce.engine.nodes
 import tforce.engine.levels
 from tforce.engine import placement
 from tforce.config import Speculation
@@ -98,7 +99,7 @@ def test_partly_offloaded_rows_equal_single_prompts(tiny, tmp_path, monkeypatch,
     shape, small = model_shape(model), (model_shape(draft) if draft is not None else None)
     room = placement.layout(shape, work, 3, small, 0).peak - shape.weights - (small.weights if small else 0)
     plans = []
-    monkeypatch.setattr(tforce.engine.session, "plan_session", lambda *a: plans.append(plan_session(*a)) or plans[-1])
+    monkeypatch.setattr(tforce.engine.nodes, "plan_session", lambda *a: plans.append(plan_session(*a)) or plans[-1])
     opts = dict(budget=16, chunk_size=4, gamma2=4, draft_budget=12, sinks=2, prefill_chunk=8)
     rows = generate_batch(model, prompts, draft=draft, method=method, device_free=room, **opts, **kw)
     assert (plans[0].resident, plans[0].offloaded) == (3, 3)

@@ -312,7 +312,7 @@ def test_generate_reports_the_plans_peak_beside_its_placement(tiny, monkeypatch)
     import tforce.engine.session
 
     plans = []
-    real = tforce.engine.session.plan_session
-    monkeypatch.setattr(tforce.engine.session, "plan_session", lambda *a: plans.append(real(*a)) or plans[-1])
+    real = tforce.engine.nodes.plan_session
+    monkeypatch.setattr(tforce.engine.nodes, "plan_session", lambda *a: plans.append(real(*a)) or plans[-1])
     stats = tforce.generate(tiny["gqa"], list(range(3, 40)), method="ar", max_new_tokens=2, temperature=0).stats
     assert stats["plan_peak_bytes"] == plans[0].peak > 0 and stats["plan_context_bytes"] == 0

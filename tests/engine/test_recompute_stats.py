@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tforce
-import tforce.engine.session
+import tforce.engine.nodes
 from model_helpers import forward, random_ids
 from tforce.config import Speculation
 from tforce.engine import placement
@@ -121,7 +121,7 @@ def test_generation_with_recomputed_statistics_is_the_kept_one(tiny, monkeypatch
     kw = dict(max_new_tokens=40, temperature=temperature, seed=11, ignore_eos=True)
     spec = dict(draft=tiny["draft"], method="triforce", budget=16, chunk_size=4, rebuild_every=8, **kw)
     kept = tforce.generate(tiny["gqa"], prompt, **spec)
-    made = recompute_everything(monkeypatch, tforce.engine.session)
+    made = recompute_everything(monkeypatch, tforce.engine.nodes)
     redone = tforce.generate(tiny["gqa"], prompt, **spec)
     assert made and all(home is None for homes in made for home in homes)
     assert redone.tokens == kept.tokens and redone.stats["acceptance"] == kept.stats["acceptance"]
@@ -133,7 +133,7 @@ def test_generation_with_recomputed_statistics_is_the_kept_one(tiny, monkeypatch
 def test_batch_rows_with_recomputed_statistics_equal_plain_decoding(tiny, monkeypatch):
     prompts = [random_ids(n, seed=n)[0].tolist() for n in (30, 45, 12)]
     kw = dict(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    made = recompute_everything(monkeypatch, tforce.engine.session)
+    made = recompute_everything(monkeypatch, tforce.engine.nodes)
     rows = tforce.generate_batch(tiny["gqa"], prompts, draft=tiny["draft"], method="triforce", budget=16,
                                  chunk_size=4, draft_budget=12, sinks=2, **kw)
     assert len(made) == 3 and all(home is None for homes in made for home in homes)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tforce
+import tforce.engine.nodes
 import tforce.engine.node as node_module
 import tforce.engine.session
 from tforce.config import Speculation
@@ -142,7 +143,7 @@ def test_partly_offloaded_deterministic_rows_are_ar_alone(tiny, six_layers, full
     target = six_layers if dtype == torch.float32 else copy.deepcopy(six_layers).to(dtype)
     draft = models(tiny, dtype)[1] if method == "triforce" else None
     plans = []
-    monkeypatch.setattr(tforce.engine.session, "plan_session", lambda *a: plans.append(plan_session(*a)) or plans[-1])
+    monkeypatch.setattr(tforce.engine.nodes, "plan_session", lambda *a: plans.append(plan_session(*a)) or plans[-1])
     room = room_for_three_layers(target, draft, method)
     check_rows_are_ar_alone(full_logits, target, draft, method, device_free=room)
     assert (plans[-1].resident, plans[-1].offloaded) == (3, 3)  # the batch's plan (ar alone's come first)

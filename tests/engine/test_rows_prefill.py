@@ -135,7 +135,7 @@ def test_generate_batch_prefill_traffic_is_linear(tiny, monkeypatch):
             super().__init__(*a, **kw)
             caches.append(self)
 
-    monkeypatch.setattr(tforce.engine.session, "OffloadedCache", Counted)
+    monkeypatch.setattr(tforce.engine.nodes, "OffloadedCache", Counted)
     h2d = []
     for n in (40, 80):
         generate_batch(tiny["gqa"], prompts_of((n, n // 2 + 1, 1), seed=3), draft=tiny["draft"], method="triforce",

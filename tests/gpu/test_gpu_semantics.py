@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import tforce
+import tforce.engine.nodes
 import tforce.engine.batch
 import tforce.engine.conversation
 import tforce.engine.graphs
@@ -242,7 +243,7 @@ def cpu_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", _SideStream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _SideStream(device))
-    monkeypatch.setattr(tforce.engine.session, "_runner", runner)
+    monkeypatch.setattr(tforce.engine.nodes, "_runner", runner)
     monkeypatch.setattr(tforce.engine.graphs, "_graphable", lambda ids: True)
     return runners
 

@@ -1,5 +1,5 @@
-"""Session: the caches and levels of one generation over B rows (one prompt: B = 1), built from the memory
-plan, and their lifecycle (prefill, rebuilds of the retrieval cache, rounds, compaction of finished rows,
+"""Session: the caches and levels of one generation over B rows (one prompt: B = 1), the caches built by
+nodes.py from the memory plan, and their lifecycle (prefill, rebuilds of the retrieval cache, rounds, compaction of finished rows,
 rewinding one row to a mark). decode.py runs the rounds for engine.generate (one row), batch.generate_batch
 (a row per prompt) and conversation.py (one row kept across questions). The row rules:
 docs/architecture.md.
@@ -10,24 +10,16 @@ import time
 
 import torch
 
-from . import placement
-from ..model.attention import flash_attn_func, flash_attn_with_kvcache
-from ..cache import FullCache, RetrievalCache, StreamingCache
 from ..cache.offload import OffloadedCache
-from ..cache.policies import make_select
 from ..config import RunConfig, Sampling
 from ..errors import TforceError
 from ..transfer import host
 from .graphs import GraphRunner
+from .nodes import build_nodes
 from .levels import Drafter, LevelStats, SpecLevel
 from .node import Node
-from .lookup import LookupLevel
 from .prefill import prefill_layer_major
-from ..cache.rope import Rotary
-from .rowwise import RowwiseRunner
 from .sampling import sample
-from .session_plan import plan_session
-from ..model.vocab import shared_vocabulary
 
 
 def sync_device(device: torch.device) -> None:
@@ -43,11 +35,9 @@ class Session:
         same row's); of `config` (checked), the speculation, the sampling and the execution options.
         group: the tensor-parallel ranks (parallel.Group), whose plans must agree before any cache exists."""
         self.target, self.draft = target, draft
-        cfg = target.config
         self.total = prompt_len + max_new
         capacity = config.speculation.capacity(self.total)
         spec, sampling, run = config.speculation.fitted(capacity), config.sampling, config.execution
-        prefill_chunk = run.prefill_chunk
         self.spec, self.sampling = spec, sampling
         self.buffer = torch.zeros(rows, capacity, dtype=torch.long)  # the levels' (B, capacity) sequences
         self.seq = self.buffer[0]  # the first row's, a view (conversations and snapshots are one row's)
@@ -56,58 +46,9 @@ class Session:
         self.logprobs = None  # record_logprobs: the last round's raw log-probabilities, per live row
         self.next: torch.Tensor | None = None  # (live rows, V): the first tokens' distributions (Session.round)
         self.rebuilds = [0] * rows  # per prompt: retrieval rebuilds while decoding
-        p = next(target.parameters())
-        dims = (cfg.num_hidden_layers, target.n_kv_heads, target.head_dim)
-        rotary = Rotary(cfg, max_len=self.total, device=p.device)
-        cuda = p.device.type == "cuda"
-        # flash-attn for any row count where it has its kvcache kernel (rows of different lengths:
-        # cache_seqlens). CUDA graphs for any row count: a graph is captured per live row count and replayed
-        # while the rows share one view (graph_key); docs/architecture.md, the fast path.
-        flash = (cuda and flash_attn_func is not None and p.dtype != torch.float32
-                 and (rows == 1 or flash_attn_with_kvcache is not None))
-        graphs = run.cuda_graphs and cuda
-        kernel = "flash" if flash else "sdpa" if cuda else "math"
-        work = placement.Work(capacity, prompt_len, spec, prefill_chunk, graphs, kernel, rows=rows)
-        self.plan = plan_session(target, draft, work, run.offload, run.gpu_memory, run.device_free)
-        if group is not None:
-            group.check_plan(self.plan)
-        pool = torch.cuda.graph_pool_handle() if graphs else None  # one pool for every GraphRunner
-        if self.plan.resident == self.plan.n_layers:
-            full = FullCache(*dims, capacity=capacity, rotary=rotary, dtype=p.dtype, device=p.device, rows=rows)
-        else:
-            full = OffloadedCache(*dims, capacity=capacity, rotary=rotary, resident=self.plan.resident,
-                                  dtype=p.dtype, device=p.device, rows=rows)
-        # deterministic: verify row by row, exactly as one-token decoding computes each logit (rowwise.py)
-        self.full = Node("full", target, full, sampling, capacity, prefill_chunk,
-                         RowwiseRunner(target, full) if run.deterministic else None)
-        self.middle = self.small = self.retrieval = None
-        if spec.middle == "retrieval":
-            self.retrieval = RetrievalCache(*dims, budget=spec.budget, chunk_size=spec.chunk_size,
-                                            rotary=rotary, dtype=p.dtype, device=p.device,
-                                            select=make_select(spec.policy, spec.sinks),
-                                            shared=spec.policy == "shared",
-                                            recompute_stats=self.plan.recompute_stats, rows=rows)
-            self.middle = Node("retrieval", target, self.retrieval, sampling, capacity, prefill_chunk,
-                               _runner(target, self.retrieval, graphs, pool))
-        elif spec.middle == "streaming":
-            cache = StreamingCache(*dims, budget=spec.budget, sinks=spec.sinks, rotary=rotary,
-                                   max_rollback=spec.max_lookahead, max_new=prefill_chunk + spec.max_lookahead,
-                                   dtype=p.dtype, device=p.device, rows=rows)
-            self.middle = Node("streaming", target, cache, sampling, capacity, prefill_chunk,
-                               _runner(target, cache, graphs, pool))
-        if spec.uses_draft:
-            dcfg, dp = draft.config, next(draft.parameters())
-            chunk = min(prefill_chunk, spec.draft_budget)
-            cache = StreamingCache(dcfg.num_hidden_layers, draft.n_kv_heads, draft.head_dim,
-                                   budget=spec.draft_budget, sinks=spec.sinks,
-                                   rotary=Rotary(dcfg, max_len=self.total, device=dp.device),
-                                   max_rollback=spec.max_lookahead, max_new=chunk + spec.max_lookahead,
-                                   dtype=dp.dtype, device=dp.device, rows=rows)
-            self.small = Node("draft", draft, cache, sampling, capacity, chunk, _runner(draft, cache, graphs, pool),
-                              shared_vocabulary(draft, cfg.vocab_size))
-        # n-gram lookup in place of a draft model (lookup.py): the verifier's vocabulary, on its device
-        self.lookup = LookupLevel(cfg.vocab_size, p.device, rows, spec.lookup_max, spec.lookup_min) \
-            if spec.looks_up else None
+        built = build_nodes(target, draft, prompt_len, self.total, capacity, spec, sampling, run, rows, group)
+        self.plan, self.full, self.middle, self.small = built.plan, built.full, built.middle, built.small
+        self.retrieval, self.lookup = built.retrieval, built.lookup
         self.top, self.verifies_draft, self.verifies_middle = self._compose()
 
     def _compose(self):
@@ -353,8 +294,3 @@ class Session:
         self.buffer[:len(live)] = self.buffer[live]
         self.ids[:] = [self.ids[i] for i in live]
 
-
-def _runner(model, cache, enabled: bool, pool):
-    """CUDA graphs for the draft and middle levels' forwards (never the full cache's)."""
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    return GraphRunner(model, cache, pool) if enabled and on_cuda else None

@@ -402,3 +402,14 @@ def test_run_chat_and_serve_take_the_shared_options_from_one_place():
         assert expected <= set(params) and "opts" not in params, name
         assert params["budget"].default == Speculation.budget and params["top_p"].default == Sampling.top_p
     assert "when a request gives none" in {p.name: p for p in commands["serve"].params}["temperature"].help
+
+
+def test_info_plans_int4_weights_and_refuses_an_unknown_form(runner):
+    """`tforce info --weights int4`: the layers' projections at about a quarter of their bfloat16 bytes in the
+    plan (the tables and norms stay bfloat16), more of the KV cache on the GPU; a bad value is one line."""
+    base = ["info", "--synthetic", "llama3.1-8b", "--context", "131072", "--gpu-memory", "24GiB", "--json"]
+    plain = json.loads(runner.invoke(app, base).stdout)["plan"]
+    int4 = json.loads(runner.invoke(app, base + ["--weights", "int4"]).stdout)["plan"]
+    assert 0.3 < int4["weights_bytes"] / plain["weights_bytes"] < 0.45
+    assert int4["resident_layers"] > plain["resident_layers"]
+    one_error_line(runner.invoke(app, ["info", "--synthetic", "tiny", "--weights", "int3"]), 2, "--weights")

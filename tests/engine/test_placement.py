@@ -316,3 +316,16 @@ def test_generate_reports_the_plans_peak_beside_its_placement(tiny, monkeypatch)
     monkeypatch.setattr(tforce.engine.nodes, "plan_session", lambda *a: plans.append(real(*a)) or plans[-1])
     stats = tforce.generate(tiny["gqa"], list(range(3, 40)), method="ar", max_new_tokens=2, temperature=0).stats
     assert stats["plan_peak_bytes"] == plans[0].peak > 0 and stats["plan_context_bytes"] == 0
+
+
+@pytest.mark.parametrize("weights", ["auto", "int8", "int4"])
+def test_weight_bytes_from_the_config_are_the_built_models(tmp_path, weights):
+    """What `tforce info --weights` plans from a config is what the model holds once built and quantized
+    (model/quant.py): its parameters and buffers, tied table once."""
+    import tforce
+    from tforce.model.synthetic import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "m", seed=1, tokenizer=False, hidden_size=64, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    loaded = tforce.load_model(str(path), weights=None if weights == "auto" else weights, tokenizer=False)
+    assert model_shape(loaded.model).weights == placement.weight_bytes(loaded.config, 4, weights=weights)

@@ -46,7 +46,7 @@ def _arch(config, context: int, dtype: str) -> dict:
 
 
 def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, offload: str,
-               gpu_memory: Optional[int], world: int, rows: int = 1, draft_config=None) -> dict:
+               gpu_memory: Optional[int], world: int, rows: int = 1, draft_config=None, weights: str = "auto") -> dict:
     """The plan for GPU 0 as it is (its memory, capped by --gpu-memory; the CUDA context measured), or on
     paper for a GPU of --gpu-memory bytes (the context a named constant; flash-attn assumed). Without
     flash-attn on a CUDA machine, SDPA's memory-efficient backend (placement.Work.attention)."""
@@ -70,7 +70,8 @@ def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, of
     h2d, dev = (h2d_peak_gbps("cuda:0"), device_bandwidth_gbps("cuda:0")) if cuda else (None, None)
     return {"h2d_gbps": h2d, "device_gbps": dev, "offload": offload, "context_measured": cuda,
             **info_plan(config, context, elem, gpu_budget, host_free, offload, budget, h2d, dev, world,
-                        draft_config=draft_config, context_bytes=context_bytes, attention=attention, rows=rows)}
+                        draft_config=draft_config, context_bytes=context_bytes, attention=attention, rows=rows,
+                        weights=weights)}
 
 
 def _threads_now() -> dict:
@@ -102,6 +103,8 @@ def info(
     ranks: int = typer.Option(1, "--gpus", help="Plan one rank of the target split over N GPUs (tensor "
                                                "parallelism: half the KV heads each for 2)."),
     batch: int = typer.Option(1, "--batch", help="Plan this many sequences of --context tokens decoded together."),
+    weights: str = typer.Option("auto", "--weights", help="Plan the layers' projections as int8 or int4 "
+                                "(as --weights quantizes them at load), else in --dtype."),
     as_json: bool = flag("--json", "Print one JSON object."),
 ) -> None:
     """Versions, devices, host memory, measured H2D bandwidth and (with --model or --synthetic) the model's
@@ -121,6 +124,9 @@ def info(
             raise UsageError(f"--gpus must be >= 1, got {ranks}")
         if batch < 1:
             raise UsageError(f"--batch must be >= 1, got {batch}")
+        from ..model.quant import check_weights
+
+        check_weights(weights)
         if dtype not in DTYPES[1:]:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES[1:])}, got {dtype!r}")
         if model is not None and synthetic is not None:
@@ -169,7 +175,8 @@ def info(
 
             check_tp(config, ranks)
             record["plan"] = _info_plan(config, record["model"]["kv_context"], dtype, budget, mem.available,
-                                        world=ranks, rows=batch, draft_config=draft_config, **placement_options)
+                                        world=ranks, rows=batch, draft_config=draft_config, weights=weights,
+                                        **placement_options)
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
             return

@@ -30,6 +30,7 @@ from ..errors import DoesNotFit, UsageError
 GiB = 1024 ** 3
 MiB = 1024 ** 2
 CONTEXT_BYTES = GiB // 2  # the CUDA context (kernels, cuBLAS workspaces) when no device is measured
+GROUP = 32  # int4's group of inputs (model/quant.py)
 GRAPH_POOL_BYTES = 256 * MiB  # estimate: the one pool the draft and middle levels' CUDA graphs share
 LOGIT_COPIES = 4  # float32 (rows, vocab) tensors alive at once: logits, probabilities, sorted, residual
 
@@ -49,21 +50,24 @@ class Shape:
     weights: int  # parameter bytes on this rank
 
     @classmethod
-    def of(cls, config, dtype_bytes: int, world: int = 1) -> "Shape":
-        """From a Hugging Face config, for one of `world` tensor-parallel ranks."""
+    def of(cls, config, dtype_bytes: int, world: int = 1, weights: str = "auto") -> "Shape":
+        """From a Hugging Face config, for one of `world` tensor-parallel ranks; weights: the projections'
+        form (weight_bytes)."""
         heads, kv, d = config.num_attention_heads, families.kv_heads(config), families.head_dim(config)
         return cls(config.num_hidden_layers, config.hidden_size, config.intermediate_size // world, heads // world,
-                   kv // world, d, config.vocab_size, dtype_bytes, weight_bytes(config, dtype_bytes, world))
+                   kv // world, d, config.vocab_size, dtype_bytes, weight_bytes(config, dtype_bytes, world, weights))
 
     @property
     def layer_kv_per_token(self) -> int:
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
-def weight_bytes(config, dtype_bytes: int, world: int = 1) -> int:
+def weight_bytes(config, dtype_bytes: int, world: int = 1, weights: str = "auto") -> int:
     """Parameter bytes of a config of one of the families on one of `world` ranks, counted from its shapes
     (nothing is read): attention and MLP with their biases split over the ranks; embeddings, norms (Qwen3's
-    q/k norms included) and lm_head replicated."""
+    q/k norms included) and lm_head replicated. weights "int8" / "int4": the layers' projections as
+    model/quant.py holds them (int8: a byte a weight and a bfloat16 scale per output row; int4: half a byte
+    a weight and a bfloat16 scale and zero per group of 32), everything else in the dtype."""
     h, i, v, n = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
     heads, kv, d = config.num_attention_heads, families.kv_heads(config), families.head_dim(config)
     parts = families.layout(config)
@@ -71,9 +75,15 @@ def weight_bytes(config, dtype_bytes: int, world: int = 1) -> int:
     split = h * (qkv + heads * d) + 3 * h * i + parts.qkv_bias * qkv + parts.mlp_bias * 2 * i
     # o_proj's and down_proj's biases live on rank 0 only (sharding.py): counted on every rank, the largest
     whole = 2 * h + (parts.o_bias + parts.mlp_bias) * h + parts.qk_norm * 2 * d
-    layer = split // world + whole
     tied = getattr(config, "tie_word_embeddings", False)
-    return dtype_bytes * (n * layer + h + v * h * (1 if tied else 2))
+    table = dtype_bytes * (h + v * h * (1 if tied else 2))
+    if weights in ("int8", "int4"):
+        proj, rows = h * (qkv + heads * d) + 3 * h * i, qkv + 2 * h + 2 * i
+        coded = proj + 2 * rows if weights == "int8" else proj // 2 + proj // GROUP * 4
+        bias = dtype_bytes * (split - proj)
+        return n * ((coded + bias) // world + dtype_bytes * whole) + table
+    layer = split // world + whole
+    return dtype_bytes * n * layer + table
 
 
 def kv_layer_bytes(n_kv: int, head_dim: int, capacity: int, dtype_bytes: int) -> int:

@@ -193,10 +193,10 @@ def info_plan(config, context: int, dtype_bytes: int, gpu_budget: int | None, ho
               prefill_chunk: int = 512, weights: str = "auto") -> dict:
     """The memory plan of one rank (of `world`) for `rows` prompts of `context` tokens decoded together
     (`spec`, the run's own speculation options, else `method` with default options and `budget`; a draft,
-    where the method uses one, replicated; weights: the projections' form, placement.weight_bytes), and the s/step floor
-    of plain (autoregressive) offloaded decoding it implies: every step streams the offloaded KV over H2D and
-    reads the weights and the resident KV from device memory. gpu_budget: device bytes for everything, the CUDA context (context_bytes)
-    included. Unmeasured parts are None."""
+    where the method uses one, replicated; weights: the projections' form, placement.weight_bytes), and the
+    s/step floor of plain (autoregressive) offloaded decoding it implies: every step streams the offloaded KV
+    over H2D and reads the weights and the resident KV from device memory. gpu_budget: device bytes for
+    everything, the CUDA context (context_bytes) included. Unmeasured parts are None."""
     shape = placement.Shape.of(config, dtype_bytes, world, weights)
     if draft_config is None:
         draft_config = make_config("tiny", rope_scaling=None, **LLAMA_68M, vocab_size=config.vocab_size)

@@ -147,16 +147,18 @@ def generate(target, prompt_ids, config: RunConfig, draft=None, events: Events |
         snapshot.check_target(config.save_kv)  # before the work, not after
     eos = set() if config.ignore_eos else eos_ids(target.config)
     # one prompt is a batch of one row: the batch's path (run_rows), its statistics those of the row
-    [out], [stats] = run_rows(target, draft, [prompt], [max_new], config, generator(target, config.sampling.seed), eos,
-                         events or Events(), group, identity)
+    [out], [stats] = run_rows(target, draft, [prompt], [max_new], config, generator(target, config.sampling.seed),
+                              eos, events or Events(), group, identity)
     return Result(out, one_row(stats))
 
 
 def run_rows(target, draft, prompts: list[list[int]], max_new: list[int], config: RunConfig, gen: torch.Generator,
-        eos: set[int], events: Events = Events(), group=None, identity=None) -> tuple[list[list[int]], list[dict]]:
+             eos: set[int], events: Events = Events(), group=None, identity=None
+             ) -> tuple[list[list[int]], list[dict]]:
     """The one path of a generation over B rows, for `generate` (one prompt: B = 1) and `generate_batch` (a
-    row per prompt): (each prompt's new tokens, each prompt's statistics) of one Session over the prompts (token-id lists,
-    checked; max_new: each one's budget, fitted to the context), telling `events` as it goes (events.py).
+    row per prompt): (each prompt's new tokens, each prompt's statistics) of one Session over the prompts
+    (token-id lists, checked; max_new: each one's budget, fitted to the context), telling `events` as it goes
+    (events.py).
     config.load_kv: a snapshot read once into every row that starts with its prefix; config.save_kv (one
     prompt): the caches after the prefill; identity: the models' (snapshot/identity.py)."""
     B, longest = len(prompts), max(map(len, prompts))

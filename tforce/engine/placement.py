@@ -196,6 +196,7 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
         out.append(Item("draft weights", draft.weights, "both"))
     out += [Item("full KV, resident layers", resident * layer, "both"),
             Item("staging buffers (2 layers)", 2 * layer if offloaded else 0, "both")]
+    ahead = w.spec.max_lookahead  # tokens a cache holds beyond the committed ones within a verification
     if w.spec.middle == "retrieval":
         chunks = n_chunks(w.capacity, w.spec.chunk_size)
         out += [Item("retrieval cache and key positions",
@@ -210,11 +211,11 @@ def items(shape: Shape, work: Work, resident: int, draft: Shape | None = None,
                 Item("rebuild scratch", kv_layer_bytes(kv, d, w.spec.budget, e) + 2 * kv * w.spec.budget * 8
                      + n * kv * chunks * 4, "decode")]
     elif w.spec.middle == "streaming":
-        cap = streaming_capacity(w.spec.budget, w.spec.sinks, w.spec.max_lookahead, w.prefill_chunk + w.spec.max_lookahead)
+        cap = streaming_capacity(w.spec.budget, w.spec.sinks, ahead, w.prefill_chunk + ahead)
         out.append(Item("middle StreamingLLM cache", b * n * kv_layer_bytes(kv, d, cap, e), "both"))
     if w.spec.uses_draft and draft is not None:
         chunk = min(w.prefill_chunk, w.spec.draft_budget)
-        cap = streaming_capacity(w.spec.draft_budget, w.spec.sinks, w.spec.max_lookahead, chunk + w.spec.max_lookahead)
+        cap = streaming_capacity(w.spec.draft_budget, w.spec.sinks, ahead, chunk + ahead)
         out.append(Item("draft StreamingLLM cache", b * draft.layers * kv_layer_bytes(draft.kv_heads, draft.head_dim,
                                                                                        cap, draft.dtype_bytes), "both"))
     # Rotated queries of the last forward, kept per layer for rebuilds (FullCache.row_queries: each

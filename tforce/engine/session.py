@@ -1,8 +1,8 @@
 """Session: the caches and levels of one generation over B rows (one prompt: B = 1), the caches built by
-nodes.py from the memory plan, and their lifecycle (prefill, rebuilds of the retrieval cache, rounds, compaction of finished rows,
-rewinding one row to a mark). decode.py runs the rounds for engine.generate (one row), batch.generate_batch
-(a row per prompt) and conversation.py (one row kept across questions). The row rules:
-docs/architecture.md.
+nodes.py from the memory plan, and their lifecycle (prefill, rebuilds of the retrieval cache, rounds,
+compaction of finished rows, rewinding one row to a mark). driver.py runs the rounds for engine.generate
+(one row), batch.generate_batch (a row per prompt), conversation.py (one row kept across questions) and a
+server's requests. The row rules: docs/architecture.md.
 """
 from __future__ import annotations
 

@@ -274,7 +274,8 @@ def test_serving_ranks_exit_when_their_parent_is_killed(tmp_path):
             "ranks.collect()\n"
             "print(*(p.pid for p in ranks.procs), flush=True)\n"
             "os.kill(os.getpid(), 9)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    here = Path(__file__).resolve().parent  # this module, for _idle; the support modules it imports
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(here), str(ROOT / "tests")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     pids = [int(x) for x in out.stdout.split()]
     assert len(pids) == 2, out.stderr

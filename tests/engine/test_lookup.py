@@ -164,3 +164,24 @@ def test_rows_that_sit_out_are_untouched_and_keep_moves_the_indexes():
     moved = level.indexes[1]
     level.keep([1])
     assert level.indexes == [moved]
+
+
+def test_a_row_whose_last_tokens_occur_nowhere_earlier_drafts_nothing(tiny):
+    """No earlier occurrence of the last token: the round takes one token from the full node's own
+    distribution (plain decoding's), drafts and verifies nothing; with a match, it verifies GAMMA drafts."""
+    model = tiny["gqa"].model
+    prompt = list(range(3, 40)) + [250]  # every token once: nothing to look up after it
+    cfg, capacity = model.config, len(prompt) + 2 * GAMMA + 4
+    cache = FullCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, capacity, Rotary(cfg, capacity))
+    full = Node("full", model, cache, GREEDY, capacity)
+    lookup = LookupLevel(cfg.vocab_size, full.device)
+    top = SpecLevel(lookup, full, GAMMA)
+    seq = torch.zeros(1, capacity, dtype=torch.long)
+    seq[0, :len(prompt)] = torch.tensor(prompt)
+    assert lookup.matched(seq, [len(prompt)], GAMMA, [0]) == [False]
+    [tokens], _ = top.round(seq, [len(prompt)], torch.Generator(), [0])
+    assert tokens == ar(tiny["gqa"], prompt, 1) and top.stats.drafted[0] == 0 and top.stats.rounds[0] == 1
+    seq[0, len(prompt)] = prompt[5]  # now the last token occurs earlier: a match, GAMMA drafts verified
+    assert lookup.matched(seq, [len(prompt) + 1], GAMMA, [0]) == [True]
+    top.round(seq, [len(prompt) + 1], torch.Generator(), [0])
+    assert top.stats.drafted[0] == GAMMA

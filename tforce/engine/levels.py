@@ -43,6 +43,10 @@ class LevelStats:
         self.accepted[r] += n_accepted
         self.recent[r] = (self.recent[r] + [n_accepted / gamma])[-self.window:]
 
+    def step(self, r: int) -> None:
+        """A round that drafted nothing (SpecLevel._step): no acceptance to count."""
+        self.rounds[r] += 1
+
     def acceptance(self, r: int = 0) -> float | None:
         return self.accepted[r] / self.drafted[r] if self.drafted[r] else None
 
@@ -105,15 +109,43 @@ class SpecLevel(Level):
 
     def round(self, seq, n, gen, rows=None):
         rows = list(range(len(n))) if rows is None else rows
+        # A proposer that can tell (lookup.py: whether an earlier occurrence of a row's last tokens exists)
+        # says which rows have drafts worth verifying; the others' proposals are guesses, verified with the
+        # rest but not kept: their token is drawn from the node's distribution at their first position. The
+        # draft length depends on the tokens so far only, so each row stays an exact sample of the node.
+        matched = getattr(self.proposer, "matched", None)
+        found = matched(seq, n, self.gamma, rows) if matched else [True] * len(rows)
+        if not any(found):
+            return self._step(seq, n, gen, rows)
         drafts, q = self.proposer.propose(seq, n, self.gamma, gen, rows)  # writes seq[b, n:n + gamma]
         p = self.node.probs(seq, [nb + self.gamma for nb in n], last=self.gamma + 1, rows=rows)  # (R, gamma + 1, V)
         raw = self.node.logprobs if self.node.raw else None
-        n_acc, nxt = verify(to_device(drafts, p.device), q.to(p.device), p, gen, greedy=self.node.sampling.greedy)
+        greedy = self.node.sampling.greedy
+        n_acc, nxt = verify(to_device(drafts, p.device), q.to(p.device), p, gen, greedy=greedy)
+        guessed = [i for i, f in enumerate(found) if not f]
+        if guessed:  # their token from the node's first distribution, as a round that drafted nothing
+            redrawn = iter(host(sample(p[guessed, 0], gen, greedy)))
+            n_acc, nxt = list(n_acc), list(nxt)
+            for i in guessed:
+                n_acc[i], nxt[i] = 0, next(redrawn)
         tokens, probs = [], []
         for i, (b, a) in enumerate(zip(rows, n_acc)):
             seq[b, n[b] + a] = nxt[i]
             tokens.append(drafts[i, :a].tolist() + [nxt[i]])
             probs.append(p[i, :a + 1])
-            self.stats.count(self.ids[b], self.gamma, a)
-        self.logprobs = None if raw is None else [raw[i, :a + 1] for i in range(len(rows))]
+            if found[i]:
+                self.stats.count(self.ids[b], self.gamma, a)
+            else:
+                self.stats.step(self.ids[b])
+        self.logprobs = None if raw is None else [raw[i, :a + 1] for i, a in enumerate(n_acc)]
         return tokens, probs
+
+    def _step(self, seq, n, gen, rows):
+        """A round without drafts: one token a row from the node's own distribution (a Drafter's round)."""
+        p = self.node.probs(seq, n, rows=rows)[:, 0]  # (R, V)
+        tokens = host(sample(p, gen, self.node.sampling.greedy))
+        for b, t in zip(rows, tokens):
+            seq[b, n[b]] = t
+            self.stats.step(self.ids[b])
+        self.logprobs = list(self.node.logprobs[:, :1]) if self.node.raw else None
+        return [[t] for t in tokens], list(p[:, None])

@@ -11,8 +11,10 @@ guess costs acceptance only.
 
 Always k tokens a row: the level above verifies exactly k per row (Level.propose; verify takes a rectangle).
 A continuation cut short by the sequence's end is followed by another lookup after it (which continues a
-repeated run); where nothing matches the row guesses its last token again, a one-hot guess like any other,
-and looks up again after it.
+repeated run); where that finds nothing the row guesses its last token again, a one-hot guess like any
+other, and looks up again after it. A row whose last tokens occur nowhere earlier (matched) drafts nothing:
+the level above takes one token from its own distribution instead of verifying k guesses
+(levels.SpecLevel.round).
 
 Each row keeps its n-gram index across calls and follows the shared buffer (NgramIndex.follow: a comparison
 of what it holds, then a rollback past rejected drafts), as a Node follows it with its cache; no host sync:
@@ -69,6 +71,16 @@ class LookupLevel(Level):
             got = index.propose(k - len(out)) or [int(index.tokens[-1])]
             index.extend(got)
             out += got
+        return out
+
+    def matched(self, seq: torch.Tensor, n: list[int], k: int, rows: list[int]) -> list[bool]:
+        """Whether each listed row's last tokens occur earlier (its proposal starts with a match); without one,
+        its k drafts would all be guesses, which SpecLevel.round does not verify (a round that drafts nothing)."""
+        out = []
+        for b in rows:
+            index = self.indexes[b]
+            index.follow(seq.numpy()[b, :n[b]])
+            out.append(bool(index.propose(1)))
         return out
 
     def keep(self, live: list[int]) -> None:

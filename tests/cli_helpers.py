@@ -62,3 +62,18 @@ def one_error_line(result, code: int, needle: str = "") -> None:
     assert needle in lines[0], lines[0]
     assert "Traceback" not in result.output
     assert result.stdout == ""
+
+
+def session_configs(monkeypatch) -> list:
+    """The RunConfig of every Session built from now on (Session(target, draft, prompt_len, max_new, config,
+    ...)), appended as each is built: what the command line handed the engine."""
+    import tforce.engine.generate as engine
+
+    seen, real = [], engine.Session.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(args[4])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.Session, "__init__", spy)
+    return seen

@@ -12,7 +12,7 @@ from tforce.cli import app
 from tforce.errors import UsageError
 from tforce.model.synthetic import make_checkpoint
 
-from cli_helpers import BENCH
+from cli_helpers import BENCH, session_configs
 
 RUN_FIELDS = {"method", "ms_per_token", "speedup_vs_ar", "acceptance", "tokens_per_verification", "prefill_s",
               "h2d_gbps", "gpu_mem_gib", "pinned_gib", "floor_ms_per_verification", "placement", "rebuild_s",
@@ -305,16 +305,7 @@ def test_bench_summary_tabulates_the_good_records_beside_a_bad_one(report, tmp_p
 
 
 def test_bench_prefill_chunk_reaches_the_engine(runner, monkeypatch):
-    import tforce.engine.generate as engine
-
-    seen = []
-    real = engine.Session.__init__
-
-    def spy(self, *args, **kwargs):
-        seen.append(args[4].execution.prefill_chunk)  # Session(target, draft, prompt_len, max_new, config, ...)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(engine.Session, "__init__", spy)
+    seen = session_configs(monkeypatch)
     result = runner.invoke(app, BENCH + ["--methods", "ar", "--gen-len", "2", "--prefill-chunk", "64"])
     assert result.exit_code == 0, (result.output, result.exception)
-    assert seen and set(seen) == {64}
+    assert seen and {c.execution.prefill_chunk for c in seen} == {64}

@@ -12,7 +12,7 @@ import tforce
 from tforce.cli import app
 from tforce.model.synthetic import byte_tokenizer, make_checkpoint
 
-from cli_helpers import DOC, DRAFT, FAST, TARGET, expected_tokens, one_error_line, run_pair
+from cli_helpers import DOC, DRAFT, FAST, TARGET, expected_tokens, one_error_line, run_pair, session_configs
 from cli_helpers import models, runner  # noqa: F401 (fixtures)
 
 
@@ -347,22 +347,13 @@ def test_main_turns_parse_errors_into_one_line(monkeypatch, capsys, argv, needle
 @pytest.mark.parametrize("command", ["run", "chat"])
 def test_prefill_chunk_reaches_the_engine(runner, models, monkeypatch, command):
     """--prefill-chunk: the prompt's tokens per prefill forward, in run and chat alike; 0 refused in one line."""
-    import tforce.engine.generate as engine
-
-    seen = []
-    real = engine.Session.__init__
-
-    def spy(self, *args, **kwargs):
-        seen.append(args[4].execution.prefill_chunk)  # Session(target, draft, prompt_len, max_new, config, ...)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(engine.Session, "__init__", spy)
+    seen = session_configs(monkeypatch)
     base = [command, "-m", str(models / "tiny-target"), "--draft", str(models / "tiny-draft"), *FAST, "--method",
             "triforce"]
     source = ["--prompt", DOC] if command == "run" else [str(models / "doc.txt"), "--questions", "-"]
     result = runner.invoke(app, base + source + ["--prefill-chunk", "16"], input="Who?\n")
     assert result.exit_code == 0, (result.output, result.exception)
-    assert seen == [16]
+    assert [c.execution.prefill_chunk for c in seen] == [16]
     one_error_line(runner.invoke(app, base + source + ["--prefill-chunk", "0"], input="Who?\n"), 2, "--prefill-chunk")
 
 

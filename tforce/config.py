@@ -100,6 +100,20 @@ class Speculation:
         """The bottom level is verified by a middle level (gamma1), which the full cache verifies (gamma2)."""
         return self.drafts and self.middle is not None
 
+    def hierarchy(self) -> tuple:
+        """The method's levels as nested tuples, top first: ("drafter", node) (one token per forward of that
+        node's cache: "full", the middle kind, "draft"), ("lookup",) (n-gram lookup, no forward) or ("spec",
+        proposer, verifying node, gamma). The engine builds its levels from it (engine/session.py) and the
+        chooser projects their cost (auto/projection.py)."""
+        bottom = ("lookup",) if self.looks_up else ("drafter", "draft")
+        if not self.drafts and self.middle is None:  # ar
+            return ("drafter", "full")
+        if self.middle is None:  # naive
+            return ("spec", bottom, "full", self.gamma2)
+        if not self.drafts:  # retrieval, streaming
+            return ("spec", ("drafter", self.middle), "full", self.gamma2)
+        return ("spec", ("spec", bottom, self.middle, self.gamma1), "full", self.gamma2)
+
     def validate(self) -> None:
         if self.method == AUTO:  # the planner chooses among METHODS: every option is checked as triforce's
             return replace(self, method="triforce").validate()

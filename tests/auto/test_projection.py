@@ -17,7 +17,7 @@ from tforce.cache.rows import Rows
 from tforce.engine.lookup import LookupLevel
 from tforce.engine.levels import Drafter, SpecLevel
 from tforce.engine.node import Node
-from tforce.auto.projection import (forwards_per_token, hierarchy, low_acceptance_rule, per_token, project,
+from tforce.auto.projection import (forwards_per_token, low_acceptance_rule, per_token, project,
                                       rebuild_interval)
 
 # Fixed next-token distributions over 4 tokens: sum(min(DRAFT, MIDDLE)) = sum(MIDDLE, FULL) = alpha,
@@ -60,7 +60,7 @@ def _measured(spec: Speculation, alpha: float, n_tokens: int) -> tuple[dict[str,
     """Forwards per token of each node, and each level's acceptance rate as the statistics report it."""
     capacity = n_tokens + 64
     nodes = {name: _node(name, p, capacity) for name, p in _dists(alpha).items()}
-    top = _build(hierarchy(spec), nodes)
+    top = _build(spec.hierarchy(), nodes)
     seq, gen = torch.zeros(1, capacity, dtype=torch.long), torch.Generator().manual_seed(0)
     n = 1
     while n < n_tokens:
@@ -130,7 +130,7 @@ def test_hierarchy_is_the_engines(tiny, method, proposer):
                        proposer=proposer)
     draft = tiny["draft"].model if spec.uses_draft else None
     session = Session(tiny["gqa"].model, draft, 100, 8, RunConfig(speculation=spec, sampling=Sampling()))
-    assert _describe(session.top) == hierarchy(spec)
+    assert _describe(session.top) == spec.hierarchy()
 
 
 def test_a_lookup_round_costs_no_draft_forward():
@@ -298,7 +298,7 @@ def test_a_batchs_forwards_are_its_slowest_rows(method, alpha):
             return Drafter(nodes[level[1]])
         return SpecLevel(build(level[1]), nodes[level[2]], level[3], ids=list(range(B)), n_prompts=B)
 
-    top = build(hierarchy(spec))
+    top = build(spec.hierarchy())
     seq, gen = torch.zeros(B, capacity, dtype=torch.long), torch.Generator().manual_seed(0)
     n = [1] * B
     for _ in range(rounds):

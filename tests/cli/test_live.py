@@ -96,11 +96,34 @@ def test_placement_shows_during_prefill(prompt_file):
 def test_status_fields_carry_the_plan_from_the_start():
     from tforce.cli.live import Status
 
-    status = Status(8, "triforce")
-    assert status.fields() == ["prefill ..."]
+    status = Status([100], [8], "triforce")
+    assert status.fields() == ["prefill 0/100 tokens"]
     status.on_plan({"kv_resident_layers": 2, "kv_offloaded_layers": 3, "kv_device_bytes": 1, "kv_host_bytes": 1})
     status.on_prefill(10, 100)
     assert status.fields() == ["prefill 10/100 tokens", "KV cache: 2/5 layers on device, 3 in host"]
+
+
+def test_one_row_status_from_the_engine_rounds(monkeypatch):
+    """One prompt is one row of the same status: s/token and tokens/s over the tokens after the prefill's,
+    acceptance from the levels' counts, tokens per verification over the rounds after the first; then the
+    run's own final figures."""
+    from tforce.cli import live
+
+    clock = iter([10.0, 12.0])
+    monkeypatch.setattr(live.time, "perf_counter", lambda: next(clock))
+    status = live.Status([50], [8], "triforce")
+    status.on_prefill(50, 50)  # decoding starts (10.0)
+    status.on_round({0: [1]}, {"draft": (0, 0), "retrieval": (0, 0)})  # the prefill's token
+    status.on_round({0: [2, 3, 4]}, {"draft": (3, 4), "retrieval": (2, 3)})
+    status.on_round({0: [5]}, {"draft": (3, 6), "retrieval": (2, 4)})
+    # at 12.0: 4 tokens decoded in 2 s over 2 verifications
+    assert status.fields() == ["5/8 tokens", "0.5000 s/token", "2.0 tokens/s", "accept draft 50.0%",
+                               "accept retrieval 50.0%", "2.00 tokens/verification"]
+    status.final = {"prefill_s": 1.5, "ms_per_token": 400.0, "tokens_per_s": 2.5, "tokens_per_verification": 2.25,
+                    "kv_resident_layers": 2, "kv_offloaded_layers": 0}
+    assert status.fields() == ["prefill 50 tokens in 1.50 s", "5/8 tokens", "0.4000 s/token", "2.5 tokens/s",
+                               "accept draft 50.0%", "accept retrieval 50.0%", "2.25 tokens/verification",
+                               "KV cache: 2/2 layers on device, 0 in host"]
 
 
 def test_ctrl_c_keeps_the_text_and_gives_the_screen_back(prompt_file, expected):
@@ -143,12 +166,12 @@ def test_pinned_status_never_overwrites_text(monkeypatch):
     """Text written in chunks, wrapping and scrolling, with the status redrawn after every chunk; a chunk that
     ends exactly at the right margin (the cursor waiting to wrap) defers the redraw, since restoring the
     cursor loses that wait on some terminals (pyte among them) and the next character would overwrite."""
-    from tforce.cli import live
+    from tforce.cli import pinned
 
     cols, rows = 20, 10
-    monkeypatch.setattr(live, "_terminal_size", lambda out: (cols, rows))
+    monkeypatch.setattr(pinned, "terminal_size", lambda out: (cols, rows))
     term = _Terminal(cols, rows)
-    status = live.PinnedStatus(term, height=2)
+    status = pinned.PinnedStatus(term, height=2)
     text, drawn = "", []
     for chunk in ["a" * cols, "b" * 7, "c" * 13, "d" * 5, "\n" + "e" * 45, "f" * 15, "g" * 3, "\nh"]:
         term.write(chunk)

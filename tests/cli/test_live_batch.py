@@ -69,7 +69,7 @@ def test_batch_status_shows_rows_done_and_tokens_per_s(batch, expected, stdout_t
     assert any(re.search(r"prefill \d+/\d+ tokens", t) and not _rows_done(t)[0] for t in texts), final
     mid = [t for t in texts if "tokens/s" in t and 0 < _rows_done(t)[0] < len(BUDGETS)]
     assert mid, "no status with rows done while rows still ran:\n" + "\n---\n".join(texts[-3:])
-    assert _rows_done(final) == [len(BUDGETS)] and re.search(r"\d tokens · [\d.]+ tokens/s · accept", final)
+    assert _rows_done(final) == [len(BUDGETS)] and re.search(r"\d/\d+ tokens · [\d.]+ tokens/s · accept", final)
     assert re.search(r"tforce: triforce: batch of 3 prompts: \d+ tokens", final)  # the summary line, as before
     if not stdout_tty:  # a file or pipe: exactly the lines, valid JSON, as without a terminal
         assert b"\x1b" not in out
@@ -96,11 +96,11 @@ def test_no_terminal_no_live_view(batch, expected):
 def test_status_counts_across_the_batches_of_a_split_file(monkeypatch):
     """A file run as consecutive batches (batch_groups.py): prefill tokens, rows done, tokens and acceptance
     count over the whole file; a batch the engine refused whole starts again as its halves, uncounted."""
-    from tforce.cli import batch_live
+    from tforce.cli import live
 
     clock = iter([10.0, 12.0, 20.0, 21.0])  # decoding: 10 -> 12 (batch 1), 20 -> 21 (batch 2, so far)
-    monkeypatch.setattr(batch_live.time, "perf_counter", lambda: next(clock))
-    status = batch_live.BatchStatus([11, 5, 1, 21], "triforce")  # prefills the whole prompts: 38 tokens
+    monkeypatch.setattr(live.time, "perf_counter", lambda: next(clock))
+    status = live.Status([11, 5, 1, 21], [10] * 4, "triforce")  # prefills the whole prompts: 38 tokens
     assert status.fields() == ["prefill 0/38 tokens", "rows 0/4 done"]
     status.start(range(0, 4))  # refused whole by the engine: runs as two batches
     status.start(range(0, 2))
@@ -114,9 +114,9 @@ def test_status_counts_across_the_batches_of_a_split_file(monkeypatch):
     status.end()  # 12.0: 2 s of decoding
     status.start(range(2, 4))
     # tokens/s counts each row's tokens after its first (the prefill's), as the final figure: 2 in 2 s
-    assert status.fields() == ["prefill 16/38 tokens", "rows 2/4 done", "4 tokens", "1.0 tokens/s",
+    assert status.fields() == ["prefill 16/38 tokens", "rows 2/4 done", "4/40 tokens", "1.0 tokens/s",
                                "accept draft 33.3%"]
     status.on_prefill(20, 20)  # 20.0
     status.on_round({2: [5, 6], 3: [7, 8, 9, 10]}, {"draft": (5, 8), "retrieval": None})
     # 10 tokens, 2 + 4 of them decoded in 2 + 1 s; (4 + 5) of (12 + 8) drafts accepted
-    assert status.fields() == ["rows 2/4 done", "10 tokens", "2.0 tokens/s", "accept draft 45.0%"]
+    assert status.fields() == ["rows 2/4 done", "10/40 tokens", "2.0 tokens/s", "accept draft 45.0%"]

@@ -29,7 +29,7 @@ GAMMA2 = (2, 4, 6, 8, 10)
 AR_MARGIN = 0.10  # pick(): how much faster than ar a speculative method must be predicted
 ORDER = ("ar", "naive", "retrieval", "streaming", "triforce")  # ties go to the earlier, simpler method
 assert sorted(ORDER) == sorted(METHODS)
-# per method, the nodes that verify drafts and the gamma they verify (projection.hierarchy's levels)
+# per method, the nodes that verify drafts and the gamma they verify (Speculation.hierarchy's levels)
 VERIFIERS = {"ar": {}, "naive": {"full": "gamma2"}, "retrieval": {"full": "gamma2"},
              "streaming": {"streaming": "gamma1", "full": "gamma2"},
              "triforce": {"retrieval": "gamma1", "full": "gamma2"}}

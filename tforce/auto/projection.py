@@ -39,19 +39,6 @@ from ..config import Speculation
 from ..engine.levels import REBUILD_WINDOW
 
 
-def hierarchy(spec: Speculation) -> tuple:
-    """The method's levels as nested tuples: ("drafter", node), ("lookup",) (n-gram lookup: a round's gamma
-    tokens at once, no forward) or ("spec", proposer, node, gamma)."""
-    bottom = ("lookup",) if spec.looks_up else ("drafter", "draft")
-    if not spec.drafts and spec.middle is None:  # ar
-        return ("drafter", "full")
-    if spec.middle is None:  # naive
-        return ("spec", bottom, "full", spec.gamma2)
-    if not spec.drafts:  # retrieval
-        return ("spec", ("drafter", spec.middle), "full", spec.gamma2)
-    return ("spec", ("spec", bottom, spec.middle, spec.gamma1), "full", spec.gamma2)
-
-
 def _rate(level: tuple, rate) -> float:
     """The acceptance rate of a SpecLevel: rate itself, or from a dict by the statistics' names ("draft"
     where the level verifies the small draft's tokens, "retrieval" where it verifies the middle level's)."""
@@ -151,7 +138,7 @@ def forwards_per_token(spec: Speculation, rate, rows: int = 1) -> dict[str, floa
     for a in (rate.values() if isinstance(rate, dict) else [rate]):
         if a is not None and not 0 <= a <= 1:
             raise ValueError(f"acceptance must be in [0, 1], got {a}")
-    top = hierarchy(spec)
+    top = spec.hierarchy()
     tokens = rows * _mean_tokens(top, rate)
     return {name: f / tokens for name, f in _round_forwards(top, rate, rows).items()}
 
@@ -164,7 +151,7 @@ def low_acceptance_rule(spec: Speculation, rate, window: int = REBUILD_WINDOW) -
     rebuild, else none does. window_below_p, the chance that one window of independent rounds averages
     under rebuild_below, says how far the truth is from that step (exact when it is 0 or 1; near the
     threshold, windows fall on either side of it)."""
-    top = hierarchy(spec)
+    top = spec.hierarchy()
     rate = _rate(top, rate)
     rounds = _round_tokens(top, rate)
     sums = {0: 1.0}  # the distribution of the tokens a window's rounds accept
@@ -186,7 +173,7 @@ def rebuild_interval(spec: Speculation, rate, window: int = REBUILD_WINDOW) -> f
     active, `window` rounds after the last rebuild, whichever comes first; rounds commit several tokens,
     so the interval is the tokens of the rounds until then: E[rounds] x E[tokens per round] (Wald's
     identity)."""
-    top = hierarchy(spec)
+    top = spec.hierarchy()
     most = window if low_acceptance_rule(spec, rate, window)["active"] else None
     return _rounds_for(top, max(1, spec.rebuild_after()), rate, most) * _mean_tokens(top, rate)
 

@@ -24,7 +24,7 @@ from ..errors import UsageError
 from ..engine.events import Events
 from ..engine.stops import StopStrings
 from .batch_groups import plan_groups, run_groups
-from .batch_live import BatchProgress
+from .live import Progress, Status
 from .common import check_memory, decode_text, say
 
 KEYS = {"prompt", "file", "id", "max_new_tokens"}
@@ -149,7 +149,7 @@ def run_batch(items: list[tuple[object, str, Optional[int]]], setup, as_json: bo
                 "stopped_by": stops.matched(tokens), "device": device, "stats": stats}
 
     # the live view: on a terminal, as a single run's (live.py), and not with --json
-    progress = BatchProgress([len(p) for p in prompts], config.method) \
+    progress = Progress(Status([len(p) for p in prompts], budgets, config.method), f"tforce {config.method} --batch") \
         if sys.stderr.isatty() and not as_json else None
     status = progress.status if progress else None
 

@@ -40,7 +40,7 @@ from .app import app
 from .chat_input import read_document, question_source
 from .common import check_memory, guarded, say, flag
 from ..text.stream import TextStream
-from .live import Progress
+from .live import Progress, Status
 from .run import end_line, shared_with_stderr
 from .setup import configure, read_draft_config, dtype_bytes, notices
 
@@ -105,7 +105,7 @@ def _chat(text: Optional[str], questions, from_terminal: bool, setup, room: Opti
     config = setup.config  # with the snapshots (--load-kv, --save-kv) of the document
     max_new, method = config.max_new_tokens, config.method
     live = sys.stderr.isatty() and not as_json
-    progress = Progress(0, method, TextStream(tok, sys.stdout, enabled=False), shared=False) if live else None
+    progress = Progress(Status([len(doc)], [0], method), f"tforce {method}") if live else None
     try:
         conv = _conversation(setup, path, model_config, tok, doc, ranks, room=room, keep_history=keep_history,
                              on_prefill=progress.on_prefill if progress else None)
@@ -160,15 +160,13 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
     is written (questions from a terminal): it stops there, the text so far stays, its line is ended and one
     stderr line says so, and None (Conversation.ask leaves the stopped question out of the conversation)."""
     stream = TextStream(tok, sys.stdout, enabled=not as_json, stops=stops or None)
-    progress = Progress(max_new, method, stream, shared=sys.stdout.isatty() and shared_with_stderr()) \
+    progress = Progress(Status([len(ids)], [max_new], method), f"tforce {method}", stream,
+                        shared=sys.stdout.isatty() and shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
     try:
-        def on_tokens(r, tokens, acceptance):
-            stream.add(tokens)
-            if progress:
-                progress.on_round(tokens, acceptance)
-
-        events = Events(on_tokens=on_tokens, on_prefill=progress.on_prefill if progress else None,
+        events = Events(on_tokens=lambda r, tokens, acceptance: stream.add(tokens),
+                        on_round=progress.on_round if progress else None,
+                        on_prefill=progress.on_prefill if progress else None,
                         until=stops.cut if stops else None, on_step=threads.tick)
         result = conv.ask(ids, max_new, events)
         out = stream.finish()

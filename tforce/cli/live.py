@@ -1,143 +1,130 @@
-"""The live status on stderr beside the streamed text (text/stream.py) (the KV cache's placement from the start,
-prefill progress, tokens, s/token, tokens/s, acceptance per level, tokens per verification), then a final
-summary.
+"""The live status on stderr of `tforce run` (one prompt, its text streamed beside it), `tforce run --batch`
+(many) and `tforce chat`, and the final summary: one view for N rows, one prompt being one row.
 
-On a terminal that shows both the text and the status (the usual case), the status lives in the bottom rows,
-outside a scroll region (DECSTBM) that the text scrolls in: the text is written as generated, the terminal
-wraps it, and no status update ever erases or overwrites it. With only stderr on a terminal (stdout piped or
-redirected), the status is a rich Live panel. With no terminal, there is no live view, only the summary line.
+It shows the KV cache's placement from the start and the prefill's progress in prompt tokens, then tokens
+(of their budget), tokens/s (each row's tokens after its first, which the prefill gives: engine/rates.py),
+acceptance per level and, for one row, s/token and tokens per verification, for several the rows done;
+counted across the consecutive batches a file that does not fit runs as (batch_groups.py).
+
+Where it shows: when the text shares a terminal with the status (one prompt, stdout and stderr the same
+terminal), in the bottom rows, outside the scroll region the text scrolls in (pinned.py): the text is written
+as generated and no update ever erases it. Otherwise, with stderr a terminal, a rich Live panel redrawn by
+rich's refresh thread (the decode loop only updates counts; notes written to stderr meanwhile go above it).
+With no terminal there is no live view, only the summary line.
 """
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 import time
 
-from rich.cells import cell_len
-
 from ..engine.rates import decoded, ms_per_token, rate
-from ..text.stream import TextStream
+from .pinned import PinnedStatus, terminal_size
 
 
 class Status:
-    """What the live view shows, from generate's callbacks; fields() renders it as short phrases."""
+    """What the live view shows, from the engine's Events (events.py) for rows of these prompt lengths with
+    these token budgets, one batch (group of rows) after another; fields() renders it as short phrases. Read
+    by rich's refresh thread while the decode loop updates it: each shared value is read once."""
 
-    def __init__(self, max_new: int, method: str):
-        self.max_new, self.method = max_new, method
-        self.prefill = (0, 0)
-        self.tokens = self.rounds = 0
-        self.t_decode: float | None = None  # when prefill ended
-        self.acceptance: dict = {}
+    def __init__(self, prompt_lengths: list[int], budgets: list[int], method: str):
+        self.method, self.rows, self.budget = method, len(prompt_lengths), sum(budgets)
+        self.need = list(prompt_lengths)  # a prefill feeds each prompt whole (its last forward: the first token)
+        self.prefill_total, self.prefilled = sum(self.need), 0  # prefilled: the finished batches' tokens
+        self.rows_done = self.tokens = 0
+        self.decoded = 0  # the finished batches' decoding tokens
+        self.decode_s = 0.0  # the finished batches' decoding time
+        self.counts: dict = {}  # the finished batches' (accepted, drafted) per level
         self.placement: dict | None = None  # the full KV cache's placement, planned before prefill
-        self.stats: dict | None = None  # the final statistics
+        self.final: dict | None = None  # the run's statistics once it is done
+        self.start(range(self.rows))  # one batch of every row, unless the caller starts others
+
+    def start(self, rows: range) -> None:
+        """A batch of these rows starts (again, after the engine refused it whole)."""
+        self.group, self.group_prefilled = sum(self.need[r] for r in rows), 0
+        self.t_decode, self.group_counts, self.rounds = None, {}, 0
+        self.group_rows: dict[int, int] = {}  # tokens per row of this batch so far
+
+    def end(self) -> None:
+        """The batch started last finished: its figures join the whole run's."""
+        self.prefilled += self.group
+        self.decoded += self._group_decoded()
+        if self.t_decode is not None:
+            self.decode_s += time.perf_counter() - self.t_decode
+        self.counts = self._counts()
+        self.start(range(0))
 
     def on_plan(self, placement: dict) -> None:
         self.placement = placement
 
     def on_prefill(self, done: int, total: int) -> None:
-        self.prefill = (done, total)
-        if done >= total:
+        """done of total (tokens or token-layers of the batch's rows), scaled to the batch's tokens."""
+        self.group_prefilled = self.group * done // total if total else self.group
+        if done >= total and self.t_decode is None:
             self.t_decode = time.perf_counter()
 
-    def on_round(self, tokens: list[int], acceptance: dict) -> None:
-        if self.t_decode is None:  # no report of prefill's end came: time decoding from its first round
+    def on_round(self, tokens: dict, counts: dict) -> None:
+        """Events.on_round: {row: its new tokens}, each level's (accepted, drafted) so far."""
+        if self.t_decode is None:  # no prefill to report (one-token prompts): decoding starts here
             self.t_decode = time.perf_counter()
-        if self.tokens:  # the first call brings the prefill's token (engine Session.round), not a verification's
+        if self.group_rows:  # the first round brings the prefill's tokens (Session.round), not a verification's
             self.rounds += 1
-        self.tokens += len(tokens)
-        self.acceptance = acceptance
+        for r, t in tokens.items():
+            self.tokens += len(t)
+            self.group_rows[r] = self.group_rows.get(r, 0) + len(t)
+        self.group_counts = counts
+
+    def on_row(self) -> None:
+        self.rows_done += 1
+
+    def _group_decoded(self) -> int:
+        return sum(decoded(n) for n in list(self.group_rows.values()))
+
+    def _counts(self) -> dict:
+        out = dict(self.counts)
+        for level, c in self.group_counts.items():
+            if c is not None:
+                a, d = out.get(level) or (0, 0)
+                out[level] = (a + c[0], d + c[1])
+        return out
 
     def fields(self) -> list[str]:
-        done, total = self.prefill
-        s = self.stats
-        if s is None and not self.tokens:
-            return [f"prefill {done}/{total} tokens" if total else "prefill ..."] + self._kv()
-        if s is None:  # as the final statistics count them: decoding's tokens are those after the prefill's first
-            elapsed, n = time.perf_counter() - self.t_decode, decoded(self.tokens)
-            s = {"ms_per_token": ms_per_token(n, elapsed), "tokens_per_s": rate(n, elapsed),
-                 "acceptance": self.acceptance, "tokens_per_verification": n / self.rounds if self.rounds else None}
-        out = [f"{self.tokens}/{self.max_new} tokens"]
-        if s.get("ms_per_token") is not None:
-            out.append(f"{s['ms_per_token'] / 1000:.4f} s/token")
-        if s.get("tokens_per_s") is not None:
-            out.append(f"{s['tokens_per_s']:.1f} tokens/s")
-        out += [f"accept {level} {rate:.1%}" for level, rate in (s.get("acceptance") or {}).items() if rate is not None]
-        if s.get("tokens_per_verification") is not None:
-            out.append(f"{s['tokens_per_verification']:.2f} tokens/verification")
-        if self.stats is not None:
-            out.insert(0, f"prefill {total} tokens in {s['prefill_s']:.2f} s")
+        final, t_decode, one = self.final, self.t_decode, self.rows == 1
+        prefilled = self.prefilled + self.group_prefilled
+        out = []
+        if final is None and t_decode is None and prefilled < self.prefill_total:
+            out.append(f"prefill {prefilled}/{self.prefill_total} tokens" if self.prefill_total else "prefill ...")
+        if final is not None and one:
+            out.append(f"prefill {self.prefill_total} tokens in {final['prefill_s']:.2f} s")
+        if not one:
+            out.append(f"rows {self.rows_done}/{self.rows} done")
+        if self.tokens:
+            out.append(f"{self.tokens}/{self.budget} tokens" if self.budget else f"{self.tokens} tokens")
+            if final is not None:
+                ms = final.get("ms_per_token")
+                per_s = final.get("tokens_per_s") if one else final.get("batch_tokens_per_s")
+            else:
+                elapsed = self.decode_s + (time.perf_counter() - t_decode if t_decode is not None else 0)
+                n = self.decoded + self._group_decoded()
+                ms, per_s = ms_per_token(n, elapsed), rate(n, elapsed)
+            if one and ms is not None:
+                out.append(f"{ms / 1000:.4f} s/token")
+            if per_s is not None:
+                out.append(f"{per_s:.1f} tokens/s")
+        out += [f"accept {level} {a / d:.1%}" for level, (a, d) in self._counts().items() if d]
+        if one and self.tokens:
+            per_round = final.get("tokens_per_verification") if final is not None else \
+                (decoded(self.tokens) / self.rounds if self.rounds else None)
+            if per_round is not None:
+                out.append(f"{per_round:.2f} tokens/verification")
         return out + self._kv()
 
     def _kv(self) -> list[str]:
         """The placement field: from the final statistics, else from the plan reported at the start."""
-        p = self.stats if self.stats is not None else self.placement
+        p = self.final if self.final is not None and "kv_resident_layers" in self.final else self.placement
         if p is None:
             return []
         n = p["kv_resident_layers"] + p["kv_offloaded_layers"]
         return [f"KV cache: {p['kv_resident_layers']}/{n} layers on device, {p['kv_offloaded_layers']} in host"]
-
-
-class PinnedStatus:
-    """Status rows pinned to the bottom of a terminal whose upper part the streamed text scrolls in.
-
-    The text is never touched: the status is drawn with the cursor saved and restored (DECSC/DECRC) around
-    it, in rows outside the scroll region. A cursor that has just filled a row's last column waits to wrap,
-    and terminals differ in whether restoring the cursor keeps that; the status is then not redrawn until
-    more text has arrived."""
-
-    def __init__(self, out, height: int):
-        self.out, self.height = out, height
-        self.size = _terminal_size(out)
-        # Room below the cursor for the status rows: index down (scrolling at the bottom) and back up.
-        self._write("\x1bD" * height + "\x1bM" * height)
-        self._set_region()
-
-    def _write(self, s: str) -> None:
-        self.out.write(s)
-        self.out.flush()
-
-    def _set_region(self) -> None:
-        cols, rows = self.size
-        self._write(f"\x1b7\x1b[1;{max(1, rows - self.height)}r\x1b8")  # setting the region homes the cursor
-
-    def draw(self, lines: list[str], text: str) -> bool:
-        """Show lines in the status rows; False (nothing drawn) while the text's cursor waits to wrap."""
-        size = _terminal_size(self.out)
-        if size != self.size:  # resized: the region follows the new height
-            self.size = size
-            self._set_region()
-        cols, rows = self.size
-        tail = text.rsplit("\n", 1)[-1].rsplit("\r", 1)[-1]
-        if tail and cell_len(tail) % cols == 0:
-            return False
-        parts = ["\x1b7"]
-        for i in range(self.height):
-            line = lines[i] if i < len(lines) else ""
-            parts.append(f"\x1b[{rows - self.height + 1 + i};1H\x1b[2K{_crop(line, cols - 1)}")
-        self._write("".join(parts) + "\x1b8")
-        return True
-
-    def close(self) -> None:
-        """Clear the status rows and give the whole screen back; the cursor returns to the text's end."""
-        cols, rows = _terminal_size(self.out)
-        clear = "".join(f"\x1b[{rows - self.height + 1 + i};1H\x1b[2K" for i in range(self.height))
-        self._write("\x1b7" + clear + "\x1b[r\x1b8")
-
-
-def _terminal_size(out) -> tuple[int, int]:
-    """(columns, rows) of the terminal out writes to, read again at each call so that resizes are seen."""
-    try:
-        size = os.get_terminal_size(out.fileno())
-    except (OSError, ValueError, AttributeError):
-        size = shutil.get_terminal_size()
-    return size.columns, size.lines
-
-
-def _crop(line: str, width: int) -> str:
-    while cell_len(line) > width:
-        line = line[:-1]
-    return line
 
 
 # The longest decode status, which sets how many rows the pinned status takes at a terminal's width.
@@ -147,6 +134,8 @@ _WIDEST = ["10000/10000 tokens", "10.0000 s/token", "1000.0 tokens/s", "accept d
 
 def wrap_fields(fields: list[str], width: int) -> list[str]:
     """fields joined by ' · ', a new row wherever the next field would pass width."""
+    from rich.cells import cell_len
+
     rows: list[str] = []
     for f in fields:
         if rows and cell_len(rows[-1] + " · " + f) <= width:
@@ -157,55 +146,55 @@ def wrap_fields(fields: list[str], width: int) -> list[str]:
 
 
 class Progress:
-    """The live view: pinned status rows when the text shares the terminal (none on a terminal too short to
-    spare them), else a rich Live panel; then a final panel."""
+    """The live view of a Status (module docstring): pinned rows under the text `stream` when `shared`
+    (none on a terminal too short to spare them), else a rich Live panel; then a final panel. Its on_*
+    methods are the Events' callbacks."""
 
-    REFRESH_S = 0.1
+    REFRESH_S = 0.1  # the pinned rows' redraws, made from the decode loop
 
-    def __init__(self, max_new: int, method: str, stream: TextStream, shared: bool):
+    def __init__(self, status: Status, title: str, stream=None, shared: bool = False):
         from rich.console import Console
 
-        self.status = Status(max_new, method)
-        self.stream = stream
+        self.status, self.title, self.stream = status, title, stream
         self.console = Console(stderr=True)
         self.last = 0.0
         self.pinned = self.live = None
         if shared:
-            cols, rows = _terminal_size(sys.stderr)
+            cols, rows = terminal_size(sys.stderr)
             height = len(self._rows(_WIDEST, cols - 1))
             if rows >= height + 3:
                 self.pinned = PinnedStatus(sys.stderr, height)
+                self._show(force=True)
         else:
             from rich.live import Live
 
-            self.live = Live(self._panel(), console=self.console, refresh_per_second=8, transient=False,
-                             redirect_stdout=False, redirect_stderr=False)
-            self.live.start()
+            self.live = Live(self, console=self.console, refresh_per_second=8, transient=False,
+                             redirect_stdout=False, redirect_stderr=True)
+            self.live.start(refresh=True)
+
+    def on_plan(self, placement: dict) -> None:
+        self.status.on_plan(placement)
         self._show(force=True)
 
     def on_prefill(self, done: int, total: int) -> None:
         self.status.on_prefill(done, total)
         self._show(force=done >= total)
 
-    def on_plan(self, placement: dict) -> None:
-        self.status.on_plan(placement)
-        self._show(force=True)
-
-    def on_round(self, tokens: list[int], acceptance: dict) -> None:
+    def on_round(self, tokens: dict, counts: dict) -> None:
         first = self.status.rounds == 0
-        self.status.on_round(tokens, acceptance)
+        self.status.on_round(tokens, counts)
         self._show(force=first)
 
     def finish(self, stats: dict) -> None:
         """The final statistics: a Live panel shows them and stays; pinned rows give way to a panel printed
         after the text."""
-        self.status.stats = stats
+        self.status.final = stats
         live = self.live
         if live is not None:
-            live.update(self._panel(), refresh=True)
+            live.refresh()
         self.close()
         if live is None:
-            self.console.print(self._panel())
+            self.console.print(self.__rich__())
 
     def close(self) -> None:
         """End the live view, leaving the text as it is (also on errors and Ctrl-C)."""
@@ -216,27 +205,21 @@ class Progress:
         self.pinned = self.live = None
 
     def _show(self, force: bool = False) -> None:
+        """Redraw the pinned rows (a Live panel redraws itself)."""
         now = time.perf_counter()
-        if not force and now - self.last < self.REFRESH_S:
+        if self.pinned is None or (not force and now - self.last < self.REFRESH_S):
             return
-        if self.pinned is not None:
-            drawn = self.pinned.draw(self._rows(self.status.fields(), self.pinned.size[0] - 1), self.stream.printed)
-        elif self.live is not None:
-            self.live.update(self._panel())
-            drawn = True
-        else:
-            return
-        if drawn:
+        if self.pinned.draw(self._rows(self.status.fields(), self.pinned.size[0] - 1), self.stream.printed):
             self.last = now
 
     def _rows(self, fields: list[str], width: int) -> list[str]:
-        return wrap_fields([f"tforce {self.status.method}"] + fields, width)
+        return wrap_fields([self.title] + fields, width)
 
-    def _panel(self):
+    def __rich__(self):
         from rich.panel import Panel
 
         rows = wrap_fields(self.status.fields(), max(20, self.console.width - 5))  # inside the border and padding
-        return Panel("\n".join(rows), title=f"tforce {self.status.method}", expand=False)
+        return Panel("\n".join(rows), title=self.title, expand=False)
 
 
 def summary_line(n: int, n_prompt: int, method: str, stats: dict) -> str:

@@ -22,7 +22,7 @@ from .batch_run import check_options, read_batch, run_batch
 from .common import check_memory, guarded, say, flag
 from .setup import Setup, configure, read_draft_config, dtype_bytes, read_prompt, check_fits, notices
 from ..text.stream import TextStream
-from .live import Progress, summary_line
+from .live import Progress, Status, summary_line
 
 
 @app.command()
@@ -111,15 +111,12 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool)
         small = small if config.speculation.uses_draft else None
     stops = StopStrings(tok, setup.stops)
     stream = TextStream(tok, sys.stdout, enabled=not as_json, stops=stops or None)
-    progress = Progress(max_new, config.method, stream, shared=sys.stdout.isatty() and shared_with_stderr()) \
+    progress = Progress(Status([len(ids)], [max_new], config.method), f"tforce {config.method}", stream,
+                        shared=sys.stdout.isatty() and shared_with_stderr()) \
         if sys.stderr.isatty() and not as_json else None
-
-    def on_tokens(r, tokens, acceptance):
-        stream.add(tokens)
-        if progress:
-            progress.on_round(tokens, acceptance)
-
-    events = Events(on_tokens=on_tokens, on_prefill=progress.on_prefill if progress else None,
+    events = Events(on_tokens=lambda r, tokens, acceptance: stream.add(tokens),
+                    on_round=progress.on_round if progress else None,
+                    on_prefill=progress.on_prefill if progress else None,
                     on_plan=progress.on_plan if progress else None, until=stops.cut if stops else None,
                     on_step=threads.tick)
     try:

@@ -1,5 +1,5 @@
 """How a run's decoding is counted: one rule for the engine's statistics (statistics.row_stats), `bench` and the
-live views (cli/live.py, cli/batch_live.py, which import no torch). A row's first new token comes from its
+live view (cli/live.py, which imports no torch). A row's first new token comes from its
 prefill's last forward (Session.round), so decoding's tokens are each row's others, over decoding's seconds.
 """
 from __future__ import annotations

@@ -52,21 +52,25 @@ class Session:
         self.top, self.verifies_draft, self.verifies_middle = self._compose()
 
     def _compose(self):
-        """Returns (top level, verifies_draft: the level verifying the bottom level (a small draft, or lookup),
-        verifies_middle: the level verifying the middle level); None where the method has no such level."""
-        s, ids, P = self.spec, self.ids, len(self.verified)
-        bottom = self.lookup or (Drafter(self.small) if self.small is not None else None)
-        if bottom is None and s.middle is None:  # ar
-            return Drafter(self.full), None, None
-        if s.middle is None:  # naive: the draft verified by the full cache
-            top = SpecLevel(bottom, self.full, s.gamma2, ids, P)
-            return top, top, None
-        if bottom is None:  # retrieval: the middle level drafts for the full cache
-            top = SpecLevel(Drafter(self.middle), self.full, s.gamma2, ids, P)
-            return top, None, top
-        mid = SpecLevel(bottom, self.middle, s.gamma1, ids, P)
-        top = SpecLevel(mid, self.full, s.gamma2, ids, P)
-        return top, mid, top
+        """The levels of Speculation.hierarchy(): returns (top level, verifies_draft: the level verifying the
+        bottom level (a small draft, or lookup), verifies_middle: the level verifying the middle level); None
+        where the method has no such level."""
+        nodes = {"full": self.full, "draft": self.small, self.spec.middle: self.middle}
+        verifies = {}
+
+        def build(level: tuple):
+            if level[0] == "lookup":
+                return self.lookup
+            if level[0] == "drafter":
+                return Drafter(nodes[level[1]])
+            _, proposer, node, gamma = level
+            spec = SpecLevel(build(proposer), nodes[node], gamma, self.ids, len(self.verified))
+            of_middle = proposer[0] == "spec" or proposer == ("drafter", self.spec.middle)
+            verifies["middle" if of_middle else "draft"] = spec
+            return spec
+
+        top = build(self.spec.hierarchy())
+        return top, verifies.get("draft"), verifies.get("middle")
 
     def nodes(self) -> list[Node]:
         return [node for node in (self.small, self.middle, self.full) if node is not None]
@@ -140,6 +144,14 @@ class Session:
     # there. Conversations and snapshots are one row's: the marks are row 0's.
     marks: dict = {}  # node name -> (StreamingCache.state(), the tokens it holds)
     loaded_queries: tuple | None = None  # (length, per layer (H_q, D)): the last prefix token's, from a snapshot
+
+    def adopt_prefix(self, tokens: torch.Tensor, counts: list[int], queries: list | None = None) -> None:
+        """The full cache was just written with counts[b] tokens of tokens (B, L) for each row b (a snapshot
+        loaded: snapshot/store.py): the full level takes them as fed. queries: per layer, row 0's at its last
+        token, for the first retrieval rebuild (_query); None when the snapshot has none or row 0 stops short."""
+        self.full.adopt(tokens, counts)
+        if queries is not None:
+            self.loaded_queries = (counts[0], queries)
 
     def streaming_nodes(self) -> list[Node]:
         """The levels whose caches are StreamingLLM windows (the small draft, a streaming middle level)."""

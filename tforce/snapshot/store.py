@@ -232,9 +232,8 @@ def load_rows(path, session, prompts: list[torch.Tensor], upto: list[int], ident
             if "q" in t:
                 queries.append(t["q"].to(device))
         full.commit_written(c)
-        session.full.adopt(torch.tensor(prefix[:top], dtype=torch.long).expand(B, -1), c)
-        if c[0] == len(prefix) and manifest["queries"]:  # row 0's last prefix token's queries (Session._query)
-            session.loaded_queries = (c[0], queries)
+        whole = c[0] == len(prefix) and manifest["queries"]  # row 0 holds the prefix token whose queries were saved
+        session.adopt_prefix(torch.tensor(prefix[:top], dtype=torch.long).expand(B, -1), c, queries if whole else None)
         # the streaming caches hold the state at the prefix's end; each row keeps what its prompt shares of it
         # (Session.prefill's catch-up rolls it back), the same rule for one row and many
         _load_streaming(session, manifest, ident, heads, world, [common_prefix(prefix, p.tolist()) for p in prompts])

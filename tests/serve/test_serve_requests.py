@@ -25,7 +25,7 @@ def _parse(body: dict, chat: bool = False):
 
 def test_no_op_values_are_accepted():
     ask = _parse({"prompt": "hi", **NO_OPS})
-    assert ask.prompt == "hi" and ask.top_k is None
+    assert ask.prompts == ("hi",) and ask.top_k is None
 
 
 @pytest.mark.parametrize("key,value", REFUSED, ids=[k for k, _ in REFUSED])
@@ -36,12 +36,15 @@ def test_what_would_change_the_answer_is_refused_naming_it(key, value):
 
 
 def test_prompt_forms_stops_top_k_and_null_content():
-    assert _parse({"prompt": [5, 6, 7]}).prompt_ids == (5, 6, 7)
-    assert _parse({"prompt": [[5, 6, 7]]}).prompt_ids == (5, 6, 7)  # lm-evaluation-harness's form
-    assert _parse({"prompt": ["text"]}).prompt == "text"
-    for several in ([[1], [2]], ["a", "b"], [1, "a"], [True, 2]):
-        with pytest.raises(ApiError, match="one list of token ids"):
-            _parse({"prompt": several})
+    assert _parse({"prompt": [5, 6, 7]}).prompts == ((5, 6, 7),)
+    assert _parse({"prompt": [[5, 6, 7]]}).prompts == ((5, 6, 7),)  # lm-evaluation-harness's form
+    assert _parse({"prompt": ["text"]}).prompts == ("text",)
+    assert _parse({"prompt": [[1], [2, 3]]}).prompts == ((1,), (2, 3))  # several prompts
+    assert _parse({"prompt": ["a", "b"]}).prompts == ("a", "b")
+    for bad in ([1, "a"], [True, 2], [[1], []], ["a", ""], [], [[1.5]], 5):
+        with pytest.raises(ApiError) as e:
+            _parse({"prompt": bad})
+        assert e.value.status == 400 and e.value.param == "prompt", bad
     assert len(_parse({"prompt": "x", "stop": [f"s{i}" for i in range(7)]}).stop) == 7  # continue.dev sends 7
     assert _parse({"prompt": "x", "top_k": -1}).top_k == 0 and _parse({"prompt": "x", "top_k": 40}).top_k == 40
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": []},

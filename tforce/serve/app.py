@@ -159,34 +159,42 @@ async def _generate(request: Request, settings: Settings, chat: bool):
     if ask.model is not None and ask.model != settings.name:
         raise ApiError(404, f"the model {ask.model!r} is not served here (GET /v1/models lists {settings.name!r})",
                        code="model_not_found", param="model")
-    job = await run_in_threadpool(settings.worker.prepare, ask)  # tokenizing a long document takes a while
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    jobs = await run_in_threadpool(settings.worker.prepare, ask)  # tokenizing a long document takes a while
+    loop = asyncio.get_running_loop()
+    queues = [asyncio.Queue() for _ in jobs]  # each job's events
 
-    def post(item):  # from the worker's thread
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, item)
-        except RuntimeError:  # the loop has closed: nobody is listening
-            pass
+    def poster(events: asyncio.Queue):
+        def post(item):  # from the worker's thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the loop has closed: nobody is listening
+                pass
+        return post
 
-    job.post = post
-    settings.worker.submit(job)
+    for job, events in zip(jobs, queues):  # queued together: they run one after another, in order
+        job.post = poster(events)
+        settings.worker.submit(job)
     shape = Shape(chat, settings.name)
-    line = _Line(request, settings, job)
-    if ask.stream:
-        return StreamingResponse(_stream(job, events, shape, ask.include_usage, line), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+    lines = [_Line(request, settings, job) for job in jobs]
+    if ask.stream:  # one job (requests.parse refuses several prompts with stream)
+        return StreamingResponse(_stream(jobs[0], queues[0], shape, ask.include_usage, lines[0]),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    results = []
     try:
-        item = await _next(events, request)
+        for events, line in zip(queues, lines):
+            item = await _next(events, request)
+            if item is None:
+                line.say("the client went away; cancelled")
+                return JSONResponse({}, status_code=499)
+            if item[0] != "done":
+                raise _failure(item)
+            _, text, done = item
+            line.done(done)
+            results.append((text, done))
     finally:
-        job.cancel()  # a no-op once it is done; else its client went away
-    if item is None:
-        line.say("the client went away; cancelled")
-        return JSONResponse({}, status_code=499)
-    if item[0] == "done":
-        _, text, done = item
-        line.done(done)
-        return JSONResponse(shape.whole(text, done))
-    raise _failure(item)
+        for job in jobs:
+            job.cancel()  # a no-op once it is done; else its client went away, or an earlier prompt failed
+    return JSONResponse(shape.whole(results))
 
 
 async def _next(events: asyncio.Queue, request: Request):

@@ -43,8 +43,7 @@ class Ask:
 
     chat: bool
     model: Optional[str]
-    prompt: Optional[str] = None
-    prompt_ids: Optional[tuple] = None  # a prompt sent as token ids (completions)
+    prompts: tuple = ()  # completions: each prompt, as text (str) or as token ids (a tuple)
     messages: Optional[tuple] = None  # ({"role", "content"} with content as text, ...)
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -89,10 +88,11 @@ def parse(raw: bytes, chat: bool) -> Ask:
                   logprobs=_logprobs(body, chat))
     if chat:
         return Ask(chat=True, messages=parse_messages(body.get("messages")), **common)
-    prompt = _prompt(body.get("prompt"))
-    if isinstance(prompt, tuple):
-        return Ask(chat=False, prompt_ids=prompt, **common)
-    return Ask(chat=False, prompt=prompt, **common)
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) > 1 and common["stream"]:
+        raise ApiError(400, "several prompts with stream: true are not supported (send them one by one, or "
+                            "without stream)", param="prompt")
+    return Ask(chat=False, prompts=prompts, **common)
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API
@@ -181,19 +181,24 @@ def _stops(value) -> tuple:
     return tuple(stops)
 
 
-def _prompt(value) -> "str | tuple":
-    """The text, or a tuple of token ids (a list of integers, as lm-evaluation-harness sends them)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one prompt
+def _prompts(value) -> tuple:
+    """Each prompt: its text, or a tuple of token ids. One prompt is a string or a list of integers (as
+    lm-evaluation-harness sends one); several are a list of strings or a list of lists of integers."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        return tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(value))
+    return (_prompt(value, "the prompt"),)
+
+
+def _prompt(value, what: str) -> "str | tuple":
     if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         return tuple(value)
     if isinstance(value, list):
-        raise ApiError(400, "prompt must be one string or one list of token ids (several prompts in one request "
-                            "are not supported)", param="prompt")
+        raise ApiError(400, f"{what} must be a string or a list of token ids (integers); prompt may also be a "
+                            "list of those", param="prompt")
     if not isinstance(value, str):
-        raise ApiError(400, "prompt must be a string", param="prompt")
+        raise ApiError(400, f"{what} must be a string or a list of token ids", param="prompt")
     if not value:
-        raise ApiError(400, "the prompt is empty", param="prompt")
+        raise ApiError(400, f"{what} is empty", param="prompt")
     return value
 
 

@@ -38,13 +38,22 @@ class Shape:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def whole(self, text: str, done: Done) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": done.logprobs,
-                      "finish_reason": done.finish_reason}
-            return self._object("chat.completion", [choice], usage=done.usage(), tforce=done.stats)
-        choice = {"index": 0, "text": text, "logprobs": done.logprobs, "finish_reason": done.finish_reason}
-        return self._object("text_completion", [choice], usage=done.usage(), tforce=done.stats)
+    def whole(self, results: list) -> dict:
+        """The response to (text, Done) per prompt: a choice each, indexed in order, usage summed. tforce's
+        statistics: the one prompt's, or a list of each prompt's."""
+        choices = []
+        for i, (text, done) in enumerate(results):
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": done.logprobs, "finish_reason": done.finish_reason})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": done.logprobs,
+                                "finish_reason": done.finish_reason})
+        usages = [done.usage() for _, done in results]
+        usage = {k: sum(u[k] for u in usages) for k in usages[0]}
+        stats = [done.stats for _, done in results]
+        return self._object("chat.completion" if self.chat else "text_completion", choices, usage=usage,
+                            tforce=stats[0] if len(stats) == 1 else stats)
 
     def chunk(self, text: str, first: bool = False) -> str:
         """An event carrying new text (chat: the first also names the assistant's role)."""

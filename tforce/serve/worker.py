@@ -109,30 +109,36 @@ class Worker:
 
     # -------------------------------------------------------------------------- on the server's side
 
-    def prepare(self, ask: Ask) -> Job:
-        """The request's prompt ids (chat: in the chat template), checked against the context; ApiError."""
-        with self.encoding:
-            ids = self._encode(ask)
-        if not ids:
-            raise ApiError(400, "the prompt is empty once tokenized", param="messages" if ask.chat else "prompt")
-        if len(ids) >= self.context:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens; the server's context is {self.context}",
-                           code="context_length_exceeded", param="messages" if ask.chat else "prompt")
-        _usage(check_ids, self.target, ids)
+    def prepare(self, ask: Ask) -> list:
+        """The request's Jobs, one per prompt (chat: one, its messages in the chat template), each checked
+        against the context; ApiError."""
         d = self.defaults
         sampling = Sampling(d.temperature if ask.temperature is None else ask.temperature,
                             d.top_p if ask.top_p is None else ask.top_p, d.top_k if ask.top_k is None else ask.top_k,
                             d.seed if ask.seed is None else ask.seed)
         _usage(sampling.validate)
         wanted = self.max_new if ask.max_tokens is None else ask.max_tokens
-        return Job(ids, min(wanted, self.context - len(ids)), sampling, ask.stop or self.stops, ask.chat,
-                   ask.logprobs)
+        jobs = []
+        for prompt in ask.prompts or (None,):
+            with self.encoding:
+                ids = self._encode(ask, prompt)
+            what = "the prompt" if len(ask.prompts) < 2 else f"prompt[{len(jobs)}]"
+            if not ids:
+                raise ApiError(400, f"{what} is empty once tokenized", param="messages" if ask.chat else "prompt")
+            if len(ids) >= self.context:
+                raise ApiError(400, f"{what} is {len(ids)} tokens; the server's context is {self.context}",
+                               code="context_length_exceeded", param="messages" if ask.chat else "prompt")
+            _usage(check_ids, self.target, ids)
+            jobs.append(Job(ids, min(wanted, self.context - len(ids)), sampling, ask.stop or self.stops, ask.chat,
+                            ask.logprobs))
+        return jobs
 
-    def _encode(self, ask: Ask) -> list:
-        if ask.prompt_ids is not None:
-            return list(ask.prompt_ids)  # checked against the vocabulary by check_ids
+    def _encode(self, ask: Ask, prompt) -> list:
+        """prompt: one of a completion's prompts (text, or token ids), None for chat."""
+        if isinstance(prompt, tuple):
+            return list(prompt)  # checked against the vocabulary by check_ids
         if not ask.chat:
-            return list(self.encoder.encode(ask.prompt))
+            return list(self.encoder.encode(prompt))
         fmt = _usage(PromptFormat, self.encoder, self.template, self.system, self.name)
         if not fmt.templated:
             raise ApiError(400, f"{self.name} has no chat template (or the server runs with --template none): "
@@ -147,7 +153,7 @@ class Worker:
     def chat_ids(self, messages: tuple) -> list:
         """/tokenize with messages: the ids /v1/chat/completions would prefill."""
         with self.encoding:
-            return self._encode(Ask(chat=True, model=None, messages=messages))
+            return self._encode(Ask(chat=True, model=None, messages=messages), None)
 
     def text_of(self, ids: list) -> str:
         """/detokenize; an id outside the vocabulary is a 400."""

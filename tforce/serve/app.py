@@ -24,7 +24,8 @@ from . import tokens
 from .metrics import Metrics
 from .requests import ApiError, parse
 from .responses import DONE, Done, Shape, event
-from .worker import Job, Worker
+from .jobs import Job
+from .worker import Worker
 
 POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client is still there
 

@@ -1,8 +1,8 @@
 """OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) checked into an `Ask`, and the one
 error type every refusal takes, rendered in OpenAI's shape `{"error": {"message", "type", "code", "param"}}`.
 
-What tforce cannot honour is refused with a 400 naming the parameter (n > 1, echo, logprobs, tools,
-penalties, min_p), never silently ignored; those set to their no-op values (`logit_bias: {}`,
+What tforce cannot honour is refused with a 400 naming the parameter (n > 1, chat's echo, echo or
+several prompts with stream, tools, penalties, min_p), never silently ignored; those set to their no-op values (`logit_bias: {}`,
 `response_format: {"type": "text"}`, `tool_choice: "none"`, `presence_penalty: 0`...) and parameters that
 do not change the tokens (user, metadata) are accepted. top_k is applied, as every level of the hierarchy
 applies the same sampling transform (config.Sampling).
@@ -30,7 +30,7 @@ class ApiError(Exception):
 
 # Parameters that would change what is returned in ways tforce does not implement: refused when set to
 # anything but one of their no-op values (None, absent, or these, as clients send them by default).
-_NO_OP = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
+_NO_OP = {"n": (1,), "best_of": (1,), "suffix": ("",),
           "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
           "logit_bias": ({},), "response_format": ({"type": "text"},), "presence_penalty": (0,),
           "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,)}
@@ -54,6 +54,7 @@ class Ask:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk carrying usage
     logprobs: Optional[int] = None  # report each generated token's log-probability and this many alternatives
+    echo: bool = False  # completions: the prompt before the answer (and its tokens' log-probabilities)
 
 
 def json_object(raw: bytes) -> dict:
@@ -86,13 +87,18 @@ def parse(raw: bytes, chat: bool) -> Ask:
                   stop=_stops(body.get("stop")), seed=_integer(body, "seed", -2**63, 2**64 - 1),
                   stream=_flag(body, "stream"), include_usage=_flag(stream_options, "include_usage"),
                   logprobs=_logprobs(body, chat))
+    echo = _flag(body, "echo")
+    if echo and chat:
+        raise ApiError(400, "echo is not supported by /v1/chat/completions", param="echo")
+    if echo and common["stream"]:
+        raise ApiError(400, "echo with stream: true is not supported (ask without stream)", param="echo")
     if chat:
         return Ask(chat=True, messages=parse_messages(body.get("messages")), **common)
     prompts = _prompts(body.get("prompt"))
     if len(prompts) > 1 and common["stream"]:
         raise ApiError(400, "several prompts with stream: true are not supported (send them one by one, or "
                             "without stream)", param="prompt")
-    return Ask(chat=False, prompts=prompts, **common)
+    return Ask(chat=False, prompts=prompts, echo=echo, **common)
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API

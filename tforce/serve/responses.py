@@ -78,19 +78,25 @@ class Shape:
         return event(self._object(kind, [] if choice is None else [choice], **extra))
 
 
-def token_logprobs(tok, picked: list, top: int, chat: bool) -> dict:
-    """The choice's "logprobs" for (token id, raw log-probs (V,)) of each generated token, with `top`
-    alternatives each: chat's {"content": [{token, logprob, bytes, top_logprobs}]}, completions' {tokens,
-    token_logprobs, top_logprobs, text_offset}. A token's text is its own decoding (a piece of a multi-byte
-    character decodes to U+FFFD; `bytes` has its UTF-8 bytes as decoded)."""
-    entries = []
+def entries(picked: list, top: int) -> list:
+    """(token, log-probability, [(id, log-probability)] x top) per (token id, raw log-probs (V,)) pair."""
+    out = []
     for t, row in picked:
         alts = []
         if top:
             values, ids = row.topk(top)
             alts = list(zip(ids.tolist(), values.tolist()))
-        entries.append((int(t), float(row[t]), alts))
+        out.append((int(t), float(row[t]), alts))
+    return out
 
+
+def token_logprobs(tok, entries: list, top: int, chat: bool) -> dict:
+    """The choice's "logprobs" for (token id, log-probability, [(id, log-probability)] alternatives) per
+    token, with `top` alternatives each: chat's {"content": [{token, logprob, bytes, top_logprobs}]},
+    completions' {tokens, token_logprobs, top_logprobs, text_offset}; an echoed prompt's first token has
+    log-probability None (and, with top, top_logprobs None). A token's text is its own decoding (a piece of a
+    multi-byte character decodes to U+FFFD; `bytes` has its UTF-8 bytes as decoded); text_offset is the
+    length of the tokens' texts before it."""
     def text(i: int) -> str:
         return tok.decode([i])
 
@@ -103,14 +109,16 @@ def token_logprobs(tok, picked: list, top: int, chat: bool) -> dict:
         offsets.append(at)
         at += len(text(t))
 
-    def by_text(alts: list) -> dict:  # completions' alternatives are keyed by text: two ids may share one
+    def by_text(lp, alts: list) -> Optional[dict]:  # completions' alternatives are keyed by text: two ids may share one
+        if lp is None:
+            return None
         out: dict = {}
         for i, v in alts:  # most likely first: a shared text keeps its likelier id's value
             out.setdefault(text(i), v)
         return out
 
     return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [by_text(alts) for _, _, alts in entries] if top else None, "text_offset": offsets}
+            "top_logprobs": [by_text(lp, alts) for _, lp, alts in entries] if top else None, "text_offset": offsets}
 
 
 def event(obj: dict) -> str:

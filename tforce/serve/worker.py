@@ -24,7 +24,6 @@ import queue
 import threading
 import traceback
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -35,51 +34,14 @@ from ..config import RunConfig, Sampling
 from ..engine.driver import drive
 from ..engine.events import Events
 from ..engine.generate import eos_ids, check_ids, generator, open_session
+from ..engine.prompt_logprobs import prompt_logprobs
 from ..errors import TforceError, UsageError
 from ..text.format import PromptFormat
 from ..engine.stops import StopStrings
 from .kv_store import KVStore, shared_prefix
 from .requests import ApiError, Ask
-from .responses import Done, token_logprobs
-
-
-class Cancelled(Exception):
-    """The job was cancelled (its client went away, or the server is stopping)."""
-
-
-@dataclass
-class Job:
-    """One request's work: its prompt ids and sampling, and where its events go. post(item) delivers
-    ("text", str), ("done", text, Done) or ("error", ApiError), from the worker's thread."""
-
-    ids: list
-    max_new: int
-    sampling: Sampling
-    stops: tuple
-    chat: bool
-    logprobs: Optional[int] = None  # Ask.logprobs: alternatives per token, None for no log-probabilities
-    post: Callable = lambda item: None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def check(self, *_) -> None:
-        if self.cancelled.is_set():
-            raise Cancelled()
-
-
-class _Events:
-    """A file for TextStream: each piece of text written becomes a ("text", piece) event."""
-
-    def __init__(self, post: Callable):
-        self.post = post
-
-    def write(self, text: str) -> None:
-        self.post(("text", text))
-
-    def flush(self) -> None:
-        pass
+from .jobs import Cancelled, Job, TextEvents
+from .responses import Done, entries, token_logprobs
 
 
 class Worker:
@@ -122,6 +84,9 @@ class Worker:
         for prompt in ask.prompts or (None,):
             with self.encoding:
                 ids = self._encode(ask, prompt)
+                # token ids echo as their text (special tokens left out, as a prompt's text has none)
+                echo = (prompt if isinstance(prompt, str) else self.encoder.decode(ids, skip_special_tokens=True)
+                        ) if ask.echo else None
             what = "the prompt" if len(ask.prompts) < 2 else f"prompt[{len(jobs)}]"
             if not ids:
                 raise ApiError(400, f"{what} is empty once tokenized", param="messages" if ask.chat else "prompt")
@@ -130,7 +95,7 @@ class Worker:
                                code="context_length_exceeded", param="messages" if ask.chat else "prompt")
             _usage(check_ids, self.target, ids)
             jobs.append(Job(ids, min(wanted, self.context - len(ids)), sampling, ask.stop or self.stops, ask.chat,
-                            ask.logprobs))
+                            ask.logprobs, echo))
         return jobs
 
     def _encode(self, ask: Ask, prompt) -> list:
@@ -233,7 +198,7 @@ class Worker:
         reused = self._reuse(prompt, check)
         s.reset_stats()
         stops = StopStrings(self.tok, job.stops)
-        stream = TextStream(self.tok, _Events(job.post), stops=stops or None)
+        stream = TextStream(self.tok, TextEvents(job.post), stops=stops or None)
         picked: list = []  # (token, its raw log-probs (V,)) per generated token, with job.logprobs
 
         def on_tokens(r, tokens, acceptance):
@@ -260,8 +225,15 @@ class Worker:
                      "ms_per_token": stats["ms_per_token"], "acceptance": stats["acceptance"],
                      "tokens_per_verification": stats["tokens_per_verification"],
                      "method": s.spec.method, **({"server_stopped": True} if self.stopping else {})}
-        logprobs = None if job.logprobs is None else token_logprobs(self.tok, picked, job.logprobs, job.chat)
-        job.post(("done", text, Done("stop" if stopped else "length", len(job.ids), len(out), extension, logprobs)))
+        logprobs = None
+        if job.logprobs is not None:
+            said = entries(picked, job.logprobs)
+            if job.echo is not None:  # the prompt's own, from a forward of the target over it
+                said = prompt_logprobs(self.target, job.ids, job.logprobs, s.full.cache.rotary, s.full.prefill_chunk,
+                                       check) + said
+            logprobs = token_logprobs(self.tok, said, job.logprobs, job.chat)
+        done = Done("stop" if stopped else "length", len(job.ids), len(out), extension, logprobs)
+        job.post(("done", text if job.echo is None else job.echo + text, done))
 
     def _held(self, prompt: torch.Tensor) -> int:
         """How many of the prompt's tokens, but its last (the prefill feeds it again for the first token), the

@@ -118,5 +118,5 @@ def test_echo_refused_where_unsupported(served, path, body):
 
 def test_a_one_token_prompt_echoes_one_null(served):
     server, _ = served
-    lp = _echo(server, [[72]], 0)["choices"][0]["logprobs"]
+    lp = _echo(server, [byte_tokenizer()("H", add_special_tokens=False).input_ids], 0)["choices"][0]["logprobs"]
     assert lp["tokens"] == ["H"] and lp["token_logprobs"] == [None] and lp["top_logprobs"] == [None]

@@ -2,7 +2,8 @@
 logprobs: N, max_tokens: 1` or 0): the text starts with the prompt, and the log-probabilities cover the
 prompt's tokens, each the target's own log-softmax at the position before it (one plain forward of the
 target over the prompt), also when the server reuses the prompt's KV from an earlier request; the first
-prompt token has none. Without logprobs, the prompt's text is prepended. Refused with stream and on chat."""
+prompt token has none. Without logprobs, the prompt's text is prepended. Streamed, the prompt is the first
+chunk. Refused on chat."""
 from __future__ import annotations
 
 import pytest
@@ -106,13 +107,27 @@ def test_echo_without_logprobs_prepends_the_prompt(served):
     assert r.json()["choices"][0]["logprobs"] is None
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/completions", {"prompt": TEXT, "echo": True, "stream": True}),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True}),
-], ids=["stream", "chat"])
-def test_echo_refused_where_unsupported(served, path, body):
+def test_echo_streams_the_prompt_first(served):
+    server, target = served
+    ids = byte_tokenizer()(TEXT).input_ids
+    whole = _echo(server, TEXT, 4)["choices"][0]
+    events = server.events("/completions", {"prompt": TEXT, "max_tokens": 4, "temperature": 0, "echo": True,
+                                            "logprobs": TOP})
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert chunks[0]["text"] == TEXT and chunks[0]["logprobs"]["token_logprobs"][0] is None
+    assert len(chunks[0]["logprobs"]["tokens"]) == len(ids)  # the prompt's tokens, with the prompt's text
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    joined = [v for c in chunks if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+    want = whole["logprobs"]["token_logprobs"]
+    assert joined[:len(ids)] == want[:len(ids)]  # the prompt's, from the same plain forward
+    assert joined[len(ids):] == pytest.approx(want[len(ids):], abs=1e-5) and len(joined) == len(ids) + 4
+    plain = server.events("/completions", {"prompt": TEXT, "max_tokens": 2, "temperature": 0, "echo": True})
+    assert plain[0]["choices"][0]["text"] == TEXT and plain[0]["choices"][0]["logprobs"] is None
+
+
+def test_echo_on_chat_is_refused(served):
     server, _ = served
-    r = server.post(path, body)
+    r = server.post("/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
 
 

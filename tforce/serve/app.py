@@ -23,7 +23,7 @@ from starlette.routing import Route
 from . import tokens
 from .metrics import Metrics
 from .requests import ApiError, parse
-from .responses import DONE, Done, Shape, event
+from .responses import DONE, Done, Shape, event, joined
 from .jobs import Job
 from .worker import Worker
 
@@ -209,23 +209,27 @@ async def _next(events: asyncio.Queue, request: Request):
                 return None
             continue
         item = get.result()
-        if item[0] != "text":
+        if item[0] not in ("text", "logprobs"):  # what a stream sends as it comes
             return item
         get = asyncio.ensure_future(events.get())
 
 
 async def _stream(job: Job, events: asyncio.Queue, shape: Shape, include_usage: bool, line: "_Line"):
     first, ended = True, False
+    parts: list = []  # log-probabilities of tokens whose text is still to come (a partial character, a stop string)
     try:
         while True:
             item = await events.get()
+            if item[0] == "logprobs":
+                parts.append(item[1])
+                continue
             if item[0] == "text":
-                yield shape.chunk(item[1], first)
-                first = False
+                yield shape.chunk(item[1], first, joined(parts))
+                first, parts = False, []
                 continue
             if item[0] == "done":
                 done = item[2]
-                yield shape.last(done, first)
+                yield shape.last(done, first, joined(parts))
                 if include_usage:
                     yield shape.usage(done)
                 line.done(done)

@@ -1,10 +1,10 @@
 """OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) checked into an `Ask`, and the one
 error type every refusal takes, rendered in OpenAI's shape `{"error": {"message", "type", "code", "param"}}`.
 
-What tforce cannot honour is refused with a 400 naming the parameter (n > 1, chat's echo, echo or
-several prompts with stream, tools, penalties, min_p), never silently ignored; those set to their no-op values (`logit_bias: {}`,
-`response_format: {"type": "text"}`, `tool_choice: "none"`, `presence_penalty: 0`...) and parameters that
-do not change the tokens (user, metadata) are accepted. top_k is applied, as every level of the hierarchy
+What tforce cannot honour is refused with a 400 naming the parameter (n > 1, chat's echo, several prompts
+with stream, tools, penalties, min_p), never silently ignored; those set to their no-op values
+(`logit_bias: {}`, `response_format: {"type": "text"}`, `tool_choice: "none"`, `presence_penalty: 0`...)
+and parameters that do not change the tokens (user, metadata) are accepted. top_k is applied, as every level of the hierarchy
 applies the same sampling transform (config.Sampling).
 """
 from __future__ import annotations
@@ -90,8 +90,6 @@ def parse(raw: bytes, chat: bool) -> Ask:
     echo = _flag(body, "echo")
     if echo and chat:
         raise ApiError(400, "echo is not supported by /v1/chat/completions", param="echo")
-    if echo and common["stream"]:
-        raise ApiError(400, "echo with stream: true is not supported (ask without stream)", param="echo")
     if chat:
         return Ask(chat=True, messages=parse_messages(body.get("messages")), **common)
     prompts = _prompts(body.get("prompt"))
@@ -119,8 +117,6 @@ def _logprobs(body: dict, chat: bool) -> Optional[int]:
         n = _integer(body, "logprobs", 0, MAX_LOGPROBS)
         if body.get("top_logprobs"):
             raise ApiError(400, "completions take logprobs: N (top_logprobs is chat's)", param="top_logprobs")
-    if n is not None and _flag(body, "stream"):
-        raise ApiError(400, "logprobs with stream: true are not supported yet (ask without stream)", param="logprobs")
     return n
 
 

@@ -55,23 +55,25 @@ class Shape:
         return self._object("chat.completion" if self.chat else "text_completion", choices, usage=usage,
                             tforce=stats[0] if len(stats) == 1 else stats)
 
-    def chunk(self, text: str, first: bool = False) -> str:
-        """An event carrying new text (chat: the first also names the assistant's role)."""
-        return self._event(self._choice(text, None, first))
+    def chunk(self, text: str, first: bool = False, logprobs: Optional[dict] = None) -> str:
+        """An event carrying new text (chat: the first also names the assistant's role), and the
+        log-probabilities of the tokens it carries when asked for."""
+        return self._event(self._choice(text, None, first, logprobs))
 
-    def last(self, done: Done, first: bool = False) -> str:
-        """The event that ends the choice: its finish_reason and tforce's statistics."""
-        return self._event(self._choice("", done.finish_reason, first), tforce=done.stats)
+    def last(self, done: Done, first: bool = False, logprobs: Optional[dict] = None) -> str:
+        """The event that ends the choice: its finish_reason and tforce's statistics (and the log-probabilities
+        of tokens whose text no earlier event carried)."""
+        return self._event(self._choice("", done.finish_reason, first, logprobs), tforce=done.stats)
 
     def usage(self, done: Done) -> str:
         """stream_options.include_usage: one more event with no choices and the usage."""
         return self._event(None, usage=done.usage())
 
-    def _choice(self, text: str, finish_reason, first: bool) -> dict:
+    def _choice(self, text: str, finish_reason, first: bool, logprobs: Optional[dict]) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _event(self, choice, **extra) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -90,13 +92,13 @@ def entries(picked: list, top: int) -> list:
     return out
 
 
-def token_logprobs(tok, entries: list, top: int, chat: bool) -> dict:
+def token_logprobs(tok, entries: list, top: int, chat: bool, start: int = 0) -> dict:
     """The choice's "logprobs" for (token id, log-probability, [(id, log-probability)] alternatives) per
     token, with `top` alternatives each: chat's {"content": [{token, logprob, bytes, top_logprobs}]},
     completions' {tokens, token_logprobs, top_logprobs, text_offset}; an echoed prompt's first token has
     log-probability None (and, with top, top_logprobs None). A token's text is its own decoding (a piece of a
-    multi-byte character decodes to U+FFFD; `bytes` has its UTF-8 bytes as decoded); text_offset is the
-    length of the tokens' texts before it."""
+    multi-byte character decodes to U+FFFD; `bytes` has its UTF-8 bytes as decoded); text_offset is `start`
+    plus the length of the tokens' texts before it."""
     def text(i: int) -> str:
         return tok.decode([i])
 
@@ -104,7 +106,7 @@ def token_logprobs(tok, entries: list, top: int, chat: bool) -> dict:
         def item(i, lp):
             return {"token": text(i), "logprob": lp, "bytes": list(text(i).encode("utf-8"))}
         return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in alts]} for t, lp, alts in entries]}
-    offsets, at = [], 0
+    offsets, at = [], start
     for t, _, _ in entries:
         offsets.append(at)
         at += len(text(t))
@@ -119,6 +121,28 @@ def token_logprobs(tok, entries: list, top: int, chat: bool) -> dict:
 
     return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
             "top_logprobs": [by_text(lp, alts) for _, lp, alts in entries] if top else None, "text_offset": offsets}
+
+
+class LogprobParts:
+    """A streamed choice's log-probabilities, a part per batch of tokens: each part's text_offset goes on from
+    the last's, so that the parts joined are the whole answer's."""
+
+    def __init__(self, tok, top: int, chat: bool):
+        self.tok, self.top, self.chat, self.at = tok, top, chat, 0
+
+    def part(self, entries: list) -> dict:
+        out = token_logprobs(self.tok, entries, self.top, self.chat, self.at)
+        if not self.chat:
+            self.at += sum(len(t) for t in out["tokens"])
+        return out
+
+
+def joined(parts: list) -> Optional[dict]:
+    """Parts of one choice's "logprobs" (LogprobParts) as one, None for none: each list concatenated (a
+    completion's top_logprobs stays None without alternatives)."""
+    if not parts:
+        return None
+    return {key: None if value is None else [x for p in parts for x in p[key]] for key, value in parts[0].items()}
 
 
 def event(obj: dict) -> str:

@@ -41,7 +41,7 @@ from ..engine.stops import StopStrings
 from .kv_store import KVStore, shared_prefix
 from .requests import ApiError, Ask
 from .jobs import Cancelled, Job, TextEvents
-from .responses import Done, entries, token_logprobs
+from .responses import Done, LogprobParts, entries, token_logprobs
 
 
 class Worker:
@@ -198,13 +198,22 @@ class Worker:
         reused = self._reuse(prompt, check)
         s.reset_stats()
         stops = StopStrings(self.tok, job.stops)
-        stream = TextStream(self.tok, TextEvents(job.post), stops=stops or None)
-        picked: list = []  # (token, its raw log-probs (V,)) per generated token, with job.logprobs
+        parts = None if job.logprobs is None else LogprobParts(self.tok, job.logprobs, job.chat)
+        said = TextEvents(job.post, self.tok, parts)
+        stream = TextStream(self.tok, said, stops=stops or None)
+        picked: list = []  # responses.entries of each token (the echoed prompt's, the answer's), with job.logprobs
+        if job.echo is not None:  # the prompt first (a stream's first chunk), with its log-probabilities
+            if job.logprobs is not None:  # from a forward of the target over the prompt (prompt_logprobs.py)
+                picked = prompt_logprobs(self.target, job.ids, job.logprobs, s.full.cache.rotary,
+                                         s.full.prefill_chunk, check)
+            said.echo(job.echo, picked)
 
         def on_tokens(r, tokens, acceptance):
             job.check()
             if job.logprobs is not None:  # the rows of the forwards that decided these tokens (Session.logprobs)
-                picked.extend(zip(tokens, s.logprobs[0][:len(tokens)]))
+                new = entries(zip(tokens, s.logprobs[0][:len(tokens)]), job.logprobs)
+                picked.extend(new)
+                said.tokens(tokens, new)
             stream.add(tokens)
 
         def until(tokens):  # a stop string, or the server stopping: the answer so far ends cleanly
@@ -218,6 +227,7 @@ class Worker:
         [out], [stats] = drive(s, [prompt], [job.max_new], generator(self.target, job.sampling.seed), self.eos, events,
                                t0, save)
         text = stream.finish()
+        said.finish()
         stopped = bool(out) and (out[-1] in self.eos or stops.matched(out) is not None)
         extension = {"prefix_reused": reused, "prefix_from_kv_dir": loaded or 0,
                      "prefilled_tokens": len(job.ids) - reused, "ttft_s": stats["ttft_s"],
@@ -225,13 +235,7 @@ class Worker:
                      "ms_per_token": stats["ms_per_token"], "acceptance": stats["acceptance"],
                      "tokens_per_verification": stats["tokens_per_verification"],
                      "method": s.spec.method, **({"server_stopped": True} if self.stopping else {})}
-        logprobs = None
-        if job.logprobs is not None:
-            said = entries(picked, job.logprobs)
-            if job.echo is not None:  # the prompt's own, from a forward of the target over it
-                said = prompt_logprobs(self.target, job.ids, job.logprobs, s.full.cache.rotary, s.full.prefill_chunk,
-                                       check) + said
-            logprobs = token_logprobs(self.tok, said, job.logprobs, job.chat)
+        logprobs = None if job.logprobs is None else token_logprobs(self.tok, picked, job.logprobs, job.chat)
         done = Done("stop" if stopped else "length", len(job.ids), len(out), extension, logprobs)
         job.post(("done", text if job.echo is None else job.echo + text, done))
 

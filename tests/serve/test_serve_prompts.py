@@ -1,6 +1,7 @@
 """Several prompts in one /v1/completions request (a list of strings, or a list of token-id lists): a choice
 per prompt, indexed in order, each what that prompt gets alone (greedy, and sampled with the same seed),
-usage summed over them; several prompts with stream: true are refused naming prompt."""
+usage summed over them, one request in /metrics; streamed, each choice's chunks after the last's, with its
+index."""
 from __future__ import annotations
 
 import pytest
@@ -48,3 +49,32 @@ def test_one_prompt_in_a_list_is_one_choice(server):
     out = _post(server, [PROMPTS[0]], temperature=0)
     assert len(out["choices"]) == 1 and isinstance(out["tforce"], dict)
     assert out["choices"][0]["text"] == _post(server, PROMPTS[0], temperature=0)["choices"][0]["text"]
+
+
+def test_several_prompts_count_as_one_request(server):
+    root = server.url.removesuffix("/v1")
+
+    def value(name: str) -> float:
+        page = server.http.get(root + "/metrics").text
+        return float(next((x for x in page.splitlines() if x.startswith(name + " ")), f"{name} 0").split()[-1])
+
+    ok, tokens = value('tforce_requests_total{status="200"}'), value("tforce_generation_tokens_total")
+    out = _post(server, PROMPTS, temperature=0)
+    assert value('tforce_requests_total{status="200"}') == ok + 1
+    assert value("tforce_generation_tokens_total") == tokens + out["usage"]["completion_tokens"] == tokens + 30
+
+
+def test_several_prompts_stream_one_choice_after_another(server):
+    whole = _post(server, PROMPTS, temperature=0, logprobs=1)
+    events = server.events("/completions", {"prompt": PROMPTS, "max_tokens": 10, "temperature": 0, "logprobs": 1,
+                                            "stream_options": {"include_usage": True}})
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    order = [c["index"] for c in chunks]
+    assert order == sorted(order) and set(order) == {0, 1, 2}  # one choice after another
+    for i, want in enumerate(whole["choices"]):
+        mine = [c for c in chunks if c["index"] == i]
+        assert "".join(c["text"] for c in mine) == want["text"]
+        assert [c["finish_reason"] for c in mine][-1] == "length" and all(c["finish_reason"] is None for c in mine[:-1])
+        tokens = [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        assert tokens == want["logprobs"]["tokens"]
+    assert events[-2]["usage"] == whole["usage"]

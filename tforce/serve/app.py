@@ -172,17 +172,22 @@ async def _generate(request: Request, settings: Settings, chat: bool):
                 pass
         return post
 
-    for job, events in zip(jobs, queues):  # queued together: they run one after another, in order
-        job.post = poster(events)
-        settings.worker.submit(job)
+    try:
+        for job, events in zip(jobs, queues):  # queued together: they run one after another, in order
+            job.post = poster(events)
+            settings.worker.submit(job)
+    except ApiError:  # the server is stopping: those queued already are not waited for
+        for job in jobs:
+            job.cancel()
+        raise
     shape = Shape(chat, settings.name)
     lines = [_Line(request, settings, job) for job in jobs]
-    if ask.stream:  # one job (requests.parse refuses several prompts with stream)
-        return StreamingResponse(_stream(jobs[0], queues[0], shape, ask.include_usage, lines[0]),
+    if ask.stream:
+        return StreamingResponse(_stream(jobs, queues, shape, ask.include_usage, lines),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     results = []
     try:
-        for events, line in zip(queues, lines):
+        for i, (events, line) in enumerate(zip(queues, lines)):
             item = await _next(events, request)
             if item is None:
                 line.say("the client went away; cancelled")
@@ -190,7 +195,7 @@ async def _generate(request: Request, settings: Settings, chat: bool):
             if item[0] != "done":
                 raise _failure(item)
             _, text, done = item
-            line.done(done)
+            line.done(done, answered=i == len(jobs) - 1)
             results.append((text, done))
     finally:
         for job in jobs:
@@ -214,36 +219,41 @@ async def _next(events: asyncio.Queue, request: Request):
         get = asyncio.ensure_future(events.get())
 
 
-async def _stream(job: Job, events: asyncio.Queue, shape: Shape, include_usage: bool, line: "_Line"):
-    first, ended = True, False
-    parts: list = []  # log-probabilities of tokens whose text is still to come (a partial character, a stop string)
+async def _stream(jobs: list, queues: list, shape: Shape, include_usage: bool, lines: list):
+    """The jobs' chunks, one choice after another (they run in order), each with its index."""
+    ended, dones = False, []
     try:
-        while True:
-            item = await events.get()
-            if item[0] == "logprobs":
-                parts.append(item[1])
-                continue
-            if item[0] == "text":
-                yield shape.chunk(item[1], first, joined(parts))
-                first, parts = False, []
-                continue
-            if item[0] == "done":
-                done = item[2]
-                yield shape.last(done, first, joined(parts))
-                if include_usage:
-                    yield shape.usage(done)
-                line.done(done)
-            else:
-                error = _failure(item)
-                yield event(error.body())
-                line.say(f"{error.status} {error.message}")
-            yield DONE
-            ended = True
-            return
+        for index, (events, line) in enumerate(zip(queues, lines)):
+            first = True
+            parts: list = []  # log-probabilities of tokens whose text is to come (part of a character, a stop string)
+            while True:
+                item = await events.get()
+                if item[0] == "logprobs":
+                    parts.append(item[1])
+                elif item[0] == "text":
+                    yield shape.chunk(item[1], first, joined(parts), index)
+                    first, parts = False, []
+                elif item[0] == "done":
+                    yield shape.last(item[2], first, joined(parts), index)
+                    line.done(item[2], answered=index == len(jobs) - 1)
+                    dones.append(item[2])
+                    break
+                else:
+                    error = _failure(item)
+                    yield event(error.body())
+                    line.say(f"{error.status} {error.message}")
+                    yield DONE
+                    ended = True
+                    return
+        if include_usage:
+            yield shape.usage(dones)
+        yield DONE
+        ended = True
     finally:
-        if not ended:  # the client went away (the response's task was cancelled): so is its generation
+        for job in jobs:  # a no-op for those done; else the client went away, or an earlier prompt failed
             job.cancel()
-            line.say("the client went away; cancelled")
+        if not ended:  # the client went away (the response's task was cancelled): so is its generation
+            lines[min(len(dones), len(lines) - 1)].say("the client went away; cancelled")
 
 
 def _failure(item) -> ApiError:
@@ -263,9 +273,10 @@ class _Line:
     def say(self, how: str) -> None:
         self.log(f"tforce: serve: {self.what}: {how} ({self.prompt} prompt tokens, {time.perf_counter() - self.t0:.2f} s)")
 
-    def done(self, done: Done) -> None:
+    def done(self, done: Done, answered: bool = True) -> None:
+        """answered: the request's last generation (Metrics.done)."""
         s = done.stats
-        self.metrics.done(done.prompt_tokens, done.completion_tokens, s)
+        self.metrics.done(done.prompt_tokens, done.completion_tokens, s, answered)
         acc = ", ".join(f"{k} {v:.1%}" for k, v in s["acceptance"].items() if v is not None)
         per_token = "n/a" if s["ms_per_token"] is None else f"{s['ms_per_token'] / 1000:.4f}"
         self.log(f"tforce: serve: {self.what}: {done.completion_tokens} tokens after {done.prompt_tokens} prompt "

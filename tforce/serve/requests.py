@@ -1,10 +1,10 @@
 """OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) checked into an `Ask`, and the one
 error type every refusal takes, rendered in OpenAI's shape `{"error": {"message", "type", "code", "param"}}`.
 
-What tforce cannot honour is refused with a 400 naming the parameter (n > 1, chat's echo, several prompts
-with stream, tools, penalties, min_p), never silently ignored; those set to their no-op values
-(`logit_bias: {}`, `response_format: {"type": "text"}`, `tool_choice: "none"`, `presence_penalty: 0`...)
-and parameters that do not change the tokens (user, metadata) are accepted. top_k is applied, as every level of the hierarchy
+What tforce cannot honour is refused with a 400 naming the parameter (n > 1, chat's echo, tools,
+penalties, min_p), never silently ignored; those set to their no-op values (`logit_bias: {}`,
+`response_format: {"type": "text"}`, `tool_choice: "none"`, `presence_penalty: 0`...) and parameters that
+do not change the tokens (user, metadata) are accepted. top_k is applied, as every level of the hierarchy
 applies the same sampling transform (config.Sampling).
 """
 from __future__ import annotations
@@ -93,9 +93,6 @@ def parse(raw: bytes, chat: bool) -> Ask:
     if chat:
         return Ask(chat=True, messages=parse_messages(body.get("messages")), **common)
     prompts = _prompts(body.get("prompt"))
-    if len(prompts) > 1 and common["stream"]:
-        raise ApiError(400, "several prompts with stream: true are not supported (send them one by one, or "
-                            "without stream)", param="prompt")
     return Ask(chat=False, prompts=prompts, echo=echo, **common)
 
 

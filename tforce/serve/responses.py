@@ -49,35 +49,38 @@ class Shape:
             else:
                 choices.append({"index": i, "text": text, "logprobs": done.logprobs,
                                 "finish_reason": done.finish_reason})
-        usages = [done.usage() for _, done in results]
-        usage = {k: sum(u[k] for u in usages) for k in usages[0]}
         stats = [done.stats for _, done in results]
-        return self._object("chat.completion" if self.chat else "text_completion", choices, usage=usage,
-                            tforce=stats[0] if len(stats) == 1 else stats)
+        return self._object("chat.completion" if self.chat else "text_completion", choices,
+                            usage=_summed([done for _, done in results]), tforce=stats[0] if len(stats) == 1 else stats)
 
-    def chunk(self, text: str, first: bool = False, logprobs: Optional[dict] = None) -> str:
-        """An event carrying new text (chat: the first also names the assistant's role), and the
-        log-probabilities of the tokens it carries when asked for."""
-        return self._event(self._choice(text, None, first, logprobs))
+    def chunk(self, text: str, first: bool = False, logprobs: Optional[dict] = None, index: int = 0) -> str:
+        """An event carrying new text of choice `index` (chat: its first also names the assistant's role), and
+        the log-probabilities of the tokens it carries when asked for."""
+        return self._event(self._choice(index, text, None, first, logprobs))
 
-    def last(self, done: Done, first: bool = False, logprobs: Optional[dict] = None) -> str:
-        """The event that ends the choice: its finish_reason and tforce's statistics (and the log-probabilities
-        of tokens whose text no earlier event carried)."""
-        return self._event(self._choice("", done.finish_reason, first, logprobs), tforce=done.stats)
+    def last(self, done: Done, first: bool = False, logprobs: Optional[dict] = None, index: int = 0) -> str:
+        """The event that ends choice `index`: its finish_reason and tforce's statistics (and the
+        log-probabilities of tokens whose text no earlier event carried)."""
+        return self._event(self._choice(index, "", done.finish_reason, first, logprobs), tforce=done.stats)
 
-    def usage(self, done: Done) -> str:
-        """stream_options.include_usage: one more event with no choices and the usage."""
-        return self._event(None, usage=done.usage())
+    def usage(self, dones: list) -> str:
+        """stream_options.include_usage: one more event with no choices and the usage, summed over the choices."""
+        return self._event(None, usage=_summed(dones))
 
-    def _choice(self, text: str, finish_reason, first: bool, logprobs: Optional[dict]) -> dict:
+    def _choice(self, index: int, text: str, finish_reason, first: bool, logprobs: Optional[dict]) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _event(self, choice, **extra) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return event(self._object(kind, [] if choice is None else [choice], **extra))
+
+
+def _summed(dones: list) -> dict:
+    usages = [done.usage() for done in dones]
+    return {k: sum(u[k] for u in usages) for k in usages[0]}
 
 
 def entries(picked: list, top: int) -> list:

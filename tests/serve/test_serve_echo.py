@@ -105,6 +105,11 @@ def test_echo_without_logprobs_prepends_the_prompt(served):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == TEXT + plain["choices"][0]["text"]
     assert r.json()["choices"][0]["logprobs"] is None
+    tok = byte_tokenizer()  # token ids that start with the BOS echo as their text, without it
+    ids = [tok.bos_token_id] + tok(TEXT, add_special_tokens=False).input_ids
+    plain = server.post("/completions", {"prompt": [ids], "max_tokens": 4, "temperature": 0}).json()
+    r = server.post("/completions", {"prompt": [ids], "max_tokens": 4, "temperature": 0, "echo": True})
+    assert r.json()["choices"][0]["text"] == TEXT + plain["choices"][0]["text"]
 
 
 def test_echo_streams_the_prompt_first(served):

@@ -112,3 +112,18 @@ def tiny_pair(root: Path, template: bool = False, context: int = 512) -> tuple[P
 
 
 FAST = ["--budget", "64", "--draft-budget", "32", "--sinks", "4", "--temperature", "0"]
+
+
+def target_logprobs(target: Path, seq: list, start: int):
+    """The target alone: the log-softmax of its logits at the positions before seq[start:] (one plain forward
+    over seq), row k for the token seq[start + k]."""
+    import torch
+
+    import tforce
+    from tforce.cache import FullCache
+    from tforce.cache.rope import Rotary
+
+    m = tforce.load_model(str(target), tokenizer=False).model
+    cache = FullCache(m.config.num_hidden_layers, m.n_kv_heads, m.head_dim, len(seq), Rotary(m.config, len(seq)))
+    cache.begin(len(seq))
+    return torch.log_softmax(m(torch.tensor([seq]), cache)[0].float(), -1)[start - 1:len(seq) - 1]

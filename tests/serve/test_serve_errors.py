@@ -49,7 +49,8 @@ BAD = [  # (body, status, what the message says, code)
     ({"prompt": "Hi", "temperature": "hot"}, 400, "temperature must be a number", None),
     ({"prompt": "Hi", "top_p": 0}, 400, "top_p must be in (0, 1]", None),
     ({"prompt": "Hi", "stop": ["a", ""]}, 400, "stop strings must not be empty", None),
-    ({"prompt": ["a", "b"]}, 400, "prompt must be one string", None),
+    ({"prompt": ["Hi", "x" * 300]}, 400, "prompt[1] is 300 tokens; the server's context is 256",
+     "context_length_exceeded"),
     ({"max_tokens": 2}, 400, "prompt must be a string", None),
     ({"prompt": "Hi", "stream": "yes"}, 400, "stream must be true or false", None),
 ]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from serve_helpers import FAST, Server, tiny_pair
+from serve_helpers import FAST, Server, target_logprobs, tiny_pair
 from tforce.serve.requests import ApiError, parse
 
 NO_OPS = {"response_format": {"type": "text"}, "logit_bias": {}, "top_logprobs": 0, "tool_choice": "none",
@@ -16,7 +16,7 @@ NO_OPS = {"response_format": {"type": "text"}, "logit_bias": {}, "top_logprobs":
           "min_p": 0, "n": 1, "best_of": 1, "logprobs": False, "echo": False, "suffix": ""}
 REFUSED = [("presence_penalty", 1.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("min_p", 0.05),
            ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}),
-           ("tool_choice", "auto"), ("echo", True)]
+           ("tool_choice", "auto")]
 
 
 def _parse(body: dict, chat: bool = False):
@@ -25,7 +25,7 @@ def _parse(body: dict, chat: bool = False):
 
 def test_no_op_values_are_accepted():
     ask = _parse({"prompt": "hi", **NO_OPS})
-    assert ask.prompt == "hi" and ask.top_k is None
+    assert ask.prompts == ("hi",) and ask.top_k is None
 
 
 @pytest.mark.parametrize("key,value", REFUSED, ids=[k for k, _ in REFUSED])
@@ -36,12 +36,15 @@ def test_what_would_change_the_answer_is_refused_naming_it(key, value):
 
 
 def test_prompt_forms_stops_top_k_and_null_content():
-    assert _parse({"prompt": [5, 6, 7]}).prompt_ids == (5, 6, 7)
-    assert _parse({"prompt": [[5, 6, 7]]}).prompt_ids == (5, 6, 7)  # lm-evaluation-harness's form
-    assert _parse({"prompt": ["text"]}).prompt == "text"
-    for several in ([[1], [2]], ["a", "b"], [1, "a"], [True, 2]):
-        with pytest.raises(ApiError, match="one list of token ids"):
-            _parse({"prompt": several})
+    assert _parse({"prompt": [5, 6, 7]}).prompts == ((5, 6, 7),)
+    assert _parse({"prompt": [[5, 6, 7]]}).prompts == ((5, 6, 7),)  # lm-evaluation-harness's form
+    assert _parse({"prompt": ["text"]}).prompts == ("text",)
+    assert _parse({"prompt": [[1], [2, 3]]}).prompts == ((1,), (2, 3))  # several prompts
+    assert _parse({"prompt": ["a", "b"]}).prompts == ("a", "b")
+    for bad in ([1, "a"], [True, 2], [[1], []], ["a", ""], [], [[1.5]], 5):
+        with pytest.raises(ApiError) as e:
+            _parse({"prompt": bad})
+        assert e.value.status == 400 and e.value.param == "prompt", bad
     assert len(_parse({"prompt": "x", "stop": [f"s{i}" for i in range(7)]}).stop) == 7  # continue.dev sends 7
     assert _parse({"prompt": "x", "top_k": -1}).top_k == 0 and _parse({"prompt": "x", "top_k": 40}).top_k == 40
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": []},
@@ -196,21 +199,6 @@ def test_bad_chat_template_is_one_line(tmp_path):
     assert r.exit_code == 2 and "cannot read --chat-template" in r.output, r.output
 
 
-def _target_logprobs(target, ids: list, new: list):
-    """The target alone: log-softmax of its logits at each new token's position (one plain forward)."""
-    import torch
-
-    import tforce
-    from tforce.cache import FullCache
-    from tforce.cache.rope import Rotary
-
-    m = tforce.load_model(str(target), tokenizer=False).model
-    seq = ids + new
-    cache = FullCache(m.config.num_hidden_layers, m.n_kv_heads, m.head_dim, len(seq), Rotary(m.config, len(seq)))
-    cache.begin(len(seq))
-    return torch.log_softmax(m(torch.tensor([seq]), cache)[0].float(), -1)[len(ids) - 1:len(seq) - 1]
-
-
 @pytest.mark.parametrize("method,temperature", [("triforce", 0.0), ("triforce", 0.9), ("ar", 0.9)])
 def test_logprobs_are_the_targets_own(tmp_path_factory, method, temperature):
     """Each generated token's log-probability (and its alternatives) is the target's log-softmax at its
@@ -235,7 +223,7 @@ def test_logprobs_are_the_targets_own(tmp_path_factory, method, temperature):
                               draft_budget=32, sinks=4).tokens
         assert tok.decode(new) == r.json()["choices"][0]["text"]
         assert len(new) == len(lp["token_logprobs"]) == r.json()["usage"]["completion_tokens"] == 16
-        ref = _target_logprobs(target, ids, new)
+        ref = target_logprobs(target, ids + new, len(ids))
         for k, (t, got) in enumerate(zip(new, lp["token_logprobs"])):
             assert abs(got - float(ref[k, t])) < 1e-4, (k, got, float(ref[k, t]))
             best = ref[k].topk(3).values.tolist()  # completions' alternatives are a dict by text: two ids may share one

@@ -23,8 +23,9 @@ from starlette.routing import Route
 from . import tokens
 from .metrics import Metrics
 from .requests import ApiError, parse
-from .responses import DONE, Done, Shape, event
-from .worker import Job, Worker
+from .responses import DONE, Done, Shape, event, joined
+from .jobs import Job
+from .worker import Worker
 
 POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client is still there
 
@@ -159,34 +160,47 @@ async def _generate(request: Request, settings: Settings, chat: bool):
     if ask.model is not None and ask.model != settings.name:
         raise ApiError(404, f"the model {ask.model!r} is not served here (GET /v1/models lists {settings.name!r})",
                        code="model_not_found", param="model")
-    job = await run_in_threadpool(settings.worker.prepare, ask)  # tokenizing a long document takes a while
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    jobs = await run_in_threadpool(settings.worker.prepare, ask)  # tokenizing a long document takes a while
+    loop = asyncio.get_running_loop()
+    queues = [asyncio.Queue() for _ in jobs]  # each job's events
 
-    def post(item):  # from the worker's thread
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, item)
-        except RuntimeError:  # the loop has closed: nobody is listening
-            pass
+    def poster(events: asyncio.Queue):
+        def post(item):  # from the worker's thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the loop has closed: nobody is listening
+                pass
+        return post
 
-    job.post = post
-    settings.worker.submit(job)
-    shape = Shape(chat, settings.name)
-    line = _Line(request, settings, job)
-    if ask.stream:
-        return StreamingResponse(_stream(job, events, shape, ask.include_usage, line), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
     try:
-        item = await _next(events, request)
+        for job, events in zip(jobs, queues):  # queued together: they run one after another, in order
+            job.post = poster(events)
+            settings.worker.submit(job)
+    except ApiError:  # the server is stopping: those queued already are not waited for
+        for job in jobs:
+            job.cancel()
+        raise
+    shape = Shape(chat, settings.name)
+    lines = [_Line(request, settings, job) for job in jobs]
+    if ask.stream:
+        return StreamingResponse(_stream(jobs, queues, shape, ask.include_usage, lines),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    results = []
+    try:
+        for i, (events, line) in enumerate(zip(queues, lines)):
+            item = await _next(events, request)
+            if item is None:
+                line.say("the client went away; cancelled")
+                return JSONResponse({}, status_code=499)
+            if item[0] != "done":
+                raise _failure(item)
+            _, text, done = item
+            line.done(done, answered=i == len(jobs) - 1)
+            results.append((text, done))
     finally:
-        job.cancel()  # a no-op once it is done; else its client went away
-    if item is None:
-        line.say("the client went away; cancelled")
-        return JSONResponse({}, status_code=499)
-    if item[0] == "done":
-        _, text, done = item
-        line.done(done)
-        return JSONResponse(shape.whole(text, done))
-    raise _failure(item)
+        for job in jobs:
+            job.cancel()  # a no-op once it is done; else its client went away, or an earlier prompt failed
+    return JSONResponse(shape.whole(results))
 
 
 async def _next(events: asyncio.Queue, request: Request):
@@ -200,37 +214,46 @@ async def _next(events: asyncio.Queue, request: Request):
                 return None
             continue
         item = get.result()
-        if item[0] != "text":
+        if item[0] not in ("text", "logprobs"):  # what a stream sends as it comes
             return item
         get = asyncio.ensure_future(events.get())
 
 
-async def _stream(job: Job, events: asyncio.Queue, shape: Shape, include_usage: bool, line: "_Line"):
-    first, ended = True, False
+async def _stream(jobs: list, queues: list, shape: Shape, include_usage: bool, lines: list):
+    """The jobs' chunks, one choice after another (they run in order), each with its index."""
+    ended, dones = False, []
     try:
-        while True:
-            item = await events.get()
-            if item[0] == "text":
-                yield shape.chunk(item[1], first)
-                first = False
-                continue
-            if item[0] == "done":
-                done = item[2]
-                yield shape.last(done, first)
-                if include_usage:
-                    yield shape.usage(done)
-                line.done(done)
-            else:
-                error = _failure(item)
-                yield event(error.body())
-                line.say(f"{error.status} {error.message}")
-            yield DONE
-            ended = True
-            return
+        for index, (events, line) in enumerate(zip(queues, lines)):
+            first = True
+            parts: list = []  # log-probabilities of tokens whose text is to come (part of a character, a stop string)
+            while True:
+                item = await events.get()
+                if item[0] == "logprobs":
+                    parts.append(item[1])
+                elif item[0] == "text":
+                    yield shape.chunk(item[1], first, joined(parts), index)
+                    first, parts = False, []
+                elif item[0] == "done":
+                    yield shape.last(item[2], first, joined(parts), index)
+                    line.done(item[2], answered=index == len(jobs) - 1)
+                    dones.append(item[2])
+                    break
+                else:
+                    error = _failure(item)
+                    yield event(error.body())
+                    line.say(f"{error.status} {error.message}")
+                    yield DONE
+                    ended = True
+                    return
+        if include_usage:
+            yield shape.usage(dones)
+        yield DONE
+        ended = True
     finally:
-        if not ended:  # the client went away (the response's task was cancelled): so is its generation
+        for job in jobs:  # a no-op for those done; else the client went away, or an earlier prompt failed
             job.cancel()
-            line.say("the client went away; cancelled")
+        if not ended:  # the client went away (the response's task was cancelled): so is its generation
+            lines[min(len(dones), len(lines) - 1)].say("the client went away; cancelled")
 
 
 def _failure(item) -> ApiError:
@@ -250,9 +273,10 @@ class _Line:
     def say(self, how: str) -> None:
         self.log(f"tforce: serve: {self.what}: {how} ({self.prompt} prompt tokens, {time.perf_counter() - self.t0:.2f} s)")
 
-    def done(self, done: Done) -> None:
+    def done(self, done: Done, answered: bool = True) -> None:
+        """answered: the request's last generation (Metrics.done)."""
         s = done.stats
-        self.metrics.done(done.prompt_tokens, done.completion_tokens, s)
+        self.metrics.done(done.prompt_tokens, done.completion_tokens, s, answered)
         acc = ", ".join(f"{k} {v:.1%}" for k, v in s["acceptance"].items() if v is not None)
         per_token = "n/a" if s["ms_per_token"] is None else f"{s['ms_per_token'] / 1000:.4f}"
         self.log(f"tforce: serve: {self.what}: {done.completion_tokens} tokens after {done.prompt_tokens} prompt "

@@ -21,10 +21,11 @@ class Metrics:
         with self.lock:
             self.requests[code] += 1
 
-    def done(self, prompt_tokens: int, completion_tokens: int, stats: dict) -> None:
-        """One answered generation (status 200) and its statistics (worker's Done.stats)."""
+    def done(self, prompt_tokens: int, completion_tokens: int, stats: dict, answered: bool = True) -> None:
+        """One generation's statistics (worker's Done.stats); answered: it ends its request, which counts as
+        one 200 (a request of several prompts has a generation each)."""
         with self.lock:
-            self.requests[200] += 1
+            self.requests[200] += answered
             s = self.sums
             s["prompt_tokens_total"] += prompt_tokens
             s["generation_tokens_total"] += completion_tokens

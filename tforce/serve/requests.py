@@ -1,7 +1,7 @@
 """OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) checked into an `Ask`, and the one
 error type every refusal takes, rendered in OpenAI's shape `{"error": {"message", "type", "code", "param"}}`.
 
-What tforce cannot honour is refused with a 400 naming the parameter (n > 1, echo, logprobs, tools,
+What tforce cannot honour is refused with a 400 naming the parameter (n > 1, chat's echo, tools,
 penalties, min_p), never silently ignored; those set to their no-op values (`logit_bias: {}`,
 `response_format: {"type": "text"}`, `tool_choice: "none"`, `presence_penalty: 0`...) and parameters that
 do not change the tokens (user, metadata) are accepted. top_k is applied, as every level of the hierarchy
@@ -30,7 +30,7 @@ class ApiError(Exception):
 
 # Parameters that would change what is returned in ways tforce does not implement: refused when set to
 # anything but one of their no-op values (None, absent, or these, as clients send them by default).
-_NO_OP = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
+_NO_OP = {"n": (1,), "best_of": (1,), "suffix": ("",),
           "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
           "logit_bias": ({},), "response_format": ({"type": "text"},), "presence_penalty": (0,),
           "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,)}
@@ -43,8 +43,7 @@ class Ask:
 
     chat: bool
     model: Optional[str]
-    prompt: Optional[str] = None
-    prompt_ids: Optional[tuple] = None  # a prompt sent as token ids (completions)
+    prompts: tuple = ()  # completions: each prompt, as text (str) or as token ids (a tuple)
     messages: Optional[tuple] = None  # ({"role", "content"} with content as text, ...)
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -55,6 +54,7 @@ class Ask:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk carrying usage
     logprobs: Optional[int] = None  # report each generated token's log-probability and this many alternatives
+    echo: bool = False  # completions: the prompt before the answer (and its tokens' log-probabilities)
 
 
 def json_object(raw: bytes) -> dict:
@@ -87,12 +87,13 @@ def parse(raw: bytes, chat: bool) -> Ask:
                   stop=_stops(body.get("stop")), seed=_integer(body, "seed", -2**63, 2**64 - 1),
                   stream=_flag(body, "stream"), include_usage=_flag(stream_options, "include_usage"),
                   logprobs=_logprobs(body, chat))
+    echo = _flag(body, "echo")
+    if echo and chat:
+        raise ApiError(400, "echo is not supported by /v1/chat/completions", param="echo")
     if chat:
         return Ask(chat=True, messages=parse_messages(body.get("messages")), **common)
-    prompt = _prompt(body.get("prompt"))
-    if isinstance(prompt, tuple):
-        return Ask(chat=False, prompt_ids=prompt, **common)
-    return Ask(chat=False, prompt=prompt, **common)
+    prompts = _prompts(body.get("prompt"))
+    return Ask(chat=False, prompts=prompts, echo=echo, **common)
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API
@@ -113,8 +114,6 @@ def _logprobs(body: dict, chat: bool) -> Optional[int]:
         n = _integer(body, "logprobs", 0, MAX_LOGPROBS)
         if body.get("top_logprobs"):
             raise ApiError(400, "completions take logprobs: N (top_logprobs is chat's)", param="top_logprobs")
-    if n is not None and _flag(body, "stream"):
-        raise ApiError(400, "logprobs with stream: true are not supported yet (ask without stream)", param="logprobs")
     return n
 
 
@@ -181,19 +180,24 @@ def _stops(value) -> tuple:
     return tuple(stops)
 
 
-def _prompt(value) -> "str | tuple":
-    """The text, or a tuple of token ids (a list of integers, as lm-evaluation-harness sends them)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one prompt
+def _prompts(value) -> tuple:
+    """Each prompt: its text, or a tuple of token ids. One prompt is a string or a list of integers (as
+    lm-evaluation-harness sends one); several are a list of strings or a list of lists of integers."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        return tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(value))
+    return (_prompt(value, "the prompt"),)
+
+
+def _prompt(value, what: str) -> "str | tuple":
     if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         return tuple(value)
     if isinstance(value, list):
-        raise ApiError(400, "prompt must be one string or one list of token ids (several prompts in one request "
-                            "are not supported)", param="prompt")
+        raise ApiError(400, f"{what} must be a string or a list of token ids (integers); prompt may also be a "
+                            "list of those", param="prompt")
     if not isinstance(value, str):
-        raise ApiError(400, "prompt must be a string", param="prompt")
+        raise ApiError(400, f"{what} must be a string or a list of token ids", param="prompt")
     if not value:
-        raise ApiError(400, "the prompt is empty", param="prompt")
+        raise ApiError(400, f"{what} is empty", param="prompt")
     return value
 
 

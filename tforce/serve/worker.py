@@ -24,7 +24,6 @@ import queue
 import threading
 import traceback
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -35,51 +34,14 @@ from ..config import RunConfig, Sampling
 from ..engine.driver import drive
 from ..engine.events import Events
 from ..engine.generate import eos_ids, check_ids, generator, open_session
+from ..engine.prompt_logprobs import prompt_logprobs
 from ..errors import TforceError, UsageError
 from ..text.format import PromptFormat
 from ..engine.stops import StopStrings
 from .kv_store import KVStore, shared_prefix
 from .requests import ApiError, Ask
-from .responses import Done, token_logprobs
-
-
-class Cancelled(Exception):
-    """The job was cancelled (its client went away, or the server is stopping)."""
-
-
-@dataclass
-class Job:
-    """One request's work: its prompt ids and sampling, and where its events go. post(item) delivers
-    ("text", str), ("done", text, Done) or ("error", ApiError), from the worker's thread."""
-
-    ids: list
-    max_new: int
-    sampling: Sampling
-    stops: tuple
-    chat: bool
-    logprobs: Optional[int] = None  # Ask.logprobs: alternatives per token, None for no log-probabilities
-    post: Callable = lambda item: None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def check(self, *_) -> None:
-        if self.cancelled.is_set():
-            raise Cancelled()
-
-
-class _Events:
-    """A file for TextStream: each piece of text written becomes a ("text", piece) event."""
-
-    def __init__(self, post: Callable):
-        self.post = post
-
-    def write(self, text: str) -> None:
-        self.post(("text", text))
-
-    def flush(self) -> None:
-        pass
+from .jobs import Cancelled, Job, TextEvents
+from .responses import Done, LogprobParts, entries, token_logprobs
 
 
 class Worker:
@@ -109,30 +71,39 @@ class Worker:
 
     # -------------------------------------------------------------------------- on the server's side
 
-    def prepare(self, ask: Ask) -> Job:
-        """The request's prompt ids (chat: in the chat template), checked against the context; ApiError."""
-        with self.encoding:
-            ids = self._encode(ask)
-        if not ids:
-            raise ApiError(400, "the prompt is empty once tokenized", param="messages" if ask.chat else "prompt")
-        if len(ids) >= self.context:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens; the server's context is {self.context}",
-                           code="context_length_exceeded", param="messages" if ask.chat else "prompt")
-        _usage(check_ids, self.target, ids)
+    def prepare(self, ask: Ask) -> list:
+        """The request's Jobs, one per prompt (chat: one, its messages in the chat template), each checked
+        against the context; ApiError."""
         d = self.defaults
         sampling = Sampling(d.temperature if ask.temperature is None else ask.temperature,
                             d.top_p if ask.top_p is None else ask.top_p, d.top_k if ask.top_k is None else ask.top_k,
                             d.seed if ask.seed is None else ask.seed)
         _usage(sampling.validate)
         wanted = self.max_new if ask.max_tokens is None else ask.max_tokens
-        return Job(ids, min(wanted, self.context - len(ids)), sampling, ask.stop or self.stops, ask.chat,
-                   ask.logprobs)
+        jobs = []
+        for prompt in ask.prompts or (None,):
+            with self.encoding:
+                ids = self._encode(ask, prompt)
+                # token ids echo as their text (special tokens left out, as a prompt's text has none)
+                echo = (prompt if isinstance(prompt, str) else self.encoder.decode(ids, skip_special_tokens=True)
+                        ) if ask.echo else None
+            what = "the prompt" if len(ask.prompts) < 2 else f"prompt[{len(jobs)}]"
+            if not ids:
+                raise ApiError(400, f"{what} is empty once tokenized", param="messages" if ask.chat else "prompt")
+            if len(ids) >= self.context:
+                raise ApiError(400, f"{what} is {len(ids)} tokens; the server's context is {self.context}",
+                               code="context_length_exceeded", param="messages" if ask.chat else "prompt")
+            _usage(check_ids, self.target, ids)
+            jobs.append(Job(ids, min(wanted, self.context - len(ids)), sampling, ask.stop or self.stops, ask.chat,
+                            ask.logprobs, echo))
+        return jobs
 
-    def _encode(self, ask: Ask) -> list:
-        if ask.prompt_ids is not None:
-            return list(ask.prompt_ids)  # checked against the vocabulary by check_ids
+    def _encode(self, ask: Ask, prompt) -> list:
+        """prompt: one of a completion's prompts (text, or token ids), None for chat."""
+        if isinstance(prompt, tuple):
+            return list(prompt)  # checked against the vocabulary by check_ids
         if not ask.chat:
-            return list(self.encoder.encode(ask.prompt))
+            return list(self.encoder.encode(prompt))
         fmt = _usage(PromptFormat, self.encoder, self.template, self.system, self.name)
         if not fmt.templated:
             raise ApiError(400, f"{self.name} has no chat template (or the server runs with --template none): "
@@ -147,7 +118,7 @@ class Worker:
     def chat_ids(self, messages: tuple) -> list:
         """/tokenize with messages: the ids /v1/chat/completions would prefill."""
         with self.encoding:
-            return self._encode(Ask(chat=True, model=None, messages=messages))
+            return self._encode(Ask(chat=True, model=None, messages=messages), None)
 
     def text_of(self, ids: list) -> str:
         """/detokenize; an id outside the vocabulary is a 400."""
@@ -227,13 +198,22 @@ class Worker:
         reused = self._reuse(prompt, check)
         s.reset_stats()
         stops = StopStrings(self.tok, job.stops)
-        stream = TextStream(self.tok, _Events(job.post), stops=stops or None)
-        picked: list = []  # (token, its raw log-probs (V,)) per generated token, with job.logprobs
+        parts = None if job.logprobs is None else LogprobParts(self.tok, job.logprobs, job.chat)
+        said = TextEvents(job.post, self.tok, parts)
+        stream = TextStream(self.tok, said, stops=stops or None)
+        picked: list = []  # responses.entries of each token (the echoed prompt's, the answer's), with job.logprobs
+        if job.echo is not None:  # the prompt first (a stream's first chunk), with its log-probabilities
+            if job.logprobs is not None:  # from a forward of the target over the prompt (prompt_logprobs.py)
+                picked = prompt_logprobs(self.target, job.ids, job.logprobs, s.full.cache.rotary,
+                                         s.full.prefill_chunk, check)
+            said.echo(job.echo, picked)
 
         def on_tokens(r, tokens, acceptance):
             job.check()
             if job.logprobs is not None:  # the rows of the forwards that decided these tokens (Session.logprobs)
-                picked.extend(zip(tokens, s.logprobs[0][:len(tokens)]))
+                new = entries(zip(tokens, s.logprobs[0][:len(tokens)]), job.logprobs)
+                picked.extend(new)
+                said.tokens(tokens, new)
             stream.add(tokens)
 
         def until(tokens):  # a stop string, or the server stopping: the answer so far ends cleanly
@@ -247,6 +227,7 @@ class Worker:
         [out], [stats] = drive(s, [prompt], [job.max_new], generator(self.target, job.sampling.seed), self.eos, events,
                                t0, save)
         text = stream.finish()
+        said.finish()
         stopped = bool(out) and (out[-1] in self.eos or stops.matched(out) is not None)
         extension = {"prefix_reused": reused, "prefix_from_kv_dir": loaded or 0,
                      "prefilled_tokens": len(job.ids) - reused, "ttft_s": stats["ttft_s"],
@@ -255,7 +236,8 @@ class Worker:
                      "tokens_per_verification": stats["tokens_per_verification"],
                      "method": s.spec.method, **({"server_stopped": True} if self.stopping else {})}
         logprobs = None if job.logprobs is None else token_logprobs(self.tok, picked, job.logprobs, job.chat)
-        job.post(("done", text, Done("stop" if stopped else "length", len(job.ids), len(out), extension, logprobs)))
+        done = Done("stop" if stopped else "length", len(job.ids), len(out), extension, logprobs)
+        job.post(("done", text if job.echo is None else job.echo + text, done))
 
     def _held(self, prompt: torch.Tensor) -> int:
         """How many of the prompt's tokens, but its last (the prefill feeds it again for the first token), the

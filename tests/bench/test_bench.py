@@ -304,6 +304,18 @@ def test_bench_summary_tabulates_the_good_records_beside_a_bad_one(report, tmp_p
     assert "`good.json`" in done.stdout and "| triforce |" in done.stdout
 
 
+def test_bench_lookup_lengths_reach_the_engine(runner, monkeypatch):
+    """--lookup-max/--lookup-min as `run` takes them; a pair out of order is one line and exit 2."""
+    seen = session_configs(monkeypatch)
+    result = runner.invoke(app, BENCH + ["--methods", "naive", "--draft", "lookup", "--gen-len", "2",
+                                         "--lookup-max", "4", "--lookup-min", "2"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert seen and {(c.speculation.lookup_max, c.speculation.lookup_min, c.speculation.proposer) for c in seen} \
+        == {(4, 2, "lookup")}
+    bad = runner.invoke(app, BENCH + ["--methods", "naive", "--draft", "lookup", "--lookup-min", "5"])
+    assert bad.exit_code == 2 and "--lookup-min and --lookup-max" in bad.output
+
+
 def test_bench_prefill_chunk_reaches_the_engine(runner, monkeypatch):
     seen = session_configs(monkeypatch)
     result = runner.invoke(app, BENCH + ["--methods", "ar", "--gen-len", "2", "--prefill-chunk", "64"])

@@ -57,6 +57,8 @@ def bench(
     gamma1: int = typer.Option(Speculation.gamma1, "--gamma1", help="Draft tokens per middle-level verification."),
     gamma2: int = typer.Option(Speculation.gamma2, "--gamma2", help="Tokens per full-cache verification."),
     draft_budget: int = o.DRAFT_BUDGET,
+    lookup_max: int = o.LOOKUP_MAX,
+    lookup_min: int = o.LOOKUP_MIN,
     prefill_chunk: int = o.PREFILL_CHUNK,
     device: str = o.DEVICE,
     threads: int = o.THREADS,
@@ -108,7 +110,8 @@ def bench(
                 check_batchable(name, det=True)
         peer_names = parse_peers(peers)
         set_threads(threads)
-        engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget)
+        engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget,
+                      lookup_max=lookup_max, lookup_min=lookup_min)
         if draft == LOOKUP:  # no draft model: the drafting methods propose by n-gram lookup
             engine["proposer"] = "lookup"
         draft_model = None if draft == LOOKUP else draft

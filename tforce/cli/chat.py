@@ -40,8 +40,8 @@ from .app import app
 from .chat_input import read_document, question_source
 from .common import check_memory, guarded, say, flag
 from ..text.stream import TextStream
-from .live import Progress, Status
-from .run import end_line, shared_with_stderr
+from .live import Progress, Status, text_progress
+from .run import end_line
 from .setup import configure, read_draft_config, dtype_bytes, notices
 
 ROOM = 4096  # tokens after the document, by default
@@ -160,9 +160,7 @@ def _answer(conv, question: str, ids: list[int], tok, max_new: int, method: str,
     is written (questions from a terminal): it stops there, the text so far stays, its line is ended and one
     stderr line says so, and None (Conversation.ask leaves the stopped question out of the conversation)."""
     stream = TextStream(tok, sys.stdout, enabled=not as_json, stops=stops or None)
-    progress = Progress(Status([len(ids)], [max_new], method), f"tforce {method}", stream,
-                        shared=sys.stdout.isatty() and shared_with_stderr()) \
-        if sys.stderr.isatty() and not as_json else None
+    progress = text_progress(stream, len(ids), max_new, method, as_json)
     try:
         events = Events(on_tokens=lambda r, tokens, acceptance: stream.add(tokens),
                         on_round=progress.on_round if progress else None,

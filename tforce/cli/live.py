@@ -14,6 +14,7 @@ With no terminal there is no live view, only the summary line.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -220,6 +221,25 @@ class Progress:
 
         rows = wrap_fields(self.status.fields(), max(20, self.console.width - 5))  # inside the border and padding
         return Panel("\n".join(rows), title=self.title, expand=False)
+
+
+def shared_with_stderr() -> bool:
+    """stdout and stderr write to the same file or pipe (`2>&1`): end the text's line before the
+    summary, as on a terminal. A file or pipe of its own gets the text exactly as generated."""
+    try:
+        a, b = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):  # captured streams without a descriptor
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def text_progress(stream, prompt_len: int, max_new: int, method: str, as_json: bool) -> Progress | None:
+    """The live view of one prompt whose text `stream` writes to stdout (`run`, a chat's answer): with stderr
+    on a terminal and no --json; pinned under the text where both share the terminal."""
+    if not sys.stderr.isatty() or as_json:
+        return None
+    return Progress(Status([prompt_len], [max_new], method), f"tforce {method}", stream,
+                    shared=sys.stdout.isatty() and shared_with_stderr())
 
 
 def summary_line(n: int, n_prompt: int, method: str, stats: dict) -> str:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import tempfile
 from typing import Optional
@@ -22,7 +21,7 @@ from .batch_run import check_options, read_batch, run_batch
 from .common import check_memory, guarded, say, flag
 from .setup import Setup, configure, read_draft_config, dtype_bytes, read_prompt, check_fits, notices
 from ..text.stream import TextStream
-from .live import Progress, Status, summary_line
+from .live import shared_with_stderr, summary_line, text_progress
 
 
 @app.command()
@@ -111,9 +110,7 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool)
         small = small if config.speculation.uses_draft else None
     stops = StopStrings(tok, setup.stops)
     stream = TextStream(tok, sys.stdout, enabled=not as_json, stops=stops or None)
-    progress = Progress(Status([len(ids)], [max_new], config.method), f"tforce {config.method}", stream,
-                        shared=sys.stdout.isatty() and shared_with_stderr()) \
-        if sys.stderr.isatty() and not as_json else None
+    progress = text_progress(stream, len(ids), max_new, config.method, as_json)
     events = Events(on_tokens=lambda r, tokens, acceptance: stream.add(tokens),
                     on_round=progress.on_round if progress else None,
                     on_prefill=progress.on_prefill if progress else None,
@@ -186,16 +183,6 @@ def end_line(text: str) -> None:
     if (sys.stdout.isatty() or shared_with_stderr()) and text and not text.endswith("\n"):
         sys.stdout.write("\n")
         sys.stdout.flush()
-
-
-def shared_with_stderr() -> bool:
-    """stdout and stderr write to the same file or pipe (`2>&1`): end the text's line before the
-    summary, as on a terminal. A file or pipe of its own gets the text exactly as generated."""
-    try:
-        a, b = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
-    except (OSError, ValueError, AttributeError):  # captured streams without a descriptor
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 # --------------------------------------------------------------------------------------------- info

@@ -44,6 +44,8 @@ def test_products_equal_the_dequantized_weight(scheme, bias):
     got = q(x)
     assert got.shape == (2, 5, 64) and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)  # the kernel's output is bfloat16
+    for rows in (5, quant.DEQUANTIZE_ROWS):  # the kernel and the dequantized product: a float32 bias
+        assert q(torch.randn(1, rows, 96, dtype=torch.bfloat16)).dtype == torch.bfloat16  # keeps bfloat16
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

@@ -20,14 +20,16 @@ Formats (docs/architecture.md, "Weights"):
   q = round((w - lo) / scale) in [0, 15]; PyTorch's convention stores zero = lo + 8 * scale and computes
   w ~ (q - 8) * scale + zero. Scales and zeros are bfloat16, as the kernel takes them.
 
-On CUDA (not yet run on a GPU: tests/model/test_quant_cuda.py is written for one, and no figure is claimed):
+On CUDA (tests/model/test_quant_cuda.py passed on an H200; figures in BENCHMARKS.md, GPU log, 2026-11-28):
 - int4 runs PyTorch's tinygemm kernel (`_weight_int4pack_mm`, packed by `_convert_weight_to_int4pack`;
   aten/src/ATen/native/cuda/int4mm.cu), with the same groups, bfloat16 scales and zeros, and the same
   w = (q - 8) * scale + zero (the kernel rounds each dequantized weight to bfloat16 before its tensor-core
   product). Its packing takes the codes two to a byte with column 2j in the HIGH nibble (the kernel's
   pack reads byte v's high nibble as the even k; torchao packs `q[:, ::2] << 4 | q[:, 1::2]`), the
   opposite of pack_int4, so cuda_nibbles swaps them. It needs compute capability 8.0 (bfloat16 mma.sync)
-  and bfloat16 activations; every row count takes it (no DEQUANTIZE_ROWS, which is the CPU's measurement).
+  and bfloat16 activations; every row count takes it (no DEQUANTIZE_ROWS, which is the CPU's measurement):
+  a 2,048-token prefill of a 7B model measured 7.4x slower than in bfloat16 on an H200, since the
+  kernel is built for a few rows and its packed layout cannot be dequantized cheaply.
 - int8 keeps its codes (1 byte a weight, half of bfloat16: what int8 is for on a GPU is room for the KV
   cache) and multiplies by the weight dequantized per call, q.to(bfloat16) * scale, in cuBLAS: the CUDA
   `_weight_int8pack_mm` of torch 2.11 (pytorch#159325, 2025) is a float32 loop with one thread per
@@ -254,17 +256,20 @@ class QuantLinear(nn.Module):
                 y = F.linear(rows, self.qweight.to(_COMPUTE) * self.scales.unsqueeze(1))
             else:
                 y = torch.ops.aten._weight_int4pack_mm(rows, self.qweight, GROUP, self.scales)
-            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
+            return self._biased(y.to(x.dtype).view(*x.shape[:-1], self.out_features))
         if x.numel() >= DEQUANTIZE_ROWS * self.in_features and self._readable():
-            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.dequantized().to(x.dtype), bias)
         rows = x.reshape(-1, self.in_features).to(_COMPUTE)
         if self.scheme == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, GROUP, self.scales)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return self._biased(y.to(x.dtype).view(*x.shape[:-1], self.out_features))
+
+    def _biased(self, y: torch.Tensor) -> torch.Tensor:
+        """y plus the bias in y's dtype: a float32 bias must not turn a bfloat16 product into float32."""
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _readable(self) -> bool:
         """Whether the weight can be read back without the kernel (int8 always; int4 where kernel_block

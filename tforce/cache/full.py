@@ -33,13 +33,26 @@ class FullCache(Rows):
         # per row: (first position, count, per layer (1, >= count, H_q, D) queries) or None
         self.row_queries: list[tuple[int, int, list[torch.Tensor]] | None] = [None] * rows
 
-    def begin(self, n: int, counts: list[int] | None = None) -> None:
-        """counts (each row's real tokens of the n) is not needed here: a padded position is written where
-        the row's next real token will be, before any query of the row can see it."""
-        lo, hi = self.span()
+    # begin takes the rows a forward feeds (Node.fill_row: a row joining a running batch is prefilled
+    # alone), but a ragged prefill or verification feeds every row (padding where a row has nothing), so
+    # that its forwards, and their rounding, are those of the layer-major prefill (prefill.py)
+    subsets = False
+    alone_rows = True  # Node.fill_row feeds one row alone
+
+    def begin(self, n: int, counts: list[int] | None = None, rows: list[int] | None = None) -> None:
+        """rows: the live rows this forward feeds (increasing; None: every one), e.g. a request joining a
+        running batch (Session.admit): its view is a slice of the cache when they are consecutive. counts
+        (each row's real tokens of the n) is not needed here: a padded position is written where the row's
+        next real token will be, before any query of the row can see it."""
+        fed = range(self.rows) if rows is None else rows
+        lo, hi = min(self.lengths[b] for b in fed), max(self.lengths[b] for b in fed)
         if hi + n > self.capacity:
             raise TforceError(f"KV cache full: {hi} + {n} tokens > capacity {self.capacity}")
         self.pending, self._S = n, hi + n
+        self._fed = None if rows is None else list(rows)
+        first = 0 if rows is None else rows[0]
+        # the fed rows' storage: rows [first, first + R) as a view, else (rows not consecutive) their indices
+        self._block = (first, first + len(fed)) if list(fed) == list(range(first, first + len(fed))) else None
         device = self.k.device
         if lo == hi:  # one block at [lo, lo + n) for every row; positions built on the device, no copy
             self._uniform, self._seqlens = lo, None
@@ -47,17 +60,27 @@ class FullCache(Rows):
             self._cos, self._sin = self.rotary.cos_sin(pos, self.k.dtype)
             # One new token sees everything before it: no mask needed.
             self._mask = None if n == 1 else visibility(torch.arange(lo + n, device=device)[None], pos)
-            return
-        self._uniform = None
-        lengths = to_device(torch.tensor(self.lengths[:self.rows]), device)
-        pos = lengths[:, None] + torch.arange(n, device=device)  # (B, T)
-        self._cos, self._sin = rotation(self.rotary, pos, self.k.dtype)
-        self._rows_idx = torch.arange(self.rows, device=device)[:, None].expand(-1, n)  # (B, T)
-        self._slots = pos
-        # slot s visible to row b's query t iff s <= lengths[b] + t: hides each row's unused tail; the same
-        # as seqlens lengths[b] + n, bottom-right causal (CacheView.seqlens)
-        self._mask = (torch.arange(self._S, device=device) <= pos[:, :, None])[:, None]  # (B, 1, T, S)
-        self._seqlens = (lengths + n).to(torch.int32)
+            if self._block is not None:
+                return
+        else:
+            self._uniform = None
+            lengths = to_device(torch.tensor([self.lengths[b] for b in fed]), device)
+            pos = lengths[:, None] + torch.arange(n, device=device)  # (B, T)
+            self._cos, self._sin = rotation(self.rotary, pos, self.k.dtype)
+            self._slots = pos
+            # slot s visible to row b's query t iff s <= lengths[b] + t: hides each row's unused tail; the
+            # same as seqlens lengths[b] + n, bottom-right causal (CacheView.seqlens)
+            self._mask = (torch.arange(self._S, device=device) <= pos[:, :, None])[:, None]  # (B, 1, T, S)
+            self._seqlens = (lengths + n).to(torch.int32)
+        self._index = (torch.arange(*self._block, device=device) if self._block is not None
+                       else to_device(torch.tensor(list(fed)), device))
+        self._rows_idx = self._index[:, None].expand(-1, n)  # (B, T)
+        if self._uniform is not None:  # rows not consecutive, of one length
+            self._slots = torch.arange(lo, lo + n, device=device).expand(len(fed), -1)
+            self._uniform = None
+            self._causal = True
+        else:
+            self._causal = False
 
     def _write(self, k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """This forward's K/V (B, T, H_kv, D) into one layer's storage (B', S, H_kv, D), at each row's slots."""
@@ -66,21 +89,26 @@ class FullCache(Rows):
             k_store[self._rows_idx, self._slots] = k
             v_store[self._rows_idx, self._slots] = v
         else:
-            k_store[:self.rows, L:self._S] = k
-            v_store[:self.rows, L:self._S] = v
+            a, b = self._block
+            k_store[a:b, L:self._S] = k
+            v_store[a:b, L:self._S] = v
 
     def update(self, layer, q, k, v):
         q = self.rotary.rotate(q, self._cos, self._sin)
         k = self.rotary.rotate(k, self._cos, self._sin)
         self._fresh[layer] = q
-        B, S, L = self.rows, self._S, self._uniform
+        S, L, block = self._S, self._uniform, self._block
         if L is None:
             self._write(self.k[layer], self.v[layer], k, v)
         else:  # inline: the one-prompt path's host time
-            self.k[layer, :B, L:S] = k
-            self.v[layer, :B, L:S] = v
-        return q, CacheView(self.k[layer, :B, :S], self.v[layer, :B, :S], self._mask,
-                            causal=self._uniform is not None, seqlens=self._seqlens)
+            self.k[layer, block[0]:block[1], L:S] = k
+            self.v[layer, block[0]:block[1], L:S] = v
+        if block is not None:
+            keys, values = self.k[layer, block[0]:block[1], :S], self.v[layer, block[0]:block[1], :S]
+        else:  # rows not consecutive (a rare refeed): a copy of theirs
+            keys, values = self.k[layer, self._index, :S], self.v[layer, self._index, :S]
+        causal = self._uniform is not None or (block is None and self._causal)
+        return q, CacheView(keys, values, self._mask, causal=causal, seqlens=self._seqlens)
 
     def commit(self, counts) -> None:
         starts = self.lengths[:self.rows]
@@ -88,10 +116,12 @@ class FullCache(Rows):
         if self._fresh:
             fresh = list(self._fresh.values())  # in layer order: update() runs layer after layer
             ns = per_row(counts, self.rows)
-            for b, n in enumerate(ns):
+            fed = list(range(self.rows)) if self._fed is None else self._fed
+            for i, b in enumerate(fed):
+                n = ns[b]
                 if n:
                     # one row: the forward's own tensors; several: copies of the row's (see the docstring)
-                    held = fresh if self.rows == 1 else [q[b:b + 1, :n].clone() for q in fresh]
+                    held = fresh if len(fed) == 1 and fresh[0].shape[0] == 1 else [q[i:i + 1, :n].clone() for q in fresh]
                     self.row_queries[b] = (starts[b], n, held)
         self._fresh = {}
 
@@ -102,6 +132,9 @@ class FullCache(Rows):
         if held is None or not held[0] <= position < held[0] + held[1]:
             return None
         return [q[0, position - held[0]] for q in held[2]]
+
+    def _reset_row(self, b: int) -> None:
+        self.row_queries[b] = None
 
     def keep(self, rows: list[int]) -> None:
         self.row_queries = [self.row_queries[i] for i in rows] + [None] * (len(self.row_queries) - len(rows))

@@ -127,6 +127,8 @@ class StagedLayers:
 
 
 class OffloadedCache(StagedLayers, FullCache):
+    alone_rows = False  # every forward stages every row's layer: a joining row's prefill pads the others
+
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int, rotary: Rotary,
                  resident: int, dtype=torch.float32, device="cpu", rows: int = 1):
         device = torch.device(device)

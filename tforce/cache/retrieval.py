@@ -285,6 +285,11 @@ class RetrievalCache(StaticInputs, Rows):
         if keep is not None:
             keep(rows)
 
+    def _reset_row(self, b: int) -> None:
+        self.key_pos[:, b] = -1
+        self.base[b] = 0
+        self.stats[b], self._stats_of[b] = None, None
+
     def _used(self, b: int) -> int:
         return self.budget  # slots wrap: a row may use any of them (not the spill slot: padding)
 

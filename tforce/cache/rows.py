@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import TforceError
 from .rope import Rotary
 
 
@@ -82,6 +83,21 @@ class Rows:
                 self._move_row(i, j)
         self.lengths[:len(rows)] = [self.lengths[i] for i in rows]
         self.rows = len(rows)
+
+    def add_row(self) -> int:
+        """One more live row, empty, after the live ones (a request joining a running batch:
+        Session.admit); returns its index. Its slots may hold a finished row's K/V: nothing reads a slot
+        before a forward writes it."""
+        b = self.rows
+        if b >= len(self.lengths):
+            raise TforceError(f"the cache has no free row ({len(self.lengths)} rows)")
+        self.rows += 1
+        self.lengths[b] = 0
+        self._reset_row(b)
+        return b
+
+    def _reset_row(self, b: int) -> None:
+        """A cache's own per-row state for a row that starts empty (add_row)."""
 
     def _used(self, b: int) -> int:
         """Slots row b uses (its committed tokens)."""

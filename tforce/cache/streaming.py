@@ -172,6 +172,9 @@ class StreamingCache(StaticInputs, Rows):
         super()._move_row(i, j)
         self.offset[j] = self.offset[i]
 
+    def _reset_row(self, b: int) -> None:
+        self.offset[b] = self.sinks
+
     # Saved states of one row: the cache rolls back only max_rollback tokens, so a conversation that returns
     # to a document's end (or a KV snapshot) restores the state taken there instead.
 

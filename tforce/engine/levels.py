@@ -43,6 +43,13 @@ class LevelStats:
         self.accepted[r] += n_accepted
         self.recent[r] = (self.recent[r] + [n_accepted / gamma])[-self.window:]
 
+    def clear(self, r: int) -> None:
+        """Prompt r counts from nothing (a new request in a reused place: Session.admit); r == len: one more."""
+        if r == len(self.rounds):
+            self.rounds.append(0), self.drafted.append(0), self.accepted.append(0), self.recent.append([])
+        self.rounds[r] = self.drafted[r] = self.accepted[r] = 0
+        self.recent[r] = []
+
     def step(self, r: int) -> None:
         """A round that drafted nothing (SpecLevel._step): no acceptance to count."""
         self.rounds[r] += 1

@@ -33,7 +33,7 @@ class LookupLevel(Level):
     def __init__(self, vocab_size: int, device: torch.device | str, rows: int = 1, n_max: int = 3, n_min: int = 1):
         """vocab_size: the width of the verifier's distributions; device: theirs (the one-hot labels are
         made there)."""
-        self.vocab_size, self.device = vocab_size, device
+        self.vocab_size, self.device, self.n_max, self.n_min = vocab_size, device, n_max, n_min
         self.indexes = [NgramIndex(n_max, n_min) for _ in range(rows)]  # row b's holds seq[b, :what it saw]
         # The labels (R, k, V), kept and rewritten in place: a fresh one at V = 128K is a 3 MB allocation
         # and fill a round (0.5-2 ms on a CPU); rewriting is the 2 R k entries that change.
@@ -82,6 +82,12 @@ class LookupLevel(Level):
             index.follow(seq.numpy()[b, :n[b]])
             out.append(bool(index.propose(1)))
         return out
+
+    def add_row(self, seq: torch.Tensor, b: int, length: int) -> None:
+        """Row b joins (Session.admit; the live rows before it): a fresh index of seq[b, :length]."""
+        assert b == len(self.indexes)
+        self.indexes.append(NgramIndex(self.n_max, self.n_min))
+        self.indexes[b].follow(seq.numpy()[b, :length])
 
     def keep(self, live: list[int]) -> None:
         """Only the listed rows stay, moved to the front with their indexes (Session.keep)."""

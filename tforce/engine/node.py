@@ -34,6 +34,7 @@ class Node:
         self.runner = runner or (lambda ids, last_n: model(ids, cache, last_n=last_n))
         self.counted = getattr(runner, "counted", False)  # takes each row's real count (rowwise.py)
         self.subsets = getattr(cache, "subsets", False)  # runs forwards over some of its rows (_feed)
+        self.alone_rows = getattr(cache, "alone_rows", self.subsets)  # runs one over a row alone (fill_row)
         self.tokens = torch.zeros(cache.rows, capacity, dtype=torch.long)  # row b holds tokens[b, :lengths[b]]
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
@@ -72,7 +73,7 @@ class Node:
         return keep
 
     def _feed(self, seq: torch.Tensor, ends: list[int], last: int, prefill: bool = False,
-              want: list[int] | None = None) -> torch.Tensor | None:
+              want: list[int] | None = None, alone: bool = False) -> torch.Tensor | None:
         """Feed row b seq[b, held(b):ends[b]] (padded at the end to the longest; the padding is never
         committed); probs (W, last, V) after the last `last` real tokens of each row in `want` (None: every
         row; each feeds at least `last`), or None for last=0. A row feeding nothing sits the forward out
@@ -80,11 +81,12 @@ class Node:
         caches); else it is fed padding. prefill: a prefill chunk (last 0 or 1; a row feeding nothing
         gets a meaningless distribution), run by the plain forward: the runners are for decode steps (a CUDA
         graph holds decode shapes; row-wise verification computes what a one-token step would), and one
-        prefill forward for every method gives every method the same first token."""
+        prefill forward for every method gives every method the same first token. alone: the rows feeding
+        nothing sit the forward out wherever the cache allows it (fill_row)."""
         B, starts = len(ends), self.cache.lengths[:len(ends)]
         counts = [e - s for s, e in zip(starts, ends)]
         rows = list(range(B))  # the rows in the forward
-        if B > 1 and self.subsets and 0 in counts:
+        if B > 1 and (self.subsets or alone and self.alone_rows) and 0 in counts:
             rows = [b for b in rows if counts[b]]
         fed_counts = [counts[b] for b in rows]
         T = max(fed_counts)
@@ -191,21 +193,35 @@ class Node:
         feeds its last token: every row feeds at least that one, so what the cache already holds is kept up
         to n[b] - 1. Returns (kept, the distributions)."""
         kept = self.match_prefix(seq, n)
-        return kept, self._fill(seq, n, progress, want=True)
+        return kept, torch.stack(self._fill(seq, n, progress, want=True))
 
-    def _fill(self, seq: torch.Tensor, n: list[int], progress, want: bool = False) -> torch.Tensor | None:
-        """Feed every row up to n[b] in chunks of prefill_chunk; want: the next-token distribution of each
-        row (B, V), from the chunk that ends it."""
+    def fill_row(self, seq: torch.Tensor, b: int, length: int, want: bool = False) -> torch.Tensor | None:
+        """Row b, just added empty (cache.add_row), takes seq[b, :length] in chunks, fed alone where the cache
+        allows it (the other rows sit out, as the same prompt's prefill alone: a request joining a running
+        batch, Session.admit); with want, the distribution (V,) of its next token."""
+        assert self.held(b) == 0
+        n = [self.held(i) for i in range(self.cache.rows)]
+        n[b] = length
+        out = self._fill(seq, n, None, want=want, alone=True)
+        return out[b] if want else None
+
+    def _fill(self, seq: torch.Tensor, n: list[int], progress, want: bool = False, alone: bool = False) -> list | None:
+        """Feed every row up to n[b] in chunks of prefill_chunk; want: the next-token distribution (V,) of
+        each row that reaches its n[b] (a list by row; None for the others), from the chunk that ends it."""
         out: list = [None] * len(n)
         while any(self.held(b) < nb for b, nb in enumerate(n)):
             ends = [min(self.held(b) + self.prefill_chunk, nb) for b, nb in enumerate(n)]
             ended = [b for b, (nb, e) in enumerate(zip(n, ends)) if want and self.held(b) < nb and e == nb]
-            probs = self._feed(seq, ends, int(bool(ended)), prefill=True, want=ended)
+            probs = self._feed(seq, ends, int(bool(ended)), prefill=True, want=ended, alone=alone)
             for i, b in enumerate(ended):
                 out[b] = probs[i, 0]
             if progress:
                 progress(sum(self.held(b) for b in range(len(n))), sum(n))
-        return torch.stack(out) if want else None
+        return out if want else None
+
+    def add_row(self) -> int:
+        """One more live row, empty (Session.admit)."""
+        return self.cache.add_row()
 
     def keep(self, live: list[int]) -> None:
         """Only the listed rows stay (cache/rows.py keep), with their records."""

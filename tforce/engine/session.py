@@ -294,6 +294,46 @@ class Session:
             self.verified[r] += 1
         return tokens
 
+    def admit(self, prompt, gen: torch.Generator) -> int:
+        """A new prompt joins the running rows between rounds (a server's request joining its batch) as live
+        row len(ids), in a row the caches hold free (keep compacted the finished ones away), and prompt index
+        r: a finished prompt's, counted again from nothing, or the next. Every node prefills the row alone
+        (the other rows sit out where the cache allows, else they are fed padding: an offloaded full
+        cache), as the prompt's own prefill would; the row's first new token is drawn now from that
+        prefill's distribution and written after the prompt. Returns r; the row's first token is
+        buffer[len(ids) - 1, len(prompt)]."""
+        if self.next is not None:
+            raise TforceError("a row joins between rounds, not before the first")
+        b, m = len(self.ids), len(prompt)
+        if b >= len(self.buffer):
+            raise TforceError(f"no free row: the session holds {len(self.buffer)}")
+        free = sorted(set(range(len(self.verified))) - set(self.ids))
+        r = free[0] if free else len(self.verified)
+        if r == len(self.verified):
+            self.verified.append(0), self.rebuilds.append(0)
+        self.verified[r] = self.rebuilds[r] = 0
+        for level in {self.verifies_draft, self.verifies_middle} - {None}:
+            level.stats.clear(r)
+        for node in self.nodes():
+            assert node.add_row() == b
+        self.ids.append(r)
+        self.buffer[b, :m] = torch.as_tensor(prompt, dtype=torch.long)
+        probs = self.full.fill_row(self.buffer, b, m, want=True)
+        if self.middle is not None:
+            if self.retrieval is not None:
+                prepare = getattr(self.retrieval.select, "prepare", None)  # H2O: a pass over the row's prompt
+                if prepare is not None:
+                    prepare(self.target, self.buffer[b, :m], b)
+                self._rebuild([b])
+            else:
+                self.middle.fill_row(self.buffer, b, m)
+        if self.small is not None:
+            self.small.fill_row(self.buffer, b, m)
+        if self.lookup is not None:
+            self.lookup.add_row(self.buffer, b, m)
+        self.buffer[b, m] = host(sample(probs[None], gen, self.sampling.greedy))[0]
+        return r
+
     def keep(self, live: list[int]) -> None:
         """Only the listed live rows stay (increasing), moved to the front: in the caches, the nodes' records,
         the sequences and the row -> prompt map; a finished row costs no further work."""

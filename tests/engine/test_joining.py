@@ -84,7 +84,7 @@ def test_greedy_rows_that_join_and_leave_equal_their_prompts_alone(tiny, method,
 def test_a_row_joining_is_prefilled_alone(tiny):
     """The joining row's prefill forwards feed it alone: the live rows sit them out (their caches untouched)."""
     s = session(tiny["gqa"].model, tiny["draft"].model, "ar", Sampling(temperature=0))
-    j, gen = Joining(s, torch.Generator(), set()), torch.Generator()
+    j = Joining(s, torch.Generator(), set())
     prompts = prompts_of((9, 37), seed=4)
     j.join(prompts[0], 10)
     j.step()

@@ -49,6 +49,8 @@ def serve(
     chat_template: Optional[str] = typer.Option(None, "--chat-template", metavar="FILE",
                                                 help="A Jinja chat template for chat requests: a base model's, or "
                                                      "one to use instead of the model's own."),
+    max_batch: int = typer.Option(1, "--max-batch", metavar="N", help="Requests answered together as rows of one "
+                                  "batch, joining it as they arrive (continuous batching; 1: one at a time)."),
     allowed_origins: Optional[str] = typer.Option(None, "--allowed-origins",
                                                   help="Origins whose browser pages may call the API (CORS), "
                                                        "comma-separated, or '*'."),
@@ -77,6 +79,11 @@ def serve(
         store = None if kv_dir is None else (kv_dir, parse_size(kv_dir_size, "--kv-dir-size"), kv_dir_min)
         if kv_dir_min < 1:
             raise UsageError(f"--kv-dir-min must be >= 1, got {kv_dir_min}")
+        if max_batch < 1:
+            raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
+        if max_batch > 1 and setup.config.execution.deterministic:
+            raise UsageError("--max-batch above 1 and --deterministic are not supported together yet")
+        web["max_batch"] = max_batch
         _serve(setup, host, port, api_key, max_body, ctx_size, name or _served_name(opts["model"], setup.target), store,
                web)
 
@@ -128,7 +135,8 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
     fmt = setup.prompt_format(tok, path)
     notices(setup, fmt, serving=True)
     draft_config = read_draft_config(setup.draft, config, tok) if setup.draft else None
-    check_memory(config, draft_config, context, dtype_bytes(setup.dtype, setup.device), setup.device, setup.config)
+    check_memory(config, draft_config, context, dtype_bytes(setup.dtype, setup.device), setup.device, setup.config,
+                 rows=1 + (web["max_batch"] if web["max_batch"] > 1 else 0))  # the one-row session and the batch's
     target, small = setup.load()
     try:
         sock = listen(host, port)
@@ -140,12 +148,13 @@ def _serve(setup, host: str, port: int, api_key: Optional[str], max_body: int, c
 
         store = KVStore(*store, identity(target, small), log=say)
     worker = Worker(target.model, small.model if small else None, tok, name, context, setup.config, setup.template,
-                    setup.system, setup.stops, log=say, debug=debug_on(), store=store)
+                    setup.system, setup.stops, log=say, debug=debug_on(), store=store, max_batch=web["max_batch"])
     if api_key is None and not _loopback(host):
         say(f"tforce: note: listening on {host} without --api-key: whoever reaches the port can use the model")
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    say(f"tforce: serving {name} ({setup.config.method}, {context}-token context) on http://{shown}:{bound}/v1"
+    batched = f", batches of up to {web['max_batch']}" if web["max_batch"] > 1 else ""
+    say(f"tforce: serving {name} ({setup.config.method}, {context}-token context{batched}) on http://{shown}:{bound}/v1"
          + (" (API key required)" if api_key else ""))
     try:
         run(build(Settings(worker, name, api_key, max_body, say, debug_on(), origins=web["origins"])), sock, worker.stop)

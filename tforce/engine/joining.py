@@ -74,11 +74,12 @@ class Joining:
             self._leave(gone)
         return told
 
-    def drop(self, r: int) -> None:
-        """Prompt r leaves the session now (its client went away)."""
+    def drop(self, r: int) -> Row | None:
+        """Prompt r leaves the session now (its client went away, the server stops): its Row (its tokens so
+        far), or None if it is not here."""
         if r in self.rows:
             self._leave([r])
-        self.done.pop(r, None)
+        return self.done.pop(r, None)
 
     def _take(self, row: Row, tokens: list[int]) -> list[int]:
         tokens = tokens[:row.max_new - len(row.out)]

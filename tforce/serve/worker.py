@@ -12,6 +12,9 @@ more with a snapshot on disk than with the live caches starts from that snapshot
 the same prompt gives alone: at temperature 0 `tforce run`'s greedy tokens, with a seed its draw
 (tests/serve/test_serve_exact.py).
 
+With --max-batch N above 1, requests that can run as rows of a batch do (batch.py: continuous batching,
+a second Session of N rows); the others, and all of them with N = 1, run here one at a time.
+
 A client that disconnects cancels its job: checked between decoding rounds and after each prefill chunk
 of the full cache, where every cache has committed what it was fed (the next prompt rolls each back to
 what it shares); the caches keep what they hold. The server stopping ends a running answer at its next
@@ -19,7 +22,9 @@ round and refuses a prompt still in its prefill.
 """
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import queue
 import threading
 import traceback
@@ -33,13 +38,15 @@ from ..text.stream import TextStream
 from ..config import RunConfig, Sampling
 from ..engine.driver import drive
 from ..engine.events import Events
-from ..engine.generate import eos_ids, check_ids, generator, open_session
+from ..engine.generate import check_config, eos_ids, check_ids, generator, open_session
+from ..engine.session import Session
 from ..engine.prompt_logprobs import prompt_logprobs
 from ..errors import TforceError, UsageError
 from ..text.format import PromptFormat
 from ..engine.stops import StopStrings
 from .kv_store import KVStore, shared_prefix
 from .requests import ApiError, Ask
+from .batch import Batch, batchable
 from .jobs import Cancelled, Job, TextEvents
 from .responses import Done, LogprobParts, entries, token_logprobs
 
@@ -47,11 +54,12 @@ from .responses import Done, LogprobParts, entries, token_logprobs
 class Worker:
     def __init__(self, target, draft, tokenizer, name: str, context: int, config: RunConfig, template: str = "auto",
                  system: Optional[str] = None, stops: tuple = (), log: Callable = print, debug: bool = False,
-                 store: Optional[KVStore] = None):
+                 store: Optional[KVStore] = None, max_batch: int = 1):
         """target, draft: loaded networks (draft None for methods without one); context: tokens the shared
         session holds (prompt and answer); config: the server's defaults (max_new_tokens, ignore_eos, the
         sampling) and the speculation and execution settings every request runs with. debug: a
-        failure's traceback on stderr (TFORCE_DEBUG=1). store: prompts' KV snapshots on disk (--kv-dir)."""
+        failure's traceback on stderr (TFORCE_DEBUG=1). store: prompts' KV snapshots on disk (--kv-dir).
+        max_batch: rows of the batch session (batch.py); 1: none."""
         self.max_new = config.max_new_tokens
         self.eos = set() if config.ignore_eos else eos_ids(target.config)
         self.defaults = config.sampling
@@ -64,6 +72,12 @@ class Worker:
         self.store = store
         self.session = open_session(target, draft, context - 1, 1, config)
         self.marked: Optional[torch.Tensor] = None  # the prefix the streaming caches' states are marked at
+        self.batch = None
+        if max_batch > 1:  # rows that change between rounds: no CUDA graph holds their shapes
+            run = dataclasses.replace(config, execution=dataclasses.replace(config.execution, cuda_graphs=False))
+            session = Session(target, draft, context - 1, 1, check_config(target, draft, run), rows=max_batch)
+            session.keep([])  # every row free
+            self.batch = Batch(session, tokenizer, self.eos, session.spec.method, log)
         self.jobs: queue.Queue = queue.Queue()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="tforce-worker", daemon=True)
@@ -143,11 +157,27 @@ class Worker:
     # ----------------------------------------------------------------------- on the worker's thread
 
     def _loop(self) -> None:
+        waiting: collections.deque = collections.deque()  # taken from the queue, not batched yet: first
         while True:
-            job = self.jobs.get()
+            batch = self.batch
+            if batch is not None and batch.live:
+                self._admit(batch, waiting)
+                if self.stopping:
+                    batch.stop()
+                    continue
+                try:
+                    threads.tick()
+                    batch.step()
+                except Exception as e:  # a bug or a device failure: every row's request gets it
+                    batch.fail(self._failure(e))
+                continue
+            job = waiting.popleft() if waiting else self.jobs.get()
             if job is None:
                 break
             if job.cancelled.is_set():  # its client went away while it waited
+                continue
+            if batch is not None and batchable(job):
+                self._join(batch, job)
                 continue
             try:
                 if self.stopping:
@@ -160,17 +190,50 @@ class Worker:
             except UsageError as e:  # refused before any work
                 job.post(("error", ApiError(400, str(e))))
             except Exception as e:  # a bug or a device failure: the caches may be half-written
-                if self.debug:
-                    traceback.print_exc()
                 self.session.rewind(0)
                 self.marked = None
-                first = (str(e).strip().splitlines() or [""])[0]
-                what = "" if isinstance(e, TforceError) else f"{type(e).__name__}: "
-                job.post(("error", ApiError(500, what + first)))
-        while not self.jobs.empty():  # refused: the server stopped before their turn
-            job = self.jobs.get()
-            if job is not None:
+                job.post(("error", self._failure(e)))
+        for job in list(waiting) + [self.jobs.get() for _ in range(self.jobs.qsize())]:
+            if job is not None:  # refused: the server stopped before their turn
                 job.post(("error", ApiError(503, "the server is stopping", code="shutting_down")))
+
+    def _admit(self, batch: Batch, waiting: collections.deque) -> None:
+        """Between rounds: the queued requests join the batch while they can, in arrival order; the first
+        that cannot (it runs alone, samples otherwise, or no row is free) waits, and so do all after it."""
+        while not waiting:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and job.cancelled.is_set():
+                continue
+            if job is None or self.stopping or not (batchable(job) and batch.takes(job)):
+                waiting.append(job)
+                return
+            self._join(batch, job)
+
+    def _join(self, batch: Batch, job: Job) -> None:
+        """The job joins the batch (its prompt prefilled in a free row), or is refused."""
+        try:
+            if self.stopping:
+                raise ApiError(503, "the server is stopping", code="shutting_down")
+            batch.join(job, time.perf_counter())
+        except Cancelled:
+            job.post(("cancelled",))
+        except ApiError as e:
+            job.post(("error", e))
+        except Exception as e:  # mid-prefill: the batch's rows may be half-written
+            error = self._failure(e)
+            job.post(("error", error))
+            batch.fail(error)
+
+    def _failure(self, e: Exception) -> ApiError:
+        """A bug or a device failure as the 500 its request gets (the traceback on stderr with --debug)."""
+        if self.debug:
+            traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0]
+        what = "" if isinstance(e, TforceError) else f"{type(e).__name__}: "
+        return ApiError(500, what + first)
 
     def _run(self, job: Job) -> None:
         s = self.session

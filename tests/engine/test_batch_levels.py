@@ -68,7 +68,7 @@ def test_rows_that_have_their_drafts_sit_out_the_rounds_that_follow(tiny, monkey
     in_forward: dict[str, int] = {}
     feed, phase = Node._feed, ["batch"]
 
-    def counting_feed(self, seq, ends, last, prefill=False, want=None):
+    def counting_feed(self, seq, ends, last, prefill=False, want=None, alone=False):
         counts = [e - s for s, e in zip(self.cache.lengths, ends)]
         key = (self.name, phase[0])
         fed[key] = fed.get(key, 0) + sum(c > 0 for c in counts)
@@ -79,7 +79,7 @@ def test_rows_that_have_their_drafts_sit_out_the_rounds_that_follow(tiny, monkey
             return begin(n, counts) if rows is None else begin(n, counts, rows)
         self.cache.begin = counting_begin
         try:
-            return feed(self, seq, ends, last, prefill, want)
+            return feed(self, seq, ends, last, prefill, want, alone)
         finally:
             del self.cache.begin
 

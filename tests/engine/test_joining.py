@@ -81,6 +81,32 @@ def test_greedy_rows_that_join_and_leave_equal_their_prompts_alone(tiny, method,
     assert s.ids == [] and len(s.verified) == 2  # each later prompt took a finished one's place
 
 
+@pytest.mark.parametrize("method", ["ar", "triforce"])
+def test_a_prefix_a_live_row_holds_is_copied_and_the_answers_stay_alone(tiny, method):
+    """Three questions about one 40-token document: the second and third join while the first runs, copy
+    the document's K/V from it (not prefilled again) and still answer as alone."""
+    doc = prompts_of((40,), seed=5)[0]
+    prompts = [doc + q for q in prompts_of((3, 6, 1), seed=6)]
+    s = session(tiny["gqa"].model, tiny["draft"].model, method, Sampling(temperature=0))
+    j = Joining(s, torch.Generator(), set())
+    out, reused, index = {}, {}, {}
+    for i, p in enumerate(prompts):
+        rows = s.full.row_forwards
+        r, first, _ = j.join(p, 12)
+        out[i], index[r], reused[i] = list(first), i, j.rows[r].reused
+        assert s.full.row_forwards - rows == (1 if i else 6)  # what is left after the copied document: one chunk
+        for r2, (tokens, _) in j.step().items():  # a round of every live row before the next joins
+            out[index[r2]] += tokens
+    while j.rows:
+        for r2, (tokens, _) in j.step().items():
+            out[index[r2]] += tokens
+    assert reused == {0: 0, 1: 40, 2: 40}
+    for i, p in enumerate(prompts):
+        alone = tforce.generate(tiny["gqa"], p, method="ar", max_new_tokens=12, temperature=0, ignore_eos=True,
+                                prefill_chunk=CHUNK)
+        assert out[i] == alone.tokens
+
+
 def test_a_row_joining_is_prefilled_alone(tiny):
     """The joining row's prefill forwards feed it alone: the live rows sit them out (their caches untouched)."""
     s = session(tiny["gqa"].model, tiny["draft"].model, "ar", Sampling(temperature=0))

@@ -36,12 +36,12 @@ def full_logits(monkeypatch):
     feeding, into = [], [None]
     feed, next_of, to_probs = node_module.Node._feed, node_module.Node.next_of, node_module.to_probs
 
-    def recorded_feed(self, seq, ends, last, prefill=False, want=None):
+    def recorded_feed(self, seq, ends, last, prefill=False, want=None, alone=False):
         rows = range(len(ends)) if want is None else want  # the rows whose logits come back, in order
         feeding.append((self.name, seq, list(rows), [ends[b] for b in rows], last,
                         [self.cache.lengths[b] for b in rows]))
         try:
-            return feed(self, seq, ends, last, prefill, want)
+            return feed(self, seq, ends, last, prefill, want, alone)
         finally:
             feeding.pop()
 

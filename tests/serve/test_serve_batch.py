@@ -60,6 +60,8 @@ def test_clients_at_once_join_the_batch_and_get_what_they_get_alone(server, pair
     for prompt, n, answer in zip(prompts, budgets, got):
         assert answer["choices"][0]["text"] == _run(pair, prompt, server.method, n)
         assert answer["tforce"]["batched"] is True and answer["usage"]["completion_tokens"] <= n
+    # a request joining while another row holds the document copies its K/V instead of prefilling it
+    assert any(a["tforce"]["prefix_reused"] >= len(DOC) for a in got)
 
 
 def test_a_streamed_row_joins_to_the_whole_text_while_others_run(server):

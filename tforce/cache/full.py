@@ -136,6 +136,14 @@ class FullCache(Rows):
     def _reset_row(self, b: int) -> None:
         self.row_queries[b] = None
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Row dst (empty) takes row src's first n tokens' K/V: a prompt joining a batch whose live row holds
+        its prefix (Session.admit)."""
+        assert self.lengths[dst] == 0 and n <= self.lengths[src]
+        self.k[:, dst, :n] = self.k[:, src, :n]
+        self.v[:, dst, :n] = self.v[:, src, :n]
+        self.lengths[dst] = n
+
     def keep(self, rows: list[int]) -> None:
         self.row_queries = [self.row_queries[i] for i in rows] + [None] * (len(self.row_queries) - len(rows))
         super().keep(rows)

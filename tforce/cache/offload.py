@@ -261,6 +261,13 @@ class OffloadedCache(StagedLayers, FullCache):
         self._synced()
         super().keep(rows)
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """FullCache.copy_prefix; the host layers' rows too, once no copy still reads or writes them."""
+        self._synced()
+        super().copy_prefix(src, dst, n)
+        for x in self.host_k + self.host_v:
+            x[dst, :n] = x[src, :n]
+
     def _move_row(self, i: int, j: int) -> None:
         super()._move_row(i, j)
         n = self._used(i)

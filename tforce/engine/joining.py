@@ -1,6 +1,7 @@
 """Joining: rows that join a running Session between rounds and leave it when done (a server's continuous
 batching, serve/batch.py). The Session holds a fixed number of rows (its memory plan's); a prompt joins in
-a free row (Session.admit: prefilled alone, its first token drawn from that prefill), every live row then
+a free row (Session.admit: prefilled alone, but for a prefix a live row holds, whose K/V are copied; its
+first token drawn from that prefill), every live row then
 takes part in each round as a batch's rows do (decode.py), and a finished or dropped row is compacted away
 (Session.keep), freeing its row for the next prompt.
 
@@ -25,6 +26,7 @@ class Row:
     prompt_len: int
     max_new: int
     until: Callable[[list], int | None] | None = None
+    reused: int = 0  # prompt tokens whose K/V a live row held (Session.admit)
     out: list = field(default_factory=list)
     done: bool = False
     # once finished: its acceptance per level ({"draft", "retrieval"}) and verifications (rounds that decided
@@ -49,8 +51,8 @@ class Joining:
         it is finished already: EOS, a stop string, a budget of one). A finished row's Row stays in `done`
         until the caller takes it."""
         s = self.session
-        r = s.admit(prompt, self.gen)
-        row = self.rows[r] = Row(len(prompt), max_new, until)
+        r, reused = s.admit(prompt, self.gen)
+        row = self.rows[r] = Row(len(prompt), max_new, until, reused=reused)
         first = [int(s.buffer[len(s.ids) - 1, len(prompt)])]
         told = self._take(row, first)
         if row.done:

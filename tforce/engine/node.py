@@ -196,10 +196,10 @@ class Node:
         return kept, torch.stack(self._fill(seq, n, progress, want=True))
 
     def fill_row(self, seq: torch.Tensor, b: int, length: int, want: bool = False) -> torch.Tensor | None:
-        """Row b, just added empty (cache.add_row), takes seq[b, :length] in chunks, fed alone where the cache
-        allows it (the other rows sit out, as the same prompt's prefill alone: a request joining a running
-        batch, Session.admit); with want, the distribution (V,) of its next token."""
-        assert self.held(b) == 0
+        """Row b, just added (cache.add_row; holding a prefix of it, or nothing), takes the rest of
+        seq[b, :length] in chunks, fed alone where the cache allows it (the other rows sit out, as the same
+        prompt's prefill alone: a request joining a running batch, Session.admit); with want, the distribution
+        (V,) of its next token."""
         n = [self.held(i) for i in range(self.cache.rows)]
         n[b] = length
         out = self._fill(seq, n, None, want=want, alone=True)
@@ -222,6 +222,11 @@ class Node:
     def add_row(self) -> int:
         """One more live row, empty (Session.admit)."""
         return self.cache.add_row()
+
+    def share_prefix(self, src: int, dst: int, n: int) -> None:
+        """Row dst (just added) holds row src's first n tokens (cache.copy_prefix)."""
+        self.cache.copy_prefix(src, dst, n)
+        self.tokens[dst, :n] = self.tokens[src, :n]
 
     def keep(self, live: list[int]) -> None:
         """Only the listed rows stay (cache/rows.py keep), with their records."""

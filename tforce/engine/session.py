@@ -294,13 +294,15 @@ class Session:
             self.verified[r] += 1
         return tokens
 
-    def admit(self, prompt, gen: torch.Generator) -> int:
+    def admit(self, prompt, gen: torch.Generator) -> tuple[int, int]:
         """A new prompt joins the running rows between rounds (a server's request joining its batch) as live
         row len(ids), in a row the caches hold free (keep compacted the finished ones away), and prompt index
         r: a finished prompt's, counted again from nothing, or the next. Every node prefills the row alone
         (the other rows sit out where the cache allows, else they are fed padding: an offloaded full
-        cache), as the prompt's own prefill would; the row's first new token is drawn now from that
-        prefill's distribution and written after the prompt. Returns r; the row's first token is
+        cache), as the prompt's own prefill would, but for the longest prefix of it (but its last token) a live
+        row's full cache holds: those K/V are copied (as a one-row session reuses what an earlier prompt left:
+        serve/worker.py). The row's first new token is drawn now from the prefill's distribution and written
+        after the prompt. Returns (r, the prompt tokens whose K/V were copied); the row's first token is
         buffer[len(ids) - 1, len(prompt)]."""
         if self.next is not None:
             raise TforceError("a row joins between rounds, not before the first")
@@ -318,6 +320,9 @@ class Session:
             assert node.add_row() == b
         self.ids.append(r)
         self.buffer[b, :m] = torch.as_tensor(prompt, dtype=torch.long)
+        donor, shared = self._donor(b, m - 1)
+        if shared:
+            self.full.share_prefix(donor, b, shared)
         probs = self.full.fill_row(self.buffer, b, m, want=True)
         if self.middle is not None:
             if self.retrieval is not None:
@@ -332,7 +337,18 @@ class Session:
         if self.lookup is not None:
             self.lookup.add_row(self.buffer, b, m)
         self.buffer[b, m] = host(sample(probs[None], gen, self.sampling.greedy))[0]
-        return r
+        return r, shared
+
+    def _donor(self, b: int, m: int) -> tuple[int, int]:
+        """(the live row whose full cache holds the longest prefix of buffer[b, :m], its length), or (0, 0)."""
+        best = (0, 0)
+        for i in range(b):
+            n = min(self.full.held(i), m)
+            diff = (self.full.tokens[i, :n] != self.buffer[b, :n]).nonzero()
+            shared = int(diff[0]) if len(diff) else n
+            if shared > best[1]:
+                best = (i, shared)
+        return best
 
     def keep(self, live: list[int]) -> None:
         """Only the listed live rows stay (increasing), moved to the front: in the caches, the nodes' records,

@@ -10,8 +10,9 @@ not be the one the seed gives alone). A request joins a running batch only if it
 joins while a request that cannot is waiting (first come, first served).
 
 Each answer is what the request gives alone: greedy, its tokens (float32 on the CPU; tests/serve/
-test_serve_batch.py); sampled, the same distribution (tests/engine/test_joining.py). The batch session keeps
-no prefix between requests (each row is prefilled in full); the one-row session keeps its own.
+test_serve_batch.py); sampled, the same distribution (tests/engine/test_joining.py). A joining prompt's
+longest prefix that a running row holds (a document several clients ask about) is copied, not prefilled
+(Session.admit); a finished row's KV is not kept for later requests (the one-row session keeps its own).
 """
 from __future__ import annotations
 
@@ -122,7 +123,8 @@ class Batch:
         eos_or_stop = bool(out) and (out[-1] in self.joining.eos or answer.stops.matched(out) is not None)
         decoded = max(len(out) - 1, 0)
         verifications = stats.get("verifications")
-        extension = {"prefix_reused": 0, "prefix_from_kv_dir": 0, "prefilled_tokens": len(answer.job.ids),
+        extension = {"prefix_reused": row.reused, "prefix_from_kv_dir": 0,
+                     "prefilled_tokens": len(answer.job.ids) - row.reused,
                      "ttft_s": answer.t1 - answer.t0, "prefill_s": answer.t1 - answer.t0,
                      "decode_s": now - answer.t1,
                      "ms_per_token": 1000 * (now - answer.t1) / decoded if decoded else None,

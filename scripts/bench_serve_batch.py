@@ -32,13 +32,15 @@ def start(extra: list[str]):
         found = re.search(r"serving (\S+) .* on (http://\S+/v1)", line)
         if found:
             threading.Thread(target=server.stderr.read, daemon=True).start()
+            print(line.strip())
             return server, found.group(1), OpenAI(base_url=found.group(2), api_key="unused", max_retries=0,
                                                   timeout=3600)
     raise SystemExit("the server did not start")
 
 
 def ask(client, model, prompt, new, t_sent):
-    """(answer text, seconds from t_sent to its first streamed text, to its end, tokens)."""
+    """(answer text, seconds from t_sent to its first streamed text (to its end if it has none), to its end,
+    tokens)."""
     first, parts, tokens = None, [], 0
     for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True,
                                            stream_options={"include_usage": True}):
@@ -47,7 +49,8 @@ def ask(client, model, prompt, new, t_sent):
             parts.append(chunk.choices[0].text)
         if chunk.usage:
             tokens = chunk.usage.completion_tokens
-    return "".join(parts), first, time.perf_counter() - t_sent, tokens
+    end = time.perf_counter() - t_sent
+    return "".join(parts), end if first is None else first, end, tokens  # no text: its end
 
 
 def together(client, model, prompts, new):

@@ -1,6 +1,7 @@
 """`tforce serve` on the trained demo pair (models/): the second question about a ~3,000-token document
 streams its first chunk in at most a third of the first question's time (its KV is reused), and a bounded
-load (200 requests from 8 clients) brings no error and no growth of the server's memory."""
+load (200 requests from 8 clients) brings no error and no growth of the server's memory, one at a time and
+with `--max-batch 8` (every batched answer the unbatched server's)."""
 from __future__ import annotations
 
 import time
@@ -55,8 +56,29 @@ def test_second_question_reuses_the_document(server):
     assert warm <= cold / 3, (cold, warm)
 
 
+PROMPTS = [f"Chapter {i}. The narrator walked" for i in range(200)]
+ANSWERS: dict = {}  # the unbatched server's answers, for the batched one's test
+
+
 def test_bounded_load_no_error_no_growth(server):
-    prompts = [f"Chapter {i}. The narrator walked" for i in range(200)]
+    ANSWERS.update(zip(PROMPTS, _load(server)))
+
+
+def test_bounded_load_batched_no_error_no_growth_answers_unchanged(server):
+    batched = Server("-m", str(DEMO / "demo-target"), "--budget", "256", "--draft-budget", "192", "--temperature",
+                     "0", "--max-batch", "8")
+    try:
+        answers = _load(batched)
+    finally:
+        assert batched.stop() == 0
+    if not ANSWERS:  # run alone: the unbatched answers now
+        ANSWERS.update(zip(PROMPTS, _load(server)))
+    assert answers == [ANSWERS[p] for p in PROMPTS]
+
+
+def _load(server) -> list[str]:
+    """The 200 prompts from 8 clients: no error, at most 120 s, RSS after 200 within 10% of after 20; the answers."""
+    prompts = PROMPTS
     proc = psutil.Process(server.proc.pid)
     client = server.client()
 
@@ -67,7 +89,7 @@ def test_bounded_load_no_error_no_growth(server):
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(ask, prompts[:20]))
+        first = list(pool.map(ask, prompts[:20]))
         rss_20 = proc.memory_info().rss
         answers = list(pool.map(ask, prompts[20:]))
     elapsed = time.monotonic() - t0
@@ -77,3 +99,4 @@ def test_bounded_load_no_error_no_growth(server):
     assert len(answers) == 180 and all(isinstance(a, str) for a in answers)
     assert elapsed < 120
     assert rss_200 <= 1.1 * rss_20
+    return first + answers

@@ -107,6 +107,44 @@ def test_a_prefix_a_live_row_holds_is_copied_and_the_answers_stay_alone(tiny, me
         assert out[i] == alone.tokens
 
 
+@pytest.mark.parametrize("method, proposer", [("ar", "model"), ("naive", "model"), ("triforce", "model"),
+                                              ("retrieval", "model"), ("naive", "lookup")])
+def test_seeded_rows_that_join_draw_what_their_prompts_draw_alone(tiny, method, proposer):
+    """Each row with a generator of its own (a request's seed) samples exactly the tokens the prompt gives
+    alone with that seed, whatever the other rows draw and whenever it joins."""
+    prompts = prompts_of(LENGTHS, seed=7)
+    s = session(tiny["gqa"].model, tiny["draft"].model, method, Sampling(temperature=0.9, top_p=0.95), rows=2,
+                proposer=proposer)
+    j = Joining(s, torch.Generator().manual_seed(123), set())
+    seeds = [11, 12, 13, 14]
+    out, index = {}, {}
+
+    def join(i):
+        r, first, done = j.join(prompts[i], BUDGET[i], gen=torch.Generator().manual_seed(seeds[i]))
+        out[i] = list(first)
+        j.done.pop(r, None) if done else index.__setitem__(r, i)
+
+    join(0)
+    for rounds in range(1000):
+        if rounds in (2, 3):
+            join(rounds - 1)
+        if rounds > 3 and 3 not in out and j.free:
+            join(3)
+        if not j.rows and 3 in out:
+            break
+        for r, (tokens, done) in j.step().items():
+            out[index[r]] += tokens
+            if done:
+                index.pop(r)
+                j.done.pop(r)
+    draft = None if proposer == "lookup" or method in ("ar", "retrieval") else tiny["draft"]
+    for i, prompt in enumerate(prompts):
+        alone = tforce.generate(tiny["gqa"], prompt, draft=draft, method=method, proposer=proposer, **SMALL,
+                                max_new_tokens=BUDGET[i], temperature=0.9, top_p=0.95, seed=seeds[i],
+                                ignore_eos=True, prefill_chunk=CHUNK)
+        assert out[i] == alone.tokens, i
+
+
 def test_a_row_joining_is_prefilled_alone(tiny):
     """The joining row's prefill forwards feed it alone: the live rows sit them out (their caches untouched)."""
     s = session(tiny["gqa"].model, tiny["draft"].model, "ar", Sampling(temperature=0))

@@ -1,7 +1,7 @@
 """`tforce serve --max-batch N`: requests arriving while others are answered join the running batch
 (serve/batch.py) and each answer is what the request gets alone (greedy, float32 on the CPU): as `tforce
 run` prints it and as a server without batching answers it, streamed or not; requests that cannot be rows
-(log-probabilities, a seeded sample) still run, alone; a client that goes away leaves the others' answers
+(log-probabilities) still run, alone; seeded samples are rows and draw what they draw alone; a client that goes away leaves the others' answers
 unchanged; a bad --max-batch is one line."""
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ def server(request, pair):
     assert s.stop() == 0
 
 
-def _run(pair, prompt: str, method: str, n: int) -> str:
+def _run(pair, prompt: str, method: str, n: int, *more: str) -> str:
     target, draft = pair
     r = CliRunner().invoke(app, ["run", "-m", str(target), "--draft", str(draft), *FAST, "-n", str(n), "-p", prompt,
-                                 "--method", method, "--template", "none", "--json"], input="")
+                                 "--method", method, "--template", "none", "--json", *more], input="")
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)["text"]
 
@@ -74,18 +74,27 @@ def test_a_streamed_row_joins_to_the_whole_text_while_others_run(server):
     assert "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e.get("choices")) == whole
 
 
-def test_requests_that_cannot_be_rows_run_alone_beside_the_batch(server):
-    """Log-probabilities and a seeded sample: not rows (serve/batch.py), answered alone, as before."""
+def test_requests_with_log_probabilities_run_alone_beside_the_batch(server):
+    """Log-probabilities: not rows (serve/batch.py), answered alone, as before."""
     prompt = DOC + "\n\n" + QUESTIONS[3]
     with ThreadPoolExecutor(4) as pool:
         rows = [pool.submit(_complete, server, DOC + "\n\n" + q) for q in QUESTIONS[4:7]]
         logprobs = pool.submit(_complete, server, prompt, logprobs=2)
-        seeded = [pool.submit(_complete, server, prompt, temperature=0.8, seed=5) for _ in range(2)]
         assert all(r.result()["tforce"]["batched"] for r in rows)
         lp = logprobs.result()
         assert "batched" not in lp["tforce"] and len(lp["choices"][0]["logprobs"]["tokens"]) >= 1
-        a, b = (s.result() for s in seeded)
-        assert a["choices"][0]["text"] == b["choices"][0]["text"] and "batched" not in a["tforce"]
+
+
+def test_seeded_samples_are_rows_and_draw_what_they_draw_alone(server, pair):
+    """Sampled with a seed, batched beside others (each row its own generator): the text `tforce run` prints
+    with that seed."""
+    prompts = [DOC + "\n\n" + q for q in QUESTIONS[:3]]
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda a: _complete(server, a[1], temperature=0.8, seed=a[0]), enumerate(prompts)))
+    for seed, (prompt, answer) in enumerate(zip(prompts, got)):
+        assert answer["tforce"]["batched"] is True
+        assert answer["choices"][0]["text"] == _run(pair, prompt, server.method, 24, "--temperature", "0.8",
+                                                     "--seed", str(seed))
 
 
 def test_sampled_rows_without_a_seed_are_batched(server):

@@ -6,8 +6,8 @@ takes part in each round as a batch's rows do (decode.py), and a finished or dro
 (Session.keep), freeing its row for the next prompt.
 
 Each row is what its prompt gives alone: greedy, its tokens (where no near-tie falls within a batched
-forward's rounding: docs/batches.md); sampled, the same distribution (tests/engine/test_joining.py). The
-rows share one random generator, so a seeded draw is not the one the prompt gives alone.
+forward's rounding: docs/batches.md); sampled, the same distribution, and with a generator of its own
+(a request's seed) the same draw (tests/engine/test_joining.py).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from .sampling import RowGenerators
 from .statistics import acceptance
 from .stops import end_of_round
 
@@ -36,8 +37,10 @@ class Row:
 
 class Joining:
     def __init__(self, session, gen: torch.Generator, eos: set[int]):
-        """session: open with rows free (Session.keep([]) frees them all); gen: every row's draws."""
+        """session: open with rows free (Session.keep([]) frees them all); gen: the draws of every row joining
+        without a generator of its own."""
         self.session, self.gen, self.eos = session, gen, eos
+        self.gens = RowGenerators()  # each live row's
         self.rows: dict[int, Row] = {}  # the live rows, by the session's prompt index (Session.admit's r)
         self.done: dict[int, Row] = {}  # finished rows, by r, until the caller pops them
 
@@ -46,12 +49,16 @@ class Joining:
         """Rows a prompt can still join in."""
         return len(self.session.buffer) - len(self.session.ids)
 
-    def join(self, prompt: list[int], max_new: int, until=None) -> tuple[int, list[int], bool]:
+    def join(self, prompt: list[int], max_new: int, until=None, gen: torch.Generator | None = None
+             ) -> tuple[int, list[int], bool]:
         """Prefill a prompt into a free row (max_new >= 1): (its index r, its first token(s) as kept, whether
         it is finished already: EOS, a stop string, a budget of one). A finished row's Row stays in `done`
-        until the caller takes it."""
+        until the caller takes it. gen: the row's own generator (a request's seed: the row draws exactly what
+        the prompt alone draws from it, sampling.RowGenerators), else the shared one."""
         s = self.session
-        r, reused = s.admit(prompt, self.gen)
+        gen = self.gen if gen is None else gen
+        r, reused = s.admit(prompt, gen)
+        self.gens.append(gen)
         row = self.rows[r] = Row(len(prompt), max_new, until, reused=reused)
         first = [int(s.buffer[len(s.ids) - 1, len(prompt)])]
         told = self._take(row, first)
@@ -66,7 +73,7 @@ class Joining:
         ids = list(s.ids)
         if not ids:
             return {}
-        news = s.round([self.rows[r].prompt_len + len(self.rows[r].out) for r in ids], self.gen)
+        news = s.round([self.rows[r].prompt_len + len(self.rows[r].out) for r in ids], self.gens)
         told = {}
         for r, tokens in zip(ids, news):
             row = self.rows[r]
@@ -97,4 +104,6 @@ class Joining:
         for r in gone:
             row = self.done[r] = self.rows.pop(r)
             row.stats = {"acceptance": acceptance(s, r), "verifications": s.verified[r]}
-        s.keep([i for i, r in enumerate(s.ids) if r not in gone])
+        live = [i for i, r in enumerate(s.ids) if r not in gone]
+        s.keep(live)
+        self.gens.keep(live)

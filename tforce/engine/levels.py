@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .node import Node
-from .sampling import sample
+from .sampling import pick, sample
 from .speculative import verify
 from ..transfer import host, to_device
 
@@ -99,7 +99,7 @@ class Drafter(Level):
         p = self.node.probs(seq, n, rows=rows)[:, 0]  # (R, V)
         # A host sync per drafted token (all rows): the tokens join the host-side sequences that every
         # node's catch-up (Node.probs) compares against. The verification's sync comes on top (speculative.py).
-        tokens = host(sample(p, gen, self.node.sampling.greedy))
+        tokens = host(sample(p, pick(gen, rows), self.node.sampling.greedy))
         for b, t in zip(rows, tokens):
             seq[b, n[b]] = t
         self.logprobs = list(self.node.logprobs[:, :1]) if self.node.raw else None
@@ -128,13 +128,20 @@ class SpecLevel(Level):
         p = self.node.probs(seq, [nb + self.gamma for nb in n], last=self.gamma + 1, rows=rows)  # (R, gamma + 1, V)
         raw = self.node.logprobs if self.node.raw else None
         greedy = self.node.sampling.greedy
-        n_acc, nxt = verify(to_device(drafts, p.device), q.to(p.device), p, gen, greedy=greedy)
         guessed = [i for i, f in enumerate(found) if not f]
-        if guessed:  # their token from the node's first distribution, as a round that drafted nothing
-            redrawn = iter(host(sample(p[guessed, 0], gen, greedy)))
-            n_acc, nxt = list(n_acc), list(nxt)
-            for i in guessed:
-                n_acc[i], nxt[i] = 0, next(redrawn)
+        if not guessed:
+            n_acc, nxt = verify(to_device(drafts, p.device), q.to(p.device), p, pick(gen, rows), greedy=greedy)
+        else:  # only the rows with a match verify; the others' token from the node's first distribution, as a
+            # round that drafted nothing (so each row draws from its own generator as it would alone)
+            kept = [i for i, f in enumerate(found) if f]
+            n_acc, nxt = [0] * len(rows), [0] * len(rows)
+            if kept:
+                got = verify(to_device(drafts[kept], p.device), q[kept].to(p.device), p[kept],
+                             pick(gen, [rows[i] for i in kept]), greedy=greedy)
+                for i, a, x in zip(kept, *got):
+                    n_acc[i], nxt[i] = a, x
+            for i, x in zip(guessed, host(sample(p[guessed, 0], pick(gen, [rows[i] for i in guessed]), greedy))):
+                nxt[i] = x
         tokens, probs = [], []
         for i, (b, a) in enumerate(zip(rows, n_acc)):
             seq[b, n[b] + a] = nxt[i]
@@ -150,7 +157,7 @@ class SpecLevel(Level):
     def _step(self, seq, n, gen, rows):
         """A round without drafts: one token a row from the node's own distribution (a Drafter's round)."""
         p = self.node.probs(seq, n, rows=rows)[:, 0]  # (R, V)
-        tokens = host(sample(p, gen, self.node.sampling.greedy))
+        tokens = host(sample(p, pick(gen, rows), self.node.sampling.greedy))
         for b, t in zip(rows, tokens):
             seq[b, n[b]] = t
             self.stats.step(self.ids[b])

@@ -32,12 +32,47 @@ def to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return probs
 
 
-def sample(probs: torch.Tensor, gen: torch.Generator, greedy: bool = False) -> torch.Tensor:
+class RowGenerators:
+    """One random generator per live row (engine/joining.py: each request's own seed), where a single
+    torch.Generator draws for every row at once: each row then draws as its prompt alone draws, from its own
+    generator, in the same order and shapes (a row's draws do not depend on the other rows')."""
+
+    def __init__(self, gens=()):
+        self.gens = list(gens)
+
+    def __len__(self) -> int:
+        return len(self.gens)
+
+    def pick(self, rows) -> "RowGenerators":
+        return RowGenerators([self.gens[b] for b in rows])
+
+    def keep(self, live: list[int]) -> None:
+        """Only the listed live rows stay, moved to the front (Session.keep)."""
+        self.gens = [self.gens[i] for i in live]
+
+    def append(self, gen: torch.Generator) -> None:
+        self.gens.append(gen)
+
+    def rand(self, k: int, device) -> torch.Tensor:
+        """(R, k) uniforms, row i's from its generator as torch.rand(1, k) alone."""
+        return torch.cat([torch.rand(1, k, generator=g, device=device) for g in self.gens])
+
+
+def pick(gen, rows):
+    """The generator(s) of the listed live rows: a single torch.Generator stays as it is."""
+    return gen.pick(rows) if isinstance(gen, RowGenerators) else gen
+
+
+def sample(probs: torch.Tensor, gen, greedy: bool = False) -> torch.Tensor:
     """probs (..., V) -> token ids (...), drawn on the probs' device; the ids stay there. greedy: the
     distributions are one-hot (temperature 0, to_probs), so the draw is their argmax: taken directly, without
-    multinomial's pass over the vocabulary (a tenth of a greedy batch's decode time on the CPU, BENCHMARKS.md)."""
+    multinomial's pass over the vocabulary (a tenth of a greedy batch's decode time on the CPU, BENCHMARKS.md).
+    gen: a torch.Generator, or RowGenerators with one per row of probs (its first dimension)."""
     if greedy:
         return probs.argmax(-1)
+    if isinstance(gen, RowGenerators):
+        assert len(gen) == probs.shape[0]
+        return torch.stack([sample(probs[i:i + 1], g)[0] for i, g in enumerate(gen.gens)])
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=gen).view(probs.shape[:-1])
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import residual as exact_residual
-from .sampling import sample
+from .sampling import RowGenerators, sample
 from ..transfer import host
 
 
@@ -23,12 +23,13 @@ class Proposal:
     probs: torch.Tensor  # (k, V): the distribution each token was drawn from
 
 
-def verify(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator,
+def verify(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen,
            residual=exact_residual, greedy: bool = False) -> tuple[list[int], list[int]]:
     """B rows at once (one prompt: B = 1), each row deciding its own acceptance: tokens (B, k) drafted from
     q (B, k, V); p (B, k + 1, V) the verifier's distributions at the k drafted positions and the one after.
     Returns (accepted count per row, next token per row: the residual sample at the row's first rejection,
-    or its bonus token), fetched in one host sync.
+    or its bonus token), fetched in one host sync. gen: a torch.Generator, or sampling.RowGenerators (one per
+    row: each row draws as alone).
 
     `residual` is a parameter only so that a test can show a wrong one is caught. greedy: p and q are
     one-hot (sampling.sample) and each drafted token is its q's argmax, so the rule above decides without
@@ -43,7 +44,7 @@ def verify(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Ge
         n = torch.where(tokens == target[:, :k], k, cols).min(1).values if k else target.new_zeros(B)
         n_acc, token = host(torch.stack([n, target[rows, n]]))
         return n_acc, token
-    u = torch.rand(B, k, generator=gen, device=p.device)
+    u = gen.rand(k, p.device) if isinstance(gen, RowGenerators) else torch.rand(B, k, generator=gen, device=p.device)
     x = tokens[..., None]
     accepted = u * q.gather(2, x)[..., 0] < p[:, :k].gather(2, x)[..., 0]  # (B, k): u < p/q without dividing
     # First rejection, or k when every token is accepted.

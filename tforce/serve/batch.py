@@ -4,13 +4,13 @@ done, so a queued request waits for a round, not for the others' whole answers.
 
 Which requests join (the rest run alone on the worker's one-row session, in arrival order, once the batch
 has drained; worker.py): those without log-probabilities or echo (the session records log-probabilities
-for one row), and without a seed when sampling (the rows share one random generator: a seeded answer would
-not be the one the seed gives alone). A request joins a running batch only if it samples the same way
-(temperature, top-p, top-k: every level of the hierarchy draws with the session's one setting), and none
-joins while a request that cannot is waiting (first come, first served).
+for one row). A request joins a running batch only if it samples the same way (temperature, top-p, top-k:
+every level of the hierarchy draws with the session's one setting), and none joins while a request that
+cannot is waiting (first come, first served).
 
 Each answer is what the request gives alone: greedy, its tokens (float32 on the CPU; tests/serve/
-test_serve_batch.py); sampled, the same distribution (tests/engine/test_joining.py). A joining prompt's
+test_serve_batch.py); sampled with a seed, its tokens too (the row draws from its own generator:
+sampling.RowGenerators); sampled without one, the same distribution (tests/engine/test_joining.py). A joining prompt's
 longest prefix that a running row holds (a document several clients ask about) is copied, not prefilled
 (Session.admit); a finished row's KV is not kept for later requests (the one-row session keeps its own).
 """
@@ -30,11 +30,11 @@ from .responses import Done
 
 def batchable(job: Job) -> bool:
     """Whether a request may run as a row of the batch (the module docstring)."""
-    return job.logprobs is None and job.echo is None and (job.sampling.greedy or job.sampling.seed is None)
+    return job.logprobs is None and job.echo is None
 
 
 def drawing(job: Job):
-    """The request's sampling as the batch's rows share it (no seed)."""
+    """The request's sampling as the batch's rows share it (each row's seed is its own generator's)."""
     return replace(job.sampling, seed=None)
 
 
@@ -74,7 +74,9 @@ class Batch:
         stops = StopStrings(self.tok, job.stops)
         said = TextEvents(job.post, self.tok)
         answer = Answer(job, TextStream(self.tok, said, stops=stops or None), said, stops, t0, 0.0)
-        r, first, done = self.joining.join(job.ids, job.max_new, stops.cut if stops else None)
+        seed = job.sampling.seed
+        own = None if seed is None or job.sampling.greedy else generator(self.session.target, seed)
+        r, first, done = self.joining.join(job.ids, job.max_new, stops.cut if stops else None, own)
         answer.t1 = time.perf_counter()
         self.answers[r] = answer
         answer.stream.add(first)

@@ -31,14 +31,16 @@ def session(target, draft, method, sampling, rows=3, proposer="model", longest=6
     return s
 
 
-def run(s, gen, prompts, budgets, eos=frozenset()):
+def run(s, gen, prompts, budgets, eos=frozenset(), seeds=None):
     """Prompt 0 joins first, prompt 1 after two rounds, prompt 2 after one more, prompt 3 once a row is
-    free; every row to its end. Returns each prompt's tokens and its Row's stats."""
+    free; every row to its end (seeds: each prompt's own generator's, else they share gen). Returns each
+    prompt's tokens and its Row's stats."""
     j = Joining(s, gen, set(eos))
     out, index, stats = {}, {}, {}
 
     def join(i):
-        r, first, done = j.join(prompts[i], budgets[i])
+        own = None if seeds is None else torch.Generator().manual_seed(seeds[i])
+        r, first, done = j.join(prompts[i], budgets[i], gen=own)
         index[r], out[i] = i, list(first)
         if done:
             stats[i] = j.done.pop(r).stats
@@ -112,31 +114,10 @@ def test_a_prefix_a_live_row_holds_is_copied_and_the_answers_stay_alone(tiny, me
 def test_seeded_rows_that_join_draw_what_their_prompts_draw_alone(tiny, method, proposer):
     """Each row with a generator of its own (a request's seed) samples exactly the tokens the prompt gives
     alone with that seed, whatever the other rows draw and whenever it joins."""
-    prompts = prompts_of(LENGTHS, seed=7)
+    prompts, seeds = prompts_of(LENGTHS, seed=7), [11, 12, 13, 14]
     s = session(tiny["gqa"].model, tiny["draft"].model, method, Sampling(temperature=0.9, top_p=0.95), rows=2,
                 proposer=proposer)
-    j = Joining(s, torch.Generator().manual_seed(123), set())
-    seeds = [11, 12, 13, 14]
-    out, index = {}, {}
-
-    def join(i):
-        r, first, done = j.join(prompts[i], BUDGET[i], gen=torch.Generator().manual_seed(seeds[i]))
-        out[i] = list(first)
-        j.done.pop(r, None) if done else index.__setitem__(r, i)
-
-    join(0)
-    for rounds in range(1000):
-        if rounds in (2, 3):
-            join(rounds - 1)
-        if rounds > 3 and 3 not in out and j.free:
-            join(3)
-        if not j.rows and 3 in out:
-            break
-        for r, (tokens, done) in j.step().items():
-            out[index[r]] += tokens
-            if done:
-                index.pop(r)
-                j.done.pop(r)
+    out, _ = run(s, torch.Generator().manual_seed(123), prompts, BUDGET, seeds=seeds)
     draft = None if proposer == "lookup" or method in ("ar", "retrieval") else tiny["draft"]
     for i, prompt in enumerate(prompts):
         alone = tforce.generate(tiny["gqa"], prompt, draft=draft, method=method, proposer=proposer, **SMALL,

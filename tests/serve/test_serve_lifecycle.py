@@ -1,6 +1,7 @@
 """`tforce serve` under disconnects and signals: a dropped stream cancels its generation and the server
 answers the next request as it would have; a request whose client leaves while it waits in the queue is
-never run; SIGTERM ends the in-flight stream cleanly ([DONE]) and the process exits 0 within 15 s."""
+never run; SIGTERM ends the in-flight stream cleanly ([DONE]) and the process exits 0 within 15 s, also
+every row of a running batch (--max-batch)."""
 from __future__ import annotations
 
 import signal
@@ -23,9 +24,9 @@ def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("serve-life"), context=4096)
 
 
-def _server(pair) -> Server:
+def _server(pair, *more: str) -> Server:
     target, draft = pair
-    return Server("-m", str(target), "--draft", str(draft), *FAST, "--ignore-eos", "--method", "ar")
+    return Server("-m", str(target), "--draft", str(draft), *FAST, "--ignore-eos", "--method", "ar", *more)
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +69,20 @@ def test_request_left_in_the_queue_never_runs(server):
     assert not any(f"after {n} prompt tokens" in l for l in server.lines)
 
 
-def test_sigterm_ends_streams_cleanly_and_exits_0(pair):
-    server = _server(pair)
-    events = []
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sigterm_ends_streams_cleanly_and_exits_0(pair, batch):
+    """With --max-batch 3, two streams run as rows of one batch: both end, each with its last chunk."""
+    server = _server(pair, "--max-batch", str(batch))
+    streams = [[] for _ in range(1 if batch == 1 else 2)]
 
-    def stream():
+    def stream(events):
         with server.http.stream("POST", "/completions", json=dict(LONG, stream=True)) as r:
             events.extend(line for line in r.iter_lines() if line.startswith("data: "))
 
-    reader = threading.Thread(target=stream)
-    reader.start()
-    while not events:
+    readers = [threading.Thread(target=stream, args=(events,)) for events in streams]
+    for reader in readers:
+        reader.start()
+    while not all(streams):
         time.sleep(0.01)
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
@@ -87,10 +91,13 @@ def test_sigterm_ends_streams_cleanly_and_exits_0(pair):
     except subprocess.TimeoutExpired:
         server.proc.kill()
         raise AssertionError("still running 15 s after SIGTERM:\n" + "\n".join(server.lines))
-    reader.join(5)
+    for reader in readers:
+        reader.join(5)
     assert code == 0, "\n".join(server.lines)
     assert time.monotonic() - t0 < 15
-    assert events[-1] == "data: [DONE]"
-    assert '"finish_reason": "length"' in events[-2] and '"server_stopped": true' in events[-2]
+    for events in streams:
+        assert events[-1] == "data: [DONE]"
+        assert '"finish_reason": "length"' in events[-2] and '"server_stopped": true' in events[-2]
+        assert ('"batched": true' in events[-2]) == (batch > 1)
     assert "tforce: serve: stopped" in server.lines
     assert not any("Traceback" in l for l in server.lines), "\n".join(server.lines)

@@ -116,9 +116,12 @@ def test_a_client_that_leaves_does_not_change_the_others(server):
     assert _complete(server, prompts[0])["choices"][0]["text"] == alone[0]  # the server goes on
 
 
-@pytest.mark.parametrize("value", ["0", "-2"])
-def test_a_bad_max_batch_is_one_line(pair, value):
+@pytest.mark.parametrize("args, line", [
+    (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+    (["--max-batch", "-2"], "--max-batch must be >= 1, got -2"),
+    (["--max-batch", "2", "--deterministic"], "--max-batch above 1 and --deterministic are not supported together yet")])
+def test_a_bad_max_batch_is_one_line(pair, args, line):
     target, draft = pair
-    r = CliRunner().invoke(app, ["serve", "-m", str(target), "--draft", str(draft), "--max-batch", value])
+    r = CliRunner().invoke(app, ["serve", "-m", str(target), "--draft", str(draft), *args])
     assert r.exit_code == 2
-    assert r.output.strip().splitlines() == [f"tforce: error: --max-batch must be >= 1, got {value}"]
+    assert r.output.strip().splitlines() == [f"tforce: error: {line}"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from ..engine.generate import generator
 from ..engine.joining import Joining
@@ -50,9 +49,9 @@ class Answer:
 
 
 class Batch:
-    def __init__(self, session, tok, eos: set[int], method: str, log: Callable = print):
+    def __init__(self, session, tok, eos: set[int], method: str):
         """session: the worker's batch Session (rows: --max-batch), every row free."""
-        self.session, self.tok, self.method, self.log = session, tok, method, log
+        self.session, self.tok, self.method = session, tok, method
         self.joining = Joining(session, generator(session.target, None), eos)
         self.answers: dict[int, Answer] = {}  # by the joined row's index r
         self.sampling = None  # the running rows' (drawing()), None when none runs

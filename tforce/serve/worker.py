@@ -77,7 +77,7 @@ class Worker:
             run = dataclasses.replace(config, execution=dataclasses.replace(config.execution, cuda_graphs=False))
             session = Session(target, draft, context - 1, 1, check_config(target, draft, run), rows=max_batch)
             session.keep([])  # every row free
-            self.batch = Batch(session, tokenizer, self.eos, session.spec.method, log)
+            self.batch = Batch(session, tokenizer, self.eos, session.spec.method)
         self.jobs: queue.Queue = queue.Queue()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="tforce-worker", daemon=True)

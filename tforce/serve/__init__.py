@@ -5,6 +5,7 @@
 - jobs.py: a request's work as the worker takes it (its prompt ids, sampling, where its events go);
 - worker.py: the models and the one Session they share, generating one request at a time on a thread
   of its own, reusing the KV cache of the longest prefix the next prompt shares with what it holds;
+- batch.py: with --max-batch, the requests that join a running batch as its rows (continuous batching);
 - app.py: the Starlette application (routes, API key, body size, streaming, disconnects);
 - server.py: uvicorn around it, with a clean stop on SIGTERM / SIGINT.
 

@@ -177,6 +177,10 @@ def test_chat_template_file_and_cors(tmp_path_factory):
         from tforce.model.synthetic import byte_tokenizer
 
         assert laid_out == byte_tokenizer()("[user] Hi\n[assistant] ").input_ids
+        # lm-evaluation-harness's remote tokenizer with --apply_chat_template: the messages as prompt
+        as_prompt = s.http.post(s.url.removesuffix("/v1") + "/tokenize", json={
+            "prompt": [{"role": "user", "content": "Hi"}], "add_special_tokens": False})
+        assert as_prompt.status_code == 200 and as_prompt.json()["tokens"] == laid_out, as_prompt.text
         pre = s.http.options("/chat/completions", headers={"Origin": "http://localhost:3000",
                                                            "Access-Control-Request-Method": "POST"})
         assert pre.headers.get("access-control-allow-origin") == "http://localhost:3000"

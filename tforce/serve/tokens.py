@@ -7,13 +7,14 @@ from .requests import ApiError, json_object, parse_messages
 
 
 def tokenize(worker, raw: bytes) -> dict:
-    """{prompt | content: text, add_special_tokens | add_special: bool} or {messages: [...]} (laid out in the
-    chat template, as /v1/chat/completions does) -> {tokens, count, max_model_len}."""
+    """{prompt | content: text, add_special_tokens | add_special: bool} or {messages: [...]} (or prompt as
+    such a list; laid out in the chat template, as /v1/chat/completions does) -> {tokens, count, max_model_len}."""
     body = json_object(raw)
-    if "messages" in body:
-        ids = worker.chat_ids(parse_messages(body["messages"]))
+    text = body.get("prompt", body.get("content"))
+    if "messages" in body or _messages(text):
+        # lm-evaluation-harness's remote tokenizer with --apply_chat_template sends the messages as prompt
+        ids = worker.chat_ids(parse_messages(body.get("messages", text)))
     else:
-        text = body.get("prompt", body.get("content"))
         if not isinstance(text, str):
             raise ApiError(400, "tokenize takes prompt (or content) as a string, or messages", param="prompt")
         special = body.get("add_special_tokens", body.get("add_special", True))
@@ -21,6 +22,10 @@ def tokenize(worker, raw: bytes) -> dict:
             raise ApiError(400, "add_special_tokens must be true or false", param="add_special_tokens")
         ids = worker.text_ids(text, special)
     return {"tokens": ids, "count": len(ids), "max_model_len": worker.context}
+
+
+def _messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
 def detokenize(worker, raw: bytes) -> dict:

@@ -53,34 +53,31 @@ class FullCache(Rows):
         first = 0 if rows is None else rows[0]
         # the fed rows' storage: rows [first, first + R) as a view, else (rows not consecutive) their indices
         self._block = (first, first + len(fed)) if list(fed) == list(range(first, first + len(fed))) else None
+        self._causal = lo == hi  # rows of one length: causal views, no per-row mask
         device = self.k.device
-        if lo == hi:  # one block at [lo, lo + n) for every row; positions built on the device, no copy
-            self._uniform, self._seqlens = lo, None
+        if self._causal:  # one block at [lo, lo + n) for every row; positions built on the device, no copy
+            self._seqlens = None
             pos = torch.arange(lo, lo + n, device=device)
             self._cos, self._sin = self.rotary.cos_sin(pos, self.k.dtype)
             # One new token sees everything before it: no mask needed.
             self._mask = None if n == 1 else visibility(torch.arange(lo + n, device=device)[None], pos)
-            if self._block is not None:
-                return
+            slots = pos.expand(len(fed), -1)
         else:
-            self._uniform = None
             lengths = to_device(torch.tensor([self.lengths[b] for b in fed]), device)
-            pos = lengths[:, None] + torch.arange(n, device=device)  # (B, T)
-            self._cos, self._sin = rotation(self.rotary, pos, self.k.dtype)
-            self._slots = pos
+            slots = lengths[:, None] + torch.arange(n, device=device)  # (B, T)
+            self._cos, self._sin = rotation(self.rotary, slots, self.k.dtype)
             # slot s visible to row b's query t iff s <= lengths[b] + t: hides each row's unused tail; the
             # same as seqlens lengths[b] + n, bottom-right causal (CacheView.seqlens)
-            self._mask = (torch.arange(self._S, device=device) <= pos[:, :, None])[:, None]  # (B, 1, T, S)
+            self._mask = (torch.arange(self._S, device=device) <= slots[:, :, None])[:, None]  # (B, 1, T, S)
             self._seqlens = (lengths + n).to(torch.int32)
-        self._index = (torch.arange(*self._block, device=device) if self._block is not None
-                       else to_device(torch.tensor(list(fed)), device))
-        self._rows_idx = self._index[:, None].expand(-1, n)  # (B, T)
-        if self._uniform is not None:  # rows not consecutive, of one length
-            self._slots = torch.arange(lo, lo + n, device=device).expand(len(fed), -1)
-            self._uniform = None
-            self._causal = True
-        else:
-            self._causal = False
+        # _uniform: the one block [lo, lo + n) of consecutive rows that this forward writes, or None (each
+        # row's own slots, by index)
+        self._uniform = lo if self._causal and self._block is not None else None
+        if self._uniform is None:
+            self._index = (torch.arange(*self._block, device=device) if self._block is not None
+                           else to_device(torch.tensor(list(fed)), device))
+            self._rows_idx = self._index[:, None].expand(-1, n)  # (B, T)
+            self._slots = slots
 
     def _write(self, k_store: torch.Tensor, v_store: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """This forward's K/V (B, T, H_kv, D) into one layer's storage (B', S, H_kv, D), at each row's slots."""
@@ -107,8 +104,7 @@ class FullCache(Rows):
             keys, values = self.k[layer, block[0]:block[1], :S], self.v[layer, block[0]:block[1], :S]
         else:  # rows not consecutive (a rare refeed): a copy of theirs
             keys, values = self.k[layer, self._index, :S], self.v[layer, self._index, :S]
-        causal = self._uniform is not None or (block is None and self._causal)
-        return q, CacheView(keys, values, self._mask, causal=causal, seqlens=self._seqlens)
+        return q, CacheView(keys, values, self._mask, causal=self._causal, seqlens=self._seqlens)
 
     def commit(self, counts) -> None:
         starts = self.lengths[:self.rows]
@@ -121,7 +117,7 @@ class FullCache(Rows):
                 n = ns[b]
                 if n:
                     # one row: the forward's own tensors; several: copies of the row's (see the docstring)
-                    held = fresh if len(fed) == 1 and fresh[0].shape[0] == 1 else [q[i:i + 1, :n].clone() for q in fresh]
+                    held = fresh if len(fed) == 1 else [q[i:i + 1, :n].clone() for q in fresh]
                     self.row_queries[b] = (starts[b], n, held)
         self._fresh = {}
 

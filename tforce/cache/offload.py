@@ -187,7 +187,7 @@ class OffloadedCache(StagedLayers, FullCache):
         self._write_back(j, h)
         B, S = self.rows, self._S
         return q, CacheView(self.stage_k[j, :B, :S], self.stage_v[j, :B, :S], self._mask,
-                            causal=self._uniform is not None, seqlens=self._seqlens)
+                            causal=self._causal, seqlens=self._seqlens)
 
     def _write_back(self, j: int, h: int) -> None:
         """Only the new tokens go back to host memory."""

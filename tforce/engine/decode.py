@@ -3,7 +3,7 @@ row) and for a batch (batch.generate_batch: a row per prompt); each row's statis
 
 The first token of each row from the prefill (Session.round), then rounds of the top level until every
 row has its token budget, an EOS (kept) or its stop string (`until`,
-stops.StopStrings.cut); each row's tokens are cut where they would be alone (stops.end_of_round). A row
+stops.StopStrings.cut); each row's tokens are cut where they would be alone (stops.take). A row
 that finishes while others go on is compacted away (Session.keep), so it costs no further work; the last
 rows to finish stay where they are (a conversation's one row goes on to the next question).
 """
@@ -13,7 +13,7 @@ import torch
 
 from .events import Events
 from .statistics import acceptance, level_counts
-from .stops import end_of_round
+from .stops import take
 
 
 def decode(session, n: list[int], max_new: list[int], gen: torch.Generator, eos: set[int],
@@ -33,16 +33,12 @@ def decode(session, n: list[int], max_new: list[int], gen: torch.Generator, eos:
         news = session.round([n[r] for r in ids], gen)
         done, told = [], {}
         for r, tokens in zip(ids, news):
-            tokens = tokens[: max_new[r] - len(out[r])]
-            end = end_of_round(out[r], tokens, eos, events.until)
-            if end is not None:
-                tokens = tokens[:end]
-            out[r] += tokens
+            tokens, finished = take(out[r], tokens, max_new[r], eos, events.until)
             n[r] += len(tokens)
             if events.on_tokens:
                 events.on_tokens(r, tokens, acceptance(session, r))
             told[r] = tokens
-            done.append(end is not None or len(out[r]) >= max_new[r])
+            done.append(finished)
         if events.on_round:
             events.on_round(told, level_counts(session))
         if not _finish(session, out, done, events.on_row):

@@ -18,7 +18,7 @@ import torch
 
 from .sampling import RowGenerators
 from .statistics import acceptance
-from .stops import end_of_round
+from .stops import take
 
 
 @dataclass
@@ -91,12 +91,7 @@ class Joining:
         return self.done.pop(r, None)
 
     def _take(self, row: Row, tokens: list[int]) -> list[int]:
-        tokens = tokens[:row.max_new - len(row.out)]
-        end = end_of_round(row.out, tokens, self.eos, row.until)
-        if end is not None:
-            tokens = tokens[:end]
-        row.out += tokens
-        row.done = end is not None or len(row.out) >= row.max_new
+        tokens, row.done = take(row.out, tokens, row.max_new, self.eos, row.until)
         return tokens
 
     def _leave(self, gone: list[int]) -> None:

@@ -46,7 +46,8 @@ class LevelStats:
     def clear(self, r: int) -> None:
         """Prompt r counts from nothing (a new request in a reused place: Session.admit); r == len: one more."""
         if r == len(self.rounds):
-            self.rounds.append(0), self.drafted.append(0), self.accepted.append(0), self.recent.append([])
+            for counts in (self.rounds, self.drafted, self.accepted, self.recent):
+                counts.append(None)
         self.rounds[r] = self.drafted[r] = self.accepted[r] = 0
         self.recent[r] = []
 

@@ -312,7 +312,8 @@ class Session:
         free = sorted(set(range(len(self.verified))) - set(self.ids))
         r = free[0] if free else len(self.verified)
         if r == len(self.verified):
-            self.verified.append(0), self.rebuilds.append(0)
+            self.verified.append(0)
+            self.rebuilds.append(0)
         self.verified[r] = self.rebuilds[r] = 0
         for level in {self.verifies_draft, self.verifies_middle} - {None}:
             level.stats.clear(r)

@@ -61,6 +61,18 @@ class StopStrings:
         return text[:len(text) - held]
 
 
+def take(out: list[int], tokens: list[int], max_new: int, eos: set[int], until=None) -> tuple[list[int], bool]:
+    """A round's new tokens for a row that has `out` so far, as it keeps them (cut at its budget max_new,
+    then where end_of_round ends it), appended to `out`; and whether the row is finished. The one rule of
+    decode.decode and joining.Joining."""
+    tokens = tokens[:max_new - len(out)]
+    end = end_of_round(out, tokens, eos, until)
+    if end is not None:
+        tokens = tokens[:end]
+    out += tokens
+    return tokens, end is not None or len(out) >= max_new
+
+
 def end_of_round(out: list[int], tokens: list[int], eos: set[int], until=None) -> int | None:
     """Where generation ends in a round's new tokens (already cut at the budget), after `out`: after the first
     EOS (kept), or where until(out + tokens) says (generate's `until`, e.g. StopStrings.cut; it sees the

@@ -178,21 +178,8 @@ class Worker:
                 continue
             if batch is not None and batchable(job):
                 self._join(batch, job)
-                continue
-            try:
-                if self.stopping:
-                    raise ApiError(503, "the server is stopping", code="shutting_down")
-                self._run(job)
-            except Cancelled:
-                job.post(("cancelled",))
-            except ApiError as e:
-                job.post(("error", e))
-            except UsageError as e:  # refused before any work
-                job.post(("error", ApiError(400, str(e))))
-            except Exception as e:  # a bug or a device failure: the caches may be half-written
-                self.session.rewind(0)
-                self.marked = None
-                job.post(("error", self._failure(e)))
+            else:
+                self._attempt(job, lambda: self._run(job), self._reset)
         for job in list(waiting) + [self.jobs.get() for _ in range(self.jobs.qsize())]:
             if job is not None:  # refused: the server stopped before their turn
                 job.post(("error", ApiError(503, "the server is stopping", code="shutting_down")))
@@ -213,19 +200,32 @@ class Worker:
             self._join(batch, job)
 
     def _join(self, batch: Batch, job: Job) -> None:
-        """The job joins the batch (its prompt prefilled in a free row), or is refused."""
+        """The job joins the batch (its prompt prefilled in a free row), or is refused; a failure mid-prefill
+        (the batch's rows may be half-written) fails the running rows too."""
+        self._attempt(job, lambda: batch.join(job, time.perf_counter()), batch.fail)
+
+    def _attempt(self, job: Job, work: Callable, reset: Callable) -> None:
+        """work() for the job, or its refusal posted: 503 while stopping, its own ApiError, a usage error as a
+        400; a bug or a device failure as a 500, after reset(that error) puts the caches right."""
         try:
             if self.stopping:
                 raise ApiError(503, "the server is stopping", code="shutting_down")
-            batch.join(job, time.perf_counter())
+            work()
         except Cancelled:
             job.post(("cancelled",))
         except ApiError as e:
             job.post(("error", e))
-        except Exception as e:  # mid-prefill: the batch's rows may be half-written
+        except UsageError as e:  # refused before any work
+            job.post(("error", ApiError(400, str(e))))
+        except Exception as e:
             error = self._failure(e)
+            reset(error)
             job.post(("error", error))
-            batch.fail(error)
+
+    def _reset(self, error: ApiError) -> None:
+        """After a failure in the one-row session: its caches may be half-written, so they start afresh."""
+        self.session.rewind(0)
+        self.marked = None
 
     def _failure(self, e: Exception) -> ApiError:
         """A bug or a device failure as the 500 its request gets (the traceback on stderr with --debug)."""

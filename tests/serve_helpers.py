@@ -19,6 +19,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 ROOT = Path(__file__).resolve().parents[1]
+FRESH = httpx.Limits(max_keepalive_connections=0)  # a new connection for each request (Server.http)
 DEMO = ROOT / "models"
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -49,7 +50,9 @@ class Server:
         if self.url is None:
             self.proc.kill()
             raise AssertionError("the server did not start:\n" + "\n".join(self.lines))
-        self.http = httpx.Client(base_url=self.url, timeout=120)
+        # No connection kept between requests: the server closes an idle one after uvicorn's 5 s keep-alive,
+        # and a request sent on it just then is answered by a closed socket (a test's pause can be 5 s).
+        self.http = httpx.Client(base_url=self.url, timeout=120, limits=FRESH)
 
     def post(self, path: str, body: dict, **kw) -> httpx.Response:
         return self.http.post(path, json=body, **kw)
@@ -61,7 +64,8 @@ class Server:
     def client(self, api_key: str = "none"):
         from openai import OpenAI
 
-        return OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=120)
+        return OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=120,
+                      http_client=httpx.Client(limits=FRESH, timeout=120))
 
     def events(self, path: str, body: dict) -> list:
         """The stream's events, parsed (the last is "[DONE]")."""

@@ -65,10 +65,12 @@ class Speculation:
     policy: str = "retrieval"  # which tokens the middle cache holds (methods triforce, retrieval)
     # what proposes at the bottom level of a method that has one: "model" (a small draft model) or "lookup"
     # (no model: what followed the latest earlier occurrence of the last n tokens, engine/lookup.py), n from
-    # lookup_max down to lookup_min
+    # lookup_max down to lookup_min; a match drafts where matches of its size have predicted the next token
+    # at least lookup_threshold of the time lately (0: every match drafts)
     proposer: str = "model"
     lookup_max: int = 3
     lookup_min: int = 1
+    lookup_threshold: float = 0.3
 
     @property
     def drafts(self) -> bool:
@@ -140,6 +142,8 @@ class Speculation:
         if not 1 <= self.lookup_min <= self.lookup_max:
             raise UsageError(f"--lookup-min and --lookup-max must satisfy 1 <= min <= max, got {self.lookup_min} "
                              f"and {self.lookup_max}")
+        if not 0 <= self.lookup_threshold <= 1:
+            raise UsageError(f"--lookup-threshold must be in [0, 1], got {self.lookup_threshold}")
         if not 0 <= self.rebuild_below <= 1:
             raise UsageError(f"--rebuild-below must be in [0, 1], got {self.rebuild_below}")
 

@@ -13,7 +13,7 @@ from tforce.cache.rope import Rotary
 from tforce.config import Sampling
 from tforce.engine.levels import SpecLevel
 from tforce.engine.node import Node
-from tforce.engine.lookup import LookupLevel
+from tforce.engine.lookup import DECAY, PRIOR, LookupLevel, Record
 from tforce.engine.sampling import sample
 from tforce.engine.speculative import verify
 
@@ -25,7 +25,7 @@ GAMMA = 4
 PROMPT = SELF_SAMPLED
 
 
-def generate(model, prompts, n_new, sampling, gen, gamma=GAMMA):
+def generate(model, prompts, n_new, sampling, gen, gamma=GAMMA, threshold=0.0):
     """Each row's first n_new tokens (the prefill's, then rounds of the rows still short of them), and the
     top level's statistics."""
     # a row that sits a round out is fed gamma + 1 padding tokens past what it holds (node.Node._feed)
@@ -33,7 +33,7 @@ def generate(model, prompts, n_new, sampling, gen, gamma=GAMMA):
     cache = FullCache(cfg.num_hidden_layers, model.n_kv_heads, model.head_dim, capacity, Rotary(cfg, capacity),
                       rows=B)
     full = Node("full", model, cache, sampling, capacity)
-    lookup = LookupLevel(cfg.vocab_size, full.device, rows=B)
+    lookup = LookupLevel(cfg.vocab_size, full.device, rows=B, threshold=threshold)
     top = SpecLevel(lookup, full, gamma, list(range(B)), B)
     seq = torch.zeros(B, capacity, dtype=torch.long)
     for b, p in enumerate(prompts):
@@ -85,15 +85,18 @@ def test_greedy_batch_rows_equal_plain_decoding_and_accept_as_alone(tiny):
         assert (stats.accepted[b], stats.drafted[b]) == (alone.accepted[0], alone.drafted[0])
 
 
-def draw(target, rows, seed):
-    """SAMPLES generations of N_TOKENS per row: per row the sampled tuples, and the acceptance overall."""
+def draw(target, rows, seed, threshold=0.0, declined=None):
+    """SAMPLES generations of N_TOKENS per row: per row the sampled tuples, and the acceptance overall;
+    declined: a list that gets each generation's rounds without drafts."""
     gen = torch.Generator().manual_seed(seed)
     samples, accepted, drafted = [[] for _ in rows], 0, 0
     for _ in range(SAMPLES):
-        got, stats = generate(target, rows, N_TOKENS, SAMPLING, gen, gamma=3)
+        got, stats = generate(target, rows, N_TOKENS, SAMPLING, gen, gamma=3, threshold=threshold)
         for b, tokens in enumerate(got):
             samples[b].append(tuple(tokens))
         accepted, drafted = accepted + sum(stats.accepted), drafted + sum(stats.drafted)
+        if declined is not None:
+            declined.append(sum(stats.rounds) - sum(stats.drafted) // 3)
     return samples, accepted / drafted
 
 
@@ -107,6 +110,18 @@ def test_sampling_matches_target_distribution(small_vocab):
             pvals = check(got, exact_joint(target, prompt, N_TOKENS))
             assert min(pvals) > 1e-3, pvals
         assert 0.1 < acc < 0.95, acc
+
+
+def test_sampling_with_matches_declined_by_their_record_matches_target_distribution(small_vocab):
+    """Threshold 0.5: whether a row drafts depends on whether its earlier matches were right, and so on its
+    earlier random draws. PROMPT holds 5 of the 6 tokens, so nearly every round has a match to decline.
+    Still the exact distribution."""
+    target, _ = small_vocab
+    declined = []
+    [samples], acc = draw(target, [PROMPT], 3, threshold=0.5, declined=declined)
+    assert min(check(samples, exact_joint(target, PROMPT, N_TOKENS))) > 1e-3
+    assert 0.1 < acc < 0.95, acc
+    assert 0 < sum(d > 0 for d in declined) < len(declined), declined  # some generations declined, not all
 
 
 def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
@@ -185,3 +200,49 @@ def test_a_row_whose_last_tokens_occur_nowhere_earlier_drafts_nothing(tiny):
     assert lookup.matched(seq, [len(prompt) + 1], GAMMA, [0]) == [True]
     top.round(seq, [len(prompt) + 1], torch.Generator(), [0])
     assert top.stats.drafted[0] == GAMMA
+
+
+def matched(level, tokens, k=GAMMA):
+    seq = torch.zeros(1, len(tokens) + k + 1, dtype=torch.long)
+    seq[0, :len(tokens)] = torch.tensor(tokens)
+    return level.matched(seq, [len(tokens)], k, [0])[0]
+
+
+def test_a_record_judges_each_match_by_the_token_that_came():
+    """Each call judges the last one's first proposed token against the token now at its place, drafted or
+    not; a size's rate starts at PRIOR and each judgement outweighs the older ones."""
+    record = Record(range(1, 4))
+    assert record.rate(1) == PRIOR
+    record.waiting = (3, 1, 7)
+    record.judge([1, 2, 3])  # position 3 not reached (a level above rolled back past it): no judgement
+    assert record.tries[1] == 0 and record.waiting is None
+    record.waiting = (3, 1, 7)
+    record.judge([1, 2, 3, 7, 5])
+    assert (record.hits[1], record.tries[1]) == (1, 1) and record.rate(1) == 0.75
+    record.waiting = (5, 1, 4)
+    record.judge([1, 2, 3, 7, 5, 6])
+    assert record.hits[1] == DECAY and record.tries[1] == DECAY + 1 and record.rate(3) == PRIOR
+
+
+def test_matches_that_mislead_stop_drafting_and_longer_matches_that_repeat_draft():
+    """Prose-like: every token follows 1 once, so the 1-gram after a 1 always proposes the previous
+    follower, which is wrong: after a few judgements a 1-gram match declines (threshold 0 would draft it).
+    Then a passage repeats: its 3-gram matches have no record yet, draft, are right, and go on drafting."""
+    level, always = LookupLevel(300, "cpu", threshold=0.3), LookupLevel(300, "cpu")
+    tokens, said = [], []
+    for t in range(10, 30):
+        tokens += [1, t]
+        said.append(matched(level, tokens[:-1]))
+        assert matched(always, tokens[:-1]) == (t > 10)  # the first 1 has nothing before it
+    assert said[1] and not any(said[-10:]), said  # drafts at first (PRIOR), declines once judged wrong
+    passage = list(range(100, 140))
+    tokens += passage + passage[:3]
+    for t in passage[3:20]:
+        assert matched(level, tokens) and level.indexes[0].match()[0] == 3
+        tokens.append(t)
+    assert level.records[0].rate(3) > 0.9
+
+
+def test_threshold_one_never_drafts():
+    level = LookupLevel(10, "cpu", threshold=1.0)
+    assert not any(matched(level, [1, 2, 3, 1, 2, 3, 1, 2][:n]) for n in range(2, 9))

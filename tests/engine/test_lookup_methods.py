@@ -27,6 +27,18 @@ def test_greedy_equals_plain_decoding_without_a_draft_model(tiny, method):
         assert out.stats["forwards"]["full"] < ar.stats["forwards"]["full"]
 
 
+@pytest.mark.parametrize("threshold", [0.0, 1.0])
+def test_every_match_drafting_or_none_equals_plain_decoding(tiny, threshold):
+    """--lookup-threshold 0: every match drafts (more rounds verify guesses than with the default); 1: no
+    match has a perfect record, none drafts, every round one token of the full node's."""
+    kw = dict(max_new_tokens=40, temperature=0, ignore_eos=True)
+    ar = tforce.generate(tiny["gqa"], REPEATING, method="ar", **kw)
+    out = tforce.generate(tiny["gqa"], REPEATING, method="triforce", proposer="lookup", lookup_threshold=threshold,
+                          **SMALL, **kw)
+    assert out.tokens == ar.tokens
+    assert (out.stats["acceptance"]["draft"] is None) == (threshold == 1.0)
+
+
 def test_batch_rows_equal_plain_decoding(tiny):
     prompts = [REPEATING, REPEATING[:20], [7, 8, 9, 7, 8]]
     kw = dict(max_new_tokens=24, temperature=0, ignore_eos=True)
@@ -58,7 +70,8 @@ def test_run_draft_lookup_needs_no_draft_model(runner, models):  # noqa: F811
 
 
 @pytest.mark.parametrize("args, needle", [(["--lookup-min", "0"], "--lookup-min"),
-                                          (["--lookup-min", "3", "--lookup-max", "2"], "--lookup-max")])
+                                          (["--lookup-min", "3", "--lookup-max", "2"], "--lookup-max"),
+                                          (["--lookup-threshold", "1.5"], "--lookup-threshold must be in [0, 1]")])
 def test_bad_lookup_sizes_are_one_line(runner, models, args, needle):  # noqa: F811
     from cli_helpers import one_error_line
 

@@ -94,7 +94,7 @@ def machine() -> dict:
 
 # The options that change what a step costs (or what is accepted); sampling's own are keyed as greedy or not.
 COST_OPTIONS = ("budget", "chunk_size", "draft_budget", "sinks", "rebuild_every", "rebuild_below", "policy",
-                "proposer", "lookup_max", "lookup_min",
+                "proposer", "lookup_max", "lookup_min", "lookup_threshold",
                 "deterministic", "offload", "gpu_memory", "cuda_graphs")
 
 

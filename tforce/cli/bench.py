@@ -59,6 +59,7 @@ def bench(
     draft_budget: int = o.DRAFT_BUDGET,
     lookup_max: int = o.LOOKUP_MAX,
     lookup_min: int = o.LOOKUP_MIN,
+    lookup_threshold: float = o.LOOKUP_THRESHOLD,
     prefill_chunk: int = o.PREFILL_CHUNK,
     device: str = o.DEVICE,
     threads: int = o.THREADS,
@@ -111,7 +112,7 @@ def bench(
         peer_names = parse_peers(peers)
         set_threads(threads)
         engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget,
-                      lookup_max=lookup_max, lookup_min=lookup_min)
+                      lookup_max=lookup_max, lookup_min=lookup_min, lookup_threshold=lookup_threshold)
         if draft == LOOKUP:  # no draft model: the drafting methods propose by n-gram lookup
             engine["proposer"] = "lookup"
         draft_model = None if draft == LOOKUP else draft

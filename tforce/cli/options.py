@@ -19,6 +19,9 @@ DRAFT = typer.Option(None, "--draft", help="Small draft model (default: the regi
                                             "occurrence in the prompt and answer (prompt lookup).")
 LOOKUP_MAX = typer.Option(Speculation.lookup_max, "--lookup-max", help="--draft lookup: the longest n-gram matched.")
 LOOKUP_MIN = typer.Option(Speculation.lookup_min, "--lookup-min", help="--draft lookup: the shortest n-gram matched.")
+LOOKUP_THRESHOLD = typer.Option(Speculation.lookup_threshold, "--lookup-threshold",
+                                help="--draft lookup: a match drafts only where matches of its length predicted "
+                                     "the next token at least this often lately (0: every match drafts).")
 METHOD = typer.Option("auto", "--method", help="auto (the fastest on this machine, from measured stage costs: "
                                                 "docs/auto.md) | triforce | ar | retrieval | streaming | naive")
 MAX_NEW_TOKENS = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")
@@ -79,6 +82,7 @@ SHARED = {
     "draft_budget": (int, DRAFT_BUDGET), "prefill_chunk": (int, PREFILL_CHUNK), "sinks": (int, SINKS),
     "rebuild_every": (int, REBUILD_EVERY), "rebuild_below": (float, REBUILD_BELOW), "policy": (str, POLICY),
     "deterministic": (bool, DETERMINISTIC), "lookup_max": (int, LOOKUP_MAX), "lookup_min": (int, LOOKUP_MIN),
+    "lookup_threshold": (float, LOOKUP_THRESHOLD),
     "device": (str, DEVICE), "threads": (int, THREADS),
     "dtype": (str, DTYPE), "weights": (str, WEIGHTS), "offload": (str, OFFLOAD), "gpu_memory": (Optional[str], GPU_MEMORY),
     "save_kv": (Optional[str], SAVE_KV), "load_kv": (Optional[str], LOAD_KV), "template": (str, TEMPLATE),

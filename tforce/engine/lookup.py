@@ -16,6 +16,14 @@ other, and looks up again after it. A row whose last tokens occur nowhere earlie
 the level above takes one token from its own distribution instead of verifying k guesses
 (levels.SpecLevel.round).
 
+Which matches draft (threshold > 0): each row keeps, per n-gram size, how often lately the token a match of
+that size would have drafted first was the token that came next, judged at the row's next call whether it
+was drafted or not (Record); a match whose size has been right less often than `threshold` drafts nothing
+that round. On prose a 1-gram matches nearly everywhere and is seldom right, and a round of k guesses costs
+the level above a forward over k + 1 positions: the record stops paying for it, and starts again where the
+text begins to repeat itself. The decision reads only the row's past tokens, so each row stays an exact
+sample (as a draft length chosen from the past does), and a row decides alone what it decides in a batch.
+
 Each row keeps its n-gram index across calls and follows the shared buffer (NgramIndex.follow: a comparison
 of what it holds, then a rollback past rejected drafts), as a Node follows it with its cache; no host sync:
 the buffer is on the host.
@@ -29,12 +37,41 @@ from .ngram import NgramIndex
 from ..transfer import to_device
 
 
+DECAY = 0.9  # a judgement's weight in a Record falls by this each later one: about the last 10 count
+PRIOR = 0.5  # a size's rate before any judgement (one pseudo-judgement of this value)
+
+
+class Record:
+    """One row's record of its matches: per n-gram size, decayed counts of judgements (the first token a
+    match of that size proposed, against the token that came) and the proposal waiting for its judgement."""
+
+    def __init__(self, sizes):
+        self.hits, self.tries = dict.fromkeys(sizes, 0.0), dict.fromkeys(sizes, 0.0)
+        self.waiting: tuple[int, int, int] | None = None  # (position, size, token) of the last proposal
+
+    def judge(self, tokens) -> None:
+        """Judge the waiting proposal by the row's tokens now, if they reach its position (a rollback past it
+        by a level above leaves it unjudged)."""
+        if self.waiting is not None:
+            at, size, token = self.waiting
+            self.waiting = None
+            if len(tokens) > at:
+                self.hits[size] = DECAY * self.hits[size] + float(tokens[at] == token)
+                self.tries[size] = DECAY * self.tries[size] + 1
+
+    def rate(self, size: int) -> float:
+        return (self.hits[size] + PRIOR) / (self.tries[size] + 1)
+
+
 class LookupLevel(Level):
-    def __init__(self, vocab_size: int, device: torch.device | str, rows: int = 1, n_max: int = 3, n_min: int = 1):
+    def __init__(self, vocab_size: int, device: torch.device | str, rows: int = 1, n_max: int = 3, n_min: int = 1,
+                 threshold: float = 0.0):
         """vocab_size: the width of the verifier's distributions; device: theirs (the one-hot labels are
-        made there)."""
+        made there); threshold: the rate of being right a match's size needs to draft (0: every match)."""
         self.vocab_size, self.device, self.n_max, self.n_min = vocab_size, device, n_max, n_min
+        self.threshold = threshold
         self.indexes = [NgramIndex(n_max, n_min) for _ in range(rows)]  # row b's holds seq[b, :what it saw]
+        self.records = [Record(range(n_min, n_max + 1)) for _ in range(rows)]
         # The labels (R, k, V), kept and rewritten in place: a fresh one at V = 128K is a 3 MB allocation
         # and fill a round (0.5-2 ms on a CPU); rewriting is the 2 R k entries that change.
         self._q: torch.Tensor | None = None
@@ -74,13 +111,21 @@ class LookupLevel(Level):
         return out
 
     def matched(self, seq: torch.Tensor, n: list[int], k: int, rows: list[int]) -> list[bool]:
-        """Whether each listed row's last tokens occur earlier (its proposal starts with a match); without one,
-        its k drafts would all be guesses, which SpecLevel.round does not verify (a round that drafts nothing)."""
+        """Whether each listed row drafts this round: its last tokens occur earlier (its proposal starts with a
+        match) and matches of that size have been right often enough lately (Record). Without, its k drafts
+        would be guesses, which SpecLevel.round does not verify (a round that drafts nothing)."""
         out = []
         for b in rows:
-            index = self.indexes[b]
+            index, record = self.indexes[b], self.records[b]
             index.follow(seq.numpy()[b, :n[b]])
-            out.append(bool(index.propose(1)))
+            record.judge(index.tokens)
+            found = index.match()
+            if found is None:
+                out.append(False)
+                continue
+            size, start = found
+            record.waiting = (index.length, size, int(index.tokens[start]))
+            out.append(record.rate(size) >= self.threshold)
         return out
 
     def add_row(self, seq: torch.Tensor, b: int, length: int) -> None:
@@ -88,7 +133,9 @@ class LookupLevel(Level):
         assert b == len(self.indexes)
         self.indexes.append(NgramIndex(self.n_max, self.n_min))
         self.indexes[b].follow(seq.numpy()[b, :length])
+        self.records.append(Record(range(self.n_min, self.n_max + 1)))
 
     def keep(self, live: list[int]) -> None:
-        """Only the listed rows stay, moved to the front with their indexes (Session.keep)."""
+        """Only the listed rows stay, moved to the front with their indexes and records (Session.keep)."""
         self.indexes = [self.indexes[i] for i in live]
+        self.records = [self.records[i] for i in live]

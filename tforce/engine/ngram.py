@@ -42,12 +42,18 @@ class NgramIndex:
     def propose(self, k: int) -> list[int]:
         """Up to k tokens continuing the sequence (fewer where the continuation reaches its end; none
         without a match)."""
+        found = self.match()
+        return [] if found is None else self._tokens[found[1]:min(found[1] + k, self.length)].tolist()
+
+    def match(self) -> tuple[int, int] | None:
+        """The longest n whose last n tokens occur earlier, and where what followed them starts; None if
+        no n from n_max down to n_min has."""
         L = self.length
         for n in self.sizes:
             p = self._prev[n][L]
             if p >= 0:
-                return self._tokens[p:min(p + k, L)].tolist()
-        return []
+                return n, p
+        return None
 
     def follow(self, tokens: np.ndarray) -> None:
         """Hold exactly `tokens` (int64): rolled back to the prefix they share with what it holds (the

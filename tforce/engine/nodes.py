@@ -90,7 +90,7 @@ def build_nodes(target, draft, prompt_len: int, total: int, capacity: int, spec,
         small = Node("draft", draft, cache, sampling, capacity, chunk, _runner(draft, cache, graphs, pool),
                           shared_vocabulary(draft, cfg.vocab_size))
     # n-gram lookup in place of a draft model (lookup.py): the verifier's vocabulary, on its device
-    lookup = LookupLevel(cfg.vocab_size, p.device, rows, spec.lookup_max, spec.lookup_min) \
+    lookup = LookupLevel(cfg.vocab_size, p.device, rows, spec.lookup_max, spec.lookup_min, spec.lookup_threshold) \
         if spec.looks_up else None
     return Nodes(plan, full_node, middle, small, retrieval, lookup)
 

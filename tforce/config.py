@@ -70,7 +70,7 @@ class Speculation:
     proposer: str = "model"
     lookup_max: int = 3
     lookup_min: int = 1
-    lookup_threshold: float = 0.3
+    lookup_threshold: float = 0.2
 
     @property
     def drafts(self) -> bool:

@@ -4,6 +4,8 @@ and a batch; sampling: the target's exact distribution (chi-square, as tests/eng
 level's own drafts: their one-hot labels, the chained lookups, the guess without a match, rollback, rows."""
 import functools
 
+import numpy as np
+
 import torch
 
 import tforce
@@ -208,20 +210,24 @@ def matched(level, tokens, k=GAMMA):
     return level.matched(seq, [len(tokens)], k, [0])[0]
 
 
-def test_a_record_judges_each_match_by_the_token_that_came():
-    """Each call judges the last one's first proposed token against the token now at its place, drafted or
-    not; a size's rate starts at PRIOR and each judgement outweighs the older ones."""
+def test_a_record_judges_each_proposal_by_the_tokens_that_came_in_a_row():
+    """A proposal is judged as the row's tokens reach it, whether drafted or not: at its first wrong token,
+    or once all of it came; until then a newer proposal does not replace it. A size's rate starts at
+    PRIOR and each judgement outweighs the older ones."""
     record = Record(range(1, 4))
     assert record.rate(1) == PRIOR
-    record.waiting = (3, 1, 7)
-    record.judge([1, 2, 3])  # position 3 not reached (a level above rolled back past it): no judgement
-    assert record.tries[1] == 0 and record.waiting is None
-    record.waiting = (3, 1, 7)
-    record.judge([1, 2, 3, 7, 5])
-    assert (record.hits[1], record.tries[1]) == (1, 1) and record.rate(1) == 0.75
-    record.waiting = (5, 1, 4)
-    record.judge([1, 2, 3, 7, 5, 6])
-    assert record.hits[1] == DECAY and record.tries[1] == DECAY + 1 and record.rate(3) == PRIOR
+    record.expect(3, 1, [7, 8, 9])
+    record.judge(np.array([1, 2, 3]))  # nothing at position 3 yet (or a level above rolled back): dropped
+    assert record.proposed[1] == 0 and record.waiting is None
+    record.expect(3, 1, [7, 8, 9])
+    record.judge(np.array([1, 2, 3, 7]))  # one came, the rest not yet known: it waits
+    record.expect(4, 2, [5])  # not recorded while one waits
+    assert record.waiting == (3, 1, [7, 8, 9])
+    record.judge(np.array([1, 2, 3, 7, 8, 5]))  # two came in a row, then a wrong one
+    assert (record.came[1], record.proposed[1]) == (2, 3) and record.rate(1) == 2.5 / 4
+    record.expect(6, 1, [4, 4])
+    record.judge(np.array([1, 2, 3, 7, 8, 5, 4, 4, 1]))  # all of it came
+    assert record.came[1] == 2 * DECAY + 2 and record.proposed[1] == 3 * DECAY + 2 and record.rate(3) == PRIOR
 
 
 def test_matches_that_mislead_stop_drafting_and_longer_matches_that_repeat_draft():

@@ -16,13 +16,14 @@ other, and looks up again after it. A row whose last tokens occur nowhere earlie
 the level above takes one token from its own distribution instead of verifying k guesses
 (levels.SpecLevel.round).
 
-Which matches draft (threshold > 0): each row keeps, per n-gram size, how often lately the token a match of
-that size would have drafted first was the token that came next, judged at the row's next call whether it
-was drafted or not (Record); a match whose size has been right less often than `threshold` drafts nothing
-that round. On prose a 1-gram matches nearly everywhere and is seldom right, and a round of k guesses costs
-the level above a forward over k + 1 positions: the record stops paying for it, and starts again where the
-text begins to repeat itself. The decision reads only the row's past tokens, so each row stays an exact
-sample (as a draft length chosen from the past does), and a row decides alone what it decides in a batch.
+Which matches draft (threshold > 0): each row keeps, per n-gram size, the share of the tokens matches of
+that size proposed lately that came, in a row from the first (a match's continuation, up to k tokens, judged
+against the row's tokens as they come, whether it was drafted or not: Record); a match whose size's share
+is under `threshold` drafts nothing that round. On prose a 1-gram matches nearly everywhere and is seldom
+right, and a round of k guesses costs the level above a forward over k + 1 positions: the record stops
+paying for it, and drafts again once matches of that size are right again. The decision reads only the
+row's past tokens, so each row stays an exact sample (as a draft length chosen from the past does), and a
+row decides alone what it decides in a batch.
 
 Each row keeps its n-gram index across calls and follows the shared buffer (NgramIndex.follow: a comparison
 of what it holds, then a rollback past rejected drafts), as a Node follows it with its cache; no host sync:
@@ -38,36 +39,48 @@ from ..transfer import to_device
 
 
 DECAY = 0.9  # a judgement's weight in a Record falls by this each later one: about the last 10 count
-PRIOR = 0.5  # a size's rate before any judgement (one pseudo-judgement of this value)
+PRIOR = 0.5  # a size's rate before any judgement (half of one pseudo-token)
 
 
 class Record:
-    """One row's record of its matches: per n-gram size, decayed counts of judgements (the first token a
-    match of that size proposed, against the token that came) and the proposal waiting for its judgement."""
+    """One row's record of its matches: per n-gram size, decayed sums of the tokens a match of that size
+    proposed and of those that came, in a row from the first (the drafts a verification would have kept at
+    temperature 0), and the proposal waiting for its judgement."""
 
     def __init__(self, sizes):
-        self.hits, self.tries = dict.fromkeys(sizes, 0.0), dict.fromkeys(sizes, 0.0)
-        self.waiting: tuple[int, int, int] | None = None  # (position, size, token) of the last proposal
+        self.came, self.proposed = dict.fromkeys(sizes, 0.0), dict.fromkeys(sizes, 0.0)
+        self.waiting: tuple[int, int, list[int]] | None = None  # (position, size, proposal) being judged
+
+    def expect(self, at: int, size: int, proposal: list[int]) -> None:
+        """A match's proposal at position `at`, judged by the tokens that come there (unless one waits)."""
+        if self.waiting is None:
+            self.waiting = (at, size, proposal)
 
     def judge(self, tokens) -> None:
-        """Judge the waiting proposal by the row's tokens now, if they reach its position (a rollback past it
-        by a level above leaves it unjudged)."""
-        if self.waiting is not None:
-            at, size, token = self.waiting
+        """Judge the waiting proposal as far as the row's tokens now reach: decided at its first wrong token
+        or once all of it came, else it waits for a later call; a rollback to before it drops it."""
+        if self.waiting is None:
+            return
+        at, size, proposal = self.waiting
+        seen = tokens[at:at + len(proposal)].tolist()
+        run = next((i for i, (a, b) in enumerate(zip(seen, proposal)) if a != b), len(seen))
+        if run < len(seen) or len(seen) == len(proposal):
+            self.came[size] = DECAY * self.came[size] + run
+            self.proposed[size] = DECAY * self.proposed[size] + len(proposal)
             self.waiting = None
-            if len(tokens) > at:
-                self.hits[size] = DECAY * self.hits[size] + float(tokens[at] == token)
-                self.tries[size] = DECAY * self.tries[size] + 1
+        elif not seen:
+            self.waiting = None
 
     def rate(self, size: int) -> float:
-        return (self.hits[size] + PRIOR) / (self.tries[size] + 1)
+        """The share of the proposed tokens that came, lately, for matches of this size."""
+        return (self.came[size] + PRIOR) / (self.proposed[size] + 1)
 
 
 class LookupLevel(Level):
     def __init__(self, vocab_size: int, device: torch.device | str, rows: int = 1, n_max: int = 3, n_min: int = 1,
                  threshold: float = 0.0):
         """vocab_size: the width of the verifier's distributions; device: theirs (the one-hot labels are
-        made there); threshold: the rate of being right a match's size needs to draft (0: every match)."""
+        made there); threshold: the Record.rate a match's size needs to draft (0: every match drafts)."""
         self.vocab_size, self.device, self.n_max, self.n_min = vocab_size, device, n_max, n_min
         self.threshold = threshold
         self.indexes = [NgramIndex(n_max, n_min) for _ in range(rows)]  # row b's holds seq[b, :what it saw]
@@ -123,9 +136,8 @@ class LookupLevel(Level):
             if found is None:
                 out.append(False)
                 continue
-            size, start = found
-            record.waiting = (index.length, size, int(index.tokens[start]))
-            out.append(record.rate(size) >= self.threshold)
+            record.expect(index.length, found[0], index.propose(k))
+            out.append(record.rate(found[0]) >= self.threshold)
         return out
 
     def add_row(self, seq: torch.Tensor, b: int, length: int) -> None:

@@ -65,12 +65,12 @@ class Speculation:
     policy: str = "retrieval"  # which tokens the middle cache holds (methods triforce, retrieval)
     # what proposes at the bottom level of a method that has one: "model" (a small draft model) or "lookup"
     # (no model: what followed the latest earlier occurrence of the last n tokens, engine/lookup.py), n from
-    # lookup_max down to lookup_min; a match drafts where matches of its size have predicted the next token
-    # at least lookup_threshold of the time lately (0: every match drafts)
+    # lookup_max down to lookup_min; with lookup_threshold > 0 a match drafts only where matches of its size
+    # have lately proposed at least that share of tokens that came (0: every match drafts; BENCHMARKS.md)
     proposer: str = "model"
     lookup_max: int = 3
     lookup_min: int = 1
-    lookup_threshold: float = 0.2
+    lookup_threshold: float = 0.0
 
     @property
     def drafts(self) -> bool:

@@ -22,8 +22,8 @@ LENGTHS = (37, 13, 30, 21)  # the third moves to row 0 when the first finishes, 
 BUDGET = (24, 1, 30, 18)
 
 
-def session(target, draft, method, sampling, rows=3, proposer="model", longest=60):
-    spec = Speculation(method=method, proposer=proposer, **SMALL)
+def session(target, draft, method, sampling, rows=3, proposer="model", longest=60, **extra):
+    spec = Speculation(method=method, proposer=proposer, **SMALL, **extra)
     run = RunConfig(speculation=spec, sampling=sampling, execution=Execution(prefill_chunk=CHUNK))
     s = Session(target, None if proposer == "lookup" or method in ("ar", "retrieval") else draft, longest, 30,
                 run, rows=rows)
@@ -114,15 +114,25 @@ def test_a_prefix_a_live_row_holds_is_copied_and_the_answers_stay_alone(tiny, me
 def test_seeded_rows_that_join_draw_what_their_prompts_draw_alone(tiny, method, proposer):
     """Each row with a generator of its own (a request's seed) samples exactly the tokens the prompt gives
     alone with that seed, whatever the other rows draw and whenever it joins."""
+    _seeded_rows_equal_alone(tiny, method, proposer)
+
+
+def test_seeded_rows_with_a_lookup_record_draw_what_they_draw_alone(tiny):
+    """--lookup-threshold: whether a row drafts depends on its own record only (a joining row's starts
+    empty), so alone and joined it declines the same matches and draws the same tokens."""
+    _seeded_rows_equal_alone(tiny, "triforce", "lookup", lookup_threshold=0.5)
+
+
+def _seeded_rows_equal_alone(tiny, method, proposer, **extra):
     prompts, seeds = prompts_of(LENGTHS, seed=7), [11, 12, 13, 14]
     s = session(tiny["gqa"].model, tiny["draft"].model, method, Sampling(temperature=0.9, top_p=0.95), rows=2,
-                proposer=proposer)
+                proposer=proposer, **extra)
     out, _ = run(s, torch.Generator().manual_seed(123), prompts, BUDGET, seeds=seeds)
     draft = None if proposer == "lookup" or method in ("ar", "retrieval") else tiny["draft"]
     for i, prompt in enumerate(prompts):
         alone = tforce.generate(tiny["gqa"], prompt, draft=draft, method=method, proposer=proposer, **SMALL,
                                 max_new_tokens=BUDGET[i], temperature=0.9, top_p=0.95, seed=seeds[i],
-                                ignore_eos=True, prefill_chunk=CHUNK)
+                                ignore_eos=True, prefill_chunk=CHUNK, **extra)
         assert out[i] == alone.tokens, i
 
 

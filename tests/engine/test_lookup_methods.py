@@ -27,10 +27,10 @@ def test_greedy_equals_plain_decoding_without_a_draft_model(tiny, method):
         assert out.stats["forwards"]["full"] < ar.stats["forwards"]["full"]
 
 
-@pytest.mark.parametrize("threshold", [0.0, 1.0])
-def test_every_match_drafting_or_none_equals_plain_decoding(tiny, threshold):
-    """--lookup-threshold 0: every match drafts (more rounds verify guesses than with the default); 1: no
-    match has a perfect record, none drafts, every round one token of the full node's."""
+@pytest.mark.parametrize("threshold", [0.3, 1.0])
+def test_matches_declined_by_their_record_equal_plain_decoding(tiny, threshold):
+    """--lookup-threshold 0.3: matches whose length has lately been wrong draft nothing; 1: no match has a
+    perfect record (PRIOR), none drafts, every round one token of the full node's."""
     kw = dict(max_new_tokens=40, temperature=0, ignore_eos=True)
     ar = tforce.generate(tiny["gqa"], REPEATING, method="ar", **kw)
     out = tforce.generate(tiny["gqa"], REPEATING, method="triforce", proposer="lookup", lookup_threshold=threshold,
@@ -39,10 +39,12 @@ def test_every_match_drafting_or_none_equals_plain_decoding(tiny, threshold):
     assert (out.stats["acceptance"]["draft"] is None) == (threshold == 1.0)
 
 
-def test_batch_rows_equal_plain_decoding(tiny):
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_batch_rows_equal_plain_decoding(tiny, threshold):
     prompts = [REPEATING, REPEATING[:20], [7, 8, 9, 7, 8]]
     kw = dict(max_new_tokens=24, temperature=0, ignore_eos=True)
-    rows = tforce.generate_batch(tiny["gqa"], prompts, method="triforce", proposer="lookup", **SMALL, **kw)
+    rows = tforce.generate_batch(tiny["gqa"], prompts, method="triforce", proposer="lookup", **SMALL, **kw,
+                                 lookup_threshold=threshold)
     for prompt, row in zip(prompts, rows):
         assert row.tokens == tforce.generate(tiny["gqa"], prompt, method="ar", **kw).tokens
 

@@ -131,10 +131,11 @@ class LookupLevel(Level):
         for b in rows:
             index, record = self.indexes[b], self.records[b]
             index.follow(seq.numpy()[b, :n[b]])
-            record.judge(index.tokens)
             found = index.match()
-            if found is None:
-                out.append(False)
+            if self.threshold > 0:  # else no record to keep: every match drafts
+                record.judge(index.tokens)
+            if found is None or self.threshold == 0:
+                out.append(found is not None)
                 continue
             record.expect(index.length, found[0], index.propose(k))
             out.append(record.rate(found[0]) >= self.threshold)

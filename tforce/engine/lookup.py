@@ -129,16 +129,17 @@ class LookupLevel(Level):
         would be guesses, which SpecLevel.round does not verify (a round that drafts nothing)."""
         out = []
         for b in rows:
-            index, record = self.indexes[b], self.records[b]
+            index = self.indexes[b]
             index.follow(seq.numpy()[b, :n[b]])
             found = index.match()
-            if self.threshold > 0:  # else no record to keep: every match drafts
-                record.judge(index.tokens)
-            if found is None or self.threshold == 0:
+            if self.threshold == 0:  # no record kept: every match drafts
                 out.append(found is not None)
                 continue
-            record.expect(index.length, found[0], index.propose(k))
-            out.append(record.rate(found[0]) >= self.threshold)
+            record = self.records[b]
+            record.judge(index.tokens)  # the row's tokens now judge the waiting proposal, if they reach it
+            if found is not None:
+                record.expect(index.length, found[0], index.propose(k))
+            out.append(found is not None and record.rate(found[0]) >= self.threshold)
         return out
 
     def add_row(self, seq: torch.Tensor, b: int, length: int) -> None:

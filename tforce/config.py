@@ -65,8 +65,9 @@ class Speculation:
     policy: str = "retrieval"  # which tokens the middle cache holds (methods triforce, retrieval)
     # what proposes at the bottom level of a method that has one: "model" (a small draft model) or "lookup"
     # (no model: what followed the latest earlier occurrence of the last n tokens, engine/lookup.py), n from
-    # lookup_max down to lookup_min; with lookup_threshold > 0 a match drafts only where matches of its size
-    # have lately proposed at least that share of tokens that came (0: every match drafts; BENCHMARKS.md)
+    # lookup_max down to lookup_min; with lookup_threshold > 0 a match drafts as many tokens as have, all of
+    # them, at least that chance to come, from how matches of its size fared lately (0: every match drafts
+    # gamma; engine/lookup.py, BENCHMARKS.md)
     proposer: str = "model"
     lookup_max: int = 3
     lookup_min: int = 1

@@ -87,9 +87,9 @@ def test_greedy_batch_rows_equal_plain_decoding_and_accept_as_alone(tiny):
         assert (stats.accepted[b], stats.drafted[b]) == (alone.accepted[0], alone.drafted[0])
 
 
-def draw(target, rows, seed, threshold=0.0, declined=None):
+def draw(target, rows, seed, threshold=0.0, drafted_by=None):
     """SAMPLES generations of N_TOKENS per row: per row the sampled tuples, and the acceptance overall;
-    declined: a list that gets each generation's rounds without drafts."""
+    drafted_by: a list that gets each generation's number of drafted tokens."""
     gen = torch.Generator().manual_seed(seed)
     samples, accepted, drafted = [[] for _ in rows], 0, 0
     for _ in range(SAMPLES):
@@ -97,8 +97,8 @@ def draw(target, rows, seed, threshold=0.0, declined=None):
         for b, tokens in enumerate(got):
             samples[b].append(tuple(tokens))
         accepted, drafted = accepted + sum(stats.accepted), drafted + sum(stats.drafted)
-        if declined is not None:
-            declined.append(sum(stats.rounds) - sum(stats.drafted) // 3)
+        if drafted_by is not None:
+            drafted_by.append(sum(stats.drafted))
     return samples, accepted / drafted
 
 
@@ -115,15 +115,15 @@ def test_sampling_matches_target_distribution(small_vocab):
 
 
 def test_sampling_with_matches_declined_by_their_record_matches_target_distribution(small_vocab):
-    """Threshold 0.5: whether a row drafts depends on whether its earlier matches were right, and so on its
-    earlier random draws. PROMPT holds 5 of the 6 tokens, so nearly every round has a match to decline.
+    """Threshold 0.5: how many tokens a row drafts depends on whether its earlier matches were right, and so
+    on its earlier random draws. PROMPT holds 5 of the 6 tokens, so nearly every round has a match to cut.
     Still the exact distribution."""
     target, _ = small_vocab
-    declined = []
-    [samples], acc = draw(target, [PROMPT], 3, threshold=0.5, declined=declined)
+    drafted = []
+    [samples], acc = draw(target, [PROMPT], 3, threshold=0.5, drafted_by=drafted)
     assert min(check(samples, exact_joint(target, PROMPT, N_TOKENS))) > 1e-3
     assert 0.1 < acc < 0.95, acc
-    assert 0 < sum(d > 0 for d in declined) < len(declined), declined  # some generations declined, not all
+    assert len(set(drafted)) > 1, drafted  # the generations drafted different numbers of tokens
 
 
 def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
@@ -195,39 +195,54 @@ def test_a_row_whose_last_tokens_occur_nowhere_earlier_drafts_nothing(tiny):
     top = SpecLevel(lookup, full, GAMMA)
     seq = torch.zeros(1, capacity, dtype=torch.long)
     seq[0, :len(prompt)] = torch.tensor(prompt)
-    assert lookup.matched(seq, [len(prompt)], GAMMA, [0]) == [False]
+    assert lookup.draft_lengths(seq, [len(prompt)], GAMMA, [0]) == [0]
     [tokens], _ = top.round(seq, [len(prompt)], torch.Generator(), [0])
     assert tokens == ar(tiny["gqa"], prompt, 1) and top.stats.drafted[0] == 0 and top.stats.rounds[0] == 1
     seq[0, len(prompt)] = prompt[5]  # now the last token occurs earlier: a match, GAMMA drafts verified
-    assert lookup.matched(seq, [len(prompt) + 1], GAMMA, [0]) == [True]
+    assert lookup.draft_lengths(seq, [len(prompt) + 1], GAMMA, [0]) == [GAMMA]
     top.round(seq, [len(prompt) + 1], torch.Generator(), [0])
     assert top.stats.drafted[0] == GAMMA
 
 
-def matched(level, tokens, k=GAMMA):
+def drafts(level, tokens, k=GAMMA):
+    """How many drafts the level makes after `tokens` (one row)."""
     seq = torch.zeros(1, len(tokens) + k + 1, dtype=torch.long)
     seq[0, :len(tokens)] = torch.tensor(tokens)
-    return level.matched(seq, [len(tokens)], k, [0])[0]
+    return level.draft_lengths(seq, [len(tokens)], k, [0])[0]
+
+
+def matched(level, tokens, k=GAMMA):
+    return drafts(level, tokens, k) > 0
 
 
 def test_a_record_judges_each_proposal_by_the_tokens_that_came_in_a_row():
-    """A proposal is judged as the row's tokens reach it, whether drafted or not: at its first wrong token,
-    or once all of it came; until then a newer proposal does not replace it. A size's rate starts at
-    PRIOR and each judgement outweighs the older ones."""
+    """A proposal is judged as the row's tokens reach it, whether drafted or not, its tokens that came
+    counted as they come; it is decided at its first wrong token or once all of it came, and until then a
+    newer proposal does not replace it. A size's chance starts at PRIOR and each judgement outweighs the
+    older ones."""
     record = Record(range(1, 4))
-    assert record.rate(1) == PRIOR
+    assert record.chance(1) == PRIOR
     record.expect(3, 1, [7, 8, 9])
     record.judge(np.array([1, 2, 3]))  # nothing at position 3 yet (or a level above rolled back): dropped
-    assert record.proposed[1] == 0 and record.waiting is None
+    assert record.came[1] == record.missed[1] == 0 and record.waiting == {}
     record.expect(3, 1, [7, 8, 9])
     record.judge(np.array([1, 2, 3, 7]))  # one came, the rest not yet known: it waits
-    record.expect(4, 2, [5])  # not recorded while one waits
-    assert record.waiting == (3, 1, [7, 8, 9])
-    record.judge(np.array([1, 2, 3, 7, 8, 5]))  # two came in a row, then a wrong one
-    assert (record.came[1], record.proposed[1]) == (2, 3) and record.rate(1) == 2.5 / 4
+    record.expect(4, 1, [5])  # not recorded while one of its size waits
+    record.expect(4, 2, [8, 5])  # another size's is
+    assert record.waiting == {1: [3, [7, 8, 9], 1], 2: [4, [8, 5], 0]} and record.came[1] == 1  # counted as it comes
+    record.judge(np.array([1, 2, 3, 7, 8, 5]))  # two came in a row, then a wrong one; all of size 2's came
+    assert (record.came[1], record.missed[1]) == (2, 1) and record.chance(1) == 2.5 / 4
+    assert (record.came[2], record.missed[2]) == (2, 0) and record.waiting == {}
     record.expect(6, 1, [4, 4])
-    record.judge(np.array([1, 2, 3, 7, 8, 5, 4, 4, 1]))  # all of it came
-    assert record.came[1] == 2 * DECAY + 2 and record.proposed[1] == 3 * DECAY + 2 and record.rate(3) == PRIOR
+    record.judge(np.array([1, 2, 3, 7, 8, 5, 4, 4, 1]))  # all of it came: no miss
+    assert (record.came[1], record.missed[1]) == (2 * DECAY + 2, DECAY) and record.chance(3) == PRIOR
+
+
+def test_a_record_drafts_the_positions_whose_chance_reaches_the_threshold():
+    """chance 0.5: one draft has 0.5 to come, two 0.25, three 0.125; k caps it."""
+    record = Record([1])
+    assert [record.length(1, 6, t) for t in (1.0, 0.6, 0.5, 0.3, 0.2, 0.1, 1e-9)] == [0, 0, 1, 1, 2, 3, 6]
+    assert record.length(1, 2, 0.1) == 2
 
 
 def test_matches_that_mislead_stop_drafting_and_longer_matches_that_repeat_draft():
@@ -235,6 +250,7 @@ def test_matches_that_mislead_stop_drafting_and_longer_matches_that_repeat_draft
     follower, which is wrong: after a few judgements a 1-gram match declines (threshold 0 would draft it).
     Then a passage repeats: its 3-gram matches have no record yet, draft, are right, and go on drafting."""
     level, always = LookupLevel(300, "cpu", threshold=0.3), LookupLevel(300, "cpu")
+    assert drafts(level, [1, 2, 3, 1]) == 1  # no record yet: a chance of PRIOR, one position at 0.3
     tokens, said = [], []
     for t in range(10, 30):
         tokens += [1, t]
@@ -246,7 +262,7 @@ def test_matches_that_mislead_stop_drafting_and_longer_matches_that_repeat_draft
     for t in passage[3:20]:
         assert matched(level, tokens) and level.indexes[0].match()[0] == 3
         tokens.append(t)
-    assert level.records[0].rate(3) > 0.9
+    assert level.records[0].chance(3) > 0.9 and drafts(level, tokens) == GAMMA
 
 
 def test_threshold_one_never_drafts():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tforce.engine.sampling import residual, sample, to_probs
+from tforce.engine.sampling import RowGenerators, residual, sample, to_probs
 from tforce.config import Sampling
 from tforce.engine.speculative import verify
 
@@ -130,3 +130,48 @@ def test_greedy_draws_are_the_one_hot_argmax_multinomial_draws():
         drafts = q.argmax(-1) if k else torch.zeros(6, 0, dtype=torch.long)
         assert verify(drafts, q, p, torch.Generator().manual_seed(trial), greedy=True) == \
             verify(drafts, q, p, torch.Generator().manual_seed(trial))
+
+
+def test_a_row_verifies_only_its_own_number_of_drafts():
+    """lengths: row b as if it had drafted only its first lengths[b] tokens. One-hot p agreeing with every
+    draft: the rows keep lengths[b] drafts and take p's token after them (the bonus), not what the later
+    drafts say; greedy decides the same."""
+    p = torch.eye(V)[torch.tensor([[1, 2, 3, 4]] * 3)]
+    q, drafts = p[:, :3], torch.tensor([[1, 2, 3]] * 3)
+    for greedy in (False, True):
+        assert verify(drafts, q, p, torch.Generator().manual_seed(0), greedy=greedy, lengths=[0, 1, 3]) == \
+            ([0, 1, 3], [1, 2, 4])
+
+
+def test_with_its_own_number_of_drafts_a_row_emits_the_target_distribution():
+    """Row 0 verifies 1 of 2 drafts: after an accepted first draft its next token is the bonus from p[1]
+    (all verify's k = 2 would draw it from the residual of p[1] against q[1], which a chi-square rejects)."""
+    p, q = normalised(dists(1)), normalised(dists(2))[:2]
+    gen = torch.Generator().manual_seed(0)
+    counts = {1: np.zeros(V), 2: np.zeros(V)}
+    for _ in range(6000):
+        x = torch.multinomial(q, 1, generator=gen)[:, 0]
+        for m in counts:
+            [n], [token] = verify(x[None], q[None], p[None], gen, lengths=[1] if m == 1 else None)
+            if n == 1:
+                counts[m][token] += 1
+    assert chi2_pvalue(counts[1], p[1].numpy()) > 1e-3
+    assert chi2_pvalue(counts[2], p[1].numpy()) < 1e-6
+
+
+def test_each_row_draws_what_it_draws_alone_with_its_number_of_drafts():
+    """RowGenerators: a row verifying lengths[b] of k drafts in a batch decides and draws what it does alone
+    with only those drafted, seed for seed (then its generator is where alone it would be)."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [0, 2, 4]
+    for trial in range(200):
+        p = torch.rand(3, 5, V, generator=g).softmax(-1)
+        q = torch.rand(3, 4, V, generator=g).softmax(-1)
+        drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(3, 4)
+        batch = RowGenerators([torch.Generator().manual_seed(trial * 3 + b) for b in range(3)])
+        together = verify(drafts, q, p, batch, lengths=lengths)
+        for b, m in enumerate(lengths):
+            alone = RowGenerators([torch.Generator().manual_seed(trial * 3 + b)])
+            [n], [token] = verify(drafts[b:b + 1, :m], q[b:b + 1, :m], p[b:b + 1, :m + 1], alone)
+            assert (together[0][b], together[1][b]) == (n, token)
+            assert torch.rand(1, generator=batch.gens[b]) == torch.rand(1, generator=alone.gens[0])

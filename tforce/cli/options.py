@@ -20,8 +20,9 @@ DRAFT = typer.Option(None, "--draft", help="Small draft model (default: the regi
 LOOKUP_MAX = typer.Option(Speculation.lookup_max, "--lookup-max", help="--draft lookup: the longest n-gram matched.")
 LOOKUP_MIN = typer.Option(Speculation.lookup_min, "--lookup-min", help="--draft lookup: the shortest n-gram matched.")
 LOOKUP_THRESHOLD = typer.Option(Speculation.lookup_threshold, "--lookup-threshold",
-                                help="--draft lookup: a match drafts only where, of the tokens matches of its "
-                                     "length proposed lately, at least this share came (0: every match drafts).")
+                                help="--draft lookup: a match drafts as many tokens as have, all of them, at "
+                                     "least this chance to come, from how matches of its length fared lately "
+                                     "(0: every match drafts gamma).")
 METHOD = typer.Option("auto", "--method", help="auto (the fastest on this machine, from measured stage costs: "
                                                 "docs/auto.md) | triforce | ar | retrieval | streaming | naive")
 MAX_NEW_TOKENS = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")

@@ -117,39 +117,28 @@ class SpecLevel(Level):
 
     def round(self, seq, n, gen, rows=None):
         rows = list(range(len(n))) if rows is None else rows
-        # A proposer that can tell (lookup.py: whether an earlier occurrence of a row's last tokens exists)
-        # says which rows have drafts worth verifying; the others' proposals are guesses, verified with the
-        # rest but not kept: their token is drawn from the node's distribution at their first position. The
-        # draft length depends on the tokens so far only, so each row stays an exact sample of the node.
-        matched = getattr(self.proposer, "matched", None)
-        found = matched(seq, n, self.gamma, rows) if matched else [True] * len(rows)
-        if not any(found):
+        # A proposer that can tell (lookup.py) says how many drafts each row has worth verifying, at most
+        # gamma (0: none); else every row verifies gamma. The round drafts the most any row has and each row
+        # verifies its own (verify's lengths): a row with none takes its token from the node's distribution at
+        # its first position, as a round that drafted nothing. The lengths depend on the tokens so far only,
+        # so each row stays an exact sample of the node and draws from its generator what it would alone.
+        lengths_of = getattr(self.proposer, "draft_lengths", None)
+        lengths = lengths_of(seq, n, self.gamma, rows) if lengths_of else [self.gamma] * len(rows)
+        k = max(lengths)
+        if k == 0:
             return self._step(seq, n, gen, rows)
-        drafts, q = self.proposer.propose(seq, n, self.gamma, gen, rows)  # writes seq[b, n:n + gamma]
-        p = self.node.probs(seq, [nb + self.gamma for nb in n], last=self.gamma + 1, rows=rows)  # (R, gamma + 1, V)
+        drafts, q = self.proposer.propose(seq, n, k, gen, rows)  # writes seq[b, n:n + k]
+        p = self.node.probs(seq, [nb + k for nb in n], last=k + 1, rows=rows)  # (R, k + 1, V)
         raw = self.node.logprobs if self.node.raw else None
-        greedy = self.node.sampling.greedy
-        guessed = [i for i, f in enumerate(found) if not f]
-        if not guessed:
-            n_acc, nxt = verify(to_device(drafts, p.device), q.to(p.device), p, pick(gen, rows), greedy=greedy)
-        else:  # only the rows with a match verify; the others' token from the node's first distribution, as a
-            # round that drafted nothing (so each row draws from its own generator as it would alone)
-            kept = [i for i, f in enumerate(found) if f]
-            n_acc, nxt = [0] * len(rows), [0] * len(rows)
-            if kept:
-                got = verify(to_device(drafts[kept], p.device), q[kept].to(p.device), p[kept],
-                             pick(gen, [rows[i] for i in kept]), greedy=greedy)
-                for i, a, x in zip(kept, *got):
-                    n_acc[i], nxt[i] = a, x
-            for i, x in zip(guessed, host(sample(p[guessed, 0], pick(gen, [rows[i] for i in guessed]), greedy))):
-                nxt[i] = x
+        n_acc, nxt = verify(to_device(drafts, p.device), q.to(p.device), p, pick(gen, rows),
+                            greedy=self.node.sampling.greedy, lengths=None if min(lengths) == k else lengths)
         tokens, probs = [], []
         for i, (b, a) in enumerate(zip(rows, n_acc)):
             seq[b, n[b] + a] = nxt[i]
             tokens.append(drafts[i, :a].tolist() + [nxt[i]])
             probs.append(p[i, :a + 1])
-            if found[i]:
-                self.stats.count(self.ids[b], self.gamma, a)
+            if lengths[i]:
+                self.stats.count(self.ids[b], lengths[i], a)
             else:
                 self.stats.step(self.ids[b])
         self.logprobs = None if raw is None else [raw[i, :a + 1] for i, a in enumerate(n_acc)]

@@ -9,21 +9,21 @@ min(1, p(x) / 1) = p(x) and on rejection draws from normalise(max(0, p - onehot(
 temperature 0 it keeps x iff x is p's argmax. The tokens are the target's whatever was proposed: a poor
 guess costs acceptance only.
 
-Always k tokens a row: the level above verifies exactly k per row (Level.propose; verify takes a rectangle).
-A continuation cut short by the sequence's end is followed by another lookup after it (which continues a
-repeated run); where that finds nothing the row guesses its last token again, a one-hot guess like any
-other, and looks up again after it. A row whose last tokens occur nowhere earlier (matched) drafts nothing:
-the level above takes one token from its own distribution instead of verifying k guesses
-(levels.SpecLevel.round).
+Each row drafts its own number of tokens, at most k (draft_lengths): what its lookups give in a row (a
+continuation cut short by the sequence's end is followed by another lookup after it, which continues a
+repeated run) up to where one finds nothing. SpecLevel.round drafts the most any row has and verifies each
+row's own (speculative.verify's lengths), so a forward spans only what some row matched; a row whose last
+tokens occur nowhere earlier drafts nothing and takes one token from the level above's own distribution.
+Level.propose's rectangle is filled after a row's drafts with its last token again, never verified.
 
-Which matches draft (threshold > 0): each row keeps, per n-gram size, the share of the tokens matches of
-that size proposed lately that came, in a row from the first (a match's continuation, up to k tokens, judged
-against the row's tokens as they come, whether it was drafted or not: Record); a match whose size's share
-is under `threshold` drafts nothing that round. On prose a 1-gram matches nearly everywhere and is seldom
-right, and a round of k guesses costs the level above a forward over k + 1 positions: the record stops
-paying for it, and drafts again once matches of that size are right again. The decision reads only the
-row's past tokens, so each row stays an exact sample (as a draft length chosen from the past does), and a
-row decides alone what it decides in a batch.
+How many drafts (threshold > 0): each row keeps, per n-gram size, the chance that a token its matches of
+that size proposed came, given the ones before it came (Record: judged against the row's tokens as they
+come, whether drafted or not, lately); a match drafts its first L tokens, the most whose chance of all coming
+(chance ** L) is at least `threshold`. A drafted position costs the level above one more position in its
+forward and is worth a token when it is kept, so the threshold to set is what a position costs beside a
+one-token forward: a 1-gram on prose, seldom right, drafts one token or none; a repeated passage drafts
+all k. The decision reads only the row's past tokens, so each row stays an exact sample (as any draft length
+chosen from the past does), and a row decides alone what it decides in a batch.
 
 Each row keeps its n-gram index across calls and follows the shared buffer (NgramIndex.follow: a comparison
 of what it holds, then a rollback past rejected drafts), as a Node follows it with its cache; no host sync:
@@ -39,48 +39,58 @@ from ..transfer import to_device
 
 
 DECAY = 0.9  # a judgement's weight in a Record falls by this each later one: about the last 10 count
-PRIOR = 0.5  # a size's rate before any judgement (half of one pseudo-token)
+PRIOR = 0.5  # a size's chance before any judgement (half of one pseudo-token)
 
 
 class Record:
-    """One row's record of its matches: per n-gram size, decayed sums of the tokens a match of that size
-    proposed and of those that came, in a row from the first (the drafts a verification would have kept at
-    temperature 0), and the proposal waiting for its judgement."""
+    """One row's record of its matches: per n-gram size, decayed counts of the proposed tokens that came
+    (each after the ones before it came) and of the proposals that stopped at a wrong token, and the
+    proposal of that size waiting for its judgement."""
 
     def __init__(self, sizes):
-        self.came, self.proposed = dict.fromkeys(sizes, 0.0), dict.fromkeys(sizes, 0.0)
-        self.waiting: tuple[int, int, list[int]] | None = None  # (position, size, proposal) being judged
+        self.came, self.missed = dict.fromkeys(sizes, 0.0), dict.fromkeys(sizes, 0.0)
+        self.waiting: dict[int, list] = {}  # size -> [position, proposal, its tokens counted so far]
 
     def expect(self, at: int, size: int, proposal: list[int]) -> None:
-        """A match's proposal at position `at`, judged by the tokens that come there (unless one waits)."""
-        if self.waiting is None:
-            self.waiting = (at, size, proposal)
+        """A match's proposal at position `at`, judged by the tokens that come there (unless one of its size
+        waits); the older judgements of its size weigh DECAY less."""
+        if size not in self.waiting:
+            self.came[size] *= DECAY
+            self.missed[size] *= DECAY
+            self.waiting[size] = [at, proposal, 0]
 
     def judge(self, tokens) -> None:
-        """Judge the waiting proposal as far as the row's tokens now reach: decided at its first wrong token
-        or once all of it came, else it waits for a later call; a rollback to before it drops it."""
-        if self.waiting is None:
-            return
-        at, size, proposal = self.waiting
-        seen = tokens[at:at + len(proposal)].tolist()
-        run = next((i for i, (a, b) in enumerate(zip(seen, proposal)) if a != b), len(seen))
-        if run < len(seen) or len(seen) == len(proposal):
-            self.came[size] = DECAY * self.came[size] + run
-            self.proposed[size] = DECAY * self.proposed[size] + len(proposal)
-            self.waiting = None
-        elif not seen:
-            self.waiting = None
+        """Count the tokens of each waiting proposal that came since the last call, as far as the row's tokens
+        reach (so a size's chance moves while a long proposal is still coming); a proposal is decided at its
+        first wrong token (a miss) or once all of it came; a rollback to before it drops it."""
+        for size, (at, proposal, counted) in list(self.waiting.items()):
+            seen = tokens[at:at + len(proposal)].tolist()
+            run = next((i for i, (a, b) in enumerate(zip(seen, proposal)) if a != b), len(seen))
+            self.came[size] += max(run - counted, 0)
+            self.waiting[size][2] = max(run, counted)
+            if run < len(seen):
+                self.missed[size] += 1
+            if run < len(seen) or len(seen) == len(proposal) or not seen:
+                del self.waiting[size]
 
-    def rate(self, size: int) -> float:
-        """The share of the proposed tokens that came, lately, for matches of this size."""
-        return (self.came[size] + PRIOR) / (self.proposed[size] + 1)
+    def chance(self, size: int) -> float:
+        """The chance, lately, that a token a match of this size proposes comes, given the ones before it came
+        (tokens that came over tokens judged: a geometric run's estimate)."""
+        return (self.came[size] + PRIOR) / (self.came[size] + self.missed[size] + 1)
+
+    def length(self, size: int, k: int, threshold: float) -> int:
+        """The most drafts, up to k, whose chance of all coming is at least `threshold`."""
+        chance, n = self.chance(size), 0
+        while n < k and chance ** (n + 1) >= threshold:
+            n += 1
+        return n
 
 
 class LookupLevel(Level):
     def __init__(self, vocab_size: int, device: torch.device | str, rows: int = 1, n_max: int = 3, n_min: int = 1,
                  threshold: float = 0.0):
         """vocab_size: the width of the verifier's distributions; device: theirs (the one-hot labels are
-        made there); threshold: the Record.rate a match's size needs to draft (0: every match drafts)."""
+        made there); threshold: the chance a drafted position needs (Record.length; 0: every match drafts k)."""
         self.vocab_size, self.device, self.n_max, self.n_min = vocab_size, device, n_max, n_min
         self.threshold = threshold
         self.indexes = [NgramIndex(n_max, n_min) for _ in range(rows)]  # row b's holds seq[b, :what it saw]
@@ -89,6 +99,7 @@ class LookupLevel(Level):
         # and fill a round (0.5-2 ms on a CPU); rewriting is the 2 R k entries that change.
         self._q: torch.Tensor | None = None
         self._set: torch.Tensor | None = None  # the ids set to 1 in it, (R, k)
+        self._drafts: dict[int, tuple[int, list[int]]] = {}  # row -> (its length, its drafts): draft_lengths's
 
     def prefill(self, seq: torch.Tensor, n: list[int]) -> None:
         """Index each row's seq[b, :n[b]] before the first proposal (Session.prefill): a 100K-token prompt takes
@@ -97,7 +108,8 @@ class LookupLevel(Level):
             self.indexes[b].follow(seq.numpy()[b, :nb])
 
     def propose(self, seq, n, k, gen, rows):
-        tokens = torch.tensor([self._draft(b, seq, n[b], k) for b in rows], dtype=torch.long)  # (R, k)
+        """k tokens a row: its drafts (draft_lengths's, else looked up now), then its last token again."""
+        tokens = torch.tensor([self._fill(b, seq, n[b], k) for b in rows], dtype=torch.long)  # (R, k)
         for b, t in zip(rows, tokens):
             seq[b, n[b]:n[b] + k] = t
         return tokens, self._labels(to_device(tokens, self.device))
@@ -113,33 +125,42 @@ class LookupLevel(Level):
         self._set = ids
         return self._q[:R].scatter_(2, ids[..., None], 1.0)
 
-    def _draft(self, b: int, seq: torch.Tensor, n: int, k: int) -> list[int]:
-        index = self.indexes[b]
-        index.follow(seq.numpy()[b, :n])  # numpy's slice: a tenth of torch's
+    def _fill(self, b: int, seq: torch.Tensor, n: int, k: int) -> list[int]:
+        """Row b's k tokens: its drafts, then its last token again (never verified: SpecLevel.round)."""
+        at, drafts = self._drafts.pop(b, (None, None))
+        if at != n:  # not asked through draft_lengths for this position
+            self.indexes[b].follow(seq.numpy()[b, :n])
+            drafts = self._chain(self.indexes[b], k)
+        drafts = drafts[:k]
+        return drafts + [int(self.indexes[b].tokens[-1])] * (k - len(drafts))
+
+    @staticmethod
+    def _chain(index: NgramIndex, k: int) -> list[int]:
+        """Up to k tokens from lookups in a row, each after the last; the index holds them after."""
         out: list[int] = []
-        while len(out) < k:
-            got = index.propose(k - len(out)) or [int(index.tokens[-1])]
+        while len(out) < k and (got := index.propose(k - len(out))):
             index.extend(got)
             out += got
         return out
 
-    def matched(self, seq: torch.Tensor, n: list[int], k: int, rows: list[int]) -> list[bool]:
-        """Whether each listed row drafts this round: its last tokens occur earlier (its proposal starts with a
-        match) and matches of that size have been right often enough lately (Record). Without, its k drafts
-        would be guesses, which SpecLevel.round does not verify (a round that drafts nothing)."""
+    def draft_lengths(self, seq: torch.Tensor, n: list[int], k: int, rows: list[int]) -> list[int]:
+        """How many drafts, at most k, each listed row has worth verifying (SpecLevel.round): the tokens its
+        lookups give in a row (_chain), none where its last tokens occur nowhere earlier; with a threshold, as
+        many as matches of that size have lately earned (Record.length). The drafts wait for propose."""
         out = []
         for b in rows:
             index = self.indexes[b]
-            index.follow(seq.numpy()[b, :n[b]])
+            index.follow(seq.numpy()[b, :n[b]])  # numpy's slice: a tenth of torch's
             found = index.match()
-            if self.threshold == 0:  # no record kept: every match drafts
-                out.append(found is not None)
-                continue
-            record = self.records[b]
-            record.judge(index.tokens)  # the row's tokens now judge the waiting proposal, if they reach it
-            if found is not None:
-                record.expect(index.length, found[0], index.propose(k))
-            out.append(found is not None and record.rate(found[0]) >= self.threshold)
+            drafts = self._chain(index, k) if found is not None else []
+            if self.threshold > 0:  # judge the waiting proposal, expect the new one, cut it to its size's length
+                record = self.records[b]
+                record.judge(index.tokens[:n[b]])
+                if found is not None:
+                    record.expect(n[b], found[0], drafts)
+                    drafts = drafts[:record.length(found[0], k, self.threshold)]
+            self._drafts[b] = (n[b], drafts)
+            out.append(len(self._drafts[b][1]))
         return out
 
     def add_row(self, seq: torch.Tensor, b: int, length: int) -> None:
@@ -153,3 +174,4 @@ class LookupLevel(Level):
         """Only the listed rows stay, moved to the front with their indexes and records (Session.keep)."""
         self.indexes = [self.indexes[i] for i in live]
         self.records = [self.records[i] for i in live]
+        self._drafts = {}

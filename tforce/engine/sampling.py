@@ -53,9 +53,12 @@ class RowGenerators:
     def append(self, gen: torch.Generator) -> None:
         self.gens.append(gen)
 
-    def rand(self, k: int, device) -> torch.Tensor:
-        """(R, k) uniforms, row i's from its generator as torch.rand(1, k) alone."""
-        return torch.cat([torch.rand(1, k, generator=g, device=device) for g in self.gens])
+    def rand(self, k: int, device, lengths: list[int] | None = None) -> torch.Tensor:
+        """(R, k) uniforms, row i's from its generator as torch.rand(1, lengths[i]) alone (None: k each),
+        the rest of its row ones."""
+        lengths = [k] * len(self.gens) if lengths is None else lengths
+        return torch.cat([torch.cat([torch.rand(1, m, generator=g, device=device), torch.ones(1, k - m, device=device)], 1)
+                          for g, m in zip(self.gens, lengths)])
 
 
 def pick(gen, rows):

@@ -38,7 +38,7 @@ from .ngram import NgramIndex
 from ..transfer import to_device
 
 
-DECAY = 0.9  # a judgement's weight in a Record falls by this each later one: about the last 10 count
+DECAY = 0.9  # a judgement's weight in a Record falls by this at each later proposal of its size: ~10 count
 PRIOR = 0.5  # a size's chance before any judgement (half of one pseudo-token)
 
 
@@ -99,7 +99,7 @@ class LookupLevel(Level):
         # and fill a round (0.5-2 ms on a CPU); rewriting is the 2 R k entries that change.
         self._q: torch.Tensor | None = None
         self._set: torch.Tensor | None = None  # the ids set to 1 in it, (R, k)
-        self._drafts: dict[int, tuple[int, list[int]]] = {}  # row -> (its length, its drafts): draft_lengths's
+        self._drafts: dict[int, tuple[int, list[int]]] = {}  # row -> (the length they follow, draft_lengths's drafts)
 
     def prefill(self, seq: torch.Tensor, n: list[int]) -> None:
         """Index each row's seq[b, :n[b]] before the first proposal (Session.prefill): a 100K-token prompt takes

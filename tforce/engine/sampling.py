@@ -57,8 +57,9 @@ class RowGenerators:
         """(R, k) uniforms, row i's from its generator as torch.rand(1, lengths[i]) alone (None: k each),
         the rest of its row ones."""
         lengths = [k] * len(self.gens) if lengths is None else lengths
-        return torch.cat([torch.cat([torch.rand(1, m, generator=g, device=device), torch.ones(1, k - m, device=device)], 1)
-                          for g, m in zip(self.gens, lengths)])
+        rows = [torch.cat([torch.rand(1, m, generator=g, device=device), torch.ones(1, k - m, device=device)], 1)
+                for g, m in zip(self.gens, lengths)]
+        return torch.cat(rows)
 
 
 def pick(gen, rows):

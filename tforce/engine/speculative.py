@@ -14,7 +14,7 @@ import torch
 
 from .sampling import residual as exact_residual
 from .sampling import RowGenerators, sample
-from ..transfer import host
+from ..transfer import host, to_device
 
 
 @dataclass
@@ -41,7 +41,7 @@ def verify(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen, residual
     B, k = tokens.shape
     rows = torch.arange(B, device=p.device)
     cols = torch.arange(k, device=p.device).expand(B, k)
-    limit = None if lengths is None else torch.tensor(lengths, device=p.device)  # (B,)
+    limit = None if lengths is None else to_device(torch.tensor(lengths), p.device)  # (B,), without a sync
     if greedy:
         target = p.argmax(-1)  # (B, k + 1)
         n = torch.where(tokens == target[:, :k], k, cols).min(1).values if k else target.new_zeros(B)

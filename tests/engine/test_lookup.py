@@ -159,10 +159,12 @@ def test_without_a_match_the_last_token_is_guessed_again():
 
 
 def test_labels_of_one_proposal_do_not_leak_into_the_next():
-    level = LookupLevel(10, "cpu")
+    """Also when the number of drafts changes from one proposal to the next (the buffer is used in part)."""
+    level = LookupLevel(10, "cpu", rows=2)
     propose(level, [[1, 2, 3, 1]], 3)
-    _, tokens, q = propose(level, [[4, 5, 6, 4]], 3)
-    assert torch.equal(q, torch.nn.functional.one_hot(tokens, 10).float())
+    for rows, k in [([[4, 5, 6, 4]], 3), ([[7, 8, 7], [1, 9, 1]], 2), ([[4, 5, 6, 4]], 3), ([[2, 2]], 1)]:
+        _, tokens, q = propose(level, rows, k)
+        assert torch.equal(q, torch.nn.functional.one_hot(tokens, 10).float())
 
 
 def test_rejected_drafts_are_rolled_back():

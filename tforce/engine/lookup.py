@@ -108,7 +108,7 @@ class LookupLevel(Level):
             self.indexes[b].follow(seq.numpy()[b, :nb])
 
     def propose(self, seq, n, k, gen, rows):
-        """k tokens a row: its drafts (draft_lengths's, else looked up now), then its last token again."""
+        """k tokens a row: its drafts (draft_lengths's, else looked up now), then a filler (_fill)."""
         tokens = torch.tensor([self._fill(b, seq, n[b], k) for b in rows], dtype=torch.long)  # (R, k)
         for b, t in zip(rows, tokens):
             seq[b, n[b]:n[b] + k] = t
@@ -117,16 +117,17 @@ class LookupLevel(Level):
     def _labels(self, ids: torch.Tensor) -> torch.Tensor:
         """One-hot (R, k, V) on ids (R, k), valid until the next proposal (SpecLevel.round verifies with it
         before it asks again)."""
-        R, k = ids.shape
-        if self._q is None or self._q.shape[0] < R or self._q.shape[1] != k:
+        R, k = ids.shape  # k varies by round (draft_lengths): the buffer holds the most asked, used in part
+        if self._q is None or self._q.shape[0] < R or self._q.shape[1] < k:
             self._q = torch.zeros(max(R, len(self.indexes)), k, self.vocab_size, device=self.device)
         else:
-            self._q[:len(self._set)].scatter_(2, self._set[..., None], 0.0)
+            self._q[:len(self._set), :self._set.shape[1]].scatter_(2, self._set[..., None], 0.0)
         self._set = ids
-        return self._q[:R].scatter_(2, ids[..., None], 1.0)
+        return self._q[:R, :k].scatter_(2, ids[..., None], 1.0)
 
     def _fill(self, b: int, seq: torch.Tensor, n: int, k: int) -> list[int]:
-        """Row b's k tokens: its drafts, then its last token again (never verified: SpecLevel.round)."""
+        """Row b's k tokens: its drafts, then the last token its index holds again (never verified:
+        SpecLevel.round)."""
         at, drafts = self._drafts.pop(b, (None, None))
         if at != n:  # not asked through draft_lengths for this position
             self.indexes[b].follow(seq.numpy()[b, :n])

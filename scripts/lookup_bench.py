@@ -4,8 +4,8 @@
 
 Per token stream (uniform over 128,256 ids: few n-gram matches; Zipf: many) and n_max: the prompt's
 indexing (LookupLevel.prefill), then, over 300 rounds each keeping a random 0..K of the drafts and writing
-another token after them, the matcher per proposal of K = 6 tokens (the row's rollback, lookups, index
-updates) and the whole proposal with its one-hot labels (R, K, V).
+another token after them, the matcher per proposal of K = 6 tokens (draft_lengths: the row's rollback,
+lookups, index updates) and the proposal after it with its one-hot labels (R, K, V).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def bench(tokens: np.ndarray, L: int, n_max: int, rng) -> str:
     matcher, proposal = [], []
     for _ in range(ROUNDS):
         t0 = time.perf_counter()
-        level._draft(0, seq, n[0], K)
+        level.draft_lengths(seq, n, K, [0])
         t1 = time.perf_counter()
         level.propose(seq, n, K, None, [0])
         matcher.append(t1 - t0)

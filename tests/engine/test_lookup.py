@@ -135,11 +135,13 @@ def test_wrong_residual_fails_the_same_test(small_vocab, monkeypatch):
 
 
 def propose(level, rows_tokens, k, rows=None):
-    """level.propose over a buffer holding the given rows; (buffer, drafts, labels)."""
+    """level.propose over a buffer holding the given rows, after draft_lengths as SpecLevel.round asks;
+    (buffer, drafts, labels)."""
     seq = torch.zeros(len(rows_tokens), 32, dtype=torch.long)
     for b, t in enumerate(rows_tokens):
         seq[b, :len(t)] = torch.tensor(t)
     rows = list(range(len(rows_tokens))) if rows is None else rows
+    level.draft_lengths(seq, [len(t) for t in rows_tokens], k, rows)
     tokens, q = level.propose(seq, [len(t) for t in rows_tokens], k, None, rows)
     return seq, tokens, q
 

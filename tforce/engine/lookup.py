@@ -108,7 +108,7 @@ class LookupLevel(Level):
             self.indexes[b].follow(seq.numpy()[b, :nb])
 
     def propose(self, seq, n, k, gen, rows):
-        """k tokens a row: its drafts (draft_lengths's, else looked up now), then a filler (_fill)."""
+        """k tokens a row: its drafts (draft_lengths's, asked just before), then a filler (_fill)."""
         tokens = torch.tensor([self._fill(b, seq, n[b], k) for b in rows], dtype=torch.long)  # (R, k)
         for b, t in zip(rows, tokens):
             seq[b, n[b]:n[b] + k] = t
@@ -128,11 +128,8 @@ class LookupLevel(Level):
     def _fill(self, b: int, seq: torch.Tensor, n: int, k: int) -> list[int]:
         """Row b's k tokens: its drafts, then the last token its index holds again (never verified:
         SpecLevel.round)."""
-        at, drafts = self._drafts.pop(b, (None, None))
-        if at != n:  # not asked through draft_lengths for this position
-            self.indexes[b].follow(seq.numpy()[b, :n])
-            drafts = self._chain(self.indexes[b], k)
-        drafts = drafts[:k]
+        at, drafts = self._drafts.pop(b)
+        assert at == n and len(drafts) <= k, "propose follows draft_lengths at the same position"
         return drafts + [int(self.indexes[b].tokens[-1])] * (k - len(drafts))
 
     @staticmethod
@@ -161,7 +158,7 @@ class LookupLevel(Level):
                     record.expect(n[b], found[0], drafts)
                     drafts = drafts[:record.length(found[0], k, self.threshold)]
             self._drafts[b] = (n[b], drafts)
-            out.append(len(self._drafts[b][1]))
+            out.append(len(drafts))
         return out
 
     def add_row(self, seq: torch.Tensor, b: int, length: int) -> None:

@@ -56,10 +56,10 @@ class RowGenerators:
     def rand(self, k: int, device, lengths: list[int] | None = None) -> torch.Tensor:
         """(R, k) uniforms, row i's from its generator as torch.rand(1, lengths[i]) alone (None: k each),
         the rest of its row ones."""
-        lengths = [k] * len(self.gens) if lengths is None else lengths
-        rows = [torch.cat([torch.rand(1, m, generator=g, device=device), torch.ones(1, k - m, device=device)], 1)
-                for g, m in zip(self.gens, lengths)]
-        return torch.cat(rows)
+        u = torch.ones(len(self.gens), k, device=device)
+        for i, (g, m) in enumerate(zip(self.gens, [k] * len(self.gens) if lengths is None else lengths)):
+            u[i:i + 1, :m] = torch.rand(1, m, generator=g, device=device)
+        return u
 
 
 def pick(gen, rows):

@@ -79,3 +79,35 @@ def test_bad_lookup_sizes_are_one_line(runner, models, args, needle):  # noqa: F
 
     one_error_line(runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "-p", "hi", "--method", "naive",
                                        "--draft", "lookup", *args]), 2, needle)
+
+
+def test_a_registry_default_of_lookup_runs_without_a_draft_model(runner, models, monkeypatch):  # noqa: F811
+    """A model whose registry draft is "lookup" (SmolLM2's, registry.py): `run` without --draft proposes by
+    lookup and reads no draft model, though the folder has a sibling X-draft; --draft still names a model."""
+    import tforce.cli.setup as setup
+    from tforce.model.registry import LOOKUP
+
+    base = ["run", "-m", str(models / "tiny-target"), "-p", "ab ab ab ab ab ab ab ab", "-n", "16", "-t", "0",
+            "--ignore-eos", "--json", "--method", "naive"]
+    with_model = json.loads(runner.invoke(app, base).stdout)  # the sibling tiny-draft, as before
+    monkeypatch.setattr(setup, "default_draft", lambda model: LOOKUP)
+    result = runner.invoke(app, base)
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert "draft" in with_model["stats"]["forwards"] and "draft" not in out["stats"]["forwards"]
+    assert out["tokens"] == with_model["tokens"] and out["stats"]["acceptance"]["draft"] is not None
+    given = json.loads(runner.invoke(app, base + ["--draft", str(models / "tiny-draft")]).stdout)
+    assert "draft" in given["stats"]["forwards"]
+
+
+def test_a_registry_default_of_lookup_reaches_bench(runner, models, monkeypatch):  # noqa: F811
+    import tforce.cli.bench as bench
+    from cli_helpers import session_configs
+    from tforce.model.registry import LOOKUP
+
+    monkeypatch.setattr(bench, "default_draft", lambda model: LOOKUP)
+    seen = session_configs(monkeypatch)
+    result = runner.invoke(app, ["bench", "-m", str(models / "tiny-target"), "--device", "cpu", "--prompt-len",
+                                 "40", "--gen-len", "4", "--methods", "naive,triforce", "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert seen and {c.speculation.proposer for c in seen} == {"lookup"}

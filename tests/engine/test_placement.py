@@ -266,6 +266,20 @@ def test_info_plans_the_draft_run_would_use(tmp_path):
     assert items["draft weights"] > 10 * placement.Shape.of(read_config(tmp_path / "p-draft"), 2).weights
 
 
+def test_info_plans_no_draft_model_where_the_default_draft_is_lookup(tmp_path, monkeypatch):
+    """A model whose registry draft is n-gram lookup (SmolLM2's): run reads no draft model, so info plans none."""
+    import tforce.cli.setup as setup
+    from tforce.model.registry import LOOKUP
+    from tforce.model.synthetic import make_checkpoint
+
+    make_checkpoint(tmp_path / "p-target", seed=0, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setattr(setup, "default_draft", lambda model: LOOKUP)
+    obj, _ = _info(["-m", str(tmp_path / "p-target")])
+    names = {i["name"] for i in obj["plan"]["items"]}
+    assert "target weights" in names and not any("draft" in n for n in names), names
+
+
 def test_a_batch_is_planned_with_every_per_row_item_times_its_rows():
     shape = placement.Shape.of(make_config("llama2-7b"), 2)
     one = placement.Work(capacity=32768, prompt=32767, spec=Speculation(method="naive"))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from tforce.cli import app
@@ -128,3 +129,24 @@ def test_eval_without_books_says_how_to_give_them(tmp_path, monkeypatch):
     assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
         "tforce: error: --books: give a glob of plain-text books (e.g. Project Gutenberg .txt files), or set "
         "TFORCE_BOOKS"]
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["--draft lookup", "registry default"])
+def test_eval_with_lookup_runs_triforce_without_a_draft_model(tmp_path, monkeypatch, given):
+    """`--draft lookup`, or a model whose registry draft is lookup (SmolLM2's): the gamma1 sweep and the
+    speed comparison run triforce with lookup at the bottom level; no draft model is read."""
+    import tforce.cli.eval as cli_eval
+    from tforce.model.registry import LOOKUP
+
+    target, books = _tiny_pair(tmp_path)
+    if not given:
+        monkeypatch.setattr(cli_eval, "default_draft", lambda model: LOOKUP)
+    result = CliRunner().invoke(app, [
+        "eval", "-m", str(target), "--books", str(books / "*.txt"), "--context", "120", "--budget", "32",
+        "--gamma1s", "1,2", "--temperature", "0", "--gen-len", "4", "--sweep-prompts", "1", "--threads", "1",
+        "--parts", "gamma1,speed", "--out", str(tmp_path / "out"), "--json", *(["--draft", "lookup"] if given else [])])
+    assert result.exit_code == 0, result.output
+    res = json.loads(result.stdout)
+    assert res["draft"] == "lookup" and res["config"]["proposer"] == "lookup"
+    assert [r["gamma1"] for r in res["gamma1"]] == [1, 2]
+    assert {r["method"] for r in res["speed"]} == {"ar", "triforce"}

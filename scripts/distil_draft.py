@@ -136,8 +136,7 @@ def card_markdown(card: dict) -> str:
 
 A {s['layers']}-layer Llama (hidden {s['hidden']}, {s['heads']} heads / {s['kv_heads']} KV heads, MLP {s['intermediate']},
 tied embeddings; {card['params'] / 1e6:.2f} M parameters, fp16) sharing SmolLM2-135M-Instruct's tokenizer and
-vocabulary (its tokenizer files are copied here). `tforce run -m smollm2-135m-instruct --draft models/smollm2-draft`
-uses it; the model's default draft is n-gram lookup (since 2026-11-29).
+vocabulary (its tokenizer files are copied here). `tforce run -m smollm2-135m-instruct` uses it as the default draft.
 
 Written by `{card['command']}` on {card['date']} ({card['device']}, torch {card['torch']}).
 

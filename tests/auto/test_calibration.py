@@ -9,11 +9,12 @@ import pytest
 
 from tforce.config import RunConfig
 from tforce.auto import calibration
-from tforce.auto.chooser import choose
+from tforce.auto.chooser import choose, entry_name
 
 OPTIONS = dict(method="auto", temperature=0.0, max_new_tokens=16, budget=64, chunk_size=4, draft_budget=32, sinks=4)
 CONFIG = RunConfig.of(**OPTIONS)
 METHODS = ["ar", "naive", "retrieval", "streaming", "triforce"]
+TIMED = METHODS + ["naive+lookup", "triforce+lookup"]  # with a draft model: lookup in its place too
 
 
 def _entry(k: dict, at: float) -> dict:
@@ -70,11 +71,12 @@ def test_a_calibration_is_measured_once_then_read(tiny, tmp_path, monkeypatch):
     measure = calibration.measure
     monkeypatch.setattr(calibration, "measure", lambda *a: calls.append(a[1]) or measure(*a))
     first = choose(tiny["gqa"], tiny["draft"], ids, CONFIG, folder=tmp_path)
-    assert first.measured_now and calls == [METHODS]
-    for method in METHODS:
+    assert first.measured_now and calls == [TIMED]
+    for method in TIMED:
         held = first.entry["methods"][method]
         assert held["costs"]["ms_per_forward"]["full"] > 0 and held["tokens"] == calibration.CAL_TOKENS
-    assert first.best in first.candidates and {c["method"] for c in first.candidates} == set(METHODS)
+    assert "draft" not in first.entry["methods"]["naive+lookup"]["costs"]["ms_per_forward"]  # no draft model ran
+    assert first.best in first.candidates and {entry_name(c) for c in first.candidates} == set(TIMED)
     again = choose(tiny["gqa"], tiny["draft"], ids[:280], CONFIG, folder=tmp_path)  # the same context bucket
     assert not again.measured_now and len(calls) == 1 and again.entry == first.entry
     fresh = choose(tiny["gqa"], tiny["draft"], ids, CONFIG, folder=tmp_path, refresh=True)
@@ -93,8 +95,8 @@ def test_the_methods_and_the_run_share_one_prefill_and_stay_exact(tiny, tmp_path
     monkeypatch.setattr(chooser, "run_one", lambda *a: loads.append(a[2].load_kv) or generate(*a))  # (target, ids, config, ...)
     shared = choose(tiny["gqa"], tiny["draft"], ids, CONFIG, folder=tmp_path / "shared", kv_dir=tmp_path / "kv")
     timed = [kv for kv in loads if kv is not None]
-    assert len(timed) == len(METHODS) - 1 and shared.snapshot is not None and shared.applied(CONFIG).load_kv == timed[0]
-    for method in METHODS:
+    assert len(timed) == len(TIMED) - 1 and shared.snapshot is not None and shared.applied(CONFIG).load_kv == timed[0]
+    for method in TIMED:
         assert shared.entry["methods"][method]["acceptance"] == alone.entry["methods"][method]["acceptance"]
     monkeypatch.setattr(calibration, "shares_prefill", lambda target, n: True)
     result = chooser.generate(tiny["gqa"], ids, draft=tiny["draft"], **{**OPTIONS, "max_new_tokens": 24})

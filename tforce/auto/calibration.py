@@ -183,7 +183,22 @@ def remember(entry: dict, method: str, acceptance: dict, tokens: int, gammas: di
     write(entry, folder)
 
 
-def level_gamma(method: str, level: str, gammas: dict) -> int:
-    """The gamma of the level the statistics call `level` ("draft": verifying the small draft; "retrieval":
-    verifying the middle level) in `method`: gamma1 where the draft feeds a middle level, else gamma2."""
+def level_gamma(name: str, level: str, gammas: dict) -> int:
+    """The gamma of the level the statistics call `level` ("draft": verifying the bottom level; "retrieval":
+    verifying the middle level) in the entry's method `name`: gamma1 where the bottom level feeds a middle
+    level, else gamma2."""
+    method = split(name)[0]
     return gammas["gamma1"] if level == "draft" and Speculation(method=method).two_verifiers else gammas["gamma2"]
+
+
+# An entry's method ending in LOOKED runs that method with n-gram lookup at its bottom level where the run
+# has a draft model (chooser.candidates: auto weighs both)
+LOOKED = "+lookup"
+
+
+def split(name: str) -> tuple[str, dict]:
+    """An entry's method -> (the method, the options it runs with besides): "naive+lookup" is naive with
+    proposer "lookup"."""
+    if name.endswith(LOOKED):
+        return name[:-len(LOOKED)], {"proposer": "lookup"}
+    return name, {}

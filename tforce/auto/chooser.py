@@ -8,7 +8,10 @@ context bucket) and each level's acceptance, held at the same per-token rate whe
 (projection.rate_at). The acceptance starts from the calibration's own runs on the prompt and moves
 toward what later runs measured (calibration.remember). What is searched: gamma1 over GAMMA1 and
 gamma2 over GAMMA2 (one given on the command line is kept); the budget is the one given (cut to the
-context, Speculation.fitted), not searched: its effect on acceptance is not modelled.
+context, Speculation.fitted), not searched: its effect on acceptance is not modelled. With a draft model,
+the bottom level is searched too: LOOKED_UP's methods are also timed with n-gram lookup in the draft's
+place (the calibration entry's "naive+lookup", calibration.split), and a candidate that runs so carries
+"proposer": "lookup".
 """
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ from .projection import predict, rate_at
 GAMMA1 = (1, 2, 3, 4)
 GAMMA2 = (2, 4, 6, 8, 10)
 AR_MARGIN = 0.10  # pick(): how much faster than ar a speculative method must be predicted
+# The methods auto also times with n-gram lookup at the bottom level where a draft model is given: neither
+# bottom level won everywhere on SmolLM2 (BENCHMARKS.md, "The default bottom level of SmolLM2"); streaming,
+# the slowest method in every calibration measured there, is left out (a calibration run less)
+LOOKED_UP = ("naive", "triforce")
 ORDER = ("ar", "naive", "retrieval", "streaming", "triforce")  # ties go to the earlier, simpler method
 assert sorted(ORDER) == sorted(METHODS)
 # per method, the nodes that verify drafts and the gamma they verify (Speculation.hierarchy's levels)
@@ -45,7 +52,8 @@ def uncalibrated(device: str, has_draft: bool) -> str:
 def candidates(config: RunConfig, has_draft: bool, exclude=()) -> list[str]:
     """The methods auto may choose with this configuration: those whose options check (a --policy only the
     retrieval cache has, a streaming budget under --sinks), with a proposer where they need one (has_draft:
-    a draft model; or the configuration's n-gram lookup)."""
+    a draft model; or the configuration's n-gram lookup); with a draft model, also LOOKED_UP's methods
+    with lookup in its place ("naive+lookup"; exclude names methods, so it leaves out both forms)."""
     out = []
     for method in ORDER:
         spec = replace(config.speculation, method=method)
@@ -56,7 +64,19 @@ def candidates(config: RunConfig, has_draft: bool, exclude=()) -> list[str]:
         except UsageError:
             continue
         out.append(method)
+    if has_draft and config.speculation.proposer == "model":
+        out += [m + calibration.LOOKED for m in LOOKED_UP if m in out]
     return out
+
+
+def entry_name(candidate: dict) -> str:
+    """The calibration entry's name of a candidate setting (calibration.split's inverse)."""
+    return candidate["method"] + (calibration.LOOKED if candidate.get("proposer") == "lookup" else "")
+
+
+def options_of(candidate: dict) -> dict:
+    """What a candidate setting runs with: its method, proposer (a lookup variant) and gammas."""
+    return {k: candidate[k] for k in ("method", "proposer", "gamma1", "gamma2") if k in candidate}
 
 
 def _grid(method: str, fixed: dict) -> list[dict]:
@@ -75,34 +95,40 @@ def predictions(entry: dict, methods, config: RunConfig, total: int, fixed: dict
     out = []
     one = (entry["methods"].get("ar") or {}).get("costs")
     floor = one["ms_per_forward"]["full"] if one else 0.0
-    for method in methods:
-        held = entry["methods"].get(method)
+    for name in methods:
+        held = entry["methods"].get(name)
         if held is None or held["costs"] is None:
             continue
+        method, extra = calibration.split(name)
         for knobs in _grid(method, fixed):
             gammas = {"gamma1": knobs.get("gamma1", held["gamma1"]), "gamma2": knobs.get("gamma2", held["gamma2"])}
-            spec = replace(config.speculation, method=method, **gammas)
+            spec = replace(config.speculation, method=method, **extra, **gammas)
             spec = spec.fitted(spec.capacity(total))  # as the Session fits it
             rate = {level: rate_at(r or 0.0, calibration.level_gamma(method, level, held),
                                    calibration.level_gamma(method, level, gammas))
                     for level, r in held["acceptance"].items()}
-            costs = at_gammas(held, gammas, method, target_slope(entry, method), floor)
+            costs = at_gammas(held, gammas, method, target_slope(entry, name), floor)
             ms = predict(costs, spec, rate)["ms_per_token"]
             used = {k: v for k, v in gammas.items() if k in _grid(method, {"gamma1": 0, "gamma2": 0})[0]}
-            out.append({"method": method, **used, "ms_per_token": ms,
+            out.append({"method": method, **extra, **used, "ms_per_token": ms,
                         "acceptance": rate if method != "ar" else None})
-    out.sort(key=lambda c: (c["ms_per_token"], ORDER.index(c["method"])))
+    out.sort(key=_rank)
     return out
 
 
-def target_slope(entry: dict, method: str) -> float:
+def _rank(c: dict) -> tuple:
+    """Cheapest first; ties go to the earlier, simpler method, and to its draft model before lookup."""
+    return c["ms_per_token"], ORDER.index(c["method"]), "proposer" in c
+
+
+def target_slope(entry: dict, name: str) -> float:
     """Milliseconds a target forward costs per token it is fed, for `method`: the line through ar's full-cache
     forward (fed 1 token) and the method's own verification (fed gamma2 + 1), at least 0; 0 without ar or
     for ar. Each method's own two points, not a figure pooled over methods: one disturbed calibration run
     (a neighbour, a thread change) then moves only its own method's prediction."""
     one = (entry["methods"].get("ar") or {}).get("costs")
-    held = entry["methods"].get(method)
-    if one is None or method == "ar" or held is None or held["costs"] is None:
+    held = entry["methods"].get(name)
+    if one is None or name == "ar" or held is None or held["costs"] is None:
         return 0.0
     return max(0.0, (held["costs"]["ms_per_forward"]["full"] - one["ms_per_forward"]["full"]) / held["gamma2"])
 
@@ -133,16 +159,14 @@ class Choice:
     snapshot: Path | None = None  # the prompt's prefill the calibration kept (choose's kv_dir), for the run to load
 
     def applied(self, config: RunConfig) -> RunConfig:
-        """The run's configuration with the chosen method and gammas, starting from the calibration's
-        snapshot of the prompt's prefill where it kept one (choose's kv_dir)."""
-        chosen = config.with_options(method=self.best["method"],
-                                     **{k: self.best[k] for k in ("gamma1", "gamma2") if k in self.best})
+        """The run's configuration with the chosen method, proposer and gammas, starting from the
+        calibration's snapshot of the prompt's prefill where it kept one (choose's kv_dir)."""
+        chosen = config.with_options(**options_of(self.best))
         return chosen if self.snapshot is None else chosen.with_options(load_kv=self.snapshot)
 
     def record(self) -> dict:
         """For --json and bench: the choice, the alternatives' predictions, the calibration."""
-        return {"method": self.best["method"], **{k: self.best[k] for k in ("gamma1", "gamma2") if k in self.best},
-                "predicted_ms_per_token": self.best["ms_per_token"], "candidates": self.candidates,
+        return {**options_of(self.best), "predicted_ms_per_token": self.best["ms_per_token"], "candidates": self.candidates,
                 "calibrated_now": self.measured_now, "calibration_s": self.entry.get("calibration_s"),
                 "measured_at": self.entry["measured_at"], "cache": self.cache, "cache_error": self.cache_error}
 
@@ -150,12 +174,12 @@ class Choice:
         """The one stderr line: the choice, the others' predictions, where the stage costs came from."""
         def setting(c):
             knobs = ", ".join(f"{k} {c[k]}" for k in ("gamma1", "gamma2") if k in c)
-            return f"{c['method']}" + (f" ({knobs})" if knobs else "")
+            return f"{c['method']}" + (" with lookup" if "proposer" in c else "") + (f" ({knobs})" if knobs else "")
 
         others = "; ".join(f"{setting(c)} {c['ms_per_token']:.1f}" for c in self.candidates if c is not self.best)
         cheapest = self.candidates[0]
         kept = "" if cheapest is self.best else \
-            f" (kept: {cheapest['method']} is predicted faster by less than {AR_MARGIN:.0%})"
+            f" (kept: {setting(cheapest)} is predicted faster by less than {AR_MARGIN:.0%})"
         when = f"measured now in {self.entry['calibration_s']:.1f} s" if self.measured_now else \
             "measured " + time.strftime("%Y-%m-%d %H:%M", time.localtime(self.entry["measured_at"]))
         return (f"tforce: auto: {setting(self.best)}, predicted {self.best['ms_per_token']:.1f} ms/token{kept}"
@@ -168,7 +192,7 @@ class Choice:
             return
         gammas = {k: self.best[k] for k in ("gamma1", "gamma2") if k in self.best}
         try:
-            calibration.remember(self.entry, self.best["method"], stats["acceptance"], tokens, gammas, self.folder)
+            calibration.remember(self.entry, entry_name(self.best), stats["acceptance"], tokens, gammas, self.folder)
         except OSError:  # a cache that went read-only since: the run's output is what matters
             pass
 
@@ -197,8 +221,9 @@ def choose(target, draft, ids, config: RunConfig, fixed: dict | None = None, exc
             and calibration.shares_prefill(target, len(ids)):
         snapshot = Path(kv_dir) / "prompt"
 
-    def run(method, n, new):
-        timed = config.with_options(method=method, max_new_tokens=new, ignore_eos=True, seed=0)
+    def run(name, n, new):
+        method, extra = calibration.split(name)
+        timed = config.with_options(method=method, **extra, max_new_tokens=new, ignore_eos=True, seed=0)
         if snapshot is not None and not n:  # the whole prompt: prefilled by the first method, loaded by the rest
             timed = timed.with_options(**{"load_kv" if snapshot.is_dir() else "save_kv": snapshot})
         return run_one(target, ids[:n] if n else ids, timed, draft if timed.speculation.uses_draft else None,
@@ -217,7 +242,7 @@ def choose(target, draft, ids, config: RunConfig, fixed: dict | None = None, exc
         raise UsageError("--method auto: the calibration timed no method (is the prompt near the context's end?)")
     best_of = {}
     for c in ranked:
-        best_of.setdefault(c["method"], c)
+        best_of.setdefault(entry_name(c), c)
     return Choice(pick(best_of), list(best_of.values()), entry, measured_now, None if path is None else str(path),
                   error, folder, snapshot if snapshot is not None and snapshot.is_dir() else None)
 
@@ -227,7 +252,7 @@ def pick(best_of: dict) -> dict:
     faster: a speculative method's prediction rests on an acceptance estimated from a few tokens and on
     stage costs from one short run each (on the 2-core CPU, 16-token calibrations under load were off by
     up to 25%), while ar's cost has no acceptance in it."""
-    best = min(best_of.values(), key=lambda c: (c["ms_per_token"], ORDER.index(c["method"])))
+    best = min(best_of.values(), key=_rank)
     ar = best_of.get("ar")
     return ar if ar is not None and ar["ms_per_token"] <= best["ms_per_token"] * (1 + AR_MARGIN) else best
 

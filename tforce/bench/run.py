@@ -196,9 +196,10 @@ def memory_record(device: torch.device, stats: dict, cuda: bool) -> dict:
 def run_spec(cfg: BenchConfig, method: str, n_prompt: int, chosen: dict | None = None) -> Speculation:
     """The Speculation a run of `method` on an n_prompt-token prompt had (chosen: what auto ran), fitted as
     the Session fitted it."""
-    gammas = {k: chosen[k] for k in ("gamma1", "gamma2") if k in chosen} if chosen is not None else {}
-    run = run_config(cfg, cfg.gen_len).with_options(method=chosen["method"] if chosen else split_method(method)[0],
-                                                    **gammas)
+    from ..auto.chooser import options_of
+
+    chose = options_of(chosen) if chosen else {"method": split_method(method)[0]}
+    run = run_config(cfg, cfg.gen_len).with_options(**chose)
     return run.speculation.fitted(run.speculation.capacity(n_prompt + cfg.gen_len))
 
 

@@ -25,13 +25,15 @@ COLUMNS = ("method", "ms/token", "speed-up\nvs ar", "accept\ndraft", "accept\nre
 
 
 def bench_rows(r: dict) -> list[list[str]]:
+    from ..auto.chooser import entry_name  # auto's choice: "naive+lookup" where lookup took the draft's place
+
     peak = r["h2d_peak_gbps"]
     rows = []
     for run in r["runs"]:
         acc = run["acceptance"]
         h2d = "-" if run["h2d_gbps"] is None else f"{run['h2d_gbps']:.1f} ({_fmt(peak, '.1f')})"
         pl = run["placement"]
-        label = run["method"] if not run.get("auto") else f"{run['method']}: {run['auto']['method']}"
+        label = run["method"] if not run.get("auto") else f"{run['method']}: {entry_name(run['auto'])}"
         rows.append([label, _fmt(run["ms_per_token"], ".1f"), _fmt(run["speedup_vs_ar"], ".2f", "x"),
                      _fmt(acc.get("draft"), ".1%"), _fmt(acc.get("retrieval"), ".1%"),
                      _fmt(run["tokens_per_verification"], ".2f"), _fmt(run["prefill_s"], ".2f"), _rebuilds(run), h2d,

@@ -16,8 +16,8 @@ MODEL = typer.Option(None, "--model", "-m", help="Target: a folder, hub id or sh
 DRAFT = typer.Option(None, "--draft", help="Small draft model (default: the registry's, or the sibling X-draft "
                                             "of a folder X-target; without --model, the demo's), or `lookup`: no "
                                             "model, the tokens that followed the last n tokens' latest earlier "
-                                            "occurrence in the prompt and answer (prompt lookup; smollm2-135m-"
-                                            "instruct's default).")
+                                            "occurrence in the prompt and answer (prompt lookup; --method auto "
+                                            "also weighs it where a draft model is given).")
 LOOKUP_MAX = typer.Option(Speculation.lookup_max, "--lookup-max", help="The lookup draft: the longest n-gram matched.")
 LOOKUP_MIN = typer.Option(Speculation.lookup_min, "--lookup-min", help="The lookup draft: the shortest n-gram matched.")
 LOOKUP_THRESHOLD = typer.Option(Speculation.lookup_threshold, "--lookup-threshold",

@@ -58,7 +58,7 @@ def tune(
 def _tune(text: str, setup) -> dict:
     from ..auto.calibration import remember
     from .. import threads
-    from ..auto.chooser import choose
+    from ..auto.chooser import choose, entry_name, options_of
     from ..engine.events import Events
     from ..engine.generate import generate
     from .run import unfit_methods
@@ -86,12 +86,12 @@ def _tune(text: str, setup) -> dict:
     say(choice.line())
     rows = []
     for c in choice.candidates:
-        say(f"tforce: tune: {c['method']}: {new} tokens")
+        say(f"tforce: tune: {entry_name(c)}: {new} tokens")
         gammas = {k: c[k] for k in ("gamma1", "gamma2") if k in c}
-        timed = config.with_options(method=c["method"], **gammas, ignore_eos=True, seed=0)
+        timed = config.with_options(**options_of(c), ignore_eos=True, seed=0)
         r = generate(target, ids, timed, small if timed.speculation.uses_draft else None, step)
         if choice.cache is not None and gammas:
-            remember(choice.entry, c["method"], r.stats["acceptance"], len(r.tokens), gammas, choice.folder)
+            remember(choice.entry, entry_name(c), r.stats["acceptance"], len(r.tokens), gammas, choice.folder)
         rows.append({**c, "measured_ms_per_token": r.stats["ms_per_token"],
                      "measured_acceptance": r.stats["acceptance"]})
     return {"model": setup.target, "draft": setup.draft, "device": setup.device, "prompt_tokens": len(ids),
@@ -99,15 +99,18 @@ def _tune(text: str, setup) -> dict:
 
 
 def _table(report: dict) -> str:
-    """One line per method: its best gammas, predicted and measured ms/token; auto's choice marked."""
+    """One line per method (naive+lookup: naive with lookup in the draft's place): its best gammas, predicted
+    and measured ms/token; auto's choice marked."""
+    from ..auto.chooser import entry_name
+
     def f(x, spec):
         return "-" if x is None else format(x, spec)
 
-    chosen = report["auto"]["method"]
-    lines = [f"{'method':<12}{'gamma1':>7}{'gamma2':>7}{'predicted':>11}{'measured':>10}{'ratio':>7}  ms/token"]
+    chosen = entry_name(report["auto"])
+    lines = [f"{'method':<16}{'gamma1':>7}{'gamma2':>7}{'predicted':>11}{'measured':>10}{'ratio':>7}  ms/token"]
     for c in report["candidates"]:
         ratio = c["measured_ms_per_token"] / c["ms_per_token"] if c["measured_ms_per_token"] else None
-        mark = " (auto)" if c["method"] == chosen else ""
-        lines.append(f"{c['method']:<12}{f(c.get('gamma1'), 'd'):>7}{f(c.get('gamma2'), 'd'):>7}"
+        mark = " (auto)" if entry_name(c) == chosen else ""
+        lines.append(f"{entry_name(c):<16}{f(c.get('gamma1'), 'd'):>7}{f(c.get('gamma2'), 'd'):>7}"
                      f"{c['ms_per_token']:>11.2f}{f(c['measured_ms_per_token'], '.2f'):>10}{f(ratio, '.2f'):>7}{mark}")
     return "\n".join(lines) + "\n"

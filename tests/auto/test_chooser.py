@@ -124,7 +124,11 @@ def test_with_a_draft_model_lookup_is_weighed_in_its_place(tiny, tmp_path, monke
     choice = choose(target, draft, ids, OPTIONS, folder=tmp_path)
     assert (choice.best["method"], choice.best.get("proposer")) == ("naive", "lookup")
     assert choice.applied(OPTIONS).speculation.proposer == "lookup" and choice.record()["proposer"] == "lookup"
-    assert "auto: naive with lookup (gamma2 10)" in choice.line()
+    assert "auto: naive with lookup (gamma2 6)" in choice.line()  # where it was timed: not moved between gammas
+    every = predictions(entry, ["naive+lookup", "triforce+lookup"], OPTIONS, 1000, {})
+    assert [(c["method"], c.get("gamma1"), c["gamma2"]) for c in every] == [("naive", None, 6), ("triforce", 2, 6)]
+    fixed = predictions(entry, ["naive+lookup"], OPTIONS, 1000, {"gamma2": 4})
+    assert [c["gamma2"] for c in fixed] == [4]
     assert any(c["method"] == "naive" and "proposer" not in c for c in choice.candidates)  # the model's, beside it
     choice.remember({"acceptance": {"draft": 0.0, "retrieval": None}}, tokens=calibration.MEMORY_TOKENS * 4)
     held = calibration.read(entry["key"], list(entry["methods"]), tmp_path)["methods"]

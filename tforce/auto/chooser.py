@@ -127,10 +127,10 @@ def _rank(c: dict) -> tuple:
 
 
 def target_slope(entry: dict, name: str) -> float:
-    """Milliseconds a target forward costs per token it is fed, for `method`: the line through ar's full-cache
-    forward (fed 1 token) and the method's own verification (fed gamma2 + 1), at least 0; 0 without ar or
-    for ar. Each method's own two points, not a figure pooled over methods: one disturbed calibration run
-    (a neighbour, a thread change) then moves only its own method's prediction."""
+    """Milliseconds a target forward costs per token it is fed, for the entry's method `name`: the line
+    through ar's full-cache forward (fed 1 token) and the method's own verification (fed gamma2 + 1), at
+    least 0; 0 without ar or for ar. Each method's own two points, not a figure pooled over methods: one
+    disturbed calibration run (a neighbour, a thread change) then moves only its own method's prediction."""
     one = (entry["methods"].get("ar") or {}).get("costs")
     held = entry["methods"].get(name)
     if one is None or name == "ar" or held is None or held["costs"] is None:
@@ -171,7 +171,8 @@ class Choice:
 
     def record(self) -> dict:
         """For --json and bench: the choice, the alternatives' predictions, the calibration."""
-        return {**options_of(self.best), "predicted_ms_per_token": self.best["ms_per_token"], "candidates": self.candidates,
+        return {**options_of(self.best), "predicted_ms_per_token": self.best["ms_per_token"],
+                "candidates": self.candidates,
                 "calibrated_now": self.measured_now, "calibration_s": self.entry.get("calibration_s"),
                 "measured_at": self.entry["measured_at"], "cache": self.cache, "cache_error": self.cache_error}
 

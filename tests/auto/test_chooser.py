@@ -129,6 +129,9 @@ def test_with_a_draft_model_lookup_is_weighed_in_its_place(tiny, tmp_path, monke
     assert [(c["method"], c.get("gamma1"), c["gamma2"]) for c in every] == [("naive", None, 6), ("triforce", 2, 6)]
     fixed = predictions(entry, ["naive+lookup"], OPTIONS, 1000, {"gamma2": 4})
     assert [c["gamma2"] for c in fixed] == [4]
+    looked = OPTIONS.with_options(proposer="lookup")  # --draft lookup: the same, under the methods' own names
+    assert [c["gamma2"] for c in predictions(entry, ["naive"], looked, 1000, {})] == [6]
+    assert len(predictions(entry, ["retrieval"], looked, 1000, {})) == len(GAMMA2)  # no lookup in it
     assert any(c["method"] == "naive" and "proposer" not in c for c in choice.candidates)  # the model's, beside it
     choice.remember({"acceptance": {"draft": 0.0, "retrieval": None}}, tokens=calibration.MEMORY_TOKENS * 4)
     held = calibration.read(entry["key"], list(entry["methods"]), tmp_path)["methods"]

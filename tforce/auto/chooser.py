@@ -10,8 +10,9 @@ toward what later runs measured (calibration.remember). What is searched: gamma1
 gamma2 over GAMMA2 (one given on the command line is kept); the budget is the one given (cut to the
 context, Speculation.fitted), not searched: its effect on acceptance is not modelled. With a draft model,
 the bottom level is searched too: LOOKED_UP's methods are also timed with n-gram lookup in the draft's
-place (the calibration entry's "naive+lookup", calibration.split), predicted at the gammas they were timed
-with, and a candidate that runs so carries "proposer": "lookup".
+place (the calibration entry's "naive+lookup", calibration.split), and a candidate that runs so carries
+"proposer": "lookup". A method with lookup at its bottom level (so, or by --draft lookup) is predicted at
+the gammas it was timed with only.
 """
 from __future__ import annotations
 
@@ -104,7 +105,8 @@ def predictions(entry: dict, methods, config: RunConfig, total: int, fixed: dict
         # per token: its acceptance is not moved between gammas, only taken where it was measured (a gamma
         # given is kept). Moved from its calibration's gamma1 2 to 1 on the demo question, it predicted
         # triforce with lookup at 105 ms/token; that ran at 144 (acceptance 0.07), ar at about 110.
-        grid = [{k: fixed.get(k, held[k]) for k in ("gamma1", "gamma2")}] if extra else _grid(method, fixed)
+        looks_up = replace(config.speculation, method=method, **extra).looks_up
+        grid = [{k: fixed.get(k, held[k]) for k in ("gamma1", "gamma2")}] if looks_up else _grid(method, fixed)
         for knobs in grid:
             gammas = {"gamma1": knobs.get("gamma1", held["gamma1"]), "gamma2": knobs.get("gamma2", held["gamma2"])}
             spec = replace(config.speculation, method=method, **extra, **gammas)

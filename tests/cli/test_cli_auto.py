@@ -59,11 +59,13 @@ def test_one_stderr_line_says_the_choice_and_the_others(runner, models):
     r = _run(runner, models, "--temperature", "0")
     assert r.exit_code == 0, (r.output, r.exception)
     [line] = _auto_lines(r.stderr)
-    chosen = line.removeprefix("tforce: auto: ").split(" ")[0].rstrip(",")
-    assert chosen in METHODS and "predicted" in line and "ms/token" in line
+    setting = line.removeprefix("tforce: auto: ").split(", predicted")[0]  # "naive with lookup (gamma2 6)"
+    shown = setting.split(" (")[0]  # the method, and "with lookup" where lookup took the draft's place
+    chosen = shown.split(" ")[0]
+    assert chosen in METHODS and shown in (chosen, chosen + " with lookup") and "ms/token" in line
     for m in METHODS:  # the alternatives' predictions beside the choice
         assert re.search(rf"(auto: |; |others: ){m}\b[^;]* \d+\.\d", line), (m, line)
-    assert f"tforce: {chosen}: 12 tokens" in r.stderr  # the summary names the method that ran
+    assert f"tforce: {shown}: 12 tokens" in r.stderr  # the summary names the method that ran
 
 
 def test_sampling_is_the_chosen_methods(runner, models):

@@ -111,3 +111,11 @@ def test_a_registry_default_of_lookup_reaches_bench(runner, models, monkeypatch)
                                  "40", "--gen-len", "4", "--methods", "naive,triforce", "--json"])
     assert result.exit_code == 0, (result.output, result.exception)
     assert seen and {c.speculation.proposer for c in seen} == {"lookup"}
+
+
+def test_the_summary_says_lookup_ran(runner, models):  # noqa: F811
+    """The stderr summary names the bottom level where lookup took the draft's place."""
+    result = runner.invoke(app, ["run", "-m", str(models / "tiny-target"), "-p", "ab ab ab ab", "-n", "4", "-t", "0",
+                                 "--method", "naive", "--draft", "lookup"])
+    assert result.exit_code == 0, result.output
+    assert "tforce: naive with lookup: 4 tokens after" in result.stderr

@@ -110,7 +110,8 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool)
         small = small if config.speculation.uses_draft else None
     stops = StopStrings(tok, setup.stops)
     stream = TextStream(tok, sys.stdout, enabled=not as_json, stops=stops or None)
-    progress = text_progress(stream, len(ids), max_new, config.method, as_json)
+    shown = config.method + (" with lookup" if config.speculation.looks_up else "")  # the panel's and summary's
+    progress = text_progress(stream, len(ids), max_new, shown, as_json)
     events = Events(on_tokens=lambda r, tokens, acceptance: stream.add(tokens),
                     on_round=progress.on_round if progress else None,
                     on_prefill=progress.on_prefill if progress else None,
@@ -146,7 +147,7 @@ def _run_in(stack: contextlib.ExitStack, text: str, setup: Setup, as_json: bool)
     if progress:
         progress.finish(result.stats)
     else:
-        say(summary_line(len(result.tokens), len(ids), config.method, result.stats))
+        say(summary_line(len(result.tokens), len(ids), shown, result.stats))
 
 
 def unfit_methods(check, has_draft: bool) -> set[str]:

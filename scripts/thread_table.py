@@ -37,7 +37,8 @@ def rows(folder: Path) -> dict:
             if run.get("ms_per_token") is not None:
                 cells.setdefault(run["method"], []).append(run["ms_per_token"])
             if run.get("auto"):  # what auto chose, shown beside its time
-                cells.setdefault("chose", set()).add(run["auto"]["method"])
+                chose = run["auto"]  # "naive+lookup" where lookup took the draft model's place
+                cells.setdefault("chose", set()).add(chose["method"] + ("+lookup" if chose.get("proposer") else ""))
     return table
 
 

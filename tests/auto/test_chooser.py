@@ -131,6 +131,12 @@ def test_with_a_draft_model_lookup_is_weighed_in_its_place(tiny, tmp_path, monke
     assert [c["gamma2"] for c in fixed] == [4]
     looked = OPTIONS.with_options(proposer="lookup")  # --draft lookup: the same, under the methods' own names
     assert [c["gamma2"] for c in predictions(entry, ["naive"], looked, 1000, {})] == [6]
+    alone = _entry(full=10.0, draft=0.0, middle=100.0, rate=1.0)  # naive's "draft" level is lookup here
+    alone.update(key=calibration.key(target, None, len(ids), looked), measured_at=time.time())
+    calibration.write(alone, tmp_path)
+    own = choose(target, None, ids, looked, folder=tmp_path, exclude={"triforce"})
+    assert own.best["method"] == "naive" and "proposer" not in own.best and own.looked
+    assert "auto: naive with lookup (gamma2 6)" in own.line() and "retrieval (gamma2" in own.line()
     assert len(predictions(entry, ["retrieval"], looked, 1000, {})) == len(GAMMA2)  # no lookup in it
     assert any(c["method"] == "naive" and "proposer" not in c for c in choice.candidates)  # the model's, beside it
     choice.remember({"acceptance": {"draft": 0.0, "retrieval": None}}, tokens=calibration.MEMORY_TOKENS * 4)

@@ -119,3 +119,32 @@ def test_the_summary_says_lookup_ran(runner, models):  # noqa: F811
                                  "--method", "naive", "--draft", "lookup"])
     assert result.exit_code == 0, result.output
     assert "tforce: naive with lookup: 4 tokens after" in result.stderr
+
+
+def test_bench_auto_with_lookup_checks_every_method_it_may_run_fits(runner, models, monkeypatch):  # noqa: F811
+    """`bench --methods auto --draft lookup`: the calibration runs the drafting methods with lookup, so each is
+    checked to fit before anything is built, though there is no draft model."""
+    import tforce.cli.bench as bench
+
+    checked = []
+    monkeypatch.setattr(bench, "check_memory", lambda *a, **k: checked.append(a[6] if len(a) > 6 else k))
+    result = runner.invoke(app, ["bench", "-m", str(models / "tiny-target"), "--device", "cpu", "--prompt-len", "40",
+                                 "--gen-len", "4", "--methods", "auto", "--draft", "lookup", "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert {"naive", "triforce", "streaming"} <= set(checked), checked
+
+
+def test_bench_auto_over_ranks_counts_lookup_as_a_bottom_level(runner, models, monkeypatch):  # noqa: F811
+    """Over --tp ranks auto is not calibrated (chooser.uncalibrated: triforce on a GPU where there is a bottom
+    level); `--draft lookup` is one, as in `tforce run --tp`, and the record says lookup ran."""
+    from tforce.auto import chooser
+
+    seen = []
+    monkeypatch.setattr(chooser, "uncalibrated", lambda device, bottom: seen.append(bottom) or
+                        ("naive" if bottom else "ar"))  # what a GPU would take, on the CPU
+    result = runner.invoke(app, ["bench", "-m", str(models / "tiny-target"), "--tp", "2", "--device", "cpu",
+                                 "--methods", "auto", "--draft", "lookup", "--prompt-len", "40", "--gen-len", "4",
+                                 "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    (run,) = json.loads(result.stdout)["runs"]
+    assert seen == [True] and run["auto"] == {"method": "naive", "calibrated_now": False, "proposer": "lookup"}

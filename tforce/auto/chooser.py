@@ -164,6 +164,7 @@ class Choice:
     cache_error: str | None = None
     folder: object = field(default=None, repr=False)
     snapshot: Path | None = None  # the prompt's prefill the calibration kept (choose's kv_dir), for the run to load
+    looked: bool = False  # --draft lookup: every drafting method runs with lookup, under its own name
 
     def applied(self, config: RunConfig) -> RunConfig:
         """The run's configuration with the chosen method, proposer and gammas, starting from the
@@ -182,7 +183,8 @@ class Choice:
         """The one stderr line: the choice, the others' predictions, where the stage costs came from."""
         def setting(c):
             knobs = ", ".join(f"{k} {c[k]}" for k in ("gamma1", "gamma2") if k in c)
-            return f"{c['method']}" + (" with lookup" if "proposer" in c else "") + (f" ({knobs})" if knobs else "")
+            lookup = "proposer" in c or (self.looked and Speculation(method=c["method"]).drafts)
+            return f"{c['method']}" + (" with lookup" if lookup else "") + (f" ({knobs})" if knobs else "")
 
         others = "; ".join(f"{setting(c)} {c['ms_per_token']:.1f}" for c in self.candidates if c is not self.best)
         cheapest = self.candidates[0]
@@ -252,7 +254,8 @@ def choose(target, draft, ids, config: RunConfig, fixed: dict | None = None, exc
     for c in ranked:
         best_of.setdefault(entry_name(c), c)
     return Choice(pick(best_of), list(best_of.values()), entry, measured_now, None if path is None else str(path),
-                  error, folder, snapshot if snapshot is not None and snapshot.is_dir() else None)
+                  error, folder, snapshot if snapshot is not None and snapshot.is_dir() else None,
+                  config.speculation.proposer == "lookup")
 
 
 def pick(best_of: dict) -> dict:

@@ -111,8 +111,11 @@ class Models:
         if method == "auto":  # each rank would time its own share: no calibration (chooser.uncalibrated)
             from ..auto.chooser import uncalibrated
 
-            config = config.with_options(method=uncalibrated(self.device.type, self.draft_path is not None))
+            bottom = self.draft_path is not None or config.speculation.proposer == "lookup"
+            config = config.with_options(method=uncalibrated(self.device.type, bottom))
             uses_draft, record = config.speculation.uses_draft, {"method": config.method, "calibrated_now": False}
+            if config.speculation.looks_up:
+                record["proposer"] = "lookup"
         result = generate_tp(self.target_path, self.draft_path if uses_draft else None, ids, self.world,
                              self.device.type, self.dtype, config)
         if record is not None:

@@ -212,8 +212,9 @@ def _check_bench_memory(cfg, target_cfg, draft_cfg, torch_dtype, device: str, ro
 
     methods = [split_method(m)[0] for m in cfg.methods]
     if "auto" in methods:  # its calibration runs every method it may choose
-        methods = [m for m in methods if m != "auto"] + [m for m in METHODS
-                                                          if draft_cfg is not None or not Speculation(method=m).uses_draft]
+        proposer = cfg.engine.get("proposer", "model")  # lookup: every method runs without a draft model
+        methods = [m for m in methods if m != "auto"] + [
+            m for m in METHODS if draft_cfg is not None or not Speculation(method=m, proposer=proposer).uses_draft]
     for method in dict.fromkeys(methods):
         check_memory(target_cfg, draft_cfg, cfg.prompt_len + cfg.gen_len, torch_dtype.itemsize, device,
                       run_config(cfg, cfg.gen_len), method, rows)

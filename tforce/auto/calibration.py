@@ -202,3 +202,9 @@ def split(name: str) -> tuple[str, dict]:
     if name.endswith(LOOKED):
         return name[:-len(LOOKED)], {"proposer": "lookup"}
     return name, {}
+
+
+def entry_name(candidate: dict) -> str:
+    """The entry's method of a setting ({"method", "proposer"?, ...}: a chooser candidate, a choice's record);
+    split's inverse."""
+    return candidate["method"] + (LOOKED if candidate.get("proposer") == "lookup" else "")

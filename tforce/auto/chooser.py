@@ -70,11 +70,6 @@ def candidates(config: RunConfig, has_draft: bool, exclude=()) -> list[str]:
     return out
 
 
-def entry_name(candidate: dict) -> str:
-    """The calibration entry's name of a candidate setting (calibration.split's inverse)."""
-    return candidate["method"] + (calibration.LOOKED if candidate.get("proposer") == "lookup" else "")
-
-
 def options_of(candidate: dict) -> dict:
     """What a candidate setting runs with: its method, proposer (a lookup variant) and gammas."""
     return {k: candidate[k] for k in ("method", "proposer", "gamma1", "gamma2") if k in candidate}
@@ -105,11 +100,11 @@ def predictions(entry: dict, methods, config: RunConfig, total: int, fixed: dict
         # per token: its acceptance is not moved between gammas, only taken where it was measured (a gamma
         # given is kept). Moved from its calibration's gamma1 2 to 1 on the demo question, it predicted
         # triforce with lookup at 105 ms/token; that ran at 144 (acceptance 0.07), ar at about 110.
-        looks_up = replace(config.speculation, method=method, **extra).looks_up
-        grid = [{k: fixed.get(k, held[k]) for k in ("gamma1", "gamma2")}] if looks_up else _grid(method, fixed)
+        base = replace(config.speculation, method=method, **extra)
+        grid = [{k: fixed.get(k, held[k]) for k in ("gamma1", "gamma2")}] if base.looks_up else _grid(method, fixed)
         for knobs in grid:
             gammas = {"gamma1": knobs.get("gamma1", held["gamma1"]), "gamma2": knobs.get("gamma2", held["gamma2"])}
-            spec = replace(config.speculation, method=method, **extra, **gammas)
+            spec = replace(base, **gammas)
             spec = spec.fitted(spec.capacity(total))  # as the Session fits it
             rate = {level: rate_at(r or 0.0, calibration.level_gamma(method, level, held),
                                    calibration.level_gamma(method, level, gammas))
@@ -164,7 +159,11 @@ class Choice:
     cache_error: str | None = None
     folder: object = field(default=None, repr=False)
     snapshot: Path | None = None  # the prompt's prefill the calibration kept (choose's kv_dir), for the run to load
-    looked: bool = False  # --draft lookup: every drafting method runs with lookup, under its own name
+
+    @property
+    def looked(self) -> bool:
+        """--draft lookup: every drafting method runs with lookup, under its own name (the entry's key says)."""
+        return self.entry["key"].get("proposer") == "lookup"
 
     def applied(self, config: RunConfig) -> RunConfig:
         """The run's configuration with the chosen method, proposer and gammas, starting from the
@@ -202,7 +201,8 @@ class Choice:
             return
         gammas = {k: self.best[k] for k in ("gamma1", "gamma2") if k in self.best}
         try:
-            calibration.remember(self.entry, entry_name(self.best), stats["acceptance"], tokens, gammas, self.folder)
+            calibration.remember(self.entry, calibration.entry_name(self.best), stats["acceptance"], tokens, gammas,
+                                 self.folder)
         except OSError:  # a cache that went read-only since: the run's output is what matters
             pass
 
@@ -252,10 +252,9 @@ def choose(target, draft, ids, config: RunConfig, fixed: dict | None = None, exc
         raise UsageError("--method auto: the calibration timed no method (is the prompt near the context's end?)")
     best_of = {}
     for c in ranked:
-        best_of.setdefault(entry_name(c), c)
+        best_of.setdefault(calibration.entry_name(c), c)
     return Choice(pick(best_of), list(best_of.values()), entry, measured_now, None if path is None else str(path),
-                  error, folder, snapshot if snapshot is not None and snapshot.is_dir() else None,
-                  config.speculation.proposer == "lookup")
+                  error, folder, snapshot if snapshot is not None and snapshot.is_dir() else None)
 
 
 def pick(best_of: dict) -> dict:

@@ -25,7 +25,7 @@ COLUMNS = ("method", "ms/token", "speed-up\nvs ar", "accept\ndraft", "accept\nre
 
 
 def bench_rows(r: dict) -> list[list[str]]:
-    from ..auto.chooser import entry_name  # auto's choice: "naive+lookup" where lookup took the draft's place
+    from ..auto.calibration import entry_name  # auto's choice: "naive+lookup" where lookup took the draft's place
 
     peak = r["h2d_peak_gbps"]
     rows = []

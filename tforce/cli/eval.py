@@ -136,7 +136,7 @@ def eval_(
             cfg.proposer = "lookup"
         small = None if draft_name in (None, LOOKUP) else load_model(draft_name, device=dev, dtype=torch_dtype,
                                                                       tokenizer=False).model
-        if small is None and draft_name is None:
+        if draft_name is None:
             say("tforce: eval: no draft model: the gamma1 sweep is skipped, speed compares ar with retrieval")
         res = E.evaluate(loaded.model, small, loaded.tokenizer, texts, cfg,
                          progress=lambda line: say(f"tforce: eval: {line}"))

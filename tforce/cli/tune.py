@@ -56,9 +56,9 @@ def tune(
 
 
 def _tune(text: str, setup) -> dict:
-    from ..auto.calibration import remember
+    from ..auto.calibration import entry_name, remember
     from .. import threads
-    from ..auto.chooser import choose, entry_name, options_of
+    from ..auto.chooser import choose, options_of
     from ..engine.events import Events
     from ..engine.generate import generate
     from .run import unfit_methods
@@ -101,7 +101,7 @@ def _tune(text: str, setup) -> dict:
 def _table(report: dict) -> str:
     """One line per method (naive+lookup: naive with lookup in the draft's place): its best gammas, predicted
     and measured ms/token; auto's choice marked."""
-    from ..auto.chooser import entry_name
+    from ..auto.calibration import entry_name
 
     def f(x, spec):
         return "-" if x is None else format(x, spec)
